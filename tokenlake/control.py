@@ -1,0 +1,468 @@
+"""The control plane: ``get_prefix_tree``, ``get_cache_load`` and ``gen_plans`` (DESIGN §3).
+
+:class:`ControlPlane` turns the scheduler's batches and degrees of parallelism into
+query plans, transfer plans and instance groups for one iteration:
+
+1. each request's prefix is resolved to one replica per segment (power of two choices,
+   cached across iterations), and its new tokens are given slots (deduplicated against
+   the tree; the open tail stays private until it fills);
+2. every batch becomes DoP sub-batch nodes, each with the bytes it would send to every
+   instance, and the nodes are matched to instances (:mod:`tokenlake.dispatch`);
+3. the plans are assembled with the chosen home of every sub-batch.
+
+After the data plane has stored every layer the caller reports :meth:`ControlPlane.complete`
+(new segments become visible) or :meth:`ControlPlane.abort`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tokenlake.config import PoolConfig
+from tokenlake.cost_model import LatencyModel, LoadRequest
+from tokenlake.cost_model import get_cache_load as _cache_load
+from tokenlake.dispatch import DispatchNode, dispatch, split_tokens
+from tokenlake.errors import PlanError, PrefixNotCached
+from tokenlake.plans import (
+    Batch,
+    BatchRequest,
+    Plans,
+    PutItem,
+    QueryItem,
+    QueryPlan,
+    QueryTask,
+    RowSpan,
+    TransferPlan,
+)
+from tokenlake.pool import CachePool, Replication
+from tokenlake.prefix_tree import PrefixTree, SegmentLocation
+from tokenlake.requests import NewTokenPut, RequestState
+from tokenlake.specs import HardwareProfile, ModelSpec
+
+
+@dataclass(frozen=True)
+class ControlStats:
+    """Hit accounting of admitted requests (tokens) plus the pool's counters."""
+
+    admitted_requests: int
+    hit_tokens: int  # prefix tokens reused from the pool at admission
+    prefill_tokens: int  # tokens computed in prefill batches
+    dedup_bytes: int  # bytes not stored because the segment was already cached
+    pool: object
+
+    @property
+    def hit_rate(self) -> float:
+        """Reused prefix tokens / (reused + prefilled) input tokens."""
+        total = self.hit_tokens + self.prefill_tokens
+        return self.hit_tokens / total if total else 0.0
+
+
+@dataclass
+class _Inflight:
+    commits: list[tuple[bytes, int]]
+    release_private: list[SegmentLocation]
+    requests: list[str]
+    undo: list[Callable[[], None]]
+    snapshots: dict[str, tuple]
+
+
+class ControlPlane:
+    """Single writer of cache metadata for one cluster.
+
+    Args:
+        config: placement and pool configuration.
+        model: model spec (bytes per token for dispatch and load estimates).
+        instances: instance ids.
+        clock: injected monotonic clock in seconds (``time.monotonic`` by default).
+        rng: injected RNG for replica selection (seeded from ``config.seed`` by default).
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        model: ModelSpec,
+        instances: Sequence[int],
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.pool = CachePool(config, instances, clock, rng)
+        self._requests: dict[str, RequestState] = {}
+        self._inflight: dict[int, _Inflight] = {}
+        self._iteration = 0
+        self._epoch = 0  # bumps when replicas appear or vanish: resolutions are redone
+        self._admitted = self._hit_tokens = self._prefill_tokens = 0
+        self._dedup_bytes = 0
+        layers = model.num_layers
+        # Bytes one q row costs per remote instance (q out, partial o + lse back), all layers.
+        self._query_row_bytes = layers * (
+            model.q_bytes_per_token_layer + model.partial_bytes_per_token_layer
+        )
+        self._kv_row_bytes = model.kv_bytes_per_token  # one token's KV, all layers
+
+    # ----------------------------------------------------------- paper's API
+    def get_prefix_tree(self) -> PrefixTree:
+        """The global prefix tree (read it; mutate the pool only through this class)."""
+        return self.pool.tree
+
+    def get_cache_load(
+        self, reqs: Sequence[Sequence[int]], hardware: HardwareProfile, latency: LatencyModel
+    ) -> float:
+        """Share of the cluster the pool uses to serve ``reqs`` (paper §6.1).
+
+        ``reqs`` are token-id sequences; each one's prefix length is its match in the
+        tree, the rest is input to compute.
+        """
+        loads = []
+        for tokens in reqs:
+            hit = self.pool.tree.match(tokens, max_tokens=max(len(tokens) - 1, 0)).hit_tokens
+            loads.append(LoadRequest(input_len=len(tokens) - hit, prefix_len=hit))
+        return _cache_load(loads, len(self.pool.instances), self.model, hardware, latency)
+
+    def gen_plans(self, batches: Sequence[Batch], dops: Sequence[int]) -> Plans:
+        """Plans one iteration: where every batch runs and what it reads and stores.
+
+        Raises :class:`PlanError` for malformed batches (empty, duplicate request ids,
+        DoPs that do not fit the cluster, a request whose previous plans are still in
+        flight), :class:`PrefixNotCached` for a declared prefix the pool does not hold,
+        and :class:`~tokenlake.errors.CapacityError` when new segments cannot be placed.
+        On any error the pool and the requests are left as they were.
+        """
+        self._validate(batches, dops)
+        iteration = self._iteration
+        flight = _Inflight([], [], [], [], {})
+        try:
+            per_request = self._prepare(batches, flight)
+            plans = self._assemble(batches, dops, per_request, iteration)
+        except BaseException:
+            self._rollback(flight)
+            raise
+        for rid in flight.requests:
+            self._requests[rid].busy = iteration
+        self._inflight[iteration] = flight
+        self._iteration += 1
+        return plans
+
+    # ------------------------------------------------------ plan completion
+    def complete(self, plans: Plans) -> None:
+        """Every put of ``plans`` is stored in all layers: new segments become visible."""
+        flight = self._take_flight(plans)
+        for key, inst in flight.commits:
+            if key in self.pool.tree:
+                self.pool.commit(key, inst)
+        for loc in flight.release_private:
+            self.pool.release_private(loc)
+        for rid in flight.requests:
+            state = self._requests.get(rid)
+            if state is not None:
+                state.busy = -1
+
+    def abort(self, plans: Plans) -> None:
+        """The data plane failed to run ``plans``: undo them; requests keep their old state."""
+        flight = self._take_flight(plans)
+        self._rollback(flight)
+        for rid in flight.requests:
+            if rid in self._requests:
+                self._requests[rid].busy = -1
+
+    def finish_request(self, request_id: str) -> None:
+        """The request is done: release its prefix lease and its open tail."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            raise PlanError(f"unknown request {request_id!r}")
+        if state.busy >= 0:
+            self._requests[request_id] = state
+            raise PlanError(f"request {request_id!r} has plans in flight; complete or abort first")
+        tree = self.pool.tree
+        now = self.pool.clock()
+        for key, inst in zip(state.keys, state.chosen):
+            if key in tree and any(loc.instance == inst for loc in tree.replicas(key)):
+                tree.touch(key, inst, now)  # last access of a leased replica = release time
+        tree.unlease(state.chain, missing_ok=True)
+        if state.tail is not None:
+            self.pool.release_private(state.tail)
+
+    def rebalance(self) -> list[Replication]:
+        """Starts heavy-hitter replications (see :meth:`CachePool.rebalance`)."""
+        reps = self.pool.rebalance()
+        return reps
+
+    def finish_replication(self, rep: Replication) -> None:
+        self.pool.finish_replication(rep)
+        self._epoch += 1
+
+    def remove_instance(self, instance: int) -> tuple[str, ...]:
+        """Takes a failed instance out of the pool. Returns the ids of requests that lost
+        part of their prefix: they must be finished and recomputed."""
+        removal = self.pool.remove_instance(instance)
+        gone = set(removal.removed_keys)
+        lost = set(removal.lost_private)
+        for rid, state in self._requests.items():
+            if any(k in gone for k in state.chain):
+                lost.add(rid)
+        for rid in lost:
+            state = self._requests.get(rid)
+            if state is not None and state.tail is not None and state.tail.instance == instance:
+                state.tail = None
+        self._epoch += 1
+        return tuple(sorted(lost))
+
+    def stats(self) -> ControlStats:
+        return ControlStats(
+            self._admitted, self._hit_tokens, self._prefill_tokens, self._dedup_bytes, self.pool.stats()
+        )
+
+    @property
+    def live_requests(self) -> tuple[str, ...]:
+        return tuple(self._requests)
+
+    def prefix_tokens(self, request_id: str) -> int:
+        """Tokens of a live request held by the pool."""
+        return self._requests[request_id].prefix_tokens(self.config.segment_tokens)
+
+    # ------------------------------------------------------------ internals
+    def _validate(self, batches: Sequence[Batch], dops: Sequence[int]) -> None:
+        if len(batches) != len(dops):
+            raise PlanError(f"{len(batches)} batches but {len(dops)} DoPs")
+        if any(not isinstance(d, int) or d < 1 for d in dops):
+            raise PlanError(f"every DoP must be a positive int, got {list(dops)}")
+        if sum(dops) > len(self.pool.instances):
+            raise PlanError(
+                f"sub-batches ({sum(dops)}) exceed instances ({len(self.pool.instances)})"
+            )
+        seen: set[str] = set()
+        for b, batch in enumerate(batches):
+            if not batch.requests:
+                raise PlanError(f"batch {b} is empty")
+            if batch.phase not in ("prefill", "decode"):
+                raise PlanError(f"batch {b} has unknown phase {batch.phase!r}")
+            for req in batch.requests:
+                if req.request_id in seen:
+                    raise PlanError(f"request {req.request_id!r} appears twice in one iteration")
+                seen.add(req.request_id)
+                if not req.new_token_ids:
+                    raise PlanError(f"request {req.request_id!r} has no new tokens")
+                state = self._requests.get(req.request_id)
+                if state is not None and state.busy >= 0:
+                    raise PlanError(f"request {req.request_id!r} has plans in flight")
+                if state is not None and req.prefix_token_ids:
+                    raise PlanError(
+                        f"request {req.request_id!r} is live; send prefix_token_ids only first"
+                    )
+
+    def _take_flight(self, plans: Plans) -> _Inflight:
+        flight = self._inflight.pop(plans.iteration, None)
+        if flight is None:
+            raise PlanError(f"iteration {plans.iteration} has no plans in flight")
+        return flight
+
+    def _rollback(self, flight: _Inflight) -> None:
+        for undo in reversed(flight.undo):
+            undo()
+        for rid, snap in flight.snapshots.items():
+            if snap is None:
+                self._requests.pop(rid, None)
+            else:
+                self._requests[rid].restore(snap)
+        flight.undo.clear()
+
+    def _prepare(self, batches: Sequence[Batch], flight: _Inflight):
+        """Admits new requests, resolves prefixes and places new tokens, per request."""
+        out = {}
+        for batch in batches:
+            for req in batch.requests:
+                state = self._admit(req, flight)
+                prefix_tokens = state.prefix_tokens(self.config.segment_tokens)
+                self._resolve(state)
+                tail = state.tail
+                query = dict(state.by_instance)
+                if tail is not None:
+                    slots, toks = query.get(tail.instance, ([], []))
+                    query[tail.instance] = (slots + [tail.slot], toks + [len(state.tail_tokens)])
+                keys, hist = state.keys, state.histogram
+                puts = self._place_new_tokens(state, req.new_token_ids, flight)
+                if batch.phase == "prefill":
+                    self._prefill_tokens += len(req.new_token_ids)
+                out[req.request_id] = (prefix_tokens, query, keys, hist, puts)
+        return out
+
+    def _admit(self, req: BatchRequest, flight: _Inflight) -> RequestState:
+        state = self._requests.get(req.request_id)
+        flight.requests.append(req.request_id)
+        if state is not None:
+            flight.snapshots[req.request_id] = state.snapshot()
+            return state
+        c = self.config.segment_tokens
+        prefix = req.prefix_token_ids
+        if len(prefix) % c:
+            raise PrefixNotCached(
+                f"request {req.request_id!r}: prefix of {len(prefix)} tokens is not a whole "
+                f"number of {c}-token segments"
+            )
+        match = self.pool.tree.match(prefix)
+        if match.hit_tokens != len(prefix):
+            raise PrefixNotCached(
+                f"request {req.request_id!r}: only {match.hit_tokens} of {len(prefix)} prefix "
+                "tokens are cached and ready"
+            )
+        state = RequestState(req.request_id, chain=list(match.keys))
+        self.pool.tree.lease(state.chain)
+        flight.undo.append(lambda keys=tuple(state.chain): self.pool.tree.unlease(keys, True))
+        self._requests[req.request_id] = state
+        flight.snapshots[req.request_id] = None
+        self._admitted += 1
+        self._hit_tokens += len(prefix)
+        return state
+
+    def _resolve(self, state: RequestState) -> None:
+        """Chooses one ready replica per chain segment (cached until the chain changes)."""
+        if state.epoch == self._epoch and len(state.keys) == len(state.chain):
+            return
+        tree = self.pool.tree
+        load = self.pool.instance_load()
+        by_instance: dict[int, tuple[list[int], list[int]]] = {}
+        c = self.config.segment_tokens
+        chosen: list[int] = []
+        for key in state.chain:
+            locs = tree.replicas(key)
+            if not locs:
+                raise PlanError(
+                    f"segment {key.hex()} of request {state.request_id!r} is still being "
+                    "stored; complete the iteration that stores it first"
+                )
+            loc = self.pool.choose(locs, load)
+            load[loc.instance] = load.get(loc.instance, 0) + 1
+            chosen.append(loc.instance)
+            slots, toks = by_instance.setdefault(loc.instance, ([], []))
+            slots.append(loc.slot)
+            toks.append(c)
+        state.keys = tuple(state.chain)
+        state.by_instance = by_instance
+        state.histogram = {i: len(s) for i, (s, _) in by_instance.items()}
+        state.chosen = tuple(chosen)
+        state.epoch = self._epoch
+
+
+    def _place_new_tokens(
+        self, state: RequestState, tokens: tuple[int, ...], flight: _Inflight
+    ) -> list[NewTokenPut]:
+        """Gives every new token a slot: fills the open tail, seals full segments
+        (deduplicated against the tree), and opens a new private tail for the rest."""
+        pool, hasher = self.pool, self.pool.hasher
+        c = self.config.segment_tokens
+        puts: list[NewTokenPut] = []
+        pos, n = 0, len(tokens)
+        if state.tail is not None:
+            have = len(state.tail_tokens)
+            take = min(c - have, n)
+            if have + take < c:
+                puts.append(NewTokenPut(0, take, state.tail.instance, state.tail.slot, have, None))
+                state.tail_tokens.extend(tokens[:take])
+                return puts
+            seg = state.tail_tokens + list(tokens[:take])
+            key = hasher.keys(seg, parent=state.chain[-1] if state.chain else None)[0]
+            self._extend_chain(state, key, state.tail, have, 0, take, puts, flight)
+            state.tail, state.tail_tokens = None, []
+            pos = take
+        parent = state.chain[-1] if state.chain else None
+        full_end = pos + (n - pos) // c * c
+        for key in hasher.iter_keys(tokens[pos:full_end], parent=parent):
+            self._extend_chain(state, key, None, 0, pos, pos + c, puts, flight)
+            pos += c
+        if pos < n:
+            hint = state.request_id.encode() + len(state.chain).to_bytes(8, "little")
+            loc = pool.allocate_private(state.request_id, hint)
+            flight.undo.append(lambda loc=loc: pool.release_private(loc))
+            puts.append(NewTokenPut(pos, n, loc.instance, loc.slot, 0, None))
+            state.tail, state.tail_tokens = loc, list(tokens[pos:])
+        return puts
+
+    def _extend_chain(self, state, key, tail, offset, start, stop, puts, flight) -> None:
+        """Adds sealed segment ``key`` to the request's chain, storing rows only if new."""
+        pool, tree = self.pool, self.pool.tree
+        parent = state.chain[-1] if state.chain else None
+        index = len(state.chain)
+        if key in tree:  # dedup: the pool already has (or is storing) this segment
+            pool.count_dedup()
+            self._dedup_bytes += self.model.segment_bytes(self.config.segment_tokens)
+            if tail is not None:
+                flight.release_private.append(tail)
+        elif tail is not None:
+            pool.seal_private(tail, key, parent, index)
+            flight.undo.append(lambda: pool.unseal(key, tail, state.request_id))
+            flight.commits.append((key, tail.instance))
+            puts.append(NewTokenPut(start, stop, tail.instance, tail.slot, offset, key))
+        else:
+            loc, _ = pool.place(key, parent, index)
+            flight.undo.append(lambda: pool.abort(key, loc.instance))
+            flight.commits.append((key, loc.instance))
+            puts.append(NewTokenPut(start, stop, loc.instance, loc.slot, offset, key))
+        tree.lease([key])
+        flight.undo.append(lambda: tree.unlease([key], missing_ok=True))
+        state.chain.append(key)
+
+    def _assemble(self, batches, dops, per_request, iteration: int) -> Plans:
+        """Splits batches into sub-batches, dispatches them, and builds the plans."""
+        parts = []  # (batch index, part, spans, query tasks by instance, puts, dedup rows)
+        nodes = []
+        for b, (batch, dop) in enumerate(zip(batches, dops)):
+            offsets, total = [], 0
+            for req in batch.requests:
+                offsets.append(total)
+                total += len(req.new_token_ids)
+            for p, (lo, hi) in enumerate(split_tokens(total, dop)):
+                part = self._build_part(batch, offsets, per_request, lo, hi)
+                parts.append((b, p, hi - lo, *part))
+                spans, query, puts, _ = part
+                q_bytes = {i: self._query_row_bytes * rows for i, rows in _rows_per_instance(query).items()}
+                p_bytes: dict[int, int] = {}
+                for put in puts:
+                    p_bytes[put.instance] = p_bytes.get(put.instance, 0) + self._kv_row_bytes * (put.stop - put.start)
+                nodes.append(DispatchNode(b, p, q_bytes, p_bytes))
+        homes = dispatch(nodes, self.pool.instances)
+        query_plans, transfer_plans = [], []
+        groups: list[list[int]] = [[] for _ in batches]
+        for (b, p, rows, spans, query, puts, accesses), home in zip(parts, homes):
+            for keys, hist in accesses:
+                self.pool.record_access(keys, hist)
+            groups[b].append(home)
+            tasks = tuple(QueryTask(i, tuple(items)) for i, items in sorted(query.items()))
+            query_plans.append(QueryPlan(b, p, home, rows, spans, tasks))
+            dedup = rows - sum(put.stop - put.start for put in puts)
+            transfer_plans.append(TransferPlan(b, p, home, rows, tuple(puts), dedup))
+        return Plans(iteration, tuple(query_plans), tuple(transfer_plans), tuple(map(tuple, groups)))
+
+    def _build_part(self, batch: Batch, offsets, per_request, lo: int, hi: int):
+        """Spans, query items per instance and put items of rows ``[lo, hi)`` of a batch."""
+        spans: list[RowSpan] = []
+        query: dict[int, list[QueryItem]] = {}
+        puts: list[PutItem] = []
+        accesses: list[tuple[tuple[bytes, ...], dict[int, int]]] = []
+        for req, off in zip(batch.requests, offsets):
+            a, z = max(lo, off), min(hi, off + len(req.new_token_ids))
+            if a >= z:
+                continue
+            prefix_tokens, req_query, keys, hist, req_puts = per_request[req.request_id]
+            start, stop = a - lo, z - lo  # rows within the sub-batch
+            first = a - off  # index of the first of these rows among the request's new tokens
+            spans.append(RowSpan(req.request_id, start, stop, prefix_tokens + first, prefix_tokens))
+            for inst, (slots, toks) in req_query.items():
+                query.setdefault(inst, []).append(
+                    QueryItem(req.request_id, start, stop, tuple(slots), tuple(toks))
+                )
+            if keys:
+                accesses.append((keys, hist))
+            for put in req_puts:
+                pa, pz = max(put.start, first), min(put.stop, first + stop - start)
+                if pa < pz:
+                    puts.append(PutItem(put.instance, put.slot, put.offset + pa - put.start,
+                                        start + pa - first, start + pz - first, put.key))
+        return tuple(spans), query, puts, accesses
+
+
+def _rows_per_instance(query: dict[int, list[QueryItem]]) -> dict[int, int]:
+    return {i: sum(it.stop - it.start for it in items) for i, items in query.items()}

@@ -16,11 +16,13 @@ After the data plane has stored every layer the caller reports :meth:`ControlPla
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tokenlake.assembly import Part, PartAssembler, Prepared
 from tokenlake.config import PoolConfig
 from tokenlake.cost_model import LatencyModel, LoadRequest
 from tokenlake.cost_model import get_cache_load as _cache_load
@@ -30,17 +32,15 @@ from tokenlake.plans import (
     Batch,
     BatchRequest,
     Plans,
-    PutItem,
-    QueryItem,
     QueryPlan,
-    QueryTask,
-    RowSpan,
     TransferPlan,
 )
 from tokenlake.pool import CachePool, Replication
 from tokenlake.prefix_tree import PrefixTree, SegmentLocation
 from tokenlake.requests import NewTokenPut, RequestState
 from tokenlake.specs import HardwareProfile, ModelSpec
+
+_versions = itertools.count()  # resolution versions, unique across requests
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ class ControlPlane:
         self._epoch = 0  # bumps when replicas appear or vanish: resolutions are redone
         self._admitted = self._hit_tokens = self._prefill_tokens = 0
         self._dedup_bytes = 0
+        self._assembler = PartAssembler()
         layers = model.num_layers
         # Bytes one q row costs per remote instance (q out, partial o + lse back), all layers.
         self._query_row_bytes = layers * (
@@ -279,15 +280,11 @@ class ControlPlane:
                 prefix_tokens = state.prefix_tokens(self.config.segment_tokens)
                 self._resolve(state)
                 tail = state.tail
-                query = dict(state.by_instance)
-                if tail is not None:
-                    slots, toks = query.get(tail.instance, ([], []))
-                    query[tail.instance] = (slots + [tail.slot], toks + [len(state.tail_tokens)])
-                keys, hist = state.keys, state.histogram
+                tail_item = (tail.instance, tail.slot, len(state.tail_tokens)) if tail else None
                 puts = self._place_new_tokens(state, req.new_token_ids, flight)
                 if batch.phase == "prefill":
-                    self._prefill_tokens += len(req.new_token_ids)
-                out[req.request_id] = (prefix_tokens, query, keys, hist, puts)
+                    self._count(flight, prefill=len(req.new_token_ids))
+                out[req.request_id] = Prepared(prefix_tokens, state, tail_item, tuple(puts))
         return out
 
     def _admit(self, req: BatchRequest, flight: _Inflight) -> RequestState:
@@ -314,9 +311,21 @@ class ControlPlane:
         flight.undo.append(lambda keys=tuple(state.chain): self.pool.tree.unlease(keys, True))
         self._requests[req.request_id] = state
         flight.snapshots[req.request_id] = None
-        self._admitted += 1
-        self._hit_tokens += len(prefix)
+        self._count(flight, admitted=1, hit=len(prefix))
         return state
+
+    def _count(self, flight: _Inflight, admitted=0, hit=0, prefill=0, dedup=0) -> None:
+        """Adds to the hit and dedup counters; a rollback of ``flight`` takes it back."""
+        self._add_counts(admitted, hit, prefill, dedup)
+        flight.undo.append(lambda: self._add_counts(-admitted, -hit, -prefill, -dedup))
+
+    def _add_counts(self, admitted: int, hit: int, prefill: int, dedup: int) -> None:
+        self._admitted += admitted
+        self._hit_tokens += hit
+        self._prefill_tokens += prefill
+        if dedup:
+            self.pool.count_dedup(dedup)
+            self._dedup_bytes += dedup * self.model.segment_bytes(self.config.segment_tokens)
 
     def _resolve(self, state: RequestState) -> None:
         """Chooses one ready replica per chain segment (cached until the chain changes)."""
@@ -341,7 +350,8 @@ class ControlPlane:
             slots.append(loc.slot)
             toks.append(c)
         state.keys = tuple(state.chain)
-        state.by_instance = by_instance
+        state.by_instance = {i: (tuple(s), tuple(t)) for i, (s, t) in by_instance.items()}
+        state.version = next(_versions)
         state.histogram = {i: len(s) for i, (s, _) in by_instance.items()}
         state.chosen = tuple(chosen)
         state.epoch = self._epoch
@@ -387,8 +397,7 @@ class ControlPlane:
         parent = state.chain[-1] if state.chain else None
         index = len(state.chain)
         if key in tree:  # dedup: the pool already has (or is storing) this segment
-            pool.count_dedup()
-            self._dedup_bytes += self.model.segment_bytes(self.config.segment_tokens)
+            self._count(flight, dedup=1)
             if tail is not None:
                 flight.release_private.append(tail)
         elif tail is not None:
@@ -405,64 +414,37 @@ class ControlPlane:
         flight.undo.append(lambda: tree.unlease([key], missing_ok=True))
         state.chain.append(key)
 
-    def _assemble(self, batches, dops, per_request, iteration: int) -> Plans:
+    def _assemble(self, batches, dops, prepared, iteration: int) -> Plans:
         """Splits batches into sub-batches, dispatches them, and builds the plans."""
-        parts = []  # (batch index, part, spans, query tasks by instance, puts, dedup rows)
-        nodes = []
+        self._assembler.begin_iteration()
+        parts: list[Part] = []
         for b, (batch, dop) in enumerate(zip(batches, dops)):
             offsets, total = [], 0
             for req in batch.requests:
                 offsets.append(total)
                 total += len(req.new_token_ids)
             for p, (lo, hi) in enumerate(split_tokens(total, dop)):
-                part = self._build_part(batch, offsets, per_request, lo, hi)
-                parts.append((b, p, hi - lo, *part))
-                spans, query, puts, _ = part
-                q_bytes = {i: self._query_row_bytes * rows for i, rows in _rows_per_instance(query).items()}
-                p_bytes: dict[int, int] = {}
-                for put in puts:
-                    p_bytes[put.instance] = p_bytes.get(put.instance, 0) + self._kv_row_bytes * (put.stop - put.start)
-                nodes.append(DispatchNode(b, p, q_bytes, p_bytes))
+                parts.append(self._assembler.build(b, p, batch, offsets, prepared, lo, hi))
+        qb, kb = self._query_row_bytes, self._kv_row_bytes
+        nodes = [
+            DispatchNode(
+                part.batch, part.part,
+                {i: qb * r for i, r in part.query_rows.items()},
+                {i: kb * r for i, r in part.put_rows.items()},
+            )
+            for part in parts
+        ]
         homes = dispatch(nodes, self.pool.instances)
         query_plans, transfer_plans = [], []
         groups: list[list[int]] = [[] for _ in batches]
-        for (b, p, rows, spans, query, puts, accesses), home in zip(parts, homes):
-            for keys, hist in accesses:
-                self.pool.record_access(keys, hist)
-            groups[b].append(home)
-            tasks = tuple(QueryTask(i, tuple(items)) for i, items in sorted(query.items()))
-            query_plans.append(QueryPlan(b, p, home, rows, spans, tasks))
-            dedup = rows - sum(put.stop - put.start for put in puts)
-            transfer_plans.append(TransferPlan(b, p, home, rows, tuple(puts), dedup))
+        self.pool.record_access(a for part in parts for a in part.accesses)
+        for part, home in zip(parts, homes):
+            groups[part.batch].append(home)
+            query_plans.append(
+                QueryPlan(part.batch, part.part, home, part.rows, part.spans, part.tasks, part.tails)
+            )
+            stored = sum(put.stop - put.start for put in part.puts)
+            transfer_plans.append(
+                TransferPlan(part.batch, part.part, home, part.rows, part.puts, part.rows - stored)
+            )
         return Plans(iteration, tuple(query_plans), tuple(transfer_plans), tuple(map(tuple, groups)))
-
-    def _build_part(self, batch: Batch, offsets, per_request, lo: int, hi: int):
-        """Spans, query items per instance and put items of rows ``[lo, hi)`` of a batch."""
-        spans: list[RowSpan] = []
-        query: dict[int, list[QueryItem]] = {}
-        puts: list[PutItem] = []
-        accesses: list[tuple[tuple[bytes, ...], dict[int, int]]] = []
-        for req, off in zip(batch.requests, offsets):
-            a, z = max(lo, off), min(hi, off + len(req.new_token_ids))
-            if a >= z:
-                continue
-            prefix_tokens, req_query, keys, hist, req_puts = per_request[req.request_id]
-            start, stop = a - lo, z - lo  # rows within the sub-batch
-            first = a - off  # index of the first of these rows among the request's new tokens
-            spans.append(RowSpan(req.request_id, start, stop, prefix_tokens + first, prefix_tokens))
-            for inst, (slots, toks) in req_query.items():
-                query.setdefault(inst, []).append(
-                    QueryItem(req.request_id, start, stop, tuple(slots), tuple(toks))
-                )
-            if keys:
-                accesses.append((keys, hist))
-            for put in req_puts:
-                pa, pz = max(put.start, first), min(put.stop, first + stop - start)
-                if pa < pz:
-                    puts.append(PutItem(put.instance, put.slot, put.offset + pa - put.start,
-                                        start + pa - first, start + pz - first, put.key))
-        return tuple(spans), query, puts, accesses
-
-
-def _rows_per_instance(query: dict[int, list[QueryItem]]) -> dict[int, int]:
-    return {i: sum(it.stop - it.start for it in items) for i, items in query.items()}

@@ -42,6 +42,8 @@ __all__ = [
 
 def _as_int(value: object, what: str, *, minimum: int = 0, maximum: int = _MAX_INT) -> int:
     """``value`` as a plain ``int`` in ``[minimum, maximum]``; bools, non-integers raise PlanError."""
+    if type(value) is int and minimum <= value <= maximum:  # fast path for plain ints
+        return value
     if isinstance(value, bool):
         raise PlanError(f"{what} must be an integer, got {value!r}")
     try:

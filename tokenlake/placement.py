@@ -21,7 +21,7 @@ import heapq
 import math
 import random
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenlake.errors import ConfigError
@@ -119,8 +119,8 @@ class AccessWindow:
         # Closed buckets: (bucket number, per-segment Counter, per-instance Counter).
         self._closed: deque[tuple[int, Counter, Counter]] = deque()
         self._open_bucket: int | None = None
-        self._open_chains: dict[int, list] = {}  # id(keys) -> [keys, count]
-        self._open_instances: Counter = Counter()
+        self._open_chains: dict[int, list] = {}  # id(keys) -> [keys, per_instance, count]
+        self._total: Counter = Counter()  # per-instance reads since creation, closed buckets
         self._segments: Counter = Counter()  # sum over closed buckets
         self._instances: Counter = Counter()  # sum over closed buckets
 
@@ -136,24 +136,33 @@ class AccessWindow:
         ``per_instance`` says how many of those segment reads each instance served.
         Pass the same ``keys`` tuple object for repeated reads of the same chain.
         """
+        self.record_many(((keys, per_instance),), now, count)
+
+    def record_many(
+        self,
+        chains: Iterable[tuple[tuple[SegmentKey, ...], Mapping[int, int]]],
+        now: float,
+        count: int = 1,
+    ) -> None:
+        """:meth:`record` for several ``(keys, per_instance)`` chains at once."""
         self._advance(now)
-        entry = self._open_chains.get(id(keys))
-        if entry is None:
-            self._open_chains[id(keys)] = [keys, count]
-        else:
-            entry[1] += count
-        for inst, n in per_instance.items():
-            self._open_instances[inst] += n * count
+        open_chains = self._open_chains
+        for keys, per_instance in chains:
+            entry = open_chains.get(id(keys))
+            if entry is None:
+                open_chains[id(keys)] = [keys, per_instance, count]
+            else:
+                entry[2] += count
 
     def _advance(self, now: float) -> None:
         bucket = int(now // self.bucket_s)
         if self._open_bucket is not None and bucket != self._open_bucket:
-            segs = self._expand_open()
-            self._closed.append((self._open_bucket, segs, self._open_instances))
+            segs, insts = self._expand_open(), self._open_instance_counts()
+            self._closed.append((self._open_bucket, segs, insts))
             self._segments.update(segs)
-            self._instances.update(self._open_instances)
+            self._instances.update(insts)
+            self._total.update(insts)
             self._open_chains = {}
-            self._open_instances = Counter()
         self._open_bucket = bucket
         oldest = int((now - self.window_s) // self.bucket_s)
         while self._closed and self._closed[0][0] <= oldest:
@@ -165,10 +174,22 @@ class AccessWindow:
 
     def _expand_open(self) -> Counter:
         segs: Counter = Counter()
-        for keys, count in self._open_chains.values():
+        for keys, _, count in self._open_chains.values():
             for key in keys:
                 segs[key] += count
         return segs
+
+    def _open_instance_counts(self) -> Counter:
+        insts: Counter = Counter()
+        for _, per_instance, count in self._open_chains.values():
+            for inst, n in per_instance.items():
+                insts[inst] += n * count
+        return insts
+
+    def total_instance_accesses(self, now: float) -> Counter:
+        """Segment reads served by each instance since the window was created."""
+        self._advance(now)
+        return self._total + self._open_instance_counts()
 
     def segment_accesses(self, now: float) -> Counter:
         """Reads of each segment in the window ending at ``now``."""
@@ -178,12 +199,15 @@ class AccessWindow:
     def instance_accesses(self, now: float) -> Counter:
         """Segment reads served by each instance in the window ending at ``now``."""
         self._advance(now)
-        return self._instances + self._open_instances
+        return self._instances + self._open_instance_counts()
 
     def forget_instance(self, instance: int) -> None:
         """Drops the per-instance counts of a removed instance."""
         self._instances.pop(instance, None)
-        self._open_instances.pop(instance, None)
+        self._total.pop(instance, None)
+        for entry in self._open_chains.values():
+            if instance in entry[1]:
+                entry[1] = {i: n for i, n in entry[1].items() if i != instance}
         for _, _, insts in self._closed:
             insts.pop(instance, None)
 

@@ -92,11 +92,13 @@ class QueryTask:
 
 @dataclass(frozen=True)
 class QueryPlan:
-    """Prefix attention of one sub-batch: scatter q rows to ``tasks``, merge the partials.
+    """Prefix attention of one sub-batch: scatter q rows to the tasks, merge the partials.
 
-    ``home`` is the instance that computes the sub-batch (its local share is the task
-    whose ``instance == home``). Rows of a request with an empty prefix appear in no task
-    and get the empty partial result (``lse = -inf``).
+    A request's prefix is the union of its items in ``tasks`` (sealed segments, the
+    same from one decode step to the next) and in ``tails`` (its private open tail, at
+    most one item). ``home`` is the instance that computes the sub-batch (its local
+    share is the tasks whose ``instance == home``). Rows of a request with an empty
+    prefix appear in no task and get the empty partial result (``lse = -inf``).
     """
 
     batch: int
@@ -105,6 +107,14 @@ class QueryPlan:
     num_rows: int
     spans: tuple[RowSpan, ...]
     tasks: tuple[QueryTask, ...]
+    tails: tuple[QueryTask, ...] = ()
+
+    def tasks_by_instance(self) -> dict[int, tuple[QueryItem, ...]]:
+        """Sealed and tail items together, per instance (what each query engine runs)."""
+        out: dict[int, tuple[QueryItem, ...]] = {}
+        for task in self.tasks + self.tails:
+            out[task.instance] = out.get(task.instance, ()) + task.items
+        return out
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class PoolStats:
     dedup_segments: int = 0  # inserts that found the segment already there
     evictions: int = 0  # replicas evicted to make room
     replications: int = 0  # replicas created by rebalancing
+    reads: Mapping[int, int] = field(default_factory=dict)  # cumulative segment reads per instance
 
 
 class CachePool:
@@ -130,9 +131,15 @@ class CachePool:
                 self.tree.remove_replica(key, instance)
                 continue
             for k, inst, slot in self.tree.remove_subtree(key):
-                gone.append(k)
+                if not gone or gone[-1] != k:  # one entry per segment, not per replica
+                    gone.append(k)
                 if inst != instance:
                     self.slots.free(inst, slot)
+        # Copies between other instances of segments that went with a subtree are void:
+        # their target slots were freed above, and the key may be inserted again later.
+        for where, rep in list(self._replicating.items()):
+            if rep.key not in self.tree:
+                del self._replicating[where]
         lost = tuple(o for (i, _), o in self._private.items() if i == instance)
         self._private = {loc: o for loc, o in self._private.items() if loc[0] != instance}
         self.ring.remove(instance)
@@ -163,7 +170,19 @@ class CachePool:
             locs = self.tree.replicas(key, ready_only=False)
             ready = self.tree.replicas(key)
             return (ready or locs)[0], False
-        loc = self._take_slot(key)
+        if parent is None and index != 0:
+            raise ValueError("a segment without parent must have index 0")
+        if parent is not None:
+            if self.tree.index(parent) != index - 1:  # also raises SegmentNotFound
+                raise ValueError("segment index must be its parent's index + 1")
+            # The parent may be an evictable leaf: keep it while a slot is taken for its
+            # child, or eviction could pull it from under the insert (and leak the slot).
+            self.tree.lease([parent])
+        try:
+            loc = self._take_slot(key)
+        finally:
+            if parent is not None:
+                self.tree.unlease([parent])
         self.tree.insert(key, parent, index)
         self.tree.add_replica(key, loc.instance, loc.slot, self.clock())
         return loc, True
@@ -251,9 +270,9 @@ class CachePool:
     def unpin(self, keys: Iterable[SegmentKey]) -> None:
         self.tree.unpin(keys)
 
-    def record_access(self, keys: tuple[SegmentKey, ...], per_instance: Mapping[int, int]) -> None:
-        """One read of each segment in ``keys`` (see :meth:`AccessWindow.record`)."""
-        self.window.record(keys, per_instance, self.clock())
+    def record_access(self, chains: Iterable[tuple[tuple[SegmentKey, ...], Mapping[int, int]]]) -> None:
+        """One read of each segment of each chain (see :meth:`AccessWindow.record_many`)."""
+        self.window.record_many(chains, self.clock())
 
     def instance_load(self) -> dict[int, int]:
         """Segment reads served by each instance in the current window."""
@@ -325,6 +344,7 @@ class CachePool:
     # ------------------------------------------------------------------ stats
     def stats(self) -> PoolStats:
         replicas = pinned = 0
+        reads = self.window.total_instance_accesses(self.clock())
         for key in self.tree.keys():
             replicas += len(self.tree.replicas(key, ready_only=False))
             pinned += self.tree.is_pinned(key)
@@ -338,4 +358,5 @@ class CachePool:
             dedup_segments=self._dedup,
             evictions=self._evictions,
             replications=self._replications,
+            reads={i: reads.get(i, 0) for i in self.instances},
         )

@@ -148,7 +148,9 @@ class PrefixTree:
         (e.g. ``len(prompt) - 1`` so that at least one token is left to compute).
         """
         c = self.hasher.segment_tokens
-        limit = len(token_ids) if isinstance(token_ids, Sequence) else len(token_ids) // 4
+        # Raw int32 bytes are a Sequence too: count (and cut) them in tokens of 4 bytes.
+        width = 1 if isinstance(token_ids, (bytes, bytearray, memoryview)) else 1
+        limit = len(token_ids) // width
         if max_tokens is not None:
             limit = min(limit, max_tokens)
         max_segments = limit // c
@@ -156,7 +158,7 @@ class PrefixTree:
         where: list[tuple[SegmentLocation, ...]] = []
         if max_segments:
             nodes = self._nodes
-            for key in self.hasher.iter_keys(token_ids[: max_segments * c]):
+            for key in self.hasher.iter_keys(token_ids[: max_segments * c * width]):
                 node = nodes.get(key)
                 if node is None:
                     break

@@ -28,18 +28,24 @@ class RequestState:
     epoch: int = -1
     keys: tuple[SegmentKey, ...] = ()
     chosen: tuple[int, ...] = ()  # instance read for each of ``keys``
-    by_instance: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    by_instance: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     histogram: dict[int, int] = field(default_factory=dict)
 
     def prefix_tokens(self, segment_tokens: int) -> int:
         """Tokens of this request held by the pool (sealed chain plus open tail)."""
         return len(self.chain) * segment_tokens + len(self.tail_tokens)
 
+    version: int = -1  # changes whenever the resolution above is redone
+
     def snapshot(self) -> tuple:
-        return (list(self.chain), self.tail, list(self.tail_tokens))
+        """State to restore if the iteration fails (the chain only grows meanwhile)."""
+        # During an iteration the tail token list is only extended in place or replaced.
+        return (len(self.chain), self.tail, self.tail_tokens, len(self.tail_tokens))
 
     def restore(self, snap: tuple) -> None:
-        self.chain, self.tail, self.tail_tokens = list(snap[0]), snap[1], list(snap[2])
+        del self.chain[snap[0] :]
+        self.tail, self.tail_tokens = snap[1], snap[2]
+        del self.tail_tokens[snap[3] :]
         self.epoch = -1
 
 

@@ -78,8 +78,7 @@ def tree_state(cp) -> dict:
 def request_table(cp) -> dict:
     """The control plane's request table (white box: chain, open tail, busy flag)."""
     return {
-        rid: (list(s.chain), s.tail, list(s.tail_tokens), s.busy)
-        for rid, s in cp._requests.items()
+        rid: (list(s.chain), s.tail, list(s.tail_tokens), s.busy) for rid, s in cp._requests.items()
     }
 
 
@@ -103,20 +102,11 @@ def split(total, dop):
     return out
 
 
-def rows_of(plans, rid):
-    """(query plan, transfer plan, span) of every span of ``rid``."""
-    out = []
-    for qp, tp in zip(plans.query_plans, plans.transfer_plans):
-        for span in qp.spans:
-            if span.request_id == rid:
-                out.append((qp, tp, span))
-    return out
-
-
 def reads_of(qp, rid, start):
-    """(instance, slot, tokens) read by the rows of ``rid`` starting at ``start``."""
+    """(instance, slot, tokens) read by the rows of ``rid`` starting at ``start``
+    (sealed segments in ``tasks`` and the open tail in ``tails``)."""
     out = []
-    for task in qp.tasks:
+    for task in qp.tasks + qp.tails:
         for it in task.items:
             if it.request_id == rid and it.start == start:
                 out.extend(zip([task.instance] * len(it.slots), it.slots, it.tokens))
@@ -134,7 +124,6 @@ class Shadow:
         self.c = cp.config.segment_tokens
         self.tokens: dict[str, list[int]] = {}
         self.tail: dict[str, tuple[int, int] | None] = {}
-        self.dedup_segments = 0
 
     def check_plans(self, plans: Plans, batches, dops) -> dict:
         """Checks ``plans`` row by row; returns the shadow update to apply on complete."""
@@ -232,16 +221,21 @@ class Shadow:
                 assert sum(pt.stop - pt.start for pt in tp.puts) + tp.dedup_rows == tp.num_rows
                 # Query: each span reads exactly its request's pool prefix.
                 span_rows = {(s.request_id, s.start, s.stop) for s in qp.spans}
-                assert len({t.instance for t in qp.tasks}) == len(qp.tasks)
-                for task in qp.tasks:
-                    assert task.items
-                    for it in task.items:
-                        assert (it.request_id, it.start, it.stop) in span_rows
-                        assert len(it.slots) == len(it.tokens) > 0
+                for tasks in (qp.tasks, qp.tails):
+                    assert len({t.instance for t in tasks}) == len(tasks)
+                    for task in tasks:
+                        assert task.items
+                        for it in task.items:
+                            assert (it.request_id, it.start, it.stop) in span_rows
+                            assert len(it.slots) == len(it.tokens) > 0
+                for it in (it for t in qp.tails for it in t.items):
+                    assert len(it.slots) == 1 and 0 < it.tokens[0] < c
+                for it in (it for t in qp.tasks for it in t.items):
+                    assert set(it.tokens) == {c}
                 for span in qp.spans:
                     self._check_reads(qp, span, seqs[span.request_id])
         # A sealed segment's rows fill it up to C (earlier rows sat in the open tail).
-        for key, offs in covered_offsets.items():
+        for offs in covered_offsets.values():
             assert max(offs) == c - 1
             assert offs == set(range(min(offs), c))
         assert cp.stats().pool.dedup_segments - self.dedup_before == dedup
@@ -257,7 +251,9 @@ class Shadow:
         for b in batches:
             for r in b.requests:
                 self._known_for[r.request_id] = set(known)
-                seq = self.tokens.get(r.request_id, list(r.prefix_token_ids)) + list(r.new_token_ids)
+                seq = self.tokens.get(r.request_id, list(r.prefix_token_ids)) + list(
+                    r.new_token_ids
+                )
                 known.update(keys_of(self.cp, seq))
 
     def _check_reads(self, qp, span, seq) -> None:
@@ -298,7 +294,7 @@ class Shadow:
     def check_pool(self) -> None:
         cp, c = self.cp, self.c
         tree = cp.get_prefix_tree()
-        tree.check()
+        check_invariants(cp)
         assert set(cp.live_requests) == set(self.tokens)
         for rid, seq in self.tokens.items():
             assert cp.prefix_tokens(rid) == len(seq)
@@ -383,9 +379,19 @@ def test_random_iterations_cover_every_row_and_read_every_prefix(data, c):
 
 def _stats_wo_reads(stats):
     pool = stats.pool
-    return (stats.admitted_requests, stats.hit_tokens, stats.prefill_tokens, stats.dedup_bytes,
-            pool.segments, pool.replicas, pool.pinned, dict(pool.slots_used),
-            pool.private_slots, pool.dedup_segments, pool.evictions)
+    return (
+        stats.admitted_requests,
+        stats.hit_tokens,
+        stats.prefill_tokens,
+        stats.dedup_bytes,
+        pool.segments,
+        pool.replicas,
+        pool.pinned,
+        dict(pool.slots_used),
+        pool.private_slots,
+        pool.dedup_segments,
+        pool.evictions,
+    )
 
 
 # ------------------------------------------------------------ query plans
@@ -394,9 +400,7 @@ def _stats_wo_reads(stats):
 def test_request_without_prefix_is_in_no_task_and_spans_number_rows():
     cp = make_cp()
     run(cp, [batch(req("old", range(1, 11)))])  # 2 segments + 2-token tail
-    plans = cp.gen_plans(
-        [batch(req("old", [11, 12, 13]), req("new", range(100, 105)))], [1]
-    )
+    plans = cp.gen_plans([batch(req("old", [11, 12, 13]), req("new", range(100, 105)))], [1])
     (qp,), (tp,), groups = plans
     assert [(s.request_id, s.start, s.stop, s.position, s.prefix_tokens) for s in qp.spans] == [
         ("old", 0, 3, 10, 10),
@@ -727,13 +731,12 @@ def test_decode_batch_dispatched_where_its_prefix_lives():
     rb, home_b = _prefill_until_colocated(cp, "b", avoid=(home_a,))
     for step in range(2):  # decode in the open tail: every byte is local at home
         batches = [
-            batch(req("fresh%d" % step, range(1, 3)), phase="prefill"),
             batch(req(rb, [7 + step]), phase="decode"),
             batch(req(ra, [7 + step]), phase="decode"),
         ]
-        plans = cp.gen_plans(batches, [1, 1, 1])
-        assert plans.groups[1] == (home_b,) and plans.groups[2] == (home_a,)
-        for qp in plans.query_plans[1:]:
+        plans = cp.gen_plans(batches, [1, 1])
+        assert plans.groups[0] == (home_b,) and plans.groups[1] == (home_a,)
+        for qp in plans.query_plans:
             assert {t.instance for t in qp.tasks} >= {qp.home}
         cp.complete(plans)
 
@@ -762,6 +765,8 @@ def test_remove_instance_reports_requests_that_lost_a_segment():
     assert all(loc.instance != victim for k in tree.keys() for loc in tree.replicas(k, False))
     tree.check()
     for rid in lost:
+        with pytest.raises(PlanError, match="lost"):
+            cp.gen_plans([batch(req(rid, [9]), phase="decode")], [1])
         cp.finish_request(rid)
     # Survivors keep planning (re-resolved away from the victim); lost prompts recompute.
     survivors = [r for r in cp.live_requests]
@@ -793,7 +798,7 @@ def test_instance_load_counts_segment_reads():
         )
         (qp,) = plans.query_plans
         for span in qp.spans:
-            for inst, slot, toks in reads_of(qp, span.request_id, span.start):
+            for inst, _slot, toks in reads_of(qp, span.request_id, span.start):
                 if toks == 4:  # a sealed segment (the open tail is not counted)
                     expected[inst] = expected.get(inst, 0) + 1
         cp.complete(plans)
@@ -803,3 +808,178 @@ def test_instance_load_counts_segment_reads():
     assert sum(load.values()) == reads == sum(expected.values())
     assert {i: n for i, n in load.items() if n} == expected
     assert len(tree) >= 5
+
+
+# ------------------------------------------- pipelined plans and failures
+
+
+def check_invariants(cp) -> None:
+    """Pool-wide invariants that hold after every operation, failures included."""
+    tree = cp.get_prefix_tree()
+    tree.check()
+    stats = cp.stats().pool
+    assert sum(stats.slots_used.values()) == stats.replicas + stats.private_slots
+    leases: dict[bytes, int] = {}
+    for s in cp._requests.values():
+        for k in s.chain:
+            if k in tree:
+                leases[k] = leases.get(k, 0) + 1
+    for k in tree.keys():
+        assert tree.lease_count(k) == leases.get(k, 0)
+
+
+def test_dedup_against_segment_stored_by_other_plans_in_flight_is_refused():
+    cp = make_cp(c=4)
+    p1 = cp.gen_plans([batch(req("a", range(1, 9)))], [1])
+    before = full_state(cp)
+    with pytest.raises(PlanError, match="in flight"):
+        cp.gen_plans([batch(req("b", range(1, 11)))], [1])
+    assert full_state(cp) == before
+    cp.abort(p1)  # nothing else depends on a's segments: a clean abort
+    assert len(cp.get_prefix_tree()) == 0 and cp.live_requests == ()
+    check_invariants(cp)
+    p1 = cp.gen_plans([batch(req("a", range(1, 9)))], [1])
+    cp.complete(p1)
+    plans = run(cp, [batch(req("b", range(1, 11)))])
+    assert plans.transfer_plans[0].dedup_rows == 8
+    check_invariants(cp)
+
+
+@pytest.mark.parametrize("victim", [0, 1, 2, 3])
+@pytest.mark.parametrize("outcome", ["abort", "complete"])
+def test_remove_instance_with_plans_in_flight(victim, outcome):
+    cp = make_cp(c=4)
+    run(cp, [batch(req("x", range(1, 9)))])
+    run(cp, [batch(req("a", range(1, 7)))])  # deduped segment + open tail
+    plans = cp.gen_plans(
+        [batch(req("a", [7, 8, 9]), req("n", range(50, 60)), req("x", [9, 10, 11, 12, 13]))],
+        [1],
+    )
+    lost = cp.remove_instance(victim)
+    getattr(cp, outcome)(plans)
+    check_invariants(cp)
+    for rid in lost:
+        if rid in cp.live_requests:
+            cp.finish_request(rid)
+    check_invariants(cp)
+    for rid in cp.live_requests:  # survivors keep going
+        run(cp, [batch(req(rid, [77]), phase="decode")])
+    for rid in list(cp.live_requests):
+        cp.finish_request(rid)
+    check_invariants(cp)
+    run(cp, [batch(req("again", range(1, 13)))])  # lost prompts are recomputed
+    assert cp.get_prefix_tree().match(range(1, 13)).hit_tokens == 12
+    check_invariants(cp)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_pipelined_operations_with_failures_keep_the_pool_consistent(data):
+    c = 2
+    cp = make_cp(c=c, slots=data.draw(st.sampled_from([3, 6, 40]), label="slots"))
+    prompts = [tuple(range(1000 * k + 1, 1000 * k + 31)) for k in range(3)]
+    seqs: dict[str, tuple[int, ...]] = {}
+    held: dict[str, int] = {}  # tokens the pool holds per live request (shadow)
+    flights: list[tuple[Plans, dict[str, int]]] = []
+    busy: set[str] = set()
+    lost_all: set[str] = set()
+    counter = 0
+    for _ in range(data.draw(st.integers(1, 14), label="ops")):
+        op = data.draw(
+            st.sampled_from(["plan", "plan", "plan", "done", "done", "finish", "remove"])
+        )
+        if op == "plan" and len(flights) < 3:
+            reqs = []
+            for _r in range(data.draw(st.integers(1, 3))):
+                n = data.draw(st.integers(1, 2 * c + 1))
+                idle = sorted(r for r in held if r not in busy and r not in lost_all)
+                if idle and data.draw(st.booleans()):
+                    rid = data.draw(st.sampled_from(idle))
+                    if any(r.request_id == rid for r in reqs):
+                        continue
+                    reqs.append(req(rid, seqs[rid][held[rid] : held[rid] + n]))
+                else:
+                    rid = f"n{counter}"
+                    counter += 1
+                    seqs[rid] = data.draw(st.sampled_from(prompts)) + (counter,) * 30
+                    hit = cp.get_prefix_tree().match(seqs[rid][:20]).hit_tokens
+                    prefix = seqs[rid][:hit] if data.draw(st.booleans()) else ()
+                    reqs.append(req(rid, seqs[rid][len(prefix) : len(prefix) + n], prefix))
+            before = full_state(cp)
+            try:
+                plans = cp.gen_plans([batch(*reqs)], [1])
+            except (PlanError, CapacityError):
+                after = full_state(cp)
+                assert after[:2] == before[:2] and after[3] == before[3]
+                assert _stats_wo_reads(after[2]) == _stats_wo_reads(before[2])
+            else:
+                grow = {}
+                for r in reqs:
+                    grow[r.request_id] = held.get(r.request_id, len(r.prefix_token_ids)) + len(
+                        r.new_token_ids
+                    )
+                    held.setdefault(r.request_id, len(r.prefix_token_ids))
+                busy.update(grow)
+                flights.append((plans, grow))
+        elif op == "done" and flights:
+            plans, grow = flights.pop(data.draw(st.integers(0, len(flights) - 1)))
+            busy.difference_update(grow)
+            if data.draw(st.booleans()):
+                cp.complete(plans)
+                held.update(grow)
+            else:
+                cp.abort(plans)
+                for rid in grow:
+                    if rid not in cp.live_requests:
+                        del held[rid]
+        elif op == "finish":
+            idle = sorted(r for r in held if r not in busy)
+            if idle:
+                rid = data.draw(st.sampled_from(idle))
+                if rid in lost_all:  # its prefix is gone: no more plans, only finish
+                    with pytest.raises(PlanError, match="lost"):
+                        cp.gen_plans([batch(req(rid, [1]))], [1])
+                cp.finish_request(rid)
+                del held[rid]
+                lost_all.discard(rid)
+        elif op == "remove" and len(cp.pool.instances) > 2:
+            victim = data.draw(st.sampled_from(cp.pool.instances))
+            lost_all.update(cp.remove_instance(victim))
+        check_invariants(cp)
+        for rid, n in held.items():
+            if rid not in busy and rid not in lost_all:
+                assert cp.prefix_tokens(rid) == n
+    for plans, _ in flights:
+        cp.abort(plans)
+    for rid in list(cp.live_requests):
+        cp.finish_request(rid)
+    check_invariants(cp)
+    stats = cp.stats().pool
+    assert stats.private_slots == 0 and stats.pinned == 0
+    assert cp.get_prefix_tree().evictable_count() == sum(
+        len(cp.get_prefix_tree().replicas(k))
+        for k in cp.get_prefix_tree().keys()
+        if not cp.get_prefix_tree().children(k)
+    )
+
+
+def test_lost_request_finished_after_its_prompt_was_recomputed():
+    """Finishing a lost request must not release leases that a newer request holds on
+    segments stored again after the failure."""
+    lost_somewhere = 0
+    for victim in INSTANCES:
+        cp = make_cp(c=4)
+        run(cp, [batch(req("r", range(1, 15)))])
+        lost = cp.remove_instance(victim)
+        lost_somewhere += "r" in lost
+        run(cp, [batch(req("again", range(1, 15)))])
+        check_invariants(cp)
+        for rid in lost:
+            cp.finish_request(rid)
+        check_invariants(cp)
+        holders = 1 + ("r" not in lost)
+        tree = cp.get_prefix_tree()
+        assert all(tree.lease_count(k) == holders for k in keys_of(cp, range(1, 13)))
+        cp.finish_request("again")
+        check_invariants(cp)
+    assert lost_somewhere

@@ -83,8 +83,11 @@ class PartAssembler:
                     put_rows[put.instance] = put_rows.get(put.instance, 0) + pz - pa
         tasks, sealed_rows, accesses = self._sealed(members)
         query_rows = dict(sealed_rows)
-        for inst, items in tails.items():
-            query_rows[inst] = query_rows.get(inst, 0) + sum(it.stop - it.start for it in items)
+        for state, start, stop in members:
+            # q rows travel once per instance: a tail beside sealed segments adds nothing.
+            tail = prepared[state.request_id].tail
+            if tail is not None and tail[0] not in state.by_instance:
+                query_rows[tail[0]] = query_rows.get(tail[0], 0) + stop - start
         return Part(
             b, p, hi - lo, tuple(spans), tasks,
             tuple(QueryTask(i, tuple(items)) for i, items in sorted(tails.items())),

@@ -20,7 +20,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenlake.assembly import Part, PartAssembler, Prepared
 from tokenlake.config import PoolConfig
@@ -63,10 +63,14 @@ class ControlStats:
 @dataclass
 class _Inflight:
     commits: list[tuple[bytes, int]]
-    release_private: list[SegmentLocation]
+    release_private: list[tuple[SegmentLocation, str]]  # (open tail, its owner)
     requests: list[str]
     undo: list[Callable[[], None]]
     snapshots: dict[str, tuple]
+    stored: set[bytes] = field(default_factory=set)  # keys of ``commits``
+    # Keys that went with an instance removed while in flight: the undo and commit of
+    # this flight must leave them alone (the same key may be stored again meanwhile).
+    gone: set[bytes] = field(default_factory=set)
 
 
 class ControlPlane:
@@ -136,12 +140,17 @@ class ControlPlane:
         self._validate(batches, dops)
         iteration = self._iteration
         flight = _Inflight([], [], [], [], {})
+        evicted: list[tuple] = []
+        self.pool.eviction_log = evicted
         try:
             per_request = self._prepare(batches, flight)
             plans = self._assemble(batches, dops, per_request, iteration)
         except BaseException:
             self._rollback(flight)
+            self.pool.restore_evicted(evicted)  # no data moved: the evicted are intact
             raise
+        finally:
+            self.pool.eviction_log = None
         for rid in flight.requests:
             self._requests[rid].busy = iteration
         self._inflight[iteration] = flight
@@ -153,10 +162,10 @@ class ControlPlane:
         """Every put of ``plans`` is stored in all layers: new segments become visible."""
         flight = self._take_flight(plans)
         for key, inst in flight.commits:
-            if key in self.pool.tree:
+            if key in self.pool.tree and key not in flight.gone:
                 self.pool.commit(key, inst)
-        for loc in flight.release_private:
-            self.pool.release_private(loc)
+        for loc, owner in flight.release_private:
+            self.pool.release_private(loc, owner)
         for rid in flight.requests:
             state = self._requests.get(rid)
             if state is not None:
@@ -185,7 +194,7 @@ class ControlPlane:
                 tree.touch(key, inst, now)  # last access of a leased replica = release time
         tree.unlease(state.chain, missing_ok=True)
         if state.tail is not None:
-            self.pool.release_private(state.tail)
+            self.pool.release_private(state.tail, request_id)
 
     def rebalance(self) -> list[Replication]:
         """Starts heavy-hitter replications (see :meth:`CachePool.rebalance`)."""
@@ -198,17 +207,27 @@ class ControlPlane:
 
     def remove_instance(self, instance: int) -> tuple[str, ...]:
         """Takes a failed instance out of the pool. Returns the ids of requests that lost
-        part of their prefix: they must be finished and recomputed."""
+        part of their prefix: they must be finished and recomputed (planning them again
+        raises :class:`PlanError`). Plans in flight can still be completed or aborted."""
         removal = self.pool.remove_instance(instance)
         gone = set(removal.removed_keys)
         lost = set(removal.lost_private)
+        for flight in self._inflight.values():
+            flight.gone |= gone
         for rid, state in self._requests.items():
-            if any(k in gone for k in state.chain):
+            cut = next((i for i, k in enumerate(state.chain) if k in gone), None)
+            if cut is not None:
+                # The gone keys are a suffix (a subtree went) and their leases went with
+                # them: drop them, or finishing the request would unlease a segment that
+                # was stored again meanwhile, under another request's lease.
+                del state.chain[cut:]
                 lost.add(rid)
         for rid in lost:
             state = self._requests.get(rid)
-            if state is not None and state.tail is not None and state.tail.instance == instance:
-                state.tail = None
+            if state is not None:
+                state.lost = True
+                if state.tail is not None and state.tail.instance == instance:
+                    state.tail = None
         self._epoch += 1
         return tuple(sorted(lost))
 
@@ -229,7 +248,7 @@ class ControlPlane:
     def _validate(self, batches: Sequence[Batch], dops: Sequence[int]) -> None:
         if len(batches) != len(dops):
             raise PlanError(f"{len(batches)} batches but {len(dops)} DoPs")
-        if any(not isinstance(d, int) or d < 1 for d in dops):
+        if any(type(d) is not int or d < 1 for d in dops):
             raise PlanError(f"every DoP must be a positive int, got {list(dops)}")
         if sum(dops) > len(self.pool.instances):
             raise PlanError(
@@ -250,6 +269,11 @@ class ControlPlane:
                 state = self._requests.get(req.request_id)
                 if state is not None and state.busy >= 0:
                     raise PlanError(f"request {req.request_id!r} has plans in flight")
+                if state is not None and state.lost:
+                    raise PlanError(
+                        f"request {req.request_id!r} lost part of its prefix with a removed "
+                        "instance; finish it and recompute"
+                    )
                 if state is not None and req.prefix_token_ids:
                     raise PlanError(
                         f"request {req.request_id!r} is live; send prefix_token_ids only first"
@@ -308,7 +332,11 @@ class ControlPlane:
             )
         state = RequestState(req.request_id, chain=list(match.keys))
         self.pool.tree.lease(state.chain)
-        flight.undo.append(lambda keys=tuple(state.chain): self.pool.tree.unlease(keys, True))
+        flight.undo.append(
+            lambda keys=tuple(state.chain): self.pool.tree.unlease(
+                [k for k in keys if k not in flight.gone], True
+            )
+        )
         self._requests[req.request_id] = state
         flight.snapshots[req.request_id] = None
         self._count(flight, admitted=1, hit=len(prefix))
@@ -386,7 +414,7 @@ class ControlPlane:
         if pos < n:
             hint = state.request_id.encode() + len(state.chain).to_bytes(8, "little")
             loc = pool.allocate_private(state.request_id, hint)
-            flight.undo.append(lambda loc=loc: pool.release_private(loc))
+            flight.undo.append(lambda loc=loc: pool.release_private(loc, state.request_id))
             puts.append(NewTokenPut(pos, n, loc.instance, loc.slot, 0, None))
             state.tail, state.tail_tokens = loc, list(tokens[pos:])
         return puts
@@ -396,22 +424,31 @@ class ControlPlane:
         pool, tree = self.pool, self.pool.tree
         parent = state.chain[-1] if state.chain else None
         index = len(state.chain)
-        if key in tree:  # dedup: the pool already has (or is storing) this segment
+        if key in tree and not tree.is_ready(key) and key not in flight.stored:
+            # Being stored by another iteration in flight: its abort would pull the
+            # segment from under this request (and it is not visible to plans yet).
+            raise PlanError(
+                f"segment {key.hex()} of request {state.request_id!r} is still being stored "
+                "by plans in flight; complete them first"
+            )
+        if key in tree:  # dedup: the pool already has (or this iteration stores) it
             self._count(flight, dedup=1)
             if tail is not None:
-                flight.release_private.append(tail)
+                flight.release_private.append((tail, state.request_id))
         elif tail is not None:
             pool.seal_private(tail, key, parent, index)
-            flight.undo.append(lambda: pool.unseal(key, tail, state.request_id))
+            flight.undo.append(lambda: key in flight.gone or pool.unseal(key, tail, state.request_id))
             flight.commits.append((key, tail.instance))
+            flight.stored.add(key)
             puts.append(NewTokenPut(start, stop, tail.instance, tail.slot, offset, key))
         else:
             loc, _ = pool.place(key, parent, index)
-            flight.undo.append(lambda: pool.abort(key, loc.instance))
+            flight.undo.append(lambda: key in flight.gone or pool.abort(key, loc.instance))
             flight.commits.append((key, loc.instance))
+            flight.stored.add(key)
             puts.append(NewTokenPut(start, stop, loc.instance, loc.slot, offset, key))
         tree.lease([key])
-        flight.undo.append(lambda: tree.unlease([key], missing_ok=True))
+        flight.undo.append(lambda: key in flight.gone or tree.unlease([key], missing_ok=True))
         state.chain.append(key)
 
     def _assemble(self, batches, dops, prepared, iteration: int) -> Plans:

@@ -314,7 +314,7 @@ def plan_replication(
             target = min(candidates, key=lambda i: (est[i], i))
             old_share = accesses[key] / len(current)
             new_share = accesses[key] / (len(current) + 1)
-            if est[target] + new_share >= est[src] - (old_share - new_share):
+            if est[target] + new_share > est[src] - (old_share - new_share):  # target above source
                 continue
             for inst in current:
                 est[inst] -= old_share - new_share

@@ -98,6 +98,9 @@ class CachePool:
         self._private: dict[tuple[int, int], str] = {}  # (instance, slot) -> owner
         self._replicating: dict[tuple[SegmentKey, int], Replication] = {}
         self._dedup = self._evictions = self._replications = 0
+        # While not None, evict_one() notes what it evicts here so that a plan that fails
+        # before any data moved can put it back (see restore_evicted).
+        self.eviction_log: list[tuple] | None = None
         for inst in instances:
             self.add_instance(inst)
 
@@ -203,8 +206,13 @@ class CachePool:
         self._private[(loc.instance, loc.slot)] = owner
         return loc
 
-    def release_private(self, loc: SegmentLocation) -> None:
-        if self._private.pop((loc.instance, loc.slot), None) is None:
+    def release_private(self, loc: SegmentLocation, owner: str | None = None) -> None:
+        """Frees a private slot. With ``owner``, a slot that is no longer ``owner``'s
+        private tail (it went with a removed instance) is left alone."""
+        where = (loc.instance, loc.slot)
+        if owner is not None and self._private.get(where) != owner:
+            return
+        if self._private.pop(where, None) is None:
             raise SegmentNotFound(f"no private slot {loc.slot} on instance {loc.instance}")
         self.slots.free(loc.instance, loc.slot)
 
@@ -249,9 +257,26 @@ class CachePool:
         if victim is None:
             return False
         key, inst = victim
-        self.slots.free(inst, self.tree.remove_replica(key, inst))
+        parent, index = self.tree.parent(key), self.tree.index(key)
+        last = self.tree.last_access(key, inst)
+        slot = self.tree.remove_replica(key, inst)
+        self.slots.free(inst, slot)
         self._evictions += 1
+        if self.eviction_log is not None:
+            self.eviction_log.append((key, parent, index, inst, slot, last))
         return True
+
+    def restore_evicted(self, log: list[tuple]) -> None:
+        """Puts back the replicas noted in ``log`` (newest first), for a plan that failed
+        before the data plane saw it: their slots still hold the segments' data. The
+        slots must be free again (the failed plan's allocations undone)."""
+        for key, parent, index, inst, slot, last in reversed(log):
+            self.slots.take(inst, slot)
+            if key not in self.tree:
+                self.tree.insert(key, parent, index)
+            self.tree.add_replica(key, inst, slot, last, ready=True)
+            self._evictions -= 1
+        log.clear()
 
     # ---------------------------------------------------------- pins, access
     def pin(self, token_ids: Sequence[int]) -> MatchResult:

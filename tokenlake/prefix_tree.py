@@ -138,6 +138,13 @@ class PrefixTree:
     def lease_count(self, key: SegmentKey) -> int:
         return self._node(key).leases
 
+    def last_access(self, key: SegmentKey, instance: int) -> float:
+        """Last access time of the replica of ``key`` on ``instance`` (LRU order)."""
+        rep = self._node(key).replicas.get(instance)
+        if rep is None:
+            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
+        return rep.last_access
+
     def keys(self) -> Iterator[SegmentKey]:
         return iter(self._nodes)
 
@@ -149,7 +156,7 @@ class PrefixTree:
         """
         c = self.hasher.segment_tokens
         # Raw int32 bytes are a Sequence too: count (and cut) them in tokens of 4 bytes.
-        width = 1 if isinstance(token_ids, (bytes, bytearray, memoryview)) else 1
+        width = 4 if isinstance(token_ids, (bytes, bytearray, memoryview)) else 1
         limit = len(token_ids) // width
         if max_tokens is not None:
             limit = min(limit, max_tokens)
@@ -211,6 +218,9 @@ class PrefixTree:
             raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
         rep.ready = True
         rep.last_access = now
+        if rep.lru_entry is not None:  # already ready and indexed: re-file at the new time
+            self._lru.remove(rep.lru_entry)
+            rep.lru_entry = None
         self._sync(node)
 
     def touch(self, key: SegmentKey, instance: int, now: float) -> None:
@@ -363,4 +373,6 @@ class PrefixTree:
             ok = self._evictable(node)
             for inst, rep in node.replicas.items():
                 assert ((key, inst) in in_lru) == (ok and rep.ready), "LRU index out of date"
+                if rep.lru_entry is not None:
+                    assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
         assert all(k in self._nodes for k in self._roots)

@@ -24,6 +24,7 @@ class RequestState:
     tail: SegmentLocation | None = None
     tail_tokens: list[int] = field(default_factory=list)
     busy: int = -1  # iteration whose plans are in flight for this request, -1 if none
+    lost: bool = False  # part of its prefix went with a removed instance: finish it
     # Query-side resolution cache (see ControlPlane._resolve).
     epoch: int = -1
     keys: tuple[SegmentKey, ...] = ()

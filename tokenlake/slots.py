@@ -53,6 +53,16 @@ class SlotPool:
         self._free_set[instance].discard(slot)
         return slot
 
+    def take(self, instance: int, slot: int) -> None:
+        """Takes one particular free slot (undoes a :meth:`free`); ``ValueError`` if in use."""
+        self._check(instance)
+        if slot not in self._free_set[instance]:
+            raise ValueError(f"slot {slot} on instance {instance} is not free")
+        self._free_set[instance].remove(slot)
+        free = self._free[instance]
+        free.remove(slot)
+        heapq.heapify(free)
+
     def free(self, instance: int, slot: int) -> None:
         """Returns a slot. Freeing a slot twice or out of range raises ``ValueError``."""
         self._check(instance)

@@ -1,0 +1,60 @@
+"""The control plane is pure Python: importing it pulls in no torch, zmq, numpy or scipy
+(DESIGN §2, STYLE 12)."""
+
+import subprocess
+import sys
+
+CONTROL_PLANE = [
+    "tokenlake",
+    "tokenlake.segments",
+    "tokenlake.slots",
+    "tokenlake.prefix_tree",
+    "tokenlake.placement",
+    "tokenlake.pool",
+    "tokenlake.config",
+    "tokenlake.specs",
+    "tokenlake.cost_model",
+    "tokenlake.dispatch",
+    "tokenlake.plans",
+    "tokenlake.requests",
+    "tokenlake.assembly",
+    "tokenlake.control",
+    "tokenlake.walkthrough",
+    "tokenlake.cli",
+]
+HEAVY = ["torch", "zmq", "numpy", "scipy", "msgpack"]
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_importing_the_control_plane_loads_no_heavy_module():
+    code = (
+        "import importlib, sys\n"
+        f"for m in {CONTROL_PLANE!r}: importlib.import_module(m)\n"
+        f"print(sorted(h for h in {HEAVY!r} if h in sys.modules))\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_control_plane_plans_with_torch_and_zmq_blocked():
+    """With torch and zmq made unimportable, a whole prefill + decode cycle still plans."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None; sys.modules['zmq'] = None\n"
+        "from tokenlake.config import PoolConfig\n"
+        "from tokenlake.control import ControlPlane\n"
+        "from tokenlake.plans import Batch, BatchRequest\n"
+        "from tokenlake.specs import load_model\n"
+        "cp = ControlPlane(PoolConfig(4, 'ns', 8), load_model('smollm2-135m'), [0, 1])\n"
+        "p = cp.gen_plans([Batch((BatchRequest('a', tuple(range(1, 11))),))], [1])\n"
+        "cp.complete(p)\n"
+        "p = cp.gen_plans([Batch((BatchRequest('a', (5,)),), 'decode')], [1])\n"
+        "print(p.query_plans[0].spans[0].prefix_tokens)\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "10"

@@ -1,0 +1,107 @@
+"""The ``tokenlake`` command.
+
+``tokenlake demo``            control-plane walk-through (LooGLE-like workload, 8 instances)
+``tokenlake bench plans``     gen_plans latency and prefix-match throughput (JSON)
+``tokenlake threshold``       the paper's segment-size threshold for a model and hardware
+``tokenlake profile-cpu``     measure this machine's hardware profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tokenlake.walkthrough import WorkloadConfig, run
+
+    workload = replace(WorkloadConfig(), num_requests=args.requests, seed=args.seed)
+    results = [run(args.instances, replication=rep, workload=workload) for rep in (False, True)]
+    if args.json:
+        print(json.dumps([_result_dict(r) for r in results], indent=2))
+        return 0
+    print(f"Control-plane walk-through: {args.requests} LooGLE-like requests "
+          f"({workload.num_documents} shared documents of {workload.document_tokens} tokens, "
+          f"Zipf {workload.zipf_s}) on {args.instances} instances, C = 576 tokens\n")
+    for r in results:
+        title = "with heavy-hitter replication" if r.replication else "hash placement only"
+        print(f"[{title}]")
+        print(f"  hit rate            {r.hit_rate:6.1%}   (reused prefix tokens / input tokens)")
+        print(f"  segments in pool    {r.segments:6d}   replicas made: {r.replications}")
+        print(f"  deduplicated        {r.dedup_bytes / 2**30:6.2f} GiB")
+        print(f"  cache-access CV     {r.mean_cv:6.1%}   (mean over time of per-instance reads)")
+        total = sum(r.reads.values()) or 1
+        print("  reads per instance  " + " ".join(f"{100 * v / total:4.1f}%" for v in r.reads.values()))
+        print()
+    return 0
+
+
+def _result_dict(r) -> dict:
+    return {
+        "replication": r.replication,
+        "requests": r.requests,
+        "hit_rate": r.hit_rate,
+        "cv": r.mean_cv,
+        "segments": r.segments,
+        "replications": r.replications,
+        "dedup_bytes": r.dedup_bytes,
+        "reads_per_instance": {str(k): v for k, v in r.reads.items()},
+    }
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tokenlake.bench import bench_plans
+
+    result = bench_plans(tuple(args.instances))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for n, ms in result["gen_plans_ms"].items():
+            print(f"gen_plans  N={n:>4}: {ms:8.3f} ms")
+        print(f"prefix match: {result['match_tokens_per_s'] / 1e6:.1f} M tokens/s")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenlake", description="TokenLake KV-cache pool")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="control-plane walk-through")
+    demo.add_argument("--instances", type=int, default=8)
+    demo.add_argument("--requests", type=int, default=400)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(fn=_demo)
+    bench = sub.add_parser("bench", help="benchmarks (print figures; not tests)")
+    bench.add_argument("what", choices=["plans"])
+    bench.add_argument("--instances", type=int, nargs="+", default=[8, 64, 256])
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(fn=_bench)
+    th = sub.add_parser("threshold", help="segment-size threshold (paper §4.2)")
+    th.add_argument("--model", default="llama-2-7b")
+    th.add_argument("--hardware", default="a100-80gb")
+    th.set_defaults(fn=lambda a: _cost_model(["threshold", "--model", a.model, "--hardware", a.hardware]))
+    prof = sub.add_parser("profile-cpu", help="measure this machine (writes a hardware entry)")
+    prof.add_argument("--out", required=True)
+    prof.add_argument("--merge", action="store_true")
+    prof.set_defaults(fn=lambda a: _profile(["--out", a.out] + (["--merge"] if a.merge else [])))
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+def _cost_model(argv: list[str]) -> int:
+    from tokenlake.cost_model import main as cost_main
+
+    return cost_main(argv)
+
+
+def _profile(argv: list[str]) -> int:
+    from tokenlake.profiler import main as profiler_main
+
+    return profiler_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

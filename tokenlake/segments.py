@@ -15,6 +15,7 @@ private to its request until it fills.
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
@@ -50,16 +51,16 @@ def token_bytes(token_ids: Sequence[int] | array | bytes | memoryview) -> bytes:
             raise ValueError("token bytes must be a whole number of int32 values")
         return raw
     if isinstance(token_ids, array) and token_ids.typecode == "i" and token_ids.itemsize == 4:
-        buf = token_ids
-    else:
-        try:
-            buf = array("i", token_ids)
-        except OverflowError as exc:
-            raise ValueError(f"token id out of int32 range: {exc}") from None
-    if not _LITTLE:  # pragma: no cover - big-endian hosts
-        buf = array("i", buf)
-        buf.byteswap()
-    return buf.tobytes()
+        if _LITTLE:
+            return token_ids.tobytes()
+        swapped = array("i", token_ids)  # pragma: no cover - big-endian hosts
+        swapped.byteswap()
+        return swapped.tobytes()
+    try:
+        # struct unboxes a list of ints faster than array() and fixes the byte order.
+        return struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be int32 values: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,12 @@ def keys_in_subprocess(hashseed: str, namespace: str, tokens: list[int]) -> list
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-c", KEY_SCRIPT, namespace, json.dumps(tokens)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     return json.loads(out.stdout)
 
@@ -339,7 +344,9 @@ class TreeMachine(RuleBasedStateMachine):
     def remove_subtree(self, data):
         key = data.draw(st.sampled_from(sorted(self.model.nodes)))
         sub = self.model.subtree(key)
-        expect = sorted((k, i, r.slot) for k in sub for i, r in self.model.nodes[k].replicas.items())
+        expect = sorted(
+            (k, i, r.slot) for k in sub for i, r in self.model.nodes[k].replicas.items()
+        )
         assert sorted(self.tree.remove_subtree(key)) == expect
         for k in sub:
             del self.model.nodes[k]
@@ -395,10 +402,11 @@ class TreeMachine(RuleBasedStateMachine):
 
 
 TestPrefixTreeMachine = TreeMachine.TestCase
-TestPrefixTreeMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPrefixTreeMachine.settings = settings(max_examples=100, stateful_step_count=80, deadline=None)
 
 
 # ------------------------------------------------------------------- hash ring
+
 
 def _random_keys(n: int, seed: int) -> list[bytes]:
     rng = random.Random(seed)

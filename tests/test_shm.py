@@ -1,0 +1,354 @@
+"""Shared buffers across real processes (DESIGN §4 "Shared buffers", "Failure").
+
+Children are started with the "spawn" context (a fresh interpreter, as engines are) and
+synchronise through pipes with timeouts: no sleeps, no hangs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenlake import shm
+from tokenlake.errors import TokenLakeError
+from tokenlake.shm import (
+    BufferRegistry,
+    BufferSpec,
+    CopyCounter,
+    SegmentExists,
+    SegmentMismatch,
+    SegmentMissing,
+    SharedMemoryError,
+    SharedTensor,
+    cluster_prefix,
+    list_segments,
+    new_cluster_id,
+    sweep_stale,
+)
+
+TIMEOUT_S = 30.0
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture
+def prefix():
+    """A fresh cluster prefix; whatever a test leaves under it is removed (and reported)."""
+    p = cluster_prefix(new_cluster_id())
+    yield p
+    leftovers = list_segments(p)
+    for name in leftovers:
+        shm.unlink_segment(name)
+    assert leftovers == [], f"test leaked shared buffers: {leftovers}"
+
+
+def _recv(conn, what: str):
+    assert conn.poll(TIMEOUT_S), f"child did not answer in {TIMEOUT_S}s ({what})"
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise AssertionError(f"child failed: {msg[1]}")
+    return msg
+
+
+def _join(proc) -> int:
+    proc.join(TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(TIMEOUT_S)
+        raise AssertionError("child did not exit in time")
+    return proc.exitcode
+
+
+def _mapped_paths(t: torch.Tensor) -> list[str]:
+    """Files mapped at the tensor's data address, from /proc/self/maps."""
+    addr = t.data_ptr()
+    paths = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= addr < hi and len(fields) == 6:
+                paths.append(fields[5].strip())
+    return paths
+
+
+# --------------------------------------------------------------------------- children
+
+
+def _child_roundtrip(spec_dict, conn) -> None:
+    """Attach, write a pattern, let the parent check, then read the parent's pattern."""
+    try:
+        st = SharedTensor.attach(BufferSpec.from_dict(spec_dict))
+        st.tensor.copy_(torch.arange(st.tensor.numel(), dtype=st.tensor.dtype).view_as(st.tensor))
+        conn.send("written")
+        assert conn.recv() == "your turn"
+        conn.send(float(st.tensor.sum()))
+        st.close()
+    except BaseException as e:  # report instead of dying silently
+        conn.send(("error", repr(e)))
+
+
+def _child_attach_and_hang(spec_dicts, own_name, conn) -> None:
+    """Attach every buffer, create one of its own (as an engine would), then wait forever."""
+    try:
+        views = [SharedTensor.attach(BufferSpec.from_dict(d)) for d in spec_dicts]
+        for v in views:
+            v.tensor.fill_(7)
+        SharedTensor.create(BufferSpec(own_name, (16,), "float32"))  # never unlinked by us
+        conn.send("ready")
+        conn.recv()  # blocks until killed
+    except BaseException as e:
+        conn.send(("error", repr(e)))
+
+
+def _child_cuda(spec_dict, conn) -> None:
+    try:
+        st = SharedTensor.attach(BufferSpec.from_dict(spec_dict))
+        st.tensor.fill_(3)
+        torch.cuda.synchronize()
+        conn.send("written")
+        assert conn.recv() == "your turn"
+        conn.send(float(st.tensor.sum()))
+        st.close()
+    except BaseException as e:
+        conn.send(("error", repr(e)))
+
+
+# --------------------------------------------------------------------------- specs, names
+
+
+def test_spec_roundtrips_through_plain_data_and_validates():
+    spec = BufferSpec("tokenlake-1-ab-q", (2, 3), "bfloat16")
+    assert BufferSpec.from_dict(spec.to_dict()) == spec
+    assert BufferSpec.from_dict({**spec.to_dict(), "shape": [2, 3]}).shape == (2, 3)
+    assert spec.nbytes == 12
+    for bad in (
+        dict(name="a/b", shape=(1,), dtype="float32"),
+        dict(name="..", shape=(1,), dtype="float32"),
+        dict(name="x", shape=(0,), dtype="float32"),
+        dict(name="x", shape=(), dtype="float32"),
+        dict(name="x", shape=(2,), dtype="complex64"),
+        dict(name="x", shape=(2,), dtype="float32", device="tpu"),
+        dict(name="x", shape=(2,), dtype="float32", ipc_handle=b"h"),
+    ):
+        with pytest.raises(SharedMemoryError):
+            BufferSpec(**bad)
+    with pytest.raises(SharedMemoryError, match="malformed"):
+        BufferSpec.from_dict({"name": "x"})
+
+
+def test_cluster_names_carry_the_creator_pid():
+    cid = new_cluster_id()
+    assert cid.startswith(f"{os.getpid()}-")
+    assert cluster_prefix(cid) == f"tokenlake-{cid}-"
+    with pytest.raises(SharedMemoryError):
+        cluster_prefix("a/b")
+
+
+# --------------------------------------------------------------------------- CPU sharing
+
+
+def test_child_and_parent_see_each_others_writes_without_copies(prefix):
+    spec = BufferSpec(prefix + "q", (64, 32), "float32")
+    owner = SharedTensor.create(spec)
+    t = owner.tensor
+    ptr = t.data_ptr()
+    assert t.shape == (64, 32) and t.dtype == torch.float32 and not t.any()
+    if os.path.exists("/proc/self/maps"):  # the tensor *is* the shm file's mapping
+        assert os.path.join(shm.shm_dir(), spec.name) in _mapped_paths(t)
+
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_child_roundtrip, args=(spec.to_dict(), child))
+    proc.start()
+    try:
+        assert _recv(parent, "write") == "written"
+        assert torch.equal(t, torch.arange(64 * 32, dtype=torch.float32).view(64, 32))
+        assert t.data_ptr() == ptr  # same memory, nothing re-read or copied
+        t.fill_(2.0)
+        parent.send("your turn")
+        assert _recv(parent, "read") == 2.0 * 64 * 32
+    finally:
+        assert _join(proc) == 0
+
+    assert list_segments(prefix) == [spec.name]  # a peer's exit does not remove it
+    owner.unlink()
+    assert list_segments(prefix) == []
+    t.add_(1)  # an unlinked segment stays mapped for whoever still holds it
+    assert float(t[0, 0]) == 3.0
+    owner.close()
+    owner.close()
+    owner.unlink()  # idempotent
+    with pytest.raises(SharedMemoryError, match="closed"):
+        owner.tensor  # noqa: B018
+
+
+def test_create_twice_and_bad_attaches_raise_clear_errors(prefix):
+    spec = BufferSpec(prefix + "kv", (4, 8), "float32")
+    with SharedTensor.create(spec) as owner:
+        with pytest.raises(SegmentExists) as e:
+            SharedTensor.create(spec)
+        assert isinstance(e.value, FileExistsError) and isinstance(e.value, TokenLakeError)
+        for bigger in ((4, 9), (4, 8, 2)):
+            with pytest.raises(SegmentMismatch, match="needs"):
+                SharedTensor.attach(BufferSpec(spec.name, bigger, "float32"))
+        with pytest.raises(SegmentMismatch):
+            SharedTensor.attach(BufferSpec(spec.name, (4, 8), "float64"))
+        assert os.path.getsize(os.path.join(shm.shm_dir(), spec.name)) == 128  # not grown
+        with SharedTensor.attach(spec) as peer:
+            peer.tensor[1, 2] = 5.0
+            assert float(owner.tensor[1, 2]) == 5.0
+            with pytest.raises(SharedMemoryError, match="owner"):
+                peer.unlink()
+    assert list_segments(prefix) == []  # the owner's context manager unlinked it
+    with pytest.raises(SegmentMissing) as e:
+        SharedTensor.attach(spec)
+    assert isinstance(e.value, FileNotFoundError)
+
+
+def test_fallback_directory_without_dev_shm(monkeypatch, tmp_path):
+    monkeypatch.setattr(shm, "_DEV_SHM", str(tmp_path / "no-such-dir"))
+    monkeypatch.setattr(shm.tempfile, "gettempdir", lambda: str(tmp_path))
+    spec = BufferSpec(cluster_prefix(new_cluster_id()) + "o", (3,), "int32")
+    with SharedTensor.create(spec) as st, SharedTensor.attach(spec) as peer:
+        st.tensor[:] = torch.tensor([1, 2, 3], dtype=torch.int32)
+        assert peer.tensor.tolist() == [1, 2, 3]
+        assert (tmp_path / "tokenlake-shm" / spec.name).exists()
+    assert list(os.listdir(tmp_path / "tokenlake-shm")) == []
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+def test_registry_cleanup_after_a_child_was_sigkilled(prefix):
+    registry = BufferRegistry(prefix)
+    specs = [BufferSpec(prefix + f"i0-{role}", (128,), "float16") for role in ("q", "kv", "out")]
+    bufs = [registry.create(s) for s in specs]
+    with pytest.raises(SharedMemoryError, match="outside"):
+        registry.create(BufferSpec("tokenlake-other-x", (1,), "float32"))
+    parent, child = CTX.Pipe()
+    child_own = prefix + "i0-child-scratch"
+    proc = CTX.Process(
+        target=_child_attach_and_hang, args=([s.to_dict() for s in specs], child_own, child)
+    )
+    proc.start()
+    try:
+        assert _recv(parent, "attach") == "ready"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        assert _join(proc) == -signal.SIGKILL
+    assert all(float(b.tensor.sum()) == 7 * 128 for b in bufs)  # its writes landed
+    assert len(list_segments(prefix)) == 4
+
+    removed = registry.cleanup()
+    assert sorted(removed) == sorted([s.name for s in specs] + [child_own])
+    assert list_segments(prefix) == []
+    assert all(b.closed for b in bufs)
+    assert registry.cleanup() == [] and registry.names == []  # idempotent
+
+
+def test_registry_cleans_up_at_interpreter_exit(prefix):
+    code = (
+        "import sys\n"
+        "from tokenlake.shm import BufferRegistry, BufferSpec\n"
+        "r = BufferRegistry(sys.argv[1])\n"
+        "r.create(BufferSpec(sys.argv[1] + 'a', (4,), 'float32'))\n"
+        "print('created', flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, prefix], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "created"
+    assert list_segments(prefix) == []
+
+
+def test_sweep_stale_removes_dead_creators_only(prefix):
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait(TIMEOUT_S)
+    dead_prefix = cluster_prefix(f"{dead.pid}-{os.urandom(4).hex()}")
+    live_prefix = prefix  # this process's pid
+    opaque = "tokenlake-nopid-" + os.urandom(4).hex()
+    names = [dead_prefix + "a", dead_prefix + "b", live_prefix + "a", opaque]
+    for name in names:
+        SharedTensor.create(BufferSpec(name, (2,), "uint8")).close()
+    try:
+        assert sweep_stale(dead_prefix) == [dead_prefix + "a", dead_prefix + "b"]
+        assert sweep_stale(live_prefix) == []
+        assert sweep_stale(opaque) == []
+        assert list_segments(dead_prefix) == []
+        assert list_segments(live_prefix) == [live_prefix + "a"]
+        assert list_segments(opaque) == [opaque]
+    finally:
+        for name in names:
+            shm.unlink_segment(name)
+
+
+# --------------------------------------------------------------------------- copy counter
+
+
+def test_copy_counter_is_thread_safe():
+    import threading
+
+    c = CopyCounter()
+
+    def work():
+        for _ in range(1000):
+            c.count(3)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT_S)
+    assert c.snapshot() == shm.CopySnapshot(bytes_copied=12000, copies=4000)
+    assert (c.bytes_copied, c.copies) == (12000, 4000)
+    c.reset()
+    assert c.snapshot() == shm.CopySnapshot(0, 0)
+    with pytest.raises(ValueError):
+        c.count(-1)
+
+
+def test_sharing_counts_no_copies(prefix):
+    before = shm.COPY_COUNTER.snapshot()
+    spec = BufferSpec(prefix + "z", (1024,), "float32")
+    with SharedTensor.create(spec) as owner, SharedTensor.attach(spec) as peer:
+        peer.tensor.fill_(1)
+        assert float(owner.tensor.sum()) == 1024
+    assert shm.COPY_COUNTER.snapshot() == before
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def test_cuda_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    with pytest.raises(SharedMemoryError, match="CUDA is unavailable"):
+        SharedTensor.create(BufferSpec("tokenlake-1-ab-g", (4,), "float32", device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_roundtrip_across_processes():
+    spec = BufferSpec(cluster_prefix(new_cluster_id()) + "g", (256, 4), "float32", "cuda:0")
+    owner = SharedTensor.create(spec)
+    assert owner.spec.ipc_handle is not None and owner.tensor.is_cuda
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_child_cuda, args=(owner.spec.to_dict(), child))
+    proc.start()
+    try:
+        assert _recv(parent, "write") == "written"
+        assert float(owner.tensor.sum()) == 3.0 * 1024
+        owner.tensor.fill_(5)
+        torch.cuda.synchronize()
+        parent.send("your turn")
+        assert _recv(parent, "read") == 5.0 * 1024
+    finally:
+        assert _join(proc) == 0
+    owner.close()
+    owner.unlink()

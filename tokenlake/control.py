@@ -201,6 +201,10 @@ class ControlPlane:
         reps = self.pool.rebalance()
         return reps
 
+    def start_replication(self, key: bytes, target: int) -> Replication:
+        """Starts one replication by hand (see :meth:`CachePool.start_replication`)."""
+        return self.pool.start_replication(key, target)
+
     def finish_replication(self, rep: Replication) -> None:
         self.pool.finish_replication(rep)
         self._epoch += 1

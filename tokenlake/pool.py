@@ -333,6 +333,23 @@ class CachePool:
         )
         return [r for d in decisions if (r := self._start_replication(d)) is not None]
 
+    def start_replication(self, key: SegmentKey, target: int) -> Replication:
+        """Starts copying segment ``key`` to ``target`` by hand (operators, migration,
+        tests). Raises :class:`SegmentNotFound` if it has no ready replica,
+        ``ValueError`` if ``target`` already holds it, :class:`CapacityError` if
+        ``target`` has no free slot."""
+        ready = self.tree.replicas(key)
+        if not ready:
+            raise SegmentNotFound(f"segment {key.hex()} has no ready replica to copy")
+        if any(loc.instance == target for loc in self.tree.replicas(key, ready_only=False)):
+            raise ValueError(f"instance {target} already holds segment {key.hex()}")
+        if target not in self.slots.instances:
+            raise ConfigError(f"unknown instance {target}")
+        rep = self._start_replication(ReplicationDecision(key, ready[0].instance, target))
+        if rep is None:
+            raise CapacityError(f"instance {target} has no free slot for a replica")
+        return rep
+
     def _holders(self, key: SegmentKey) -> list[int]:
         return [loc.instance for loc in self.tree.replicas(key, ready_only=False)]
 

@@ -1,0 +1,79 @@
+"""Helpers shared by the data-plane tests: a deterministic "model" that gives every
+token its K/V from its id and position (so equal prefixes have equal KV), and an
+executor that runs one iteration's plans through a LocalCluster."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenlake.attention import merge, partial_attention_ref
+from tokenlake.specs import ModelSpec
+
+TINY = ModelSpec(
+    name="tiny-gqa", num_layers=2, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, vocab_size=1000, num_params=100_000, dtype_bytes=4, max_context=4096,
+)
+
+
+def token_kv(tokens, start: int, layer: int, model: ModelSpec = TINY) -> torch.Tensor:
+    """K/V of ``tokens`` at positions ``start..``: [n, 2, kv_heads, head_dim] float32."""
+    n = len(tokens)
+    t = torch.tensor(list(tokens), dtype=torch.float64)[:, None]
+    p = torch.arange(start, start + n, dtype=torch.float64)[:, None]
+    width = 2 * model.num_kv_heads * model.head_dim
+    base = torch.arange(width, dtype=torch.float64)[None, :]
+    x = torch.sin(t * 0.37 + p * 0.011 + layer * 1.3 + base * 0.173) + 0.5 * torch.cos(t * 0.05 + base * 0.71)
+    return x.reshape(n, 2, model.num_kv_heads, model.head_dim).to(torch.float32)
+
+
+def query_rows(request_id: str, start: int, n: int, layer: int, model: ModelSpec = TINY) -> torch.Tensor:
+    """Deterministic q rows of a request: [n, q_heads, head_dim] float32."""
+    g = torch.Generator().manual_seed(hash((request_id, start, layer)) % (2**31))
+    return torch.randn(n, model.num_q_heads, model.head_dim, generator=g)
+
+
+def execute(cluster, plans, tokens: dict[str, list[int]], new: dict[str, int], model: ModelSpec = TINY):
+    """Runs every sub-batch of ``plans``: puts the new tokens' KV layer by layer and
+    queries the pool. Returns {(request_id, layer): (q, o, lse, position)} per span."""
+    results = {}
+    for qp, tp in zip(plans.query_plans, plans.transfer_plans):
+        client = cluster.client(qp.home)
+        q_buf = client.init_query(qp)
+        kv_buf = client.init_transfer(tp)
+        handles = []
+        for layer in range(model.num_layers):
+            for span in qp.spans:
+                toks = tokens[span.request_id]
+                kv_buf[layer, span.start : span.stop] = token_kv(
+                    toks[span.position : span.position + span.stop - span.start], span.position, layer, model
+                )
+            handles.append(client.put(layer))
+            for span in qp.spans:
+                q_buf[span.start : span.stop] = query_rows(span.request_id, span.position, span.stop - span.start, layer, model)
+            part = client.query(layer)
+            for span in qp.spans:
+                rows = slice(span.start, span.stop)
+                results[(span.request_id, span.position, layer)] = (
+                    q_buf[rows].clone(), part.o[rows].clone(), part.lse[rows].clone(), span
+                )
+        for h in handles:
+            h.wait()
+    return results
+
+
+def reference_prefix(tokens: list[int], prefix_tokens: int, q: torch.Tensor, layer: int, model: ModelSpec = TINY):
+    kv = token_kv(tokens[:prefix_tokens], 0, layer, model).to(torch.float64)
+    return partial_attention_ref(q.to(torch.float64), kv[:, 0], kv[:, 1])
+
+
+def full_attention_check(tokens, span, q, o, lse, layer, model: ModelSpec = TINY):
+    """Pool prefix partial merged with causal self-attention over the span's own rows
+    equals monolithic causal attention over [prefix ; new] (the compute engine's job).
+    Valid when the span starts at the request's first new token."""
+    p, n = span.prefix_tokens, span.stop - span.start
+    new_kv = token_kv(tokens[p : p + n], p, layer, model)
+    so, slse = partial_attention_ref(q.double(), new_kv[:, 0].double(), new_kv[:, 1].double(), causal=True)
+    mo, mlse = merge(o.double(), lse.double(), so, slse)
+    all_kv = token_kv(tokens[: p + n], 0, layer, model).double()
+    ro, rlse = partial_attention_ref(q.double(), all_kv[:, 0], all_kv[:, 1], causal=True)
+    return (mo - ro).abs().max().item(), (mlse - rlse).abs().max().item()

@@ -1,0 +1,178 @@
+"""The data plane with real processes: query and transfer engines of 1, 2 and 4
+instances, segments spread and replicated over them (issue #3)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+import zmq
+from dataplane_util import TINY, execute, full_attention_check, reference_prefix
+
+from tokenlake import wire
+from tokenlake.cluster import LocalCluster
+from tokenlake.errors import EngineUnavailable, PlanError
+from tokenlake.plans import Batch, BatchRequest
+
+C = 8
+POOL_BYTES = 64 * TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4  # 64 slots
+
+
+def run_iteration(cluster, tokens, new, dops=None, first_prefix=None):
+    """Plans and executes one iteration; every request's query result is checked."""
+    first_prefix = first_prefix or {}
+    cp = cluster.control
+    n_batches = len(dops) if dops else min(len(new), cluster.n_instances)
+    groups = [[] for _ in range(n_batches)]
+    for i, (rid, n) in enumerate(new.items()):
+        toks = tokens[rid]
+        live = rid in cp.live_requests
+        prefix = () if live else tuple(toks[: first_prefix.get(rid, 0)])
+        start = cp.prefix_tokens(rid) if live else len(prefix)
+        groups[i % n_batches].append(BatchRequest(rid, tuple(toks[start : start + n]), prefix))
+    batches = [Batch(tuple(g)) for g in groups]
+    plans = cp.gen_plans(batches, dops or [1] * len(batches))
+    results = execute(cluster, plans, tokens, new)
+    cp.complete(plans)
+    worst = 0.0
+    for (rid, _pos, layer), (q, o, lse, span) in results.items():
+        ro, rlse = reference_prefix(tokens[rid], span.prefix_tokens, q, layer)
+        if span.prefix_tokens == 0:
+            assert torch.isinf(lse).all() and (lse < 0).all()
+            continue
+        worst = max(worst, (o.double() - ro).abs().max().item(), (lse.double() - rlse).abs().max().item())
+        if span.position == span.prefix_tokens:  # span starts at the first new token
+            eo, else_ = full_attention_check(tokens[rid], span, q, o, lse, layer)
+            worst = max(worst, eo, else_)
+    assert worst < 1e-5, worst
+    return plans
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"N{n}")
+def cluster(request):
+    with LocalCluster(request.param, TINY, POOL_BYTES, segment_tokens=C, max_rows=256) as c:
+        yield c
+
+
+def test_pool_query_equals_monolithic_attention(cluster):
+    rng = random.Random(cluster.n_instances)
+    doc = [rng.randrange(3, 900) for _ in range(5 * C + 3)]
+    tokens = {"a": doc + [rng.randrange(3, 900) for _ in range(40)]}
+    run_iteration(cluster, tokens, {"a": len(doc)})  # prefill: 5 segments + open tail
+    # B reuses A's 5 cached segments (put by another client if homes differ); A decodes.
+    tokens["b"] = doc[: 5 * C] + [rng.randrange(3, 900) for _ in range(30)]
+    run_iteration(cluster, tokens, {"a": 1, "b": 11}, first_prefix={"b": 5 * C})
+    for _ in range(C + 2):  # decode across a segment boundary: the tail seals
+        run_iteration(cluster, tokens, {"a": 1, "b": 1})
+    # Chunked prefill with DoP > 1 when there are instances to spread over.
+    tokens["c"] = doc[: 2 * C] + [rng.randrange(3, 900) for _ in range(3 * C + 5)]
+    dop = min(2, cluster.n_instances)
+    run_iteration(cluster, tokens, {"c": 3 * C + 5}, dops=[dop], first_prefix={"c": 2 * C})
+    for rid in ("a", "b", "c"):
+        cluster.control.finish_request(rid)
+
+
+def test_replicated_segments_give_the_same_result(cluster):
+    if cluster.n_instances == 1:
+        pytest.skip("replication needs two instances")
+    rng = random.Random(7)
+    tokens = {"r": [rng.randrange(3, 900) for _ in range(4 * C + 2)]}
+    run_iteration(cluster, tokens, {"r": 4 * C})
+    cp = cluster.control
+    keys = cp.get_prefix_tree().match(tokens["r"]).keys
+    reps = []
+    for key in keys:  # copy every segment to an instance that lacks it
+        have = {loc.instance for loc in cp.get_prefix_tree().replicas(key)}
+        target = next(i for i in range(cluster.n_instances) if i not in have)
+        reps.append(cp.start_replication(key, target))
+    cluster.replicate(reps)
+    for rep in reps:
+        src, dst = cluster.slab(rep.source.instance)[rep.source.slot], cluster.slab(rep.target.instance)[rep.target.slot]
+        assert torch.equal(src, dst)
+    tokens["s"] = tokens["r"][: 4 * C] + [5, 6, 7]
+    run_iteration(cluster, tokens, {"s": 3}, first_prefix={"s": 4 * C})
+    for rid in ("r", "s"):
+        cp.finish_request(rid)
+
+
+def test_two_clients_query_concurrently(cluster):
+    if cluster.n_instances < 2:
+        pytest.skip("needs two homes")
+    rng = random.Random(11)
+    tokens = {f"t{i}": [rng.randrange(3, 900) for _ in range(3 * C + 1)] for i in range(2)}
+    run_iteration(cluster, tokens, {rid: len(t) for rid, t in tokens.items()})
+    cp = cluster.control
+    plans = cp.gen_plans([Batch((BatchRequest(rid, (9,)),), "decode") for rid in tokens], [1, 1])
+    errors = []
+
+    def work(qp):
+        try:
+            client = cluster.client(qp.home)
+            q = client.init_query(qp)
+            for _ in range(20):
+                q.normal_()
+                part = client.query(0)
+                ref = reference_prefix(tokens[qp.spans[0].request_id], qp.spans[0].prefix_tokens, q, 0)
+                assert (part.o.double() - ref[0]).abs().max() < 1e-5
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    for qp in plans.query_plans:  # create clients before the threads share the context
+        cluster.client(qp.home)
+    threads = [threading.Thread(target=work, args=(qp,)) for qp in plans.query_plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    cp.abort(plans)
+    for rid in tokens:
+        cp.finish_request(rid)
+
+
+def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
+    inst = 0
+    ep = cluster._endpoints[("query", inst)]
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ep)
+    try:
+        sock.send_multipart([b"\xff\x00garbage", b"x"])  # malformed header
+        reply = wire.recv(sock, 5.0)
+        assert reply.kind == wire.Kind.ERROR
+        sock.send_multipart(wire.encode(wire.Kind.REGISTER_PLAN, 2, {"plan": 99, "rows": 1, "tasks": [[inst, [[0, 1, [10_000], [C]]]]]}))
+        reply = wire.recv(sock, 5.0)
+        with pytest.raises(PlanError, match="slot"):
+            wire.raise_if_error(reply)
+        sock.send_multipart(wire.encode(wire.Kind.QUERY, 3, {"plan": 12345, "layer": 0}))
+        with pytest.raises(PlanError, match="unknown plan"):
+            wire.raise_if_error(wire.recv(sock, 5.0))
+        sock.send_multipart(wire.encode(wire.Kind.PING, 4))
+        assert wire.recv(sock, 5.0).kind == wire.Kind.PONG
+    finally:
+        sock.close(0)
+
+
+def test_killed_query_engine_becomes_engine_unavailable():
+    with LocalCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, timeout_s=30.0) as cluster:
+        tokens = {"k": list(range(3, 3 + 3 * C + 2))}
+        run_iteration(cluster, tokens, {"k": len(tokens["k"])})
+        cp = cluster.control
+        plans = cp.gen_plans([Batch((BatchRequest("k", (5,)),), "decode")], [1])
+        qp = plans.query_plans[0]
+        client = cluster.client(qp.home)
+        client.init_query(qp)
+        other = 1 - qp.home
+        cluster.kill("query", qp.home)
+        import time
+
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable):
+            client.query(0)
+        assert time.monotonic() - t0 < 5.0
+        # A dead remote query engine: the home's engine fails the query within its peer timeout.
+        assert cluster.alive("query", other)
+        cp.abort(plans)

@@ -1,0 +1,259 @@
+"""What the query and transfer engines share: their spec, the start-up handshake, the
+event loop with its peers, and the process entry point.
+
+An engine is one process per instance and role. It binds one ROUTER socket (clients
+and peer engines connect to it with DEALER sockets), maps its instance's slab from
+shared memory, and serves messages until told to stop or until its parent dies. The
+loop never blocks on one peer: requests it sends to peers are answered on their DEALER
+sockets and matched by message id, with a deadline each (DESIGN §4 "Failure").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+
+from tokenlake import wire
+from tokenlake.errors import ConfigError, EngineUnavailable, TokenLakeError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("query", "transfer")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine process needs, sent to it as msgpack at start-up.
+
+    Attributes:
+        role: ``"query"`` or ``"transfer"``.
+        instance: instance id.
+        cluster_id: unique id of the cluster (names of shared buffers).
+        buffers: name -> :class:`tokenlake.shm.BufferSpec` dict of the shared buffers
+            this engine maps: ``slab`` always; the home buffers of its instance's compute
+            engine (``q``, ``out_o``, ``out_lse`` for a query engine, ``kv`` for a
+            transfer engine).
+        host: interface to bind (loopback unless configured).
+        peer_timeout_s: how long to wait for a peer engine before failing the request.
+        torch_threads: intra-op threads of torch in this process.
+    """
+
+    role: str
+    instance: int
+    cluster_id: str
+    buffers: dict[str, dict[str, Any]]
+    host: str = "127.0.0.1"
+    peer_timeout_s: float = 2.0
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if "slab" not in self.buffers:
+            raise ConfigError("an engine needs its instance's slab")
+        if self.peer_timeout_s <= 0:
+            raise ConfigError("peer_timeout_s must be > 0")
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> EngineSpec:
+        return cls(**msgpack.unpackb(raw, strict_map_key=False))
+
+
+@dataclass
+class Pending:
+    """A request this engine sent to peers and is still waiting for."""
+
+    deadline: float
+    waiting: set[int]  # message ids not answered yet
+    results: list = field(default_factory=list)  # decoded replies
+    on_done: Callable[[Pending], None] | None = None
+    on_fail: Callable[[Pending, BaseException], None] | None = None
+
+
+class EngineLoop:
+    """Single-threaded event loop: one ROUTER for incoming work, one DEALER per peer.
+
+    Subclasses implement :meth:`handle` (a request from a client or a peer, on the
+    ROUTER) and use :meth:`ask` to send requests to peers whose replies complete a
+    :class:`Pending`.
+    """
+
+    tick_s = 0.1
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.ctx: zmq.Context | None = None
+        self.router: zmq.Socket | None = None
+        self.endpoint = ""
+        self.peers: dict[int, zmq.Socket] = {}
+        self._pending: dict[int, Pending] = {}  # msg id -> pending op
+        self._next_id = 1
+        self._stop = False
+        self._parent = os.getppid()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        """Binds the ROUTER on a free port of ``spec.host``; returns its endpoint."""
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://{self.spec.host}:*")
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    def connect_peers(self, endpoints: dict[int, str]) -> None:
+        """Opens a DEALER to every other engine of the same role."""
+        assert self.ctx is not None
+        for inst, ep in endpoints.items():
+            if inst == self.spec.instance:
+                continue
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ep)
+            self.peers[inst] = sock
+
+    def close(self) -> None:
+        for sock in self.peers.values():
+            sock.close(0)
+        if self.router is not None:
+            self.router.close(0)
+        if self.ctx is not None:
+            self.ctx.term()
+
+    def serve(self) -> None:
+        """Runs until a SHUTDOWN message arrives or the parent process is gone."""
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        by_socket = {}
+        for inst, sock in self.peers.items():
+            poller.register(sock, zmq.POLLIN)
+            by_socket[sock] = inst
+        while not self._stop:
+            for sock, _ in poller.poll(int(self.tick_s * 1000)):
+                if sock is self.router:
+                    self._on_request(sock.recv_multipart(copy=False))
+                else:
+                    self._on_reply(by_socket[sock], sock.recv_multipart(copy=False))
+            self._expire()
+            if os.getppid() != self._parent:
+                log.warning("parent process is gone; %s engine %d stops", self.spec.role, self.spec.instance)
+                break
+
+    # ------------------------------------------------------------- messages
+    def _on_request(self, frames: list) -> None:
+        identity, payload = frames[0], frames[1:]
+        msg_id = 0
+        try:
+            msg = wire.decode(payload)
+            msg_id = msg.msg_id
+            if msg.kind == wire.Kind.SHUTDOWN:
+                self._stop = True
+                self.reply(identity, wire.encode(wire.Kind.SHUTDOWN, msg_id))
+            elif msg.kind == wire.Kind.PING:
+                self.reply(identity, wire.encode(wire.Kind.PONG, msg_id, {"instance": self.spec.instance}))
+            else:
+                self.handle(identity, msg)
+        except Exception as exc:  # a bad request must not stop the engine
+            msg_id = getattr(exc, "msg_id", None) or msg_id  # WireError knows it if readable
+            if not isinstance(exc, TokenLakeError):
+                log.exception("%s engine %d: request failed", self.spec.role, self.spec.instance)
+            self.reply(identity, wire.error_message(msg_id, exc))
+
+    def _on_reply(self, instance: int, frames: list) -> None:
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError:
+            log.exception("malformed reply from instance %d", instance)
+            return
+        pending = self._pending.pop(msg.msg_id, None)
+        if pending is None:
+            return  # late reply of an op that already failed
+        pending.waiting.discard(msg.msg_id)
+        if msg.kind == wire.Kind.ERROR:
+            self._fail(pending, _as_exception(msg))
+            return
+        pending.results.append((instance, msg))
+        if not pending.waiting and pending.on_done is not None:
+            pending.on_done(pending)
+
+    def reply(self, identity, frames: list) -> None:
+        assert self.router is not None
+        self.router.send_multipart([identity, *frames], copy=False)
+
+    def ask(self, instance: int, kind: wire.Kind, body: dict, tensors, pending: Pending) -> None:
+        """Sends a request to a peer; its reply will complete ``pending``."""
+        msg_id = self._next_id
+        self._next_id += 1
+        sock = self.peers.get(instance)
+        if sock is None:
+            raise ConfigError(f"instance {instance} is not a peer of instance {self.spec.instance}")
+        pending.waiting.add(msg_id)
+        self._pending[msg_id] = pending
+        sock.send_multipart(wire.encode(kind, msg_id, body, tensors), copy=False)
+
+    def new_pending(self, on_done, on_fail) -> Pending:
+        return Pending(time.monotonic() + self.spec.peer_timeout_s, set(), [], on_done, on_fail)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for msg_id, pending in list(self._pending.items()):
+            if pending.deadline < now and msg_id in self._pending:
+                self._fail(pending, EngineUnavailable(
+                    f"instance {self.spec.instance}: a peer did not answer within "
+                    f"{self.spec.peer_timeout_s:.1f} s"))
+
+    def _fail(self, pending: Pending, exc: BaseException) -> None:
+        for msg_id in pending.waiting:
+            self._pending.pop(msg_id, None)
+        pending.waiting.clear()
+        if pending.on_fail is not None:
+            cb, pending.on_fail, pending.on_done = pending.on_fail, None, None
+            cb(pending, exc)
+
+    def handle(self, identity, msg: wire.Message) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _as_exception(msg: wire.Message) -> BaseException:
+    try:
+        wire.raise_if_error(msg)
+    except BaseException as exc:  # noqa: BLE001 - converted, not swallowed
+        return exc
+    return TokenLakeError("peer replied with an error")
+
+
+def engine_main(spec_bytes: bytes, conn) -> None:
+    """Process entry point (multiprocessing ``spawn`` target).
+
+    Handshake over ``conn`` (bytes only, msgpack): send ``{"endpoint"}``, receive
+    ``{"peers": {instance: endpoint}}``, send ``{"ready": true}``, then serve.
+    """
+    import torch
+
+    spec = EngineSpec.from_bytes(spec_bytes)
+    torch.set_num_threads(spec.torch_threads)
+    logging.basicConfig(level=logging.WARNING, format=f"[{spec.role}-{spec.instance}] %(message)s")
+    if spec.role == "query":
+        from query_engine.engine import QueryEngine as cls
+    else:
+        from transfer_engine.engine import TransferEngine as cls
+    engine = cls(spec)
+    try:
+        conn.send_bytes(msgpack.packb({"endpoint": engine.start()}))
+        peers = msgpack.unpackb(conn.recv_bytes(), strict_map_key=False)["peers"]
+        engine.connect_peers({int(k): v for k, v in peers.items()})
+        conn.send_bytes(msgpack.packb({"ready": True}))
+        engine.serve()
+    finally:
+        engine.close()
+        conn.close()

@@ -53,6 +53,17 @@ def _result_dict(r) -> dict:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "query-vs-fetch":
+        from tokenlake.bench_dataplane import bench_query_vs_fetch
+
+        result = bench_query_vs_fetch(tuple(args.prefixes))
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            for r in result["results"]:
+                print(f"S={r['prefix_tokens']:>6}: query {r['query_ms']:8.2f} ms {r['query_bytes']:>10} B"
+                      f" | fetch {r['fetch_ms']:8.2f} ms {r['fetch_bytes']:>12} B")
+        return 0
     from tokenlake.bench import bench_plans
 
     result = bench_plans(tuple(args.instances))
@@ -75,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(fn=_demo)
     bench = sub.add_parser("bench", help="benchmarks (print figures; not tests)")
-    bench.add_argument("what", choices=["plans"])
+    bench.add_argument("what", choices=["plans", "query-vs-fetch"])
+    bench.add_argument("--prefixes", type=int, nargs="+", default=[4096, 16384, 65536])
     bench.add_argument("--instances", type=int, nargs="+", default=[8, 64, 256])
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(fn=_bench)

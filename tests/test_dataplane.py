@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -167,8 +168,6 @@ def test_killed_query_engine_becomes_engine_unavailable():
         client.init_query(qp)
         other = 1 - qp.home
         cluster.kill("query", qp.home)
-        import time
-
         t0 = time.monotonic()
         with pytest.raises(EngineUnavailable):
             client.query(0)
@@ -176,3 +175,83 @@ def test_killed_query_engine_becomes_engine_unavailable():
         # A dead remote query engine: the home's engine fails the query within its peer timeout.
         assert cluster.alive("query", other)
         cp.abort(plans)
+
+
+def test_a_segment_put_by_one_client_is_queried_by_another(cluster):
+    if cluster.n_instances < 2:
+        pytest.skip("needs two homes")
+    rng = random.Random(3)
+    doc = [rng.randrange(3, 900) for _ in range(3 * C)]
+    tokens = {"w": doc + [1]}
+    writer = run_iteration(cluster, tokens, {"w": len(doc)}).transfer_plans[0].home
+    # Readers until one is homed elsewhere: its query reads what the writer's client put.
+    for i in range(12):
+        rid = f"reader{i}"
+        tokens[rid] = doc + [rng.randrange(3, 900) for _ in range(2)]
+        plans = run_iteration(cluster, tokens, {rid: 2}, first_prefix={rid: 3 * C})
+        cluster.control.finish_request(rid)
+        if plans.query_plans[0].home != writer:
+            break
+    else:
+        pytest.fail("every reader was dispatched to the writer's instance")
+    cluster.control.finish_request("w")
+
+
+def test_migration_moves_a_segment_and_queries_stay_exact(cluster):
+    if cluster.n_instances < 2:
+        pytest.skip("migration needs two instances")
+    rng = random.Random(5)
+    tokens = {"m": [rng.randrange(3, 900) for _ in range(2 * C + 1)]}
+    run_iteration(cluster, tokens, {"m": 2 * C})
+    cp = cluster.control
+    tree = cp.get_prefix_tree()
+    key = tree.match(tokens["m"]).keys[0]
+    (src,) = tree.replicas(key)
+    before = cluster.slab(src.instance)[src.slot].clone()
+    target = (src.instance + 1) % cluster.n_instances
+    cluster.migrate(key, target)
+    (dst,) = tree.replicas(key)
+    assert dst.instance == target and torch.equal(cluster.slab(target)[dst.slot], before)
+    run_iteration(cluster, tokens, {"m": 1})  # the decode step reads the moved segment
+    cp.finish_request("m")
+
+
+def test_the_compute_engine_side_copies_nothing(cluster):
+    """q rows reach the home query engine and results come back through shared memory:
+    the client decodes no tensor frame, so it copies no byte (wire.CopyStats)."""
+    rng = random.Random(9)
+    tokens = {"z": [rng.randrange(3, 900) for _ in range(4 * C + 1)]}
+    wire.CopyStats.reset()
+    run_iteration(cluster, tokens, {"z": 4 * C})
+    run_iteration(cluster, tokens, {"z": 1})
+    assert wire.CopyStats.bytes_copied == 0
+    stats = cluster.engine_stats()
+    assert {k for k in stats} == {(r, i) for r in ("query", "transfer") for i in range(cluster.n_instances)}
+    cluster.control.finish_request("z")
+
+
+def test_killed_remote_query_engine_fails_the_query_within_seconds():
+    with LocalCluster(3, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, timeout_s=30.0,
+                      peer_timeout_s=2.0) as cluster:
+        rng = random.Random(1)
+        tokens = {"r": [rng.randrange(3, 900) for _ in range(6 * C)]}
+        run_iteration(cluster, tokens, {"r": 6 * C})
+        cp = cluster.control
+        plans = cp.gen_plans([Batch((BatchRequest("r", (5,)),), "decode")], [1])
+        qp = plans.query_plans[0]
+        remote = [t.instance for t in qp.tasks if t.instance != qp.home]
+        assert remote, "the prefix should span instances"
+        client = cluster.client(qp.home)
+        client.init_query(qp)
+        client.query(0)  # healthy first
+        cluster.kill("query", remote[0])
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable):
+            client.query(0)
+        assert time.monotonic() - t0 < 5.0
+        assert cluster.alive("query", qp.home)  # the home engine survived and still answers
+        assert cluster.engine_stats()[("query", qp.home)]["instance"] == qp.home
+        cp.abort(plans)
+        lost = cp.remove_instance(remote[0])
+        assert "r" in lost
+        cp.finish_request("r")

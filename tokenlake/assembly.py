@@ -11,14 +11,15 @@ builds the tails, spans and puts anew (plan once, run many).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenlake.plans import Batch, PutItem, QueryItem, QueryTask, RowSpan
 from tokenlake.requests import NewTokenPut, RequestState
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What ``gen_plans`` decided for one request before assembly."""
+class Prepared(NamedTuple):
+    """What ``gen_plans`` decided for one request before assembly (internal; a
+    NamedTuple because it is built for every request of every iteration)."""
 
     prefix_tokens: int  # tokens the pool held for the request before this iteration
     state: RequestState

@@ -87,6 +87,7 @@ class InstanceClient:
         self._replies: dict[int, wire.Message] = {}
         self._query_plan: tuple[int, int] | None = None  # (plan id, rows)
         self._transfer_plan: tuple[int, int] | None = None
+        self._puts: list[PutHandle] = []
 
     def start(self, ctx: zmq.Context) -> None:
         self._ctx = ctx
@@ -138,11 +139,22 @@ class InstanceClient:
         return self.kv[:, : plan.num_rows]
 
     def put(self, layer: int) -> PutHandle:
-        """Stores layer ``layer`` of ``kv_buf`` where the plan says, asynchronously."""
+        """Stores layer ``layer`` of ``kv_buf`` where the plan says, asynchronously.
+
+        Do not overwrite that layer of ``kv_buf`` before the handle is done."""
         if self._transfer_plan is None:
             raise PlanError("call init_transfer first")
         msg_id = self._send("transfer", wire.Kind.PUT, {"plan": self._transfer_plan[0], "layer": layer})
-        return PutHandle(self, msg_id, layer)
+        handle = PutHandle(self, msg_id, layer)
+        self._puts.append(handle)
+        return handle
+
+    def wait_puts(self, timeout_s: float | None = None) -> None:
+        """Waits until every put issued so far is stored (the per-batch completion: call
+        it before reporting the iteration's plans complete to the control plane)."""
+        while self._puts:
+            self._puts[0].wait(timeout_s)
+            self._puts.pop(0)
 
     # ------------------------------------------------------------ internals
     def _check_home(self, home: int) -> None:

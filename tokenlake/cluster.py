@@ -223,6 +223,29 @@ class LocalCluster:
                 return f"the {role} engine of instance {instance}"
         return None
 
+    def engine_stats(self) -> dict[tuple[str, int], dict]:
+        """Pings every live engine; returns its stats (see ``EngineLoop.stats``)."""
+        out = {}
+        for key, ep in self._endpoints.items():
+            if not self._procs[key].is_alive():
+                continue
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ep)
+            try:
+                sock.send_multipart(wire.encode(wire.Kind.PING, 1))
+                out[key] = wire.recv(sock, self.timeout_s).body
+            finally:
+                sock.close(0)
+        return out
+
+    def migrate(self, key: bytes, target: int) -> None:
+        """Moves a segment to ``target``: one contiguous copy, then the source replica is
+        dropped and its slot freed (a freed slot needs no data operation)."""
+        rep = self.control.start_replication(key, target)
+        self.replicate([rep])
+        self.control.drop_replica(key, rep.source.instance)
+
     def replicate(self, reps: list[Replication]) -> None:
         """Copies each replication's segment (one contiguous slab block) and commits it;
         a failed copy is rolled back in the control plane and re-raised."""

@@ -205,6 +205,16 @@ class ControlPlane:
         """Starts one replication by hand (see :meth:`CachePool.start_replication`)."""
         return self.pool.start_replication(key, target)
 
+    def drop_replica(self, key: bytes, instance: int) -> None:
+        """Frees one replica of a segment that has another ready one (migration's last
+        step). Raises ``ValueError`` if it is the only ready replica."""
+        tree = self.pool.tree
+        others = [loc for loc in tree.replicas(key) if loc.instance != instance]
+        if not others:
+            raise ValueError(f"segment {key.hex()} has no other ready replica")
+        self.pool.slots.free(instance, tree.remove_replica(key, instance))
+        self._epoch += 1
+
     def finish_replication(self, rep: Replication) -> None:
         self.pool.finish_replication(rep)
         self._epoch += 1

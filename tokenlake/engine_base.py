@@ -149,6 +149,16 @@ class EngineLoop:
                 log.warning("parent process is gone; %s engine %d stops", self.spec.role, self.spec.instance)
                 break
 
+    def stats(self) -> dict:
+        """What a PING is answered with: identity and the bytes this process copied on
+        the wire path (payload bytes decode had to copy, see ``wire.CopyStats``)."""
+        return {
+            "role": self.spec.role,
+            "instance": self.spec.instance,
+            "bytes_copied": wire.CopyStats.bytes_copied,
+            "messages_copied": wire.CopyStats.messages,
+        }
+
     # ------------------------------------------------------------- messages
     def _on_request(self, frames: list) -> None:
         identity, payload = frames[0], frames[1:]
@@ -160,7 +170,7 @@ class EngineLoop:
                 self._stop = True
                 self.reply(identity, wire.encode(wire.Kind.SHUTDOWN, msg_id))
             elif msg.kind == wire.Kind.PING:
-                self.reply(identity, wire.encode(wire.Kind.PONG, msg_id, {"instance": self.spec.instance}))
+                self.reply(identity, wire.encode(wire.Kind.PONG, msg_id, self.stats()))
             else:
                 self.handle(identity, msg)
         except Exception as exc:  # a bad request must not stop the engine

@@ -10,6 +10,7 @@ and reused every iteration until the chain grows or replicas change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tokenlake.prefix_tree import SegmentLocation
 from tokenlake.segments import SegmentKey
@@ -50,9 +51,11 @@ class RequestState:
         self.epoch = -1
 
 
-@dataclass(frozen=True)
-class NewTokenPut:
-    """Rows ``[start, stop)`` of a request's new tokens go to ``offset`` of a slot."""
+class NewTokenPut(NamedTuple):
+    """Rows ``[start, stop)`` of a request's new tokens go to ``offset`` of a slot.
+
+    Internal to ``gen_plans`` (a NamedTuple: immutable and cheap to build on the hot
+    path); the public form is :class:`tokenlake.plans.PutItem`."""
 
     start: int
     stop: int

@@ -63,32 +63,36 @@ class PartAssembler:
         puts: list[PutItem] = []
         tails: dict[int, list[QueryItem]] = {}
         put_rows: dict[int, int] = {}
+        tail_rows: dict[int, int] = {}  # q rows that only a tail (no sealed slot) draws there
         members = []
         for req, off in zip(batch.requests, offsets):
-            a, z = max(lo, off), min(hi, off + len(req.new_token_ids))
+            n_new = len(req.new_token_ids)
+            a, z = (off, off + n_new) if lo <= off and off + n_new <= hi else (max(lo, off), min(hi, off + n_new))
             if a >= z:
                 continue
             prep = prepared[req.request_id]
             start, stop = a - lo, z - lo  # rows within the sub-batch
             first = a - off  # index of row ``start`` among the request's new tokens
-            spans.append(RowSpan(req.request_id, start, stop, prep.prefix_tokens + first, prep.prefix_tokens))
-            members.append((prep.state, start, stop))
+            rid, state = req.request_id, prep.state
+            spans.append(RowSpan(rid, start, stop, prep.prefix_tokens + first, prep.prefix_tokens))
+            members.append((state, start, stop))
             if prep.tail is not None:
                 inst, slot, n = prep.tail
-                tails.setdefault(inst, []).append(QueryItem(req.request_id, start, stop, (slot,), (n,)))
+                tails.setdefault(inst, []).append(QueryItem(rid, start, stop, (slot,), (n,)))
+                if inst not in state.by_instance:  # q rows travel once per instance
+                    tail_rows[inst] = tail_rows.get(inst, 0) + stop - start
+            last = first + stop - start
             for put in prep.puts:
-                pa, pz = max(put.start, first), min(put.stop, first + stop - start)
+                pa = put.start if put.start > first else first
+                pz = put.stop if put.stop < last else last
                 if pa < pz:
                     puts.append(PutItem(put.instance, put.slot, put.offset + pa - put.start,
                                         start + pa - first, start + pz - first, put.key))
                     put_rows[put.instance] = put_rows.get(put.instance, 0) + pz - pa
         tasks, sealed_rows, accesses = self._sealed(members)
         query_rows = dict(sealed_rows)
-        for state, start, stop in members:
-            # q rows travel once per instance: a tail beside sealed segments adds nothing.
-            tail = prepared[state.request_id].tail
-            if tail is not None and tail[0] not in state.by_instance:
-                query_rows[tail[0]] = query_rows.get(tail[0], 0) + stop - start
+        for inst, rows in tail_rows.items():
+            query_rows[inst] = query_rows.get(inst, 0) + rows
         return Part(
             b, p, hi - lo, tuple(spans), tasks,
             tuple(QueryTask(i, tuple(items)) for i, items in sorted(tails.items())),

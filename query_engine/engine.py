@@ -111,9 +111,7 @@ class QueryEngine(EngineLoop):
             lo, hi = min(i[0] for i in items), max(i[1] for i in items)
             shifted = [[s - lo, e - lo, list(sl), list(tk)] for s, e, sl, tk in items]
             key = f"{self.spec.instance}:{pid}"
-            self.peers[inst].send_multipart(
-                wire.encode(wire.Kind.REGISTER_PLAN, 0, {"plan": key, "items": shifted}), copy=False
-            )
+            wire.send_frames(self.peers[inst], wire.encode(wire.Kind.REGISTER_PLAN, 0, {"plan": key, "items": shifted}))
             remote[inst] = (lo, hi)
         self.home_plans[pid] = HomePlan(rows, local, remote)
 
@@ -126,9 +124,7 @@ class QueryEngine(EngineLoop):
         if home is not None:
             for inst in home.remote:
                 key = f"{self.spec.instance}:{plan}"
-                self.peers[inst].send_multipart(
-                    wire.encode(wire.Kind.RELEASE_PLAN, 0, {"plan": key}), copy=False
-                )
+                wire.send_frames(self.peers[inst], wire.encode(wire.Kind.RELEASE_PLAN, 0, {"plan": key}))
 
     # ------------------------------------------------------------- compute
     def _partial(self, q: torch.Tensor, items, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

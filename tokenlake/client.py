@@ -84,6 +84,7 @@ class InstanceClient:
         self.poll_s = poll_s
         self._ctx: zmq.Context | None = None
         self._socks: dict[str, zmq.Socket] = {}
+        self._poller: zmq.Poller | None = None
         self._replies: dict[int, wire.Message] = {}
         self._query_plan: tuple[int, int] | None = None  # (plan id, rows)
         self._transfer_plan: tuple[int, int] | None = None
@@ -101,6 +102,7 @@ class InstanceClient:
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
+        self._poller = None
 
     # ---------------------------------------------------------------- query
     def init_query(self, plan: QueryPlan) -> torch.Tensor:
@@ -168,20 +170,25 @@ class InstanceClient:
 
     def _send(self, role: str, kind: wire.Kind, body: dict, tensors=()) -> int:
         msg_id = next(self._ids)
-        self._socks[role].send_multipart(wire.encode(kind, msg_id, body, tensors), copy=False)
+        wire.send_frames(self._socks[role], wire.encode(kind, msg_id, body, tensors))
         return msg_id
 
     def _call(self, role: str, kind: wire.Kind, body: dict, tensors=(), timeout_s=None) -> wire.Message:
         return self._wait(self._send(role, kind, body, tensors), timeout_s)
 
-    def _drain(self, wait_ms: int) -> None:
-        poller = zmq.Poller()
-        for sock in self._socks.values():
-            poller.register(sock, zmq.POLLIN)
-        for sock, _ in poller.poll(wait_ms):
+    def _drain(self, wait_ms: int) -> bool:
+        """Files every reply that arrives within ``wait_ms``; True if any did."""
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            for sock in self._socks.values():
+                self._poller.register(sock, zmq.POLLIN)
+        got = False
+        for sock, _ in self._poller.poll(wait_ms):
             while sock.poll(0):
                 msg = wire.decode(sock.recv_multipart(copy=False))
                 self._replies[msg.msg_id] = msg
+                got = True
+        return got
 
     def _poll_done(self, msg_id: int) -> bool:
         self._drain(0)
@@ -190,15 +197,15 @@ class InstanceClient:
     def _wait(self, msg_id: int, timeout_s: float | None) -> wire.Message:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while msg_id not in self._replies:
-            dead = self._alive()
-            if dead is not None:
-                raise EngineUnavailable(f"{dead} is not running")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineUnavailable(
                     f"no reply from instance {self.instance}'s engines within the timeout"
                 )
-            self._drain(int(min(left, self.poll_s) * 1000) + 1)
+            if not self._drain(int(min(left, self.poll_s) * 1000) + 1):
+                dead = self._alive()  # quiet for poll_s: is anyone there?
+                if dead is not None:
+                    raise EngineUnavailable(f"{dead} is not running")
         msg = self._replies.pop(msg_id)
         wire.raise_if_error(msg)
         return msg

@@ -99,6 +99,8 @@ class EngineLoop:
         self._pending: dict[int, Pending] = {}  # msg id -> pending op
         self._next_id = 1
         self._stop = False
+        self._handled = 0  # requests served (ROUTER messages)
+        self._busy_s = 0.0  # seconds spent handling messages (not waiting)
         self._parent = os.getppid()
 
     # ------------------------------------------------------------ lifecycle
@@ -140,10 +142,13 @@ class EngineLoop:
             by_socket[sock] = inst
         while not self._stop:
             for sock, _ in poller.poll(int(self.tick_s * 1000)):
+                t0 = time.perf_counter()
                 if sock is self.router:
                     self._on_request(sock.recv_multipart(copy=False))
+                    self._handled += 1
                 else:
                     self._on_reply(by_socket[sock], sock.recv_multipart(copy=False))
+                self._busy_s += time.perf_counter() - t0
             self._expire()
             if os.getppid() != self._parent:
                 log.warning("parent process is gone; %s engine %d stops", self.spec.role, self.spec.instance)
@@ -157,6 +162,8 @@ class EngineLoop:
             "instance": self.spec.instance,
             "bytes_copied": wire.CopyStats.bytes_copied,
             "messages_copied": wire.CopyStats.messages,
+            "requests": self._handled,
+            "busy_s": self._busy_s,
         }
 
     # ------------------------------------------------------------- messages
@@ -198,7 +205,7 @@ class EngineLoop:
 
     def reply(self, identity, frames: list) -> None:
         assert self.router is not None
-        self.router.send_multipart([identity, *frames], copy=False)
+        wire.send_frames(self.router, [identity, *frames])
 
     def ask(self, instance: int, kind: wire.Kind, body: dict, tensors, pending: Pending) -> None:
         """Sends a request to a peer; its reply will complete ``pending``."""
@@ -209,7 +216,7 @@ class EngineLoop:
             raise ConfigError(f"instance {instance} is not a peer of instance {self.spec.instance}")
         pending.waiting.add(msg_id)
         self._pending[msg_id] = pending
-        sock.send_multipart(wire.encode(kind, msg_id, body, tensors), copy=False)
+        wire.send_frames(sock, wire.encode(kind, msg_id, body, tensors))
 
     def new_pending(self, on_done, on_fail) -> Pending:
         return Pending(time.monotonic() + self.spec.peer_timeout_s, set(), [], on_done, on_fail)

@@ -466,8 +466,25 @@ def _known_errors() -> dict[str, type[TokenLakeError]]:
 # ---------------------------------------------------------------- sockets
 
 
+#: Frames at least this large go without copying; smaller ones are copied into the
+#: zmq message. A zero-copy frame costs pyzmq a buffer-lifetime hand-off to its garbage
+#: collector thread (measured ~0.8 ms per message on a 2-core VM), far more than
+#: copying a header or a few KiB.
+ZERO_COPY_MIN_BYTES = 64 * 1024
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence, flags: int = 0) -> None:
+    """Sends one multipart message: large frames zero-copy, small ones copied (the
+    copy of a small frame is zmq's, not counted in :class:`CopyStats`)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        nbytes = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        more = zmq.SNDMORE if i < last else 0
+        sock.send(frame, flags | more, copy=nbytes < ZERO_COPY_MIN_BYTES)
+
+
 def send(sock: zmq.Socket, frames: list, *, timeout_s: float | None = None) -> None:
-    """Send one message's frames without copying (``send_multipart(copy=False)``).
+    """Send one message's frames (see :func:`send_frames`).
 
     With ``timeout_s``, wait at most that long for room to send; a full or peerless
     socket then raises :class:`~tokenlake.errors.EngineUnavailable` instead of blocking.
@@ -478,9 +495,9 @@ def send(sock: zmq.Socket, frames: list, *, timeout_s: float | None = None) -> N
                 raise EngineUnavailable(
                     f"cannot send to {_peer(sock)}: no room within {timeout_s:g} s"
                 )
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(sock, frames, zmq.NOBLOCK)
         else:
-            sock.send_multipart(frames, copy=False)
+            send_frames(sock, frames)
     except zmq.ZMQError as e:
         raise EngineUnavailable(f"cannot send to {_peer(sock)}: {e}") from e
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenlake import wire
-from tokenlake.attention import empty_partial, merge, slab_partial_attention
+from tokenlake.attention import empty_partial, merge, merge_many, slab_partial_attention
 from tokenlake.engine_base import EngineLoop, EngineSpec, Pending
 from tokenlake.errors import PlanError
 from tokenlake.shm import BufferSpec, SharedTensor
@@ -128,9 +128,22 @@ class QueryEngine(EngineLoop):
 
     # ------------------------------------------------------------- compute
     def _partial(self, q: torch.Tensor, items, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial attention of rows ``q`` over the items' slots (rows relative to ``q``)."""
-        o, lse = empty_partial(q.shape[0], self.q_heads, self.head_dim)
+        """Partial attention of rows ``q`` over the items' slots (rows relative to ``q``).
+
+        Items over the same rows (a request's sealed segments and its open tail) are
+        attended in one call; a single group over all rows is returned as it is.
+        """
+        groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for start, stop, slots, tokens in items:
+            g = groups.setdefault((start, stop), ([], []))
+            g[0].extend(slots)
+            g[1].extend(tokens)
+        if len(groups) == 1:
+            ((start, stop), (slots, tokens)), = groups.items()
+            if start == 0 and stop == q.shape[0]:
+                return slab_partial_attention(q, self.slab, layer, slots, tokens)
+        o, lse = empty_partial(q.shape[0], self.q_heads, self.head_dim)
+        for (start, stop), (slots, tokens) in groups.items():
             po, plse = slab_partial_attention(q[start:stop], self.slab, layer, slots, tokens)
             o[start:stop], lse[start:stop] = merge(o[start:stop], lse[start:stop], po, plse)
         return o, lse
@@ -173,14 +186,19 @@ class QueryEngine(EngineLoop):
 
     def _finish_home(self, identity, msg_id: int, plan: HomePlan, layer: int, pending: Pending) -> None:
         o, lse = self.out_o[: plan.rows], self.out_lse[: plan.rows]
-        o.zero_()
-        lse.fill_(float("-inf"))
+        parts = []  # (lo, hi, o, lse)
         for inst, result in pending.results:
             if inst == self.spec.instance:
-                po, plse = result
-                lo, hi = 0, plan.rows
+                parts.append((0, plan.rows, *result))
             else:
-                po, plse = result.tensors
-                lo, hi = plan.remote[inst]
-            o[lo:hi], lse[lo:hi] = merge(o[lo:hi], lse[lo:hi], po, plse)
+                parts.append((*plan.remote[inst], *result.tensors))
+        if all(lo == 0 and hi == plan.rows for lo, hi, _, _ in parts):  # one vectorised merge
+            mo, mlse = merge_many(torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
+            o.copy_(mo)
+            lse.copy_(mlse)
+        else:
+            o.zero_()
+            lse.fill_(float("-inf"))
+            for lo, hi, po, plse in parts:
+                o[lo:hi], lse[lo:hi] = merge(o[lo:hi], lse[lo:hi], po, plse)
         self.reply(identity, wire.encode(wire.Kind.QUERY_RESULT, msg_id, {"layer": layer}))

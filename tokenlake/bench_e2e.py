@@ -1,7 +1,8 @@
 """``tokenlake bench e2e``: time to first token with a cached document versus
 recomputing it, and decode speed through the pool versus the plain reference engine.
 
-SmolLM2-135M on this machine's CPU, 4 instances, C = 64. Prints figures; asserts nothing.
+SmolLM2-135M on this machine's CPU, 4 instances, C = 256 (fewer, larger segments:
+remote queries pay per segment, paper §4.2). Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _long_document(tok, target_tokens: int) -> str:
 
 
 def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int = 1024,
-              instances: int = 4, segment_tokens: int = 64) -> dict:
+              instances: int = 4, segment_tokens: int = 256) -> dict:
     from tokenlake.llama.reference import ReferenceEngine
     from tokenlake.llama.tokenizer import load_tokenizer
     from tokenlake.llama.weights import load_weights

@@ -70,7 +70,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "e2e":
         from tokenlake.bench_e2e import bench_e2e
 
-        result = bench_e2e()
+        result = bench_e2e(instances=args.instances[0] if args.instances else 4)
         print(json.dumps(result, indent=2) if args.json else
               f"TTFT cached {result['cached_ttft_ms']:.0f} ms vs recompute {result['recompute_ttft_ms']:.0f} ms; "
               f"decode {result['pool_decode_tok_s']:.1f} tok/s (pool) vs {result['reference_decode_tok_s']:.1f} (reference)")
@@ -88,7 +88,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     from tokenlake.bench import bench_plans
 
-    result = bench_plans(tuple(args.instances))
+    result = bench_plans(tuple(args.instances or (8, 64, 256)))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -118,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks (print figures; not tests)")
     bench.add_argument("what", choices=["plans", "query-vs-fetch", "e2e"])
     bench.add_argument("--prefixes", type=int, nargs="+", default=[4096, 16384, 65536])
-    bench.add_argument("--instances", type=int, nargs="+", default=[8, 64, 256])
+    bench.add_argument("--instances", type=int, nargs="+", default=None,
+                       help="plans: N values (default 8 64 256); e2e: instances (default 4)")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(fn=_bench)
     th = sub.add_parser("threshold", help="segment-size threshold (paper §4.2)")

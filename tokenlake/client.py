@@ -59,6 +59,17 @@ class PutHandle:
         return self._done
 
 
+class QueryHandle:
+    """A query in flight; :meth:`wait` returns its :class:`Partial`."""
+
+    def __init__(self, client: InstanceClient, msg_id: int, rows: int) -> None:
+        self._client, self._id, self._rows = client, msg_id, rows
+
+    def wait(self, timeout_s: float | None = None) -> Partial:
+        self._client._wait(self._id, timeout_s)
+        return Partial(self._client.out_o[: self._rows], self._client.out_lse[: self._rows])
+
+
 class InstanceClient:
     """Compute-engine side of one instance's query and transfer engines."""
 
@@ -122,11 +133,16 @@ class InstanceClient:
 
     def query(self, layer: int, timeout_s: float | None = None) -> Partial:
         """Prefix attention of ``q_buf`` over the pool for one layer."""
+        return self.query_async(layer).wait(timeout_s)
+
+    def query_async(self, layer: int) -> QueryHandle:
+        """Starts :meth:`query`; do other work (self-attention), then ``wait()``. Do not
+        touch ``q_buf`` until it is done."""
         if self._query_plan is None:
             raise PlanError("call init_query first")
         pid, rows = self._query_plan
-        self._call("query", wire.Kind.QUERY, {"plan": pid, "layer": layer}, timeout_s=timeout_s)
-        return Partial(self.out_o[:rows], self.out_lse[:rows])
+        msg_id = self._send("query", wire.Kind.QUERY, {"plan": pid, "layer": layer})
+        return QueryHandle(self, msg_id, rows)
 
     # ------------------------------------------------------------- transfer
     def init_transfer(self, plan: TransferPlan) -> torch.Tensor:

@@ -101,13 +101,17 @@ class ComputeEngine:
         for client, _, kv_buf, lo, rows in bufs:  # puts first: they overlap the queries
             kv_buf[layer].copy_(kv[lo : lo + rows])
             client.put(layer)
-        for client, q_buf, _, lo, rows in bufs:
+        handles = []
+        for client, q_buf, _, lo, rows in bufs:  # queries out; self-attention meanwhile
             q_buf.copy_(q[lo : lo + rows])
-            part = client.query(layer)
+            handles.append((client.query_async(layer), lo, rows))
+        own = [(start, stop, partial_attention(q[start:stop], k[start:stop], v[start:stop], causal=True))
+               for start, stop in rows_of.values()]
+        for handle, lo, rows in handles:
+            part = handle.wait()
             pre_o[lo : lo + rows] = part.o
             pre_lse[lo : lo + rows] = part.lse
         out = torch.empty_like(q)
-        for start, stop in rows_of.values():
-            so, slse = partial_attention(q[start:stop], k[start:stop], v[start:stop], causal=True)
+        for start, stop, (so, slse) in own:
             out[start:stop], _ = merge(pre_o[start:stop], pre_lse[start:stop], so, slse)
         return out

@@ -270,7 +270,14 @@ def engine_main(spec_bytes: bytes, conn) -> None:
         peers = msgpack.unpackb(conn.recv_bytes(), strict_map_key=False)["peers"]
         engine.connect_peers({int(k): v for k, v in peers.items()})
         conn.send_bytes(msgpack.packb({"ready": True}))
-        engine.serve()
+        profile_dir = os.environ.get("TOKENLAKE_PROFILE_ENGINES")  # developer aid
+        if profile_dir:
+            import cProfile
+
+            cProfile.runctx("engine.serve()", globals(), {"engine": engine},
+                            os.path.join(profile_dir, f"{spec.role}-{spec.instance}.prof"))
+        else:
+            engine.serve()
     finally:
         engine.close()
         conn.close()

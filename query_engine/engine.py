@@ -23,7 +23,6 @@ from tokenlake import wire
 from tokenlake.attention import empty_partial, merge, merge_many, slab_partial_attention
 from tokenlake.engine_base import EngineLoop, EngineSpec, Pending
 from tokenlake.errors import PlanError
-from tokenlake.shm import BufferSpec, SharedTensor
 
 Item = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (start, stop, slots, tokens)
 
@@ -40,20 +39,15 @@ class HomePlan:
 class QueryEngine(EngineLoop):
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
-        self._maps = {name: SharedTensor.attach(BufferSpec.from_dict(d)) for name, d in spec.buffers.items()}
-        self.slab = self._maps["slab"].tensor  # [slots, layers, 2, kv_heads, C, head_dim]
+        bufs = self.map_buffers()
+        self.slab = bufs["slab"]  # [slots, layers, 2, kv_heads, C, head_dim]
         self.num_slots, self.num_layers, _, self.kv_heads, self.C, self.head_dim = self.slab.shape
-        self.q = self._maps["q"].tensor  # [max_rows, q_heads, head_dim]
-        self.out_o = self._maps["out_o"].tensor
-        self.out_lse = self._maps["out_lse"].tensor
+        self.q = bufs["q"]  # [max_rows, q_heads, head_dim]
+        self.out_o = bufs["out_o"]
+        self.out_lse = bufs["out_lse"]
         self.q_heads = self.q.shape[1]
         self.home_plans: dict[int, HomePlan] = {}
         self.peer_plans: dict[str, tuple[Item, ...]] = {}
-
-    def close(self) -> None:
-        super().close()
-        for m in self._maps.values():
-            m.close()
 
     # -------------------------------------------------------------- dispatch
     def handle(self, identity, msg: wire.Message) -> None:

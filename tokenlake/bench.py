@@ -14,7 +14,8 @@ from tokenlake.plans import Batch, BatchRequest
 from tokenlake.specs import load_model
 
 
-def _timed(fn, repeats: int) -> list[float]:
+def timed_ms(fn, repeats: int) -> list[float]:
+    """Wall time of ``repeats`` calls of ``fn``, each in milliseconds."""
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -115,9 +116,9 @@ def bench_match(
     while total < tree_segments:
         other = array("i", (rng.randrange(3, 32000) for _ in range(chain_tokens)))
         total += insert_chain(other)
-    as_list = _timed(lambda: pool.match(prompt), repeats)
+    as_list = timed_ms(lambda: pool.match(prompt), repeats)
     as_array = array("i", prompt)
-    as_arr = _timed(lambda: pool.match(as_array), repeats)
+    as_arr = timed_ms(lambda: pool.match(as_array), repeats)
     hit = pool.match(prompt).hit_tokens
     return {
         "tree_segments": len(pool.tree),

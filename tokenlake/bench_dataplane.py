@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 
 import torch
 import zmq
 
 from tokenlake import wire
 from tokenlake.attention import merge, partial_attention, slab_partial_attention
+from tokenlake.bench import timed_ms
 from tokenlake.cluster import LocalCluster
 from tokenlake.plans import Batch, BatchRequest
 from tokenlake.specs import ModelSpec
@@ -75,15 +75,6 @@ def _fetch_and_attend(cluster, ctx, qp, q: torch.Tensor) -> tuple[int, torch.Ten
     return fetched, o
 
 
-def _timed(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
 def bench_query_vs_fetch(
     prefixes=(4096, 16384, 65536), n_instances: int = 4, segment_tokens: int = 512,
     repeats: int = 5, chunk: int = 4096,
@@ -106,7 +97,7 @@ def bench_query_vs_fetch(
             client = cluster.client(qp.home)
             q = client.init_query(qp)
             q.normal_()
-            query_ms = _timed(lambda c=client: c.query(0, timeout_s=120), repeats)
+            query_ms = timed_ms(lambda c=client: c.query(0, timeout_s=120), repeats)
             got = client.query(0).o.clone()
             remote = {t.instance for t in qp.tasks + qp.tails} - {qp.home}
             query_bytes = len(remote) * (q[0].numel() * 4 + got[0].numel() * 4 + m.num_q_heads * 4)
@@ -115,7 +106,7 @@ def bench_query_vs_fetch(
             def fetch(qp=qp, q=q, outcome=outcome):
                 outcome["bytes"], outcome["o"] = _fetch_and_attend(cluster, ctx, qp, q)
 
-            fetch_ms = _timed(fetch, max(2, repeats // 2))
+            fetch_ms = timed_ms(fetch, max(2, repeats // 2))
             fetched = [outcome["bytes"]]
             assert torch.allclose(outcome["o"], got, atol=1e-4), "query and fetch disagree"
             results.append({
@@ -148,7 +139,7 @@ def _attention_throughput(tokens: int, segment_tokens: int) -> dict:
     q = torch.randn(1, m.num_q_heads, m.head_dim)
     slots, toks = list(range(n)), [segment_tokens] * n
     slab_partial_attention(q, slab, 0, slots, toks)
-    ms = statistics.median(_timed(lambda: slab_partial_attention(q, slab, 0, slots, toks), 5))
+    ms = statistics.median(timed_ms(lambda: slab_partial_attention(q, slab, 0, slots, toks), 5))
     gbps = slab.numel() * 4 / (ms / 1e3) / 1e9
     return {"attention_gbps": gbps, "memory_read_gbps": measure_mem_bw()[0] / 1e9,
             "attention_threads": torch.get_num_threads()}

@@ -185,13 +185,11 @@ class LocalCluster:
 
     def _shutdown_engines(self) -> None:
         socks = []
-        for key, ep in self._endpoints.items():
+        for key in self._endpoints:
             if not self._procs[key].is_alive():
                 continue
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(ep)
-            sock.send_multipart(wire.encode(wire.Kind.SHUTDOWN, 0))
+            sock = self._dealer(key)
+            wire.send_frames(sock, wire.encode(wire.Kind.SHUTDOWN, 0))
             socks.append(sock)
         deadline = time.monotonic() + 2.0
         for sock in socks:
@@ -230,21 +228,26 @@ class LocalCluster:
                 return f"the {role} engine of instance {instance}"
         return None
 
+    def _dealer(self, key: tuple[str, int]) -> zmq.Socket:
+        """A fresh DEALER connected to one engine (the caller closes it)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._endpoints[key])
+        return sock
+
+    def _request(self, key: tuple[str, int], kind: wire.Kind, body: dict | None = None) -> wire.Message:
+        """One request to one engine and its (typed-error-checked) reply."""
+        sock = self._dealer(key)
+        try:
+            wire.send(sock, wire.encode(kind, 1, body))
+            return wire.raise_if_error(wire.recv(sock, self.timeout_s))
+        finally:
+            sock.close(0)
+
     def engine_stats(self) -> dict[tuple[str, int], dict]:
         """Pings every live engine; returns its stats (see ``EngineLoop.stats``)."""
-        out = {}
-        for key, ep in self._endpoints.items():
-            if not self._procs[key].is_alive():
-                continue
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(ep)
-            try:
-                sock.send_multipart(wire.encode(wire.Kind.PING, 1))
-                out[key] = wire.recv(sock, self.timeout_s).body
-            finally:
-                sock.close(0)
-        return out
+        return {key: self._request(key, wire.Kind.PING).body
+                for key in self._endpoints if self._procs[key].is_alive()}
 
     def migrate(self, key: bytes, target: int) -> None:
         """Moves a segment to ``target``: one contiguous copy, then the source replica is
@@ -257,16 +260,10 @@ class LocalCluster:
         """Copies each replication's segment (one contiguous slab block) and commits it;
         a failed copy is rolled back in the control plane and re-raised."""
         for rep in reps:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._endpoints[("transfer", rep.source.instance)])
+            body = {"slot": rep.source.slot, "target": rep.target.instance, "target_slot": rep.target.slot}
             try:
-                body = {"slot": rep.source.slot, "target": rep.target.instance, "target_slot": rep.target.slot}
-                sock.send_multipart(wire.encode(wire.Kind.COPY_SEGMENT, 1, body))
-                wire.raise_if_error(wire.recv(sock, self.timeout_s))
+                self._request(("transfer", rep.source.instance), wire.Kind.COPY_SEGMENT, body)
             except BaseException:
                 self.control.pool.abort_replication(rep)
                 raise
-            finally:
-                sock.close(0)
             self.control.finish_replication(rep)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
+import torch
 import zmq
 
 from tokenlake import wire
@@ -124,7 +125,16 @@ class EngineLoop:
             sock.connect(ep)
             self.peers[inst] = sock
 
+    def map_buffers(self) -> dict[str, torch.Tensor]:
+        """Maps the shared buffers named in the spec (closed again by :meth:`close`)."""
+        from tokenlake.shm import BufferSpec, SharedTensor
+
+        self._maps = {n: SharedTensor.attach(BufferSpec.from_dict(d)) for n, d in self.spec.buffers.items()}
+        return {n: m.tensor for n, m in self._maps.items()}
+
     def close(self) -> None:
+        for m in getattr(self, "_maps", {}).values():
+            m.close()
         for sock in self.peers.values():
             sock.close(0)
         if self.router is not None:

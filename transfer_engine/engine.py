@@ -21,7 +21,6 @@ import torch
 from tokenlake import wire
 from tokenlake.engine_base import EngineLoop, EngineSpec
 from tokenlake.errors import PlanError
-from tokenlake.shm import BufferSpec, SharedTensor
 
 Put = tuple[int, int, int, int]  # (slot, offset, start, stop)
 
@@ -36,16 +35,11 @@ class TransferPlanState:
 class TransferEngine(EngineLoop):
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
-        self._maps = {name: SharedTensor.attach(BufferSpec.from_dict(d)) for name, d in spec.buffers.items()}
-        self.slab = self._maps["slab"].tensor  # [slots, layers, 2, kv_heads, C, head_dim]
+        bufs = self.map_buffers()
+        self.slab = bufs["slab"]  # [slots, layers, 2, kv_heads, C, head_dim]
         self.num_slots, self.num_layers, _, self.kv_heads, self.C, self.head_dim = self.slab.shape
-        self.kv = self._maps["kv"].tensor  # [layers, max_rows, 2, kv_heads, head_dim]
+        self.kv = bufs["kv"]  # [layers, max_rows, 2, kv_heads, head_dim]
         self.plans: dict[int, TransferPlanState] = {}
-
-    def close(self) -> None:
-        super().close()
-        for m in self._maps.values():
-            m.close()
 
     def handle(self, identity, msg: wire.Message) -> None:
         kind, body = msg.kind, msg.body

@@ -59,11 +59,14 @@ def _frozen_bytes(mapping: Mapping[int, int], what: str) -> Mapping[int, int]:
     """Validated, read-only copy of an ``instance -> bytes`` mapping, keys in ascending order."""
     if not isinstance(mapping, Mapping):
         raise PlanError(f"{what} must be a mapping instance -> bytes, got {type(mapping).__name__}")
-    items = [
-        (_as_int(k, f"{what} instance id"), _as_int(v, f"{what}[{k!r}] bytes"))
-        for k, v in mapping.items()
-    ]
-    items.sort()
+    if all(type(k) is int and type(v) is int and 0 <= k <= _MAX_INT and 0 <= v <= _MAX_INT
+           for k, v in mapping.items()):
+        items = sorted(mapping.items())  # the common case: plain ints, no message built
+    else:
+        items = sorted(
+            (_as_int(k, f"{what} instance id"), _as_int(v, f"{what}[{k!r}] bytes"))
+            for k, v in mapping.items()
+        )
     return MappingProxyType(dict(items))
 
 

@@ -75,6 +75,11 @@ def _bench(args: argparse.Namespace) -> int:
               f"TTFT cached {result['cached_ttft_ms']:.0f} ms vs recompute {result['recompute_ttft_ms']:.0f} ms; "
               f"decode {result['pool_decode_tok_s']:.1f} tok/s (pool) vs {result['reference_decode_tok_s']:.1f} (reference)")
         return 0
+    if args.what == "scheduler":
+        from scheduler.bench import bench_scheduler
+
+        print(json.dumps(bench_scheduler(), indent=2))
+        return 0
     if args.what == "query-vs-fetch":
         from tokenlake.bench_dataplane import bench_query_vs_fetch
 
@@ -116,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     walk.add_argument("--json", action="store_true")
     walk.set_defaults(fn=_walkthrough)
     bench = sub.add_parser("bench", help="benchmarks (print figures; not tests)")
-    bench.add_argument("what", choices=["plans", "query-vs-fetch", "e2e"])
+    bench.add_argument("what", choices=["plans", "query-vs-fetch", "e2e", "scheduler"])
     bench.add_argument("--prefixes", type=int, nargs="+", default=[4096, 16384, 65536])
     bench.add_argument("--instances", type=int, nargs="+", default=None,
                        help="plans: N values (default 8 64 256); e2e: instances (default 4)")

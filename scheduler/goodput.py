@@ -1,0 +1,220 @@
+"""Goodput-optimized stateless elastic scheduling: the DP of paper §6.2 (DESIGN §6).
+
+Every iteration the scheduler decides, from scratch, how to batch all waiting and
+running requests and how many instances (DoP) each batch gets. It minimises the total
+latency ``sum over batches of (requests in batch) * T(batch, dop, L)`` subject to every
+request's TBT SLO: a batch may only run if its iteration time ``T`` is at most the
+smallest ``tbt_slo_s`` among its requests (requests with ``tbt_slo_s=None`` add no
+constraint).
+
+Choices made here (the paper leaves them open):
+
+* **Phases.** A batch is one phase (PD disaggregation). The requests are ordered phase
+  first (prefill, then decode), each phase by context length; a batch is a contiguous
+  run that stays inside one phase. That makes the DP over the whole list the same as a
+  DP per phase plus a split of the instances between the phases, which is how it is
+  computed: ``f_p(i, k)`` over the prefill requests, ``f_d(i, k)`` over the decode
+  requests, then ``min over k_p + k_d <= N`` of ``f_p(M_p, k_p) + f_d(M_d, k_d)``. The
+  split between phases is thus elastic and decided every iteration.
+* **DoP.** A decode batch runs on exactly one instance; a prefill batch on any number.
+  ``f(i, k)`` uses exactly ``k`` instances; since more instances never slow a batch,
+  the best plan uses as many as it can.
+* **Chunked prefill.** A prefill request computes ``min(remaining_prefill,
+  chunk_tokens)`` new tokens this iteration, attending over its ``context_tokens``
+  prefix; a decode request computes one.
+* **Cache load.** ``T = latency.predict(batch, dop) / (1 - L)`` with the snapshot's
+  cache load (:mod:`scheduler.latency`).
+* **Infeasible SLO.** If no plan meets every SLO, the DP is re-run without the SLO
+  (throughput-first, to avoid head-of-line blocking) and ``Decision.note`` says so.
+* **Memory.** The prefill DP keeps two ``(M_p+1)^2 x D`` float64 tensors; when one
+  would exceed ``MAX_TENSOR_BYTES`` (256 MiB, e.g. ~720 prefill requests with all 64
+  DoPs) the DoPs are restricted to powers of two and the note says so.
+* **Fewer free instances than phases.** With one free instance and both phases waiting,
+  only the decode phase is scheduled (it protects the TBT) and the note says so.
+
+Vectorised with numpy: per phase one ``(i, dop, j)`` cost tensor is built from prefix
+sums of the latency model's per-request terms, then ``f(., k)`` for all ``i`` comes from
+an argmin over ``(dop, j)`` per ``k`` (rows in a few blocks so that ``j >= i`` is mostly
+skipped): ``O(M_p^2 N D + M_d^2 N)`` arithmetic in ``O(N)`` numpy calls, with ``D`` the
+number of DoP choices (``N``, or ``log2 N`` with ``prefill_dops="pow2"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.api import BatchDecision, Decision, RequestView, Snapshot
+from scheduler.latency import batch_times, work_terms
+
+DEFAULT_CHUNK_TOKENS = 512
+SLO_RTOL = 1 + 1e-9  # a batch meets an SLO it equals up to rounding
+MAX_TENSOR_BYTES = 256 << 20  # above this the exact prefill DP switches to pow2 DoPs
+
+
+def _tensor_bytes(m_req: int, n_dops: int) -> int:
+    """Bytes of one ``(i, dop, j)`` float64 tensor of the DP (it keeps two)."""
+    return (m_req + 1) ** 2 * n_dops * 8
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A decision with what the DP computed for it."""
+
+    decision: Decision
+    total_latency_s: float  # the DP objective: sum of requests x iteration time
+    fell_back: bool  # True when the SLO could not be met and was ignored
+
+
+def order(requests: tuple[RequestView, ...] | list[RequestView], phase: str) -> list[RequestView]:
+    """The DP's order of one phase's requests: by context length, ties by id."""
+    return sorted((r for r in requests if r.phase == phase),
+                  key=lambda r: (r.context_tokens, r.request_id))
+
+
+def new_tokens(req: RequestView, chunk_tokens: int) -> int:
+    """Tokens ``req`` computes this iteration (chunked prefill; 1 in decode)."""
+    return min(req.remaining_prefill, chunk_tokens) if req.phase == "prefill" else 1
+
+
+class _PhaseDP:
+    """``f(i, k)`` over one phase's ordered requests, with its argmins for backtracking.
+
+    ``dops`` are the DoPs a batch of this phase may take (``(1,)`` for decode).
+    """
+
+    def __init__(self, snap: Snapshot, reqs: list[RequestView], chunk_tokens: int,
+                 n: int, dops: tuple[int, ...], use_slo: bool) -> None:
+        m_req = len(reqs)
+        self.reqs = reqs
+        self.news = [new_tokens(r, chunk_tokens) for r in reqs]
+        size = m_req + 1
+        self.f = np.full((size, n + 1), np.inf)
+        self.f[0, 0] = 0.0
+        self.arg_j = np.zeros((size, n + 1), dtype=np.int64)
+        self.arg_m = np.zeros((size, n + 1), dtype=np.int64)
+        if m_req == 0:
+            return
+        lat = snap.latency
+        work = work_terms(lat, np.array(self.news), np.array([r.context_tokens for r in reqs]))
+        wp = np.concatenate(([0.0], np.cumsum(work)))
+        idx = np.arange(size)
+        count = (idx[:, None] - idx[None, :]).astype(np.float64)  # [i, j] = i - j
+        invalid = count <= 0
+        times = batch_times(lat, wp, dops, snap.cache_load)  # [i, m, j]
+        cost = times * count[:, None, :]
+        np.copyto(cost, np.inf, where=invalid[:, None, :])  # j >= i is no batch
+        if use_slo:
+            limit = _min_slo(reqs) * SLO_RTOL  # [i, j]
+            np.copyto(cost, np.inf, where=times > limit[:, None, :])
+        dop_int = np.asarray(dops, dtype=np.int64)
+        # Rows i in blocks: block [i0, i1) only needs j < i1 (skips most of j >= i).
+        step = max(16, -(-size // 4))
+        blocks = [(i0, min(i0 + step, size)) for i0 in range(1, size, step)]
+        for k in range(1, n + 1):
+            mk = int(np.searchsorted(dop_int, k, side="right"))  # dops usable with k instances
+            prev = self.f[:, k - dop_int[:mk]].T  # [m, j] = f[j, k - dops[m]]
+            # f(., n) is read by no later k: only f(M, n) is needed.
+            for i0, i1 in blocks if k < n else [(m_req, size)]:
+                cand = (prev[None, :, :i1] + cost[i0:i1, :mk, :i1]).reshape(i1 - i0, mk * i1)
+                best = np.argmin(cand, axis=1)
+                self.f[i0:i1, k] = cand[np.arange(i1 - i0), best]
+                self.arg_m[i0:i1, k] = dop_int[best // i1]
+                self.arg_j[i0:i1, k] = best % i1
+
+    def final(self) -> np.ndarray:
+        """``f(M, k)`` for ``k = 0..N``."""
+        return self.f[len(self.reqs)]
+
+    def backtrack(self, k: int) -> list[BatchDecision]:
+        out = []
+        i = len(self.reqs)
+        while i > 0:
+            j, m = int(self.arg_j[i, k]), int(self.arg_m[i, k])
+            out.append(BatchDecision(tuple(r.request_id for r in self.reqs[j:i]),
+                                     self.reqs[0].phase, m, tuple(self.news[j:i])))
+            i, k = j, k - m
+        out.reverse()
+        return out
+
+
+def _min_slo(reqs: list[RequestView]) -> np.ndarray:
+    """``[i, j]`` = smallest TBT SLO among ``reqs[j:i]`` (inf where there is none)."""
+    slo = np.array([np.inf if r.tbt_slo_s is None else r.tbt_slo_s for r in reqs])
+    size = len(reqs) + 1
+    if (slo == slo[0]).all():  # one SLO for all (or none): no range minimum needed
+        return np.full((size, size), slo[0])
+    # a[i, j] = slo[j] for j < i, else inf; accumulate from j = i-1 down to 0.
+    a = np.where(np.arange(size)[None, :] < np.arange(size)[:, None],
+                 np.concatenate((slo, [np.inf]))[None, :], np.inf)
+    return np.minimum.accumulate(a[:, ::-1], axis=1)[:, ::-1]
+
+
+class GoodputScheduler:
+    """The paper's goodput-optimized DP scheduler (see the module docstring).
+
+    Args:
+        chunk_tokens: most new tokens one prefill request computes per iteration.
+        max_prefill_dop: cap on a prefill batch's DoP (default: all free instances).
+        prefill_dops: ``"all"`` (every DoP 1..N, the exact DP) or ``"pow2"`` (1, 2, 4,
+            ...: the DP is exact over that restricted set and ~N/log2(N) times faster).
+    """
+
+    name = "goodput-dp"
+
+    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 max_prefill_dop: int | None = None, prefill_dops: str = "all") -> None:
+        if prefill_dops not in ("all", "pow2"):
+            raise ValueError(f"prefill_dops must be 'all' or 'pow2', got {prefill_dops!r}")
+        self.prefill_dops = prefill_dops
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if max_prefill_dop is not None and max_prefill_dop < 1:
+            raise ValueError(f"max_prefill_dop must be >= 1, got {max_prefill_dop}")
+        self.chunk_tokens = chunk_tokens
+        self.max_prefill_dop = max_prefill_dop
+
+    def schedule(self, snap: Snapshot) -> Decision:
+        return self.solve(snap).decision
+
+    def solve(self, snap: Snapshot) -> Solution:
+        """The decision plus the DP objective and whether the SLO fallback was taken."""
+        n = snap.free_instances
+        reqs = snap.requests
+        prefill, decode = order(reqs, "prefill"), order(reqs, "decode")
+        notes = []
+        if n == 0 or not reqs:
+            return Solution(Decision((), "no free instance" if reqs else ""), 0.0, False)
+        if n == 1 and prefill and decode:
+            prefill = []
+            notes.append("one free instance: prefill deferred, decode only")
+        max_dop = min(n, self.max_prefill_dop or n)
+        dops = tuple(range(1, max_dop + 1))
+        if self.prefill_dops == "pow2" or _tensor_bytes(len(prefill), len(dops)) > MAX_TENSOR_BYTES:
+            if self.prefill_dops != "pow2":
+                notes.append("prefill DoPs restricted to powers of two (DP memory cap)")
+            dops = tuple(1 << e for e in range(max_dop.bit_length()))
+        sol = self._solve(snap, prefill, decode, n, dops, use_slo=True)
+        fell_back = sol is None
+        if fell_back:
+            sol = self._solve(snap, prefill, decode, n, dops, use_slo=False)
+            notes.append("TBT SLO infeasible: fell back to throughput-first (SLO ignored)")
+        batches, total = sol
+        return Solution(Decision(tuple(batches), "; ".join(notes)), total, fell_back)
+
+    def _solve(self, snap: Snapshot, prefill: list[RequestView], decode: list[RequestView],
+               n: int, dops: tuple[int, ...],
+               use_slo: bool) -> tuple[list[BatchDecision], float] | None:
+        dp_p = _PhaseDP(snap, prefill, self.chunk_tokens, n, dops, use_slo)
+        dp_d = _PhaseDP(snap, decode, self.chunk_tokens, n, (1,), use_slo)
+        fp, fd = dp_p.final(), dp_d.final()
+        kk = np.arange(n + 1)
+        total = fp[:, None] + fd[None, :]
+        total = np.where(kk[:, None] + kk[None, :] <= n, total, np.inf)
+        flat = int(np.argmin(total))
+        kp, kd = divmod(flat, n + 1)
+        best = float(total[kp, kd])
+        if not np.isfinite(best):
+            return None
+        return dp_p.backtrack(kp) + dp_d.backtrack(kd), best

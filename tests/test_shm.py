@@ -20,7 +20,6 @@ from tokenlake.errors import TokenLakeError
 from tokenlake.shm import (
     BufferRegistry,
     BufferSpec,
-    CopyCounter,
     SegmentExists,
     SegmentMismatch,
     SegmentMissing,
@@ -286,40 +285,6 @@ def test_sweep_stale_removes_dead_creators_only(prefix):
     finally:
         for name in names:
             shm.unlink_segment(name)
-
-
-# --------------------------------------------------------------------------- copy counter
-
-
-def test_copy_counter_is_thread_safe():
-    import threading
-
-    c = CopyCounter()
-
-    def work():
-        for _ in range(1000):
-            c.count(3)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(TIMEOUT_S)
-    assert c.snapshot() == shm.CopySnapshot(bytes_copied=12000, copies=4000)
-    assert (c.bytes_copied, c.copies) == (12000, 4000)
-    c.reset()
-    assert c.snapshot() == shm.CopySnapshot(0, 0)
-    with pytest.raises(ValueError):
-        c.count(-1)
-
-
-def test_sharing_counts_no_copies(prefix):
-    before = shm.COPY_COUNTER.snapshot()
-    spec = BufferSpec(prefix + "z", (1024,), "float32")
-    with SharedTensor.create(spec) as owner, SharedTensor.attach(spec) as peer:
-        peer.tensor.fill_(1)
-        assert float(owner.tensor.sum()) == 1024
-    assert shm.COPY_COUNTER.snapshot() == before
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -12,8 +12,8 @@ carries the launcher's pid (:func:`new_cluster_id`). The launcher creates buffer
 else under the cluster prefix, so a crashed child leaves nothing behind. Segments of a
 launcher that itself died (SIGKILL: no atexit) are removed by :func:`sweep_stale`.
 
-Copy accounting. :data:`COPY_COUNTER` counts bytes copied on the CPU data path, so the
-zero-copy claim is measured, not asserted (DESIGN §4).
+Copy accounting lives in :class:`tokenlake.wire.CopyStats`: sharing a buffer copies
+nothing, so the only copies on the CPU data path are the wire's, counted there.
 
 torch is imported lazily: naming, sweeping and specs work without it.
 """
@@ -477,53 +477,3 @@ class BufferRegistry:
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
-
-# --------------------------------------------------------------------------- copy accounting
-
-
-@dataclass(frozen=True)
-class CopySnapshot:
-    """Copies counted so far: ``bytes_copied`` (bytes) over ``copies`` calls."""
-
-    bytes_copied: int
-    copies: int
-
-
-class CopyCounter:
-    """Thread-safe count of bytes copied on the CPU data path (DESIGN §4: zero-copy is measured).
-
-    Data-plane code calls ``count(nbytes)`` wherever it copies tensor bytes; tests take a
-    ``snapshot()`` around an operation and assert the difference.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._bytes = 0
-        self._copies = 0
-
-    def count(self, nbytes: int) -> None:
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        with self._lock:
-            self._bytes += nbytes
-            self._copies += 1
-
-    def reset(self) -> None:
-        with self._lock:
-            self._bytes = self._copies = 0
-
-    def snapshot(self) -> CopySnapshot:
-        with self._lock:
-            return CopySnapshot(self._bytes, self._copies)
-
-    @property
-    def bytes_copied(self) -> int:
-        return self.snapshot().bytes_copied
-
-    @property
-    def copies(self) -> int:
-        return self.snapshot().copies
-
-
-COPY_COUNTER = CopyCounter()
-"""The process-wide counter that the data plane reports its copies to."""

@@ -35,7 +35,7 @@ from tokenlake.plans import (
     QueryPlan,
     TransferPlan,
 )
-from tokenlake.pool import CachePool, Replication
+from tokenlake.pool import CachePool, PoolStats, Replication
 from tokenlake.prefix_tree import PrefixTree, SegmentLocation
 from tokenlake.requests import NewTokenPut, RequestState
 from tokenlake.specs import HardwareProfile, ModelSpec
@@ -51,7 +51,7 @@ class ControlStats:
     hit_tokens: int  # prefix tokens reused from the pool at admission
     prefill_tokens: int  # tokens computed in prefill batches
     dedup_bytes: int  # bytes not stored because the segment was already cached
-    pool: object
+    pool: PoolStats
 
     @property
     def hit_rate(self) -> float:
@@ -198,8 +198,7 @@ class ControlPlane:
 
     def rebalance(self) -> list[Replication]:
         """Starts heavy-hitter replications (see :meth:`CachePool.rebalance`)."""
-        reps = self.pool.rebalance()
-        return reps
+        return self.pool.rebalance()
 
     def start_replication(self, key: bytes, target: int) -> Replication:
         """Starts one replication by hand (see :meth:`CachePool.start_replication`)."""

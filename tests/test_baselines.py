@@ -22,8 +22,7 @@ def _fill(router, worker, n, prefix):
     """Put ``n`` in-flight requests on ``worker`` (directly, bypassing routing)."""
     for k in range(n):
         rid = f"fill-{worker}-{prefix}-{k}"
-        router._assigned[rid] = worker
-        router.in_flight[worker] += 1
+        router._flight.add(rid, worker)
 
 
 # -- radix tree -----------------------------------------------------------------

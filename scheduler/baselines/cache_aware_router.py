@@ -30,6 +30,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 
+from scheduler.baselines.inflight import InFlight
+
 from .radix import RadixTree
 
 MISS_POLICIES = ("least_load", "smallest_tree")
@@ -71,8 +73,8 @@ class CacheAwareRouter:
         self.tree = RadixTree()
         for w in self.workers:
             self.tree.add_tenant(w)
-        self.in_flight: dict[Hashable, int] = dict.fromkeys(self.workers, 0)
-        self._assigned: dict[Hashable, Hashable] = {}
+        self._flight = InFlight(self.workers)
+        self.in_flight = self._flight.counts  # worker -> requests in flight
         self.last_reason = ""  # "imbalanced" | "hit" | "miss", for inspection
 
     # -- decision ---------------------------------------------------------------
@@ -116,18 +118,14 @@ class CacheAwareRouter:
 
     # -- state changes ----------------------------------------------------------
     def route(self, request_id: Hashable, token_ids: Sequence[int]) -> Hashable:
-        if request_id in self._assigned:
-            raise ValueError(f"request {request_id!r} is already in flight")
+        self._flight.check_new(request_id)
         worker = self.choose(token_ids)
         self.tree.insert(token_ids, worker, self.clock())
-        self.in_flight[worker] += 1
-        self._assigned[request_id] = worker
+        self._flight.add(request_id, worker)
         return worker
 
     def finish(self, request_id: Hashable) -> Hashable:
-        worker = self._assigned.pop(request_id)
-        self.in_flight[worker] -= 1
-        return worker
+        return self._flight.finish(request_id)
 
     def evict(self) -> dict[Hashable, list[tuple[int, ...]]]:
         """Per-worker LRU leaf eviction; returns {worker: evicted prefixes in order}."""
@@ -148,4 +146,4 @@ class CacheAwareRouter:
         return self.tree.match(token_ids, tenant=worker)[0]
 
     def worker_of(self, request_id: Hashable) -> Hashable:
-        return self._assigned[request_id]
+        return self._flight.worker_of(request_id)

@@ -30,6 +30,7 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from reference_model import MNode, MReplica, NodeModel
 
 from tokenlake.config import PoolConfig
 from tokenlake.errors import CapacityError, ConfigError, PrefixNotCached, SegmentNotFound
@@ -60,31 +61,13 @@ def make_pool(slots: int = CAPACITY, instances=(0, 1, 2), now=None) -> tuple[Cac
 # ------------------------------------------------------------------- the model
 
 
-class MReplica:
-    def __init__(self, slot: int, ready: bool, last: float) -> None:
-        self.slot, self.ready, self.last = slot, ready, last
-
-
-class MNode:
-    def __init__(self, parent: bytes | None, index: int) -> None:
-        self.parent, self.index = parent, index
-        self.replicas: dict[int, MReplica] = {}
-        self.pins = self.leases = 0
-
-
-class PoolModel:
+class PoolModel(NodeModel):
     """Nodes, private slots and capacities as plain dicts; everything else recomputed."""
 
     def __init__(self, capacity: dict[int, int]) -> None:
-        self.nodes: dict[bytes, MNode] = {}
+        super().__init__()
         self.private: dict[tuple[int, int], str] = {}
         self.capacity = dict(capacity)
-
-    def children(self, key: bytes) -> list[bytes]:
-        return [k for k, n in self.nodes.items() if n.parent == key]
-
-    def ready(self, key: bytes) -> int:
-        return sum(r.ready for r in self.nodes[key].replicas.values())
 
     def used_slots(self, inst: int) -> list[int]:
         reps = [n.replicas[inst].slot for n in self.nodes.values() if inst in n.replicas]
@@ -93,35 +76,12 @@ class PoolModel:
     def free(self, inst: int) -> int:
         return self.capacity[inst] - len(self.used_slots(inst))
 
-    def evictable(self, protect: bytes | None = None) -> list[tuple[bytes, int]]:
-        """Ready replicas of unpinned, unleased nodes that are leaves or have a spare."""
-        out = []
-        for key, node in self.nodes.items():
-            if node.pins or node.leases or key == protect:
-                continue
-            ready = self.ready(key)
-            if ready > 1 or (ready == 1 and not self.children(key)):
-                out += [(key, i) for i, r in node.replicas.items() if r.ready]
-        return out
-
-    def order(self, victim: tuple[bytes, int]) -> tuple[float, int]:
-        node = self.nodes[victim[0]]
-        return node.replicas[victim[1]].last, -node.index  # older first, deeper first
-
     def lru_candidates(self, protect: bytes | None = None) -> list[tuple[bytes, int]]:
         ev = self.evictable(protect)
         if not ev:
             return []
-        best = min(self.order(v) for v in ev)
-        return [v for v in ev if self.order(v) == best]
-
-    def match(self, keys: list[bytes]) -> list[bytes]:
-        out = []
-        for key in keys:
-            if key not in self.nodes or not self.ready(key):
-                break
-            out.append(key)
-        return out
+        best = min(self.lru_order(v) for v in ev)
+        return [v for v in ev if self.lru_order(v) == best]
 
     def drop_replica(self, key: bytes, inst: int) -> None:
         node = self.nodes[key]
@@ -129,14 +89,6 @@ class PoolModel:
         if not node.replicas:
             assert not self.children(key), "model would orphan a suffix"
             del self.nodes[key]
-
-    def subtree(self, key: bytes) -> set[bytes]:
-        out, stack = set(), [key]
-        while stack:
-            k = stack.pop()
-            out.add(k)
-            stack += self.children(k)
-        return out
 
 
 # ------------------------------------------------------------- state machine

@@ -28,6 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from reference_model import MNode, MReplica, NodeModel
 
 from tokenlake.errors import ConfigError, SegmentNotFound
 from tokenlake.placement import HashRing, find_heavy_hitters
@@ -132,60 +133,8 @@ def test_token_bytes_rejects_out_of_range_and_ragged_input():
 # ---------------------------------------------------------- prefix tree vs model
 
 
-class MReplica:
-    def __init__(self, slot: int, ready: bool, last: float) -> None:
-        self.slot, self.ready, self.last = slot, ready, last
-
-
-class MNode:
-    def __init__(self, parent: bytes | None, index: int) -> None:
-        self.parent, self.index = parent, index
-        self.replicas: dict[int, MReplica] = {}
-        self.pins = self.leases = 0
-
-
-class TreeModel:
-    """The reference: a dict of nodes; children, readiness and evictability recomputed."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[bytes, MNode] = {}
-
-    def children(self, key: bytes) -> list[bytes]:
-        return [k for k, n in self.nodes.items() if n.parent == key]
-
-    def ready(self, key: bytes) -> int:
-        return sum(r.ready for r in self.nodes[key].replicas.values())
-
-    def evictable(self) -> list[tuple[bytes, int]]:
-        out = []
-        for key, node in self.nodes.items():
-            if node.pins or node.leases:
-                continue
-            ready = self.ready(key)
-            if ready > 1 or (ready == 1 and not self.children(key)):
-                out += [(key, i) for i, r in node.replicas.items() if r.ready]
-        return out
-
-    def lru_order(self, victim: tuple[bytes, int]) -> tuple[float, int]:
-        key, inst = victim
-        node = self.nodes[key]
-        return node.replicas[inst].last, -node.index  # older first, then deeper first
-
-    def match(self, keys: list[bytes]) -> list[bytes]:
-        out = []
-        for key in keys:
-            if key not in self.nodes or not self.ready(key):
-                break
-            out.append(key)
-        return out
-
-    def subtree(self, key: bytes) -> list[bytes]:
-        out, stack = [], [key]
-        while stack:
-            k = stack.pop()
-            out.append(k)
-            stack += self.children(k)
-        return out
+class TreeModel(NodeModel):
+    """The reference for the tree alone (see tests/reference_model.py)."""
 
 
 def check_tree_against_model(tree: PrefixTree, model: TreeModel) -> None:

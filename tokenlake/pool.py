@@ -240,22 +240,31 @@ class CachePool:
         self._dedup += n
 
     def _take_slot(self, key: SegmentKey) -> SegmentLocation:
-        for inst in self.ring.preference(key):
-            slot = self.slots.allocate(inst)
-            if slot is not None:
-                return SegmentLocation(inst, slot)
-        if not self.evict_one():
+        """A free slot, spilling along the ring from ``key``'s home; on a full pool the
+        least recently used replica goes and its slot (the only free one) is taken."""
+        if self.slots.total_free():
+            for inst in self.ring.preference(key):
+                slot = self.slots.allocate(inst)
+                if slot is not None:
+                    return SegmentLocation(inst, slot)
+        inst = self._evict_lru()
+        if inst is None:
             raise CapacityError(
                 f"pool full: {sum(self.slots.capacity(i) for i in self.instances)} slots are all "
                 "pinned, leased, pending or private"
             )
-        return self._take_slot(key)
+        return SegmentLocation(inst, self.slots.allocate(inst))
 
     def evict_one(self) -> bool:
         """Evicts the least recently used evictable replica; False if there is none."""
+        return self._evict_lru() is not None
+
+    def _evict_lru(self) -> int | None:
+        """Evicts the least recently used evictable replica; returns the instance whose
+        slot it freed, or ``None`` if nothing is evictable."""
         victim = self.tree.lru_victim()
         if victim is None:
-            return False
+            return None
         key, inst = victim
         parent, index = self.tree.parent(key), self.tree.index(key)
         last = self.tree.last_access(key, inst)
@@ -264,7 +273,7 @@ class CachePool:
         self._evictions += 1
         if self.eviction_log is not None:
             self.eviction_log.append((key, parent, index, inst, slot, last))
-        return True
+        return inst
 
     def restore_evicted(self, log: list[tuple]) -> None:
         """Puts back the replicas noted in ``log`` (newest first), for a plan that failed

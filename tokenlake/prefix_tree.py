@@ -324,8 +324,10 @@ class PrefixTree:
                 if getattr(n, field) < need[n.key]:
                     raise ValueError(f"segment {n.key.hex()} has no {field[:-1]} to release")
         for n in nodes:
-            setattr(n, field, getattr(n, field) + delta)
-            self._sync(n)
+            old = getattr(n, field)
+            setattr(n, field, old + delta)
+            if old == 0 or old + delta == 0:  # evictability changes only at zero
+                self._sync(n)
 
     def _entry(self, node: _Node, rep: _Replica) -> tuple:
         return (rep.last_access, -node.index, next(self._seq), node.key, rep.instance)

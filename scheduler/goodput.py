@@ -41,12 +41,13 @@ number of DoP choices (``N``, or ``log2 N`` with ``prefill_dops="pow2"``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from scheduler.api import BatchDecision, Decision, RequestView, Snapshot
-from scheduler.latency import batch_times, work_terms
+from scheduler.latency import batch_times, slowdown, work_terms
 
 DEFAULT_CHUNK_TOKENS = 512
 SLO_RTOL = 1 + 1e-9  # a batch meets an SLO it equals up to rounding
@@ -78,17 +79,36 @@ def new_tokens(req: RequestView, chunk_tokens: int) -> int:
     return min(req.remaining_prefill, chunk_tokens) if req.phase == "prefill" else 1
 
 
+#: Below this many inner DP steps (``N x M^2 x D / 2``) the DP runs in plain Python: a
+#: few hundred numpy calls of fixed cost would take longer than the arithmetic. Both paths
+#: evaluate the same float64 expressions in the same order and break ties the same way
+#: (first minimum over ``(dop, j)``), so they return identical decisions.
+SMALL_DP_STEPS = 2500
+
+
 class _PhaseDP:
     """``f(i, k)`` over one phase's ordered requests, with its argmins for backtracking.
 
-    ``dops`` are the DoPs a batch of this phase may take (``(1,)`` for decode).
+    ``dops`` are the DoPs a batch of this phase may take (``(1,)`` for decode). ``f``,
+    ``arg_j`` and ``arg_m`` are indexed ``[i][k]`` (numpy arrays, or lists of lists on
+    the small-problem path).
     """
 
     def __init__(self, snap: Snapshot, reqs: list[RequestView], chunk_tokens: int,
-                 n: int, dops: tuple[int, ...], use_slo: bool) -> None:
-        m_req = len(reqs)
+                 n: int, dops: tuple[int, ...], use_slo: bool, small: bool | None = None) -> None:
         self.reqs = reqs
         self.news = [new_tokens(r, chunk_tokens) for r in reqs]
+        size = len(reqs) + 1
+        if small is None:
+            small = n * size * size * len(dops) <= 2 * SMALL_DP_STEPS
+        if small:
+            self._fill_python(snap, n, dops, use_slo)
+        else:
+            self._fill_numpy(snap, n, dops, use_slo)
+
+    def _fill_numpy(self, snap: Snapshot, n: int, dops: tuple[int, ...], use_slo: bool) -> None:
+        reqs = self.reqs
+        m_req = len(reqs)
         size = m_req + 1
         self.f = np.full((size, n + 1), np.inf)
         self.f[0, 0] = 0.0
@@ -123,15 +143,78 @@ class _PhaseDP:
                 self.arg_m[i0:i1, k] = dop_int[best // i1]
                 self.arg_j[i0:i1, k] = best % i1
 
+    def _fill_python(self, snap: Snapshot, n: int, dops: tuple[int, ...], use_slo: bool) -> None:
+        """The same DP as :meth:`_fill_numpy`, for small problems, in plain floats."""
+        reqs, news = self.reqs, self.news
+        m_req = len(reqs)
+        size = m_req + 1
+        inf = math.inf
+        f = [[inf] * (n + 1) for _ in range(size)]
+        f[0][0] = 0.0
+        self.f = f
+        self.arg_j = [[0] * (n + 1) for _ in range(size)]
+        self.arg_m = [[dops[0]] * (n + 1) for _ in range(size)]
+        if m_req == 0:
+            return
+        lat = snap.latency
+        c_new, c_np, c_sq, c_p = (float(lat.c_new), float(lat.c_new_prefix),
+                                  float(lat.c_new_sq), float(lat.c_prefix))
+        c_const, c_req = float(lat.c_const), float(lat.c_request)
+        wp = [0.0]
+        for new_i, r in zip(news, reqs):
+            x, p = float(new_i), float(r.context_tokens)
+            wp.append(wp[-1] + (c_new * x + c_np * x * p + c_sq * x * x + c_p * p))
+        scale = slowdown(snap.cache_load)
+        inv = [1.0 / float(d) for d in dops]
+        slo = [inf if r.tbt_slo_s is None else r.tbt_slo_s for r in reqs]
+        # cost[i][m][j] for j < i: requests[j:i] on dops[m] instances, x its size.
+        cost: list[list[list[float]]] = [[]]
+        for i in range(1, size):
+            per_m: list[list[float]] = [[inf] * i for _ in dops]
+            limit = inf
+            for j in range(i - 1, -1, -1):
+                count = float(i - j)
+                diff = (wp[i] - wp[j]) * scale
+                fixed = (c_const + c_req * count) * scale
+                if use_slo:
+                    limit = min(limit, slo[j])
+                lim = limit * SLO_RTOL
+                for m, iv in enumerate(inv):
+                    t = diff * iv + fixed
+                    if not (use_slo and t > lim):
+                        per_m[m][j] = t * count
+            cost.append(per_m)
+        arg_j, arg_m = self.arg_j, self.arg_m
+        # f[j][c] is inf unless c <= j * max_dop (each batch has a request and at most
+        # max_dop instances): such rows and candidates are skipped, which leaves the
+        # result and the tie-breaking unchanged.
+        max_dop = dops[-1]
+        for k in range(1, n + 1):
+            usable = [(m, d, -(-(k - d) // max_dop)) for m, d in enumerate(dops) if d <= k]
+            for i in (range(1, size) if k < n else (m_req,)):
+                if k > i * max_dop:
+                    continue
+                best, bm, bj = inf, dops[0], 0
+                ci = cost[i]
+                for m, d, j_lo in usable:
+                    cm, col = ci[m], k - d
+                    for j in range(j_lo, i):
+                        v = f[j][col] + cm[j]
+                        if v < best:
+                            best, bm, bj = v, d, j
+                f[i][k] = best
+                arg_m[i][k] = bm
+                arg_j[i][k] = bj
+
     def final(self) -> np.ndarray:
         """``f(M, k)`` for ``k = 0..N``."""
-        return self.f[len(self.reqs)]
+        return np.asarray(self.f[len(self.reqs)], dtype=np.float64)
 
     def backtrack(self, k: int) -> list[BatchDecision]:
         out = []
         i = len(self.reqs)
         while i > 0:
-            j, m = int(self.arg_j[i, k]), int(self.arg_m[i, k])
+            j, m = int(self.arg_j[i][k]), int(self.arg_m[i][k])
             out.append(BatchDecision(tuple(r.request_id for r in self.reqs[j:i]),
                                      self.reqs[0].phase, m, tuple(self.news[j:i])))
             i, k = j, k - m

@@ -163,9 +163,42 @@ def case_random(seed):
     return sol.fell_back, best > unconstrained * (1 + 1e-9)
 
 
+@pytest.fixture(params=["python", "numpy"])
+def dp_path(request, monkeypatch):
+    """Runs a test on the small-problem (plain Python) DP and on the vectorised one."""
+    import scheduler.goodput as goodput
+
+    monkeypatch.setattr(goodput, "SMALL_DP_STEPS", 1 << 60 if request.param == "python" else -1)
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(120))
-def test_dp_matches_brute_force(seed):
+def test_dp_matches_brute_force(seed, dp_path):
     case_random(seed)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_python_and_numpy_dp_decide_identically(seed, monkeypatch):
+    """The two DP paths evaluate the same floats in the same order and break ties the
+    same way: equal decisions and bit-equal objectives, SLO fallbacks included."""
+    import scheduler.goodput as goodput
+
+    rng = random.Random(seed)
+    load = rng.choice([0.0, 0.2, 0.97])
+    reqs = random_requests(rng, rng.randint(1, 40))
+    if seed % 3 == 0:  # many exact ties
+        reqs = [RequestView(r.request_id, r.phase, 1000, r.remaining_prefill and 512, 0.0, None)
+                for r in reqs]
+    elif seed % 3 == 1:
+        reqs = with_relative_slos(rng, reqs, load)
+    snap = snapshot(reqs, rng.randint(1, 16), load=load, n_busy=rng.randint(0, 2))
+    sols = []
+    for steps in (1 << 60, -1):
+        monkeypatch.setattr(goodput, "SMALL_DP_STEPS", steps)
+        sols.append(GoodputScheduler(chunk_tokens=CHUNK).solve(snap))
+    assert sols[0].decision == sols[1].decision
+    assert sols[0].total_latency_s == sols[1].total_latency_s
+    assert sols[0].fell_back == sols[1].fell_back
 
 
 def case_tradeoff(seed):
@@ -194,7 +227,7 @@ def case_tradeoff(seed):
 
 
 @pytest.mark.parametrize("seed", range(100))
-def test_dp_matches_brute_force_when_slo_trades_instances(seed):
+def test_dp_matches_brute_force_when_slo_trades_instances(seed, dp_path):
     case_tradeoff(seed)
 
 
@@ -423,7 +456,7 @@ def test_memory_cap_restricts_prefill_dops(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_degenerate_latency_model_matches_brute_force(seed):
+def test_degenerate_latency_model_matches_brute_force(seed, dp_path):
     """Zero fixed and per-request costs (no inf * 0 or negative-time accidents)."""
     lat = LatencyModel(0.0, 1e-5, 0.0, 0.0, 0.0, 0.0)
     rng = random.Random(seed)

@@ -126,6 +126,23 @@ def test_concurrent_arrivals_reuse_what_is_already_stored():
     assert 0 < half.hit_tokens < later.hit_tokens
 
 
+@pytest.mark.parametrize("system", ["tokenlake", "sglang-router", "mooncake-1p3d"])
+def test_closed_sessions_send_the_next_turn_after_the_answer(system):
+    """Turn 2 extends turn 1's prompt and is timed to arrive with it: in a closed loop
+    it is sent when turn 1 has finished, so it reuses turn 1's whole prompt; replayed
+    open-loop it arrives while turn 1 computes and reuses less."""
+    doc = tuple(range(12))
+    t1 = Request("s-0", 0.0, 12 * BS, 4, block_hashes=doc, session_id="s", turn=0)
+    t2 = Request("s-1", 0.01, 14 * BS, 4, block_hashes=doc + (50, 51), session_id="s", turn=1)
+    cfg = replace(BIG, tp=4) if system == "sglang-router" else BIG  # one worker
+    closed = simulate([t1, t2], system, cfg)
+    opened = simulate([t1, t2], system, replace(cfg, closed_sessions=False))
+    want = 12 * BS if system != "tokenlake" else 12 * BS // 256 * 256
+    assert closed.hit_tokens == want
+    assert opened.hit_tokens < closed.hit_tokens
+    assert closed.mean_ttft_s < opened.mean_ttft_s  # TTFT counts from when it was sent
+
+
 # -------------------------------------------------------------------- timing
 
 

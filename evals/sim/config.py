@@ -50,6 +50,11 @@ class SimConfig:
             assumes (``scheduler/latency.py``). Off by default: the latency model already
             charges each batch its whole prefix attention, which is the pool's work
             (balanced over the instances), so that would count it twice.
+        closed_sessions: a multi-turn session's next turn is sent only when its previous
+            turn has finished (a chat client waits for the answer), at the later of its
+            own arrival time and that finish; its TTFT counts from then. False replays
+            every arrival time as given (open loop), so a turn may arrive while the
+            previous one still computes, before its KV can be reused.
         seed: seed of every random choice (replica selection, Poisson arrivals).
     """
 
@@ -69,6 +74,7 @@ class SimConfig:
     router_evict_s: float = 60.0
     max_prefill_dop: int | None = None
     pool_slowdown: bool = False
+    closed_sessions: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -113,6 +113,8 @@ class Backend:
         self._sig = None
         self.events = self.iterations = self.scheduler_calls = self.plan_calls = 0
         self.busy_s = 0.0  # summed duration of every simulated iteration (per batch)
+        self._next_turn: dict[str, SimRequest] = {}  # closed sessions: rid -> next turn
+        self.pending_arrivals = 0  # arrival events not handled yet (held turns excluded)
 
     # ----------------------------------------------------------------- events
     def push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -122,8 +124,14 @@ class Backend:
                  progress: Callable[[int], None] | None = None) -> SimResult:
         """Runs every request to completion and returns the measurements."""
         wall, cpu = time.perf_counter(), time.process_time()
-        for i, src in enumerate(sorted(requests, key=lambda r: (r.arrival_s, r.request_id))):
-            self.push(src.arrival_s, ARRIVAL, SimRequest(i, src))
+        sims = [SimRequest(i, src) for i, src in
+                enumerate(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))]
+        self._next_turn = self._session_chains(sims) if self.config.closed_sessions else {}
+        held = {id(r) for r in self._next_turn.values()}
+        for r in sims:
+            if id(r) not in held:
+                self.push(r.arrival_s, ARRIVAL, r)
+                self.pending_arrivals += 1
         self.start()
         heap = self._heap
         while heap:
@@ -157,6 +165,20 @@ class Backend:
                          scheduler_calls=self.scheduler_calls, plan_calls=self.plan_calls,
                          extra=extra)
 
+    @staticmethod
+    def _session_chains(sims: list[SimRequest]) -> dict[str, SimRequest]:
+        """Closed-loop sessions: request id -> the session's next turn, which is sent
+        only when that request has finished (a chat client waits for the answer)."""
+        sessions: dict[str, list[SimRequest]] = {}
+        for r in sims:
+            if r.source.session_id is not None:
+                sessions.setdefault(r.source.session_id, []).append(r)
+        out = {}
+        for turns in sessions.values():
+            turns.sort(key=lambda r: (r.source.turn, r.idx))
+            out.update((a.rid, b) for a, b in zip(turns, turns[1:]))
+        return out
+
     def _arrive(self, req: SimRequest) -> None:
         cfg, lat = self.config, self.lat
         scale = cfg.slo_scale
@@ -164,6 +186,7 @@ class Backend:
                           else scale * prefill_bs1_s(lat, req.input_len, cfg.chunk_tokens))
         req.tbt_slo_s = cfg.output_token_slo_s or scale * decode_bs1_s(lat, req.input_len)
         self.live[req.rid] = req
+        self.pending_arrivals -= 1
         self.on_arrival(req)
 
     # ------------------------------------------------------------------- runs
@@ -210,6 +233,11 @@ class Backend:
                 del self.live[r.rid]
                 self.rec.finish(r, r.ttft_slo_s, r.tbt_slo_s)
                 self.on_finish(r)
+                nxt = self._next_turn.pop(r.rid, None)
+                if nxt is not None:  # the session's next turn is sent now (or on time)
+                    nxt.arrival_s = nxt.ready_s = max(nxt.arrival_s, self.now)
+                    self.push(nxt.arrival_s, ARRIVAL, nxt)
+                    self.pending_arrivals += 1
 
     def _progress(self, run: Run, j0: int, j1: int) -> None:
         """Requests of ``run`` advanced by iterations ``j0+1 .. j1``."""

@@ -67,7 +67,7 @@ class PooledBackend(Backend):
         self.fixed = policy if hasattr(policy, "allowed_instances") else None
         self.chunk = getattr(getattr(policy, "inner", policy), "chunk_tokens", cfg.chunk_tokens)
         self.cap = setup.instances * setup.slots_per_instance * self.c  # pool, KV tokens
-        self.pending_arrivals = self.replicating = self._reserved = 0
+        self.replicating = self._reserved = 0
         self._shared: dict[bytes, int] = {}  # reused prefix segments -> admitted users
         self.queue: dict[str, SimRequest] = {}  # not admitted yet, in arrival order
         self.adm: dict[str, SimRequest] = {}  # admitted and not finished
@@ -81,11 +81,9 @@ class PooledBackend(Backend):
 
     # -------------------------------------------------------------- events
     def start(self) -> None:
-        self.pending_arrivals = len(self._heap)
         self.push(self.config.rebalance_s, REBALANCE, None)
 
     def on_arrival(self, req: SimRequest) -> None:
-        self.pending_arrivals -= 1
         if req.input_len + req.output_len + self.c > self.cap:
             raise SimulationError(f"request {req.rid} needs {req.input_len + req.output_len} "
                                   f"KV tokens; the pool holds {self.cap}")

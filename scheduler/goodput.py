@@ -206,9 +206,9 @@ class _PhaseDP:
                 arg_m[i][k] = bm
                 arg_j[i][k] = bj
 
-    def final(self) -> np.ndarray:
+    def final(self) -> list[float]:
         """``f(M, k)`` for ``k = 0..N``."""
-        return np.asarray(self.f[len(self.reqs)], dtype=np.float64)
+        return [float(x) for x in self.f[len(self.reqs)]]
 
     def backtrack(self, k: int) -> list[BatchDecision]:
         out = []
@@ -292,12 +292,14 @@ class GoodputScheduler:
         dp_p = _PhaseDP(snap, prefill, self.chunk_tokens, n, dops, use_slo)
         dp_d = _PhaseDP(snap, decode, self.chunk_tokens, n, (1,), use_slo)
         fp, fd = dp_p.final(), dp_d.final()
-        kk = np.arange(n + 1)
-        total = fp[:, None] + fd[None, :]
-        total = np.where(kk[:, None] + kk[None, :] <= n, total, np.inf)
-        flat = int(np.argmin(total))
-        kp, kd = divmod(flat, n + 1)
-        best = float(total[kp, kd])
-        if not np.isfinite(best):
+        # The split k_p + k_d <= n with the least total; ties go to the smallest k_p,
+        # then the smallest k_d.
+        best, kp, kd = math.inf, 0, 0
+        for p in range(n + 1):
+            for d in range(n + 1 - p):
+                t = fp[p] + fd[d]
+                if t < best:
+                    best, kp, kd = t, p, d
+        if best == math.inf:
             return None
         return dp_p.backtrack(kp) + dp_d.backtrack(kd), best

@@ -489,6 +489,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert pool.slots.capacity(inst) == cap
             assert pool.slots.used(inst) == len(used)
             assert not set(used) & pool.slots._free_set[inst]  # white-box: free list exact
+        assert pool.slots.total_free() == sum(
+            cap - len(model.used_slots(inst)) for inst, cap in model.capacity.items())
         # Eviction order.
         cands = model.lru_candidates()
         assert tree.evictable_count() == len(model.evictable())

@@ -175,16 +175,17 @@ class CachePool:
             return (ready or locs)[0], False
         if parent is None and index != 0:
             raise ValueError("a segment without parent must have index 0")
-        if parent is not None:
-            if self.tree.index(parent) != index - 1:  # also raises SegmentNotFound
-                raise ValueError("segment index must be its parent's index + 1")
-            # The parent may be an evictable leaf: keep it while a slot is taken for its
-            # child, or eviction could pull it from under the insert (and leak the slot).
+        if parent is not None and self.tree.index(parent) != index - 1:  # raises SegmentNotFound
+            raise ValueError("segment index must be its parent's index + 1")
+        # On a full pool the parent may be the LRU victim: keep it while a slot is taken
+        # for its child, or eviction could pull it from under the insert (and leak the slot).
+        guard = parent is not None and not self.slots.total_free()
+        if guard:
             self.tree.lease([parent])
         try:
             loc = self._take_slot(key)
         finally:
-            if parent is not None:
+            if guard:
                 self.tree.unlease([parent])
         self.tree.insert(key, parent, index)
         self.tree.add_replica(key, loc.instance, loc.slot, self.clock())

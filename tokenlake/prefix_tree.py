@@ -125,10 +125,13 @@ class PrefixTree:
         return tuple(kids)
 
     def replicas(self, key: SegmentKey, ready_only: bool = True) -> tuple[SegmentLocation, ...]:
-        node = self._node(key)
+        reps = self._node(key).replicas
+        if len(reps) == 1:  # the common case, without the sort
+            ((i, r),) = reps.items()
+            return (SegmentLocation(i, r.slot),) if r.ready or not ready_only else ()
         return tuple(
             SegmentLocation(i, r.slot)
-            for i, r in sorted(node.replicas.items())
+            for i, r in sorted(reps.items())
             if r.ready or not ready_only
         )
 
@@ -335,7 +338,9 @@ class PrefixTree:
     def _evictable(self, node: _Node) -> bool:
         if node.pins or node.leases:
             return False
-        ready = sum(1 for r in node.replicas.values() if r.ready)
+        ready = 0
+        for r in node.replicas.values():
+            ready += r.ready
         return ready > 1 or (ready == 1 and not node.children)
 
     def _sync(self, node: _Node) -> None:

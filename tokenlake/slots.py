@@ -23,6 +23,7 @@ class SlotPool:
         self._capacity: dict[int, int] = {}
         self._free: dict[int, list[int]] = {}  # min-heaps of free slots
         self._free_set: dict[int, set[int]] = {}
+        self._n_free = 0  # free slots over all instances
         for instance, capacity in (capacities or {}).items():
             self.add_instance(instance, capacity)
 
@@ -35,10 +36,12 @@ class SlotPool:
         self._capacity[instance] = capacity
         self._free[instance] = list(range(capacity))  # sorted, hence a valid heap
         self._free_set[instance] = set(range(capacity))
+        self._n_free += capacity
 
     def remove_instance(self, instance: int) -> None:
         """Forgets an instance and all its slots (the caller drops what they held)."""
         self._check(instance)
+        self._n_free -= len(self._free[instance])
         del self._capacity[instance]
         del self._free[instance]
         del self._free_set[instance]
@@ -51,6 +54,7 @@ class SlotPool:
             return None
         slot = heapq.heappop(free)
         self._free_set[instance].discard(slot)
+        self._n_free -= 1
         return slot
 
     def take(self, instance: int, slot: int) -> None:
@@ -62,6 +66,7 @@ class SlotPool:
         free = self._free[instance]
         free.remove(slot)
         heapq.heapify(free)
+        self._n_free -= 1
 
     def free(self, instance: int, slot: int) -> None:
         """Returns a slot. Freeing a slot twice or out of range raises ``ValueError``."""
@@ -73,6 +78,7 @@ class SlotPool:
             raise ValueError(f"slot {slot} on instance {instance} is already free")
         free_set.add(slot)
         heapq.heappush(self._free[instance], slot)
+        self._n_free += 1
 
     def capacity(self, instance: int) -> int:
         self._check(instance)
@@ -91,7 +97,7 @@ class SlotPool:
         return tuple(sorted(self._capacity))
 
     def total_free(self) -> int:
-        return sum(len(f) for f in self._free.values())
+        return self._n_free
 
     def _check(self, instance: int) -> None:
         if instance not in self._capacity:

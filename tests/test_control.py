@@ -642,6 +642,30 @@ def test_capacity_error_does_not_evict():
     assert cp.get_prefix_tree().match(range(1, 9)).hit_tokens == 0
 
 
+def test_placement_does_not_evict_a_later_requests_declared_prefix():
+    """One call admits every request before placing any: the first request's new
+    segments evict other segments, never the prefix the second request declares."""
+    clock = Clock()
+    cp = make_cp(c=4, slots=4, instances=(0,), clock=clock)
+    for t, (rid, toks) in enumerate([("p", range(1, 5)), ("q", range(50, 54)),
+                                     ("r", range(60, 64))]):
+        clock.now = float(t)  # LRU order: P, Q, R
+        run(cp, [batch(req(rid, toks))])
+        cp.finish_request(rid)
+    clock.now = 5.0
+    # 1 free slot; "x" needs 2 and "y" 1, so two segments go. "y" declares P its prefix.
+    plans = run(cp, [batch(req("x", range(100, 108)), req("y", range(5, 9), range(1, 5)))])
+    tree = cp.get_prefix_tree()
+    assert cp.prefix_tokens("y") == 8
+    assert tree.match(range(1, 9)).hit_tokens == 8  # P kept (leased by y), y's segment after it
+    assert tree.match(range(50, 54)).hit_tokens == 0
+    assert tree.match(range(60, 64)).hit_tokens == 0
+    assert cp.stats().pool.evictions == 2
+    reads = [it for qp in plans.query_plans for t in qp.tasks for it in t.items
+             if it.request_id == "y"]
+    assert sum(sum(it.tokens) for it in reads) == 4
+
+
 # ----------------------------------------------------- abort and complete
 
 

@@ -315,27 +315,31 @@ class ControlPlane:
         flight.undo.clear()
 
     def _prepare(self, batches: Sequence[Batch], flight: _Inflight):
-        """Admits new requests, resolves prefixes and places new tokens, per request."""
+        """Admits new requests, resolves prefixes and places new tokens, per request.
+
+        Every request is admitted (its declared prefix leased) before any is placed: a
+        placement may evict, and must not take a later request's declared prefix.
+        """
         out = {}
         c = self.config.segment_tokens
-        for batch in batches:
-            for req in batch.requests:
-                state = self._admit(req, flight)
-                have = len(state.tail_tokens)
-                prefix_tokens = len(state.chain) * c + have
-                self._resolve(state)
-                tail = state.tail
-                new = req.new_token_ids
-                if tail is not None and have + len(new) < c:  # decode fast path: tail grows
-                    tail_item = (tail.instance, tail.slot, have)
-                    puts = (NewTokenPut(0, len(new), tail.instance, tail.slot, have, None),)
-                    state.tail_tokens.extend(new)
-                else:
-                    tail_item = (tail.instance, tail.slot, have) if tail else None
-                    puts = tuple(self._place_new_tokens(state, new, flight))
-                if batch.phase == "prefill":
-                    self._count(flight, prefill=len(new))
-                out[req.request_id] = Prepared(prefix_tokens, state, tail_item, puts)
+        admitted = [(batch, req, self._admit(req, flight))
+                    for batch in batches for req in batch.requests]
+        for batch, req, state in admitted:
+            have = len(state.tail_tokens)
+            prefix_tokens = len(state.chain) * c + have
+            self._resolve(state)
+            tail = state.tail
+            new = req.new_token_ids
+            if tail is not None and have + len(new) < c:  # decode fast path: tail grows
+                tail_item = (tail.instance, tail.slot, have)
+                puts = (NewTokenPut(0, len(new), tail.instance, tail.slot, have, None),)
+                state.tail_tokens.extend(new)
+            else:
+                tail_item = (tail.instance, tail.slot, have) if tail else None
+                puts = tuple(self._place_new_tokens(state, new, flight))
+            if batch.phase == "prefill":
+                self._count(flight, prefill=len(new))
+            out[req.request_id] = Prepared(prefix_tokens, state, tail_item, puts)
         return out
 
     def _admit(self, req: BatchRequest, flight: _Inflight) -> RequestState:

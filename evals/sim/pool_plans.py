@@ -100,7 +100,7 @@ class PoolPlanner:
             else:
                 batch.append(BatchRequest(r.rid, r.tokens[start:], r.tokens[:r.hit]))
                 admits.append(r)
-        plans = self._gen(batch, admits)
+        plans = self._gen(batch)
         for r in admits:
             r.admitted, r.prefilled, r.phase = True, r.hit, "prefill"
             self.b.reserve(r, 1)
@@ -115,16 +115,10 @@ class PoolPlanner:
         for k in keys:
             self.pending[k] = plan
 
-    def _gen(self, batch: list[BatchRequest], admits: list[SimRequest]) -> Plans:
-        # gen_plans admits and places request by request, so placing an earlier request's
-        # new segments may evict a later one's (unleased) prefix: hold them meanwhile
-        # (a lone request leases its own prefix before placing anything).
-        held = [k for r in admits for k in r.keys[: r.hit // self.c]] if len(batch) > 1 else []
-        self.tree.lease(held)
+    def _gen(self, batch: list[BatchRequest]) -> Plans:
         try:
             return self.cp.gen_plans([Batch(tuple(batch), "prefill")], [1])
         finally:
-            self.tree.unlease(held)
             self.b.plan_calls += 1
 
     def settle(self, plans: list[PrefillPlan], keep=lambda r: True,
@@ -160,7 +154,7 @@ class PoolPlanner:
             if done:
                 batch = [BatchRequest(r.rid, r.tokens[start[r.rid]:r.prefilled],
                                       () if r.admitted else r.tokens[:r.hit]) for r in done]
-                self.cp.complete(self._gen(batch, [r for r in done if not r.admitted]))
+                self.cp.complete(self._gen(batch))
                 for r in done:
                     r.admitted = True
             for r in members:

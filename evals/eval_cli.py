@@ -26,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--instances", type=int, default=None)
     p.add_argument("--scale", type=float, default=1.0, help="shrink requests and contexts (0.1: quick)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="simulations run in parallel processes (results do not depend on it)")
     p.add_argument("--out", default=None, help="output folder (default results/<experiment>)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -49,7 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = SimConfig(instances=16 if args.experiment == "multi-node" else 8)
     if args.instances:
         config = replace(config, instances=args.instances)
-    kw: dict = {"scale": args.scale, "seed": args.seed, "config": config}
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    kw: dict = {"scale": args.scale, "seed": args.seed, "config": config, "workers": args.jobs}
     if args.systems and args.experiment != "elasticity":
         kw["systems"] = tuple(args.systems)
     if args.experiment == "e2e":

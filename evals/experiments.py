@@ -27,12 +27,15 @@ counts and document lengths together so that a quick run keeps the workload's sh
 from __future__ import annotations
 
 import math
+import multiprocessing
 import statistics
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from evals.sim.config import SimConfig
+from evals.sim.metrics import SimResult
 from evals.sim.systems import simulate
 from evals.workloads import (
     load_sharegpt,
@@ -143,11 +146,46 @@ def _ratio(a: float, b: float) -> float | None:
 
 Progress = Callable[[str], None]
 
+#: (label, requests, system, config): one simulation of an experiment's grid.
+Job = tuple[str, Sequence[Request], str, SimConfig]
 
-def _run(reqs, system, config, progress: Progress | None, label: str):
-    if progress:
-        progress(label)
+_FORKED_JOBS: list[Job] = []  # what forked workers read (set only while a pool runs)
+
+
+def _simulate_job(i: int) -> SimResult:
+    _, reqs, system, config = _FORKED_JOBS[i]
     return simulate(reqs, system, config)
+
+
+def run_jobs(jobs: Sequence[Job], progress: Progress | None = None,
+             workers: int = 1) -> list[SimResult]:
+    """Simulates every job, in ``workers`` processes (forked, so the requests are not
+    copied to them); results in job order. Each simulation is seeded by its config, so
+    the results do not depend on ``workers``. ``progress(label)`` as each one ends."""
+    global _FORKED_JOBS
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if workers == 1 or len(jobs) < 2:
+        out = []
+        for label, reqs, system, config in jobs:
+            out.append(simulate(reqs, system, config))
+            if progress:
+                progress(label)
+        return out
+    _FORKED_JOBS = list(jobs)
+    results: list[SimResult | None] = [None] * len(jobs)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx) as pool:
+            futures = {pool.submit(_simulate_job, i): i for i in range(len(jobs))}
+            for fut in as_completed(futures):
+                i = futures[fut]
+                results[i] = fut.result()
+                if progress:
+                    progress(jobs[i][0])
+    finally:
+        _FORKED_JOBS = []
+    return results  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- experiments
@@ -156,17 +194,21 @@ def _run(reqs, system, config, progress: Progress | None, label: str):
 def e2e(workloads: Sequence[str] = WORKLOADS, systems: Sequence[str] = MAIN_SYSTEMS,
         rates: dict[str, Sequence[float]] | None = None, scale: float = 1.0,
         config: SimConfig = PAPER_CLUSTER, seed: int = 0,
-        progress: Progress | None = None) -> ExperimentResult:
+        progress: Progress | None = None, workers: int = 1) -> ExperimentResult:
     """Fig. 9: latency and SLO attainment versus rate; P90 goodput and its ratios."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"p90_goodput": {}, "p90_goodput_ratio": {}}
+    jobs, labels = [], []
     for w in workloads:
         base = build_workload(w, scale, seed)
         for rate in (rates or DEFAULT_RATES)[w]:
             reqs = at_rate(base, rate, seed)
             for s in systems:
-                res = _run(reqs, s, config, progress, f"e2e {w} {s} {rate}/s")
-                rows.append(_row(res, workload=w, rate=rate))
+                jobs.append((f"e2e {w} {s} {rate}/s", reqs, s, config))
+                labels.append({"workload": w, "rate": rate})
+    for res, lab in zip(run_jobs(jobs, progress, workers), labels, strict=True):
+        rows.append(_row(res, **lab))
+    for w in workloads:
         good = {s: _p90_goodput([r for r in rows if r["workload"] == w and r["system"] == s])
                 for s in systems}
         summary["p90_goodput"][w] = good
@@ -179,15 +221,15 @@ def e2e(workloads: Sequence[str] = WORKLOADS, systems: Sequence[str] = MAIN_SYST
 def load_balance(workload: str = "loogle", rate: float | None = None,
                  systems: Sequence[str] = MAIN_SYSTEMS, scale: float = 1.0,
                  config: SimConfig = PAPER_CLUSTER, seed: int = 0,
-                 progress: Progress | None = None) -> ExperimentResult:
+                 progress: Progress | None = None, workers: int = 1) -> ExperimentResult:
     """Fig. 10: CV of per-instance cache accesses over time, at one rate (default: the
     middle of the workload's default sweep)."""
     grid = DEFAULT_RATES[workload]
     rate = grid[len(grid) // 2] if rate is None else rate
     reqs = at_rate(build_workload(workload, scale, seed), rate, seed)
     rows, series = [], {}
-    for s in systems:
-        res = _run(reqs, s, config, progress, f"load-balance {s}")
+    jobs = [(f"load-balance {s}", reqs, s, config) for s in systems]
+    for s, res in zip(systems, run_jobs(jobs, progress, workers), strict=True):
         rows.append(_row(res, workload=workload, rate=rate))
         series[s] = {"window_s": config.cv_window_s, "cv": list(res.cv_over_time)}
     summary = {"mean_cv": {r["system"]: r["cv"] for r in rows}}
@@ -201,17 +243,15 @@ def load_balance(workload: str = "loogle", rate: float | None = None,
 def hit_rate(cache_gb: Sequence[float] = (2, 4, 8, 16, 32), systems: Sequence[str] = MAIN_SYSTEMS,
              workload: str = "loogle", rate: float | None = None, scale: float = 1.0,
              config: SimConfig = PAPER_CLUSTER, seed: int = 0,
-             progress: Progress | None = None) -> ExperimentResult:
+             progress: Progress | None = None, workers: int = 1) -> ExperimentResult:
     """Fig. 11: hit rate versus KV-cache GB per instance."""
     grid = DEFAULT_RATES[workload]
     rate = grid[len(grid) // 2] if rate is None else rate
     reqs = at_rate(build_workload(workload, scale, seed), rate, seed)
-    rows = []
-    for gb in cache_gb:
-        cfg = replace(config, cache_gb=gb)
-        for s in systems:
-            res = _run(reqs, s, cfg, progress, f"hit-rate {gb} GB {s}")
-            rows.append(_row(res, workload=workload, rate=rate, cache_gb=gb))
+    cells = [(gb, s) for gb in cache_gb for s in systems]
+    jobs = [(f"hit-rate {gb} GB {s}", reqs, s, replace(config, cache_gb=gb)) for gb, s in cells]
+    rows = [_row(res, workload=workload, rate=rate, cache_gb=gb)
+            for (gb, _), res in zip(cells, run_jobs(jobs, progress, workers), strict=True)]
     summary: dict[str, Any] = {"hit_rate": {}}
     for gb in cache_gb:
         at = {r["system"]: r["hit_rate"] for r in rows if r["cache_gb"] == gb}
@@ -228,11 +268,12 @@ def hit_rate(cache_gb: Sequence[float] = (2, 4, 8, 16, 32), systems: Sequence[st
 
 def elasticity(cache_gb: Sequence[float] = (4, 8, 16, 32), workload: str = "loogle",
                rate: float | None = None, scale: float = 1.0, config: SimConfig = PAPER_CLUSTER,
-               seed: int = 0, progress: Progress | None = None) -> ExperimentResult:
+               seed: int = 0, progress: Progress | None = None,
+               workers: int = 1) -> ExperimentResult:
     """Fig. 12: pooling (TokenLake-xPyD vs MoonCake-xPyD) and elasticity (TokenLake vs
     TokenLake-xPyD) as mean input-token latency versus cache size."""
     systems = ("tokenlake", "tokenlake-1p3d", "tokenlake-3p1d", "mooncake-1p3d", "mooncake-3p1d")
-    res = hit_rate(cache_gb, systems, workload, rate, scale, config, seed, progress)
+    res = hit_rate(cache_gb, systems, workload, rate, scale, config, seed, progress, workers)
     summary: dict[str, Any] = {"input_token_latency_s": {}, "gain": {}}
     for gb in cache_gb:
         at = {r["system"]: r["input_token_latency_s"] for r in res.rows if r["cache_gb"] == gb}
@@ -248,11 +289,12 @@ def elasticity(cache_gb: Sequence[float] = (4, 8, 16, 32), workload: str = "loog
 
 def multi_node(rates: Sequence[float] | None = None, scale: float = 1.0,
                systems: Sequence[str] = MAIN_SYSTEMS, config: SimConfig = MULTI_NODE_CLUSTER,
-               seed: int = 0, progress: Progress | None = None) -> ExperimentResult:
+               seed: int = 0, progress: Progress | None = None,
+               workers: int = 1) -> ExperimentResult:
     """Fig. 13: 16 instances, the three workloads mixed 1:1:1 (the MoonCake baselines keep
     their 1:3 and 3:1 prefill:decode ratios, i.e. 2P6D and 6P2D workers at TP=2)."""
     res = e2e(("mixed",), systems, {"mixed": rates or DEFAULT_RATES["mixed"]}, scale, config,
-              seed, progress)
+              seed, progress, workers)
     return replace(res, name="multi-node")
 
 

@@ -69,3 +69,20 @@ def test_simulator_hit_rate_equals_the_real_engines_on_the_same_trace():
     assert out["hit_rate"]["real"] > 0.3
     assert out["hit_rate"]["equal"], out["hit_rate"]
     assert out["iterations"]["real"] == out["iterations"]["sim"]
+
+
+def test_parallel_workers_give_the_same_rows_as_one_process():
+    """Each simulation is seeded by its config, so forked workers change nothing but
+    the wall time; every label is reported once."""
+    kw = dict(workloads=("loogle",), systems=("tokenlake", "sglang-router"),
+              rates={"loogle": (1.0, 8.0)}, scale=0.02, seed=3)
+    drop = ("sim_wall_s", "sim_cpu_s", "events_per_s", "iterations_per_s")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
+    seen: list[str] = []
+    serial = e2e(**kw)
+    parallel = e2e(**kw, progress=seen.append, workers=2)
+    assert strip(parallel.rows) == strip(serial.rows)
+    assert sorted(seen) == sorted(f"e2e loogle {s} {r}/s" for s in kw["systems"]
+                                  for r in (1.0, 8.0))
+    with pytest.raises(ValueError):
+        e2e(**kw, workers=0)

@@ -14,7 +14,7 @@ from evals.sim.config import SimConfig
 
 
 def test_workloads_scale_and_mix():
-    small = build_workload("loogle", scale=0.02)
+    small = build_workload("loogle", scale=0.008)
     assert len(small) == 8 and all(r.token_ids is not None for r in small)
     mixed = build_workload("mixed", scale=0.03)
     assert {r.request_id.split(":")[0] for r in mixed} == {"loogle", "scbench", "sharegpt"}
@@ -33,7 +33,7 @@ def test_p90_goodput_is_the_highest_rate_meeting_the_slo():
 
 def test_small_e2e_experiment_writes_rows_report_and_figure(tmp_path):
     systems = ("tokenlake", "mooncake-1p3d")
-    res = e2e(("loogle",), systems, {"loogle": (1.0, 50.0)}, scale=0.02, config=SimConfig(), seed=1)
+    res = e2e(("loogle",), systems, {"loogle": (1.0, 50.0)}, scale=0.008, config=SimConfig(), seed=1)
     assert len(res.rows) == 2 * len(systems)
     for s in systems:
         mine = [r for r in res.rows if r["system"] == s]
@@ -51,7 +51,7 @@ def test_small_e2e_experiment_writes_rows_report_and_figure(tmp_path):
 
 
 def test_load_balance_records_a_cv_series_per_system():
-    res = load_balance("loogle", rate=2.0, systems=("tokenlake", "mooncake-3p1d"), scale=0.02)
+    res = load_balance("loogle", rate=2.0, systems=("tokenlake", "mooncake-3p1d"), scale=0.008)
     for s in ("tokenlake", "mooncake-3p1d"):
         assert res.series[s]["cv"], s
         assert res.summary["mean_cv"][s] == next(r["cv"] for r in res.rows if r["system"] == s)
@@ -75,7 +75,7 @@ def test_parallel_workers_give_the_same_rows_as_one_process():
     """Each simulation is seeded by its config, so forked workers change nothing but
     the wall time; every label is reported once."""
     kw = dict(workloads=("loogle",), systems=("tokenlake", "sglang-router"),
-              rates={"loogle": (1.0, 8.0)}, scale=0.02, seed=3)
+              rates={"loogle": (1.0, 8.0)}, scale=0.008, seed=3)
     drop = ("sim_wall_s", "sim_cpu_s", "events_per_s", "iterations_per_s")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
     seen: list[str] = []
@@ -86,3 +86,13 @@ def test_parallel_workers_give_the_same_rows_as_one_process():
                                   for r in (1.0, 8.0))
     with pytest.raises(ValueError):
         e2e(**kw, workers=0)
+
+
+def test_mixed_takes_a_third_of_each_workload_at_its_own_lengths():
+    mixed = build_workload("mixed", scale=0.03)
+    for part in ("loogle", "scbench", "sharegpt"):
+        alone = build_workload(part, scale=0.01)  # a third of the count...
+        mine = [r for r in mixed if r.request_id.startswith(part + ":")]
+        assert len(mine) == len(alone)
+    longest = max(r.input_length for r in mixed if r.request_id.startswith("loogle:"))
+    assert longest > max(r.input_length for r in build_workload("loogle", scale=0.01))

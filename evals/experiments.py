@@ -20,7 +20,8 @@ latency = TBT, SLO = both under 10x their batch-size-1 time, P90 goodput = the h
 request rate at which at least 90% of requests meet the SLO.
 
 Workloads are seeded synthetic LooGLE and SCBench (their published statistics) and the
-packaged ShareGPT, all re-timed with seeded Poisson arrivals; ``scale`` shrinks request
+packaged ShareGPT; sessions start on a seeded Poisson process and their turns follow
+each other (closed loop); ``scale`` shrinks request
 counts and document lengths together so that a quick run keeps the workload's shape.
 """
 
@@ -41,7 +42,7 @@ from evals.workloads import (
     load_sharegpt,
     synthetic_loogle,
     synthetic_scbench,
-    with_poisson_arrivals,
+    with_session_arrivals,
 )
 from evals.workloads.base import Request
 
@@ -71,19 +72,26 @@ BASE_REQUESTS = {"loogle": 1000, "scbench": 600, "sharegpt": 3000}
 #: Request rates (req/s) per workload at ``scale=1`` on the default 8 x A100 cluster,
 #: calibrated on the simulator (see docs/evaluation.md) so that each sweep brackets the
 #: SLO-attainment knee of every main system: LooGLE's 1P3D falls below 90% between 1
-#: and 2 req/s and TokenLake between 6 and 8; SCBench's TokenLake between 2 and 4;
-#: ShareGPT's router and 3P1D at 8-16 and TokenLake only above 64.
+#: and 2 req/s and TokenLake between 7 and 8; SCBench's TokenLake between 3 and 4;
+#: ShareGPT's router, 3P1D and TokenLake at 4-8, 8-16 and 16-32; the mix on 16
+#: instances: router and 1P3D at 6-8, 3P1D at 12-16, TokenLake at 16-24.
 DEFAULT_RATES = {
     "loogle": (1, 2, 3, 4, 5, 6, 7, 8, 10),
     "scbench": (0.5, 1, 1.5, 2, 2.5, 3, 4, 6),
     "sharegpt": (4, 8, 16, 32, 48, 64, 96, 128),
-    "mixed": (1, 2, 4, 6, 8, 10, 12, 16),
+    "mixed": (1, 2, 4, 6, 8, 12, 16, 24, 32),
 }
 
 #: Rate of the load-balance and hit-rate experiments: near TokenLake's P90 knee (paper
 #: §7.2: "at a request rate approaching TokenLake's P90 SLO threshold").
-NEAR_KNEE_RATE = {"loogle": 6.0, "scbench": 2.0, "sharegpt": 64.0, "mixed": 8.0}
+NEAR_KNEE_RATE = {"loogle": 6.0, "scbench": 3.0, "sharegpt": 16.0, "mixed": 16.0}
 
+
+#: KV-cache GB per GPU of the hit-rate and elasticity sweeps. A TP=2 baseline worker
+#: needs a whole request's KV (~31K tokens, 16 GB, for the longest LooGLE prompt plus its
+#: answer) in its two GPUs, so the sweep starts at 8 GB; 66.5 GB is the default (an
+#: A100-80GB less Llama-2-7B's weights).
+CACHE_GB = (8, 12, 16, 24, 32, 48)
 
 #: The paper's cluster (8 x A100) and its 16-instance multi-node variant.
 PAPER_CLUSTER = SimConfig()
@@ -138,9 +146,11 @@ def _build(name: str, count_scale: float, length_scale: float, seed: int) -> lis
 
 
 def at_rate(requests: Sequence[Request], rate: float, seed: int = 0) -> list[Request]:
-    """``requests`` re-timed with seeded Poisson arrivals at ``rate`` req/s (sessions
-    keep their turn order)."""
-    return with_poisson_arrivals(requests, rate, seed=seed)
+    """``requests`` re-timed at ``rate`` req/s: sessions (a request without one is its
+    own) start on a seeded Poisson process and a session's turns follow each other
+    (:func:`~evals.workloads.with_session_arrivals`; the simulator's closed-loop
+    sessions send a turn once the previous one finished)."""
+    return with_session_arrivals(requests, rate, seed=seed)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -258,7 +268,7 @@ def load_balance(workload: str = "loogle", rate: float | None = None,
     return ExperimentResult("load-balance", rows, summary, series, _config(config, scale, seed))
 
 
-def hit_rate(cache_gb: Sequence[float] = (2, 4, 8, 16, 32), systems: Sequence[str] = MAIN_SYSTEMS,
+def hit_rate(cache_gb: Sequence[float] = CACHE_GB, systems: Sequence[str] = MAIN_SYSTEMS,
              workload: str = "loogle", rate: float | None = None, scale: float = 1.0,
              config: SimConfig = PAPER_CLUSTER, seed: int = 0,
              progress: Progress | None = None, workers: int = 1) -> ExperimentResult:
@@ -283,7 +293,7 @@ def hit_rate(cache_gb: Sequence[float] = (2, 4, 8, 16, 32), systems: Sequence[st
     return ExperimentResult("hit-rate", rows, summary, config=_config(config, scale, seed))
 
 
-def elasticity(cache_gb: Sequence[float] = (4, 8, 16, 32), workload: str = "loogle",
+def elasticity(cache_gb: Sequence[float] = CACHE_GB, workload: str = "loogle",
                rate: float | None = None, scale: float = 1.0, config: SimConfig = PAPER_CLUSTER,
                seed: int = 0, progress: Progress | None = None,
                workers: int = 1) -> ExperimentResult:

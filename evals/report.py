@@ -22,6 +22,13 @@ def _fmt(x: Any, pct: bool = False) -> str:
     return str(x)
 
 
+def _times(x: float | None) -> str:
+    """A ratio as ``2.08x``, ``inf`` or ``-`` (none)."""
+    if x is None:
+        return "-"
+    return "inf" if math.isinf(x) else f"{x:.2f}x"
+
+
 def write_rows(rows: list[dict], path: Path) -> None:
     keys: list[str] = []
     for r in rows:
@@ -121,9 +128,9 @@ def _report(res: ExperimentResult, figures: list[str]) -> str:
             for sys_, g in good.items():
                 ratio = s["p90_goodput_ratio"].get(w, {}).get(sys_)
                 paper = PAPER["p90_goodput_ratio"].get(w, {}).get(sys_)
-                lines.append(f"| {w} | {sys_} | {_fmt(g)} | {_fmt(ratio) + 'x' if ratio else '-'} | "
-                             f"{_fmt(paper) + 'x' if paper else '-'} |")
-        lines += ["", "A ratio of `inf` means the baseline met the 90% SLO at none of the rates tried.", ""]
+                lines.append(f"| {w} | {sys_} | {_fmt(g)} | {_times(ratio)} | {_times(paper)} |")
+        lines += ["", "`inf`: the baseline met the 90% SLO at none of the rates tried. A system "
+                  "that met it at the highest rate tried has a P90 goodput of at least that rate.", ""]
     if res.name == "load-balance":
         lines += ["## Mean CV of per-instance cache accesses", "", "| system | ours | paper |", "|---|---|---|"]
         for sys_, cv in s["mean_cv"].items():

@@ -32,6 +32,7 @@ from evals.workloads import (
     synthetic_loogle,
     synthetic_scbench,
     with_poisson_arrivals,
+    with_session_arrivals,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -107,6 +108,30 @@ def test_with_poisson_arrivals_rejects_repeated_turn():
             for i in range(2)]
     with pytest.raises(ValueError, match="turn 0 twice"):
         with_poisson_arrivals(reqs, 1.0)
+
+
+def test_with_session_arrivals_starts_sessions_on_a_poisson_process():
+    reqs = _session_requests()  # 20 sessions of 4 turns, 10 single requests: 30 sessions
+    out = with_session_arrivals(reqs, rate=3.0, seed=5, turn_gap_s=0.5)
+    assert sorted(r.request_id for r in out) == sorted(r.request_id for r in reqs)
+    check_requests(out)  # sorted, unique, sessions in strict turn order
+    starts = sorted(turns[0].arrival_s for turns in by_session(out).values())
+    singles = sorted(r.arrival_s for r in out if r.session_id is None)
+    # Session starts are the Poisson process at rate * sessions / requests = 3 * 30 / 90.
+    assert sorted(starts + singles) == poisson_arrivals(30, 1.0, seed=5)
+    for sid, turns in by_session(out).items():
+        assert [r.turn for r in turns] == [0, 1, 2, 3], sid
+        assert [b.arrival_s - turns[0].arrival_s for b in turns] == pytest.approx(
+            [0.0, 0.5, 1.0, 1.5])
+    assert with_session_arrivals(reqs, 3.0, seed=5, turn_gap_s=0.5) == out
+    assert with_session_arrivals(reqs, 3.0, seed=6, turn_gap_s=0.5) != out
+    with pytest.raises(ValueError, match="turn 0 twice"):
+        with_session_arrivals([Request(f"r{i}", 0.0, 2, 1, token_ids=(1, 2), session_id="s",
+                                       turn=0) for i in range(2)], 1.0)
+    with pytest.raises(ValueError):
+        with_session_arrivals(reqs, 0.0)
+    with pytest.raises(ValueError):
+        with_session_arrivals(reqs, 1.0, turn_gap_s=0.0)
 
 
 def test_retime_and_scale_rate():

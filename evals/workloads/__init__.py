@@ -28,6 +28,7 @@ from evals.workloads.arrivals import (
     retime,
     scale_rate,
     with_poisson_arrivals,
+    with_session_arrivals,
 )
 from evals.workloads.base import Request, RequestList, Workload, check_requests
 from evals.workloads.loogle import load_loogle, read_loogle, synthetic_loogle
@@ -97,4 +98,5 @@ __all__ = [
     "synthetic_loogle",
     "synthetic_scbench",
     "with_poisson_arrivals",
+    "with_session_arrivals",
 ]

@@ -84,6 +84,44 @@ def with_poisson_arrivals(requests: Iterable[Request], rate: float, seed: int = 
     return [replace(r, arrival_s=t) for r, t in zip(reqs, times)]
 
 
+def with_session_arrivals(requests: Iterable[Request], rate: float, seed: int = 0,
+                          turn_gap_s: float = 1.0, start: float = 0.0) -> list[Request]:
+    """The requests re-timed so that *sessions* start on a Poisson process.
+
+    A request without a ``session_id`` is a session of its own. Sessions start in an
+    order shuffled with ``seed``, at ``rate * sessions / requests`` sessions/s, so the
+    mean request rate over the run is ``rate`` req/s; turn ``k`` of a session (in turn
+    order) arrives ``k * turn_gap_s`` seconds after the session starts. A simulator with
+    closed-loop sessions (``SimConfig.closed_sessions``) sends a turn only after the
+    previous one finished, so turns follow each other as a chat user's do. Contrast
+    :func:`with_poisson_arrivals`, which spreads a session's turns over the whole run.
+    Returned in arrival order.
+    """
+    rate = _check_rate(rate)
+    if not turn_gap_s > 0:
+        raise ValueError(f"turn_gap_s must be > 0, got {turn_gap_s!r}")
+    sessions: dict[str, list[Request]] = {}
+    for r in requests:
+        sid = r.session_id if r.session_id is not None else f"\0{r.request_id}"
+        sessions.setdefault(sid, []).append(r)
+    if not sessions:
+        return []
+    order = list(sessions)
+    random.Random(f"tokenlake-sessions-{seed}").shuffle(order)
+    n_req = sum(len(v) for v in sessions.values())
+    starts = poisson_arrivals(len(order), rate * len(order) / n_req, seed, start)
+    out = []
+    for sid, t0 in zip(order, starts):
+        turns = sorted(sessions[sid], key=lambda r: r.turn)
+        for a, b in zip(turns, turns[1:]):
+            if a.turn == b.turn:
+                raise ValueError(f"session {sid!r} has turn {a.turn} twice "
+                                 f"({a.request_id!r}, {b.request_id!r})")
+        out += [replace(r, arrival_s=t0 + k * turn_gap_s) for k, r in enumerate(turns)]
+    out.sort(key=lambda r: (r.arrival_s, r.request_id))
+    return out
+
+
 def retime(requests: Iterable[Request], speedup: float) -> list[Request]:
     """The requests with every arrival time divided by ``speedup`` (2.0 replays a trace
     twice as fast, 0.5 half as fast); order and sessions are unchanged."""

@@ -17,7 +17,7 @@ from evals.sim.config import SimConfig
 from evals.sim.metrics import Recorder
 from evals.sim.systems import SYSTEMS, p90_goodput, simulate
 from evals.sim.timing import ChunkSchedule, DecodeSchedule, decode_bs1_s, prefill_bs1_s
-from evals.sim.trace import load_trace, prompt_array, repeat, retime
+from evals.sim.trace import arrange, load_trace, prompt_array
 from evals.workloads.base import Request
 from tokenlake.cost_model import LatencyModel
 
@@ -172,7 +172,7 @@ def test_ttft_is_at_least_the_modelled_prefill_time():
 
 def test_p90_goodput_is_the_highest_rate_meeting_the_slo():
     base = make_trace(24, seed=8, gap_s=0.0)
-    best, results = p90_goodput(lambda rate: retime(base, rate=rate, seed=2), [0.05, 500.0],
+    best, results = p90_goodput(lambda rate: arrange(base, rate=rate, seed=2), [0.05, 500.0],
                                 "tokenlake", replace(SMALL, slo_scale=2.0))
     assert [r.slo_attainment >= 0.9 for r in results] == [True, False]
     assert best == 0.05
@@ -212,8 +212,8 @@ def test_recorded_tbts_equal_the_schedule_durations():
 
 def test_more_load_means_longer_latency():
     base = make_trace(30, seed=5, gap_s=0.0)
-    slow = simulate(retime(base, rate=0.5, seed=1), "tokenlake", SMALL)
-    fast = simulate(retime(base, rate=50.0, seed=1), "tokenlake", SMALL)
+    slow = simulate(arrange(base, rate=0.5, seed=1), "tokenlake", SMALL)
+    fast = simulate(arrange(base, rate=50.0, seed=1), "tokenlake", SMALL)
     assert fast.mean_ttft_s > slow.mean_ttft_s
 
 
@@ -222,7 +222,7 @@ def test_more_load_means_longer_latency():
 
 @pytest.mark.parametrize("system", ["tokenlake", "sglang-router", "mooncake-1p3d"])
 def test_results_are_deterministic_for_a_seed(system):
-    reqs = retime(make_trace(20, seed=6), rate=8.0, seed=3)
+    reqs = arrange(make_trace(20, seed=6), rate=8.0, seed=3)
     keys = ("hit_rate", "cv", "mean_ttft_s", "mean_tbt_s", "p90_tbt_s", "slo_attainment",
             "events", "iterations")
     a = simulate(reqs, system, SMALL).to_dict()
@@ -242,10 +242,16 @@ def test_prompt_array_equals_request_tokens_and_trace_tools(tmp_path):
                               for i in range(5)))
     reqs = load_trace(path, limit=4)
     assert [q.arrival_s for q in reqs] == [0.0, 1.0, 2.0, 3.0]
-    assert [q.arrival_s for q in retime(reqs, speedup=2.0)] == [0.0, 0.5, 1.0, 1.5]
-    twice = repeat(reqs, 2)
+    assert [q.arrival_s for q in arrange(reqs, speedup=2.0)] == [0.0, 0.5, 1.0, 1.5]
+    twice = arrange(reqs, times=2)
     assert len(twice) == 8 and len({q.request_id for q in twice}) == 8
     assert twice[4].arrival_s == pytest.approx(4.0)  # one mean gap after the first copy
+    assert twice[4].block_hashes == reqs[0].block_hashes  # later copies re-ask the same blocks
+    poisson = arrange(reqs, rate=4.0, seed=1)
+    assert [q.request_id for q in poisson] == [q.request_id for q in reqs]  # trace order kept
+    assert all(a.arrival_s < b.arrival_s for a, b in zip(poisson, poisson[1:]))
+    with pytest.raises(ValueError, match="not both"):
+        arrange(reqs, rate=1.0, speedup=2.0)
     path.write_text('{"timestamp": 0}\n')
     with pytest.raises(ValueError, match="t.jsonl:1"):
         load_trace(path)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from evals.sim.config import SimConfig
 from evals.sim.systems import SYSTEMS, simulate
-from evals.sim.trace import load_trace, repeat, retime
+from evals.sim.trace import arrange, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -27,7 +27,7 @@ def bench(trace: str | Path = DEFAULT_TRACE, system: str = "tokenlake", times: i
           instances: int = 8, speedup: float | None = None, rate: float | None = None,
           limit: int | None = None, seed: int = 0) -> dict:
     t0 = time.perf_counter()
-    reqs = repeat(retime(load_trace(trace, limit), rate, speedup, seed), times)
+    reqs = arrange(load_trace(trace, limit), rate, speedup, times, seed)
     load_s = time.perf_counter() - t0
     res = simulate(reqs, system, SimConfig(instances=instances, seed=seed))
     out = res.to_dict()

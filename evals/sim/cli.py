@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from evals.sim.config import SimConfig
     from evals.sim.engine import SimulationError
     from evals.sim.systems import simulate
-    from evals.sim.trace import load_trace, repeat, retime
+    from evals.sim.trace import arrange, load_trace
     from tokenlake.errors import ConfigError
 
     try:
@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
                            chunk_tokens=args.chunk_tokens, tp=args.tp,
                            slo_scale=args.slo_scale, seed=args.seed)
         config.resolve()
-        reqs = repeat(retime(load_trace(args.trace, args.limit), args.rate, args.speedup,
-                             args.seed), args.repeat)
+        reqs = arrange(load_trace(args.trace, args.limit), args.rate, args.speedup,
+                       args.repeat, args.seed)
     except (ConfigError, ValueError) as exc:
         print(f"tokenlake sim: error: {exc}", file=sys.stderr)
         return 2

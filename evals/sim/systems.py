@@ -86,7 +86,7 @@ def p90_goodput(requests_at: Callable[[float], Sequence[Request]], rates: Sequen
                 target: float = 0.9) -> tuple[float, list[SimResult]]:
     """P90 goodput (paper §7): the highest of ``rates`` (requests/s) at which at least
     ``target`` of the requests meet the SLO. ``requests_at(rate)`` gives the workload at
-    a rate (e.g. ``lambda r: retime(reqs, rate=r)``). Returns ``(rate or 0.0, results)``.
+    a rate (e.g. ``lambda r: arrange(reqs, rate=r)``). Returns ``(rate or 0.0, results)``.
     """
     best, results = 0.0, []
     for rate in sorted(rates):

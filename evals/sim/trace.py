@@ -4,8 +4,9 @@ The workload loaders of :mod:`evals.workloads` yield :class:`~evals.workloads.ba
 objects; the simulator takes any sequence of them. This module adds what the ``tokenlake
 sim`` command needs on its own: reading a trace in the Mooncake FAST'25 format (one JSON
 object per line: ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids`` of
-512-token blocks), re-timing it (Poisson arrivals at a rate, or a speed-up), repeating it,
-and building prompt token arrays quickly.
+512-token blocks), arranging it in time with the workloads' arrival functions (Poisson
+arrivals at a rate, or a speed-up; repeated back to back), and building prompt token
+arrays quickly.
 
 :func:`prompt_array` gives exactly the tokens of :meth:`Request.tokens` (block ``h``,
 position ``i`` -> ``(h * block_size + i) % 2**31``) as an ``array('i')``, built with numpy
@@ -14,8 +15,6 @@ instead of one Python int at a time (the control plane hashes ``array('i')`` dir
 
 from __future__ import annotations
 
-import dataclasses
-import random
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,45 +36,33 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
     return list(load_mooncake(path, n=limit, name="r").items)
 
 
-def retime(requests: Sequence[Request], rate: float | None = None,
-           speedup: float | None = None, seed: int = 0) -> list[Request]:
-    """Requests with new arrival times, order kept.
+def arrange(requests: Sequence[Request], rate: float | None = None,
+            speedup: float | None = None, times: int = 1, seed: int = 0) -> list[Request]:
+    """A trace's requests as ``tokenlake sim`` and the speed benchmark replay them.
 
-    ``rate``: Poisson arrivals at ``rate`` requests/s (seeded); ``speedup``: the trace's
-    own times divided by ``speedup``. At most one may be given; neither keeps the times.
+    ``rate``: a seeded Poisson process at ``rate`` req/s, in the trace's order
+    (:func:`~evals.workloads.arrivals.with_poisson_arrivals` without shuffling);
+    ``speedup``: the trace's own times divided by it
+    (:func:`~evals.workloads.arrivals.retime`); neither keeps the times, both is an
+    error. ``times`` > 1 then replays the result back to back, each copy one mean gap
+    after the previous and keeping the block ids, so later copies re-ask what earlier
+    ones cached (:func:`~evals.workloads.mooncake.repeat_trace` with
+    ``remap_blocks=False``).
     """
+    from evals.workloads.arrivals import retime, with_poisson_arrivals
+    from evals.workloads.mooncake import repeat_trace
+
     if rate is not None and speedup is not None:
         raise ValueError("give a rate or a speedup, not both")
+    if not isinstance(times, int) or times < 1:
+        raise ValueError(f"repeat must be a positive int, got {times!r}")
+    out = list(requests)
     if rate is not None:
-        if not rate > 0:
-            raise ValueError(f"rate must be > 0 requests/s, got {rate}")
-        rng, t, out = random.Random(seed), 0.0, []
-        for r in requests:
-            out.append(dataclasses.replace(r, arrival_s=t))
-            t += rng.expovariate(rate)
-        return out
-    if speedup is not None:
-        if not speedup > 0:
-            raise ValueError(f"speedup must be > 0, got {speedup}")
-        return [dataclasses.replace(r, arrival_s=r.arrival_s / speedup) for r in requests]
-    return list(requests)
-
-
-def repeat(requests: Sequence[Request], times: int) -> list[Request]:
-    """The requests ``times`` times in a row, each copy shifted to start one mean
-    inter-arrival gap after the previous copy ends (ids get a ``.k`` suffix)."""
-    if times < 1:
-        raise ValueError(f"repeat must be >= 1, got {times}")
-    if times == 1 or not requests:
-        return list(requests)
-    first = min(r.arrival_s for r in requests)
-    span = max(r.arrival_s for r in requests) - first
-    gap = span / max(len(requests) - 1, 1)
-    out = []
-    for k in range(times):
-        shift = k * (span + gap)
-        out.extend(dataclasses.replace(r, request_id=f"{r.request_id}.{k}",
-                                       arrival_s=r.arrival_s - first + shift) for r in requests)
+        out = with_poisson_arrivals(out, rate, seed=seed, shuffle=False)
+    elif speedup is not None:
+        out = retime(out, speedup)
+    if times > 1 and out:
+        out = repeat_trace(out, times, remap_blocks=False)
     return out
 
 

@@ -143,6 +143,34 @@ def test_closed_sessions_send_the_next_turn_after_the_answer(system):
     assert closed.mean_ttft_s < opened.mean_ttft_s  # TTFT counts from when it was sent
 
 
+def test_admission_recounts_when_finding_a_hit_settles_another_admission():
+    """Finding a queued request's hit can settle another plan, which admits (or takes
+    back) requests while admission is counting: the count starts over on the new
+    state instead of failing on the changed queue or double-booking the pool."""
+    from evals.sim.engine import SimRequest
+    from evals.sim.systems import make_backend
+
+    b = make_backend("tokenlake", SMALL)
+    reqs = [SimRequest(i, r) for i, r in enumerate(make_trace(4, seed=3, gap_s=0.0))]
+    for r in reqs:
+        b.on_arrival(r)
+    first, later = reqs[0], reqs[2]
+    real_hit, calls = b.planner.ready_hit, []
+
+    def settling_hit(r):
+        calls.append(r.rid)
+        if len(calls) == 1:  # as a settle of a computed plan does: `later` is admitted
+            b.reserve(later, 1)
+        return real_hit(r)
+
+    b.planner.ready_hit = settling_hit
+    out = b._admissible()
+    assert calls.count(first.rid) == 2  # counted again after the settle
+    assert later.rid in b.adm and later.rid not in b.queue
+    assert [r.rid for r in out] == [later.rid] + [r.rid for r in reqs if r is not later]
+    assert len(out) == len({id(r) for r in out})  # nobody counted twice
+
+
 # -------------------------------------------------------------------- timing
 
 

@@ -68,6 +68,7 @@ class PooledBackend(Backend):
         self.chunk = getattr(getattr(policy, "inner", policy), "chunk_tokens", cfg.chunk_tokens)
         self.cap = setup.instances * setup.slots_per_instance * self.c  # pool, KV tokens
         self.replicating = self._reserved = 0
+        self._reservations = 0  # reserve() calls so far (admissions taken or given back)
         self._shared: dict[bytes, int] = {}  # reused prefix segments -> admitted users
         self.queue: dict[str, SimRequest] = {}  # not admitted yet, in arrival order
         self.adm: dict[str, SimRequest] = {}  # admitted and not finished
@@ -202,18 +203,28 @@ class PooledBackend(Backend):
         """Admitted requests plus, first come first served, new ones the pool can hold.
         As SGLang reserves memory: a request holds its uncached prompt, its output and
         one open tail; reused prefixes count once however many requests share them.
-        Admission stops at the first request that does not fit."""
-        held = self._reserved + len(self._shared) * self.c
-        out = [r for r in self.adm.values() if r.blocked is None]
-        for r in self.queue.values():
-            if r.blocked is not None:
-                continue
-            if held + self._need(r, self._ready_prefix(r)) > self.cap:
-                break
-            r.hit = self.planner.ready_hit(r)
-            held += self._need(r, r.hit)
-            out.append(r)
-        return out
+        Admission stops at the first request that does not fit.
+
+        Finding a request's hit can settle another request's plan (it computed segments
+        this one reuses), and a settle can take an admission back or admit again; the
+        count then starts over on the new state (each settle makes segments visible, so
+        this ends)."""
+        while True:
+            version = self._reservations
+            held = self._reserved + len(self._shared) * self.c
+            out = [r for r in self.adm.values() if r.blocked is None]
+            for r in list(self.queue.values()):
+                if r.blocked is not None:
+                    continue
+                if held + self._need(r, self._ready_prefix(r)) > self.cap:
+                    return out
+                r.hit = self.planner.ready_hit(r)
+                if self._reservations != version:
+                    break  # a settle changed the admissions: count again
+                held += self._need(r, r.hit)
+                out.append(r)
+            else:
+                return out
 
     def _need(self, r: SimRequest, hit: int) -> int:
         fresh = sum(1 for k in r.keys[: hit // self.c] if k not in self._shared)
@@ -229,6 +240,7 @@ class PooledBackend(Backend):
     def reserve(self, r: SimRequest, sign: int) -> None:
         """Adds (sign=1, at admission) or removes (-1, at finish, or when a settle takes
         an admission back) ``r``'s reservation."""
+        self._reservations += 1
         self._reserved += sign * (r.input_len - r.hit + r.output_len + self.c)
         for k in r.keys[: r.hit // self.c]:
             n = self._shared.get(k, 0) + sign

@@ -84,9 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         bar = tqdm(desc=args.experiment, unit="run", file=sys.stderr)
 
-    def progress(label: str) -> None:
+    def progress(label: str, total: int) -> None:
         if bar is not None:
-            bar.set_postfix_str(label)
+            bar.total = total  # known once the experiment has built its grid
+            bar.set_postfix_str(label, refresh=False)
             bar.update(1)
 
     try:

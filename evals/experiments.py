@@ -173,7 +173,8 @@ def _ratio(a: float, b: float) -> float | None:
     return math.inf if a > 0 else None
 
 
-Progress = Callable[[str], None]
+#: ``progress(label, total)``: one simulation of a grid of ``total`` ended.
+Progress = Callable[[str, int], None]
 
 #: (label, requests, system, config): one simulation of an experiment's grid.
 Job = tuple[str, Sequence[Request], str, SimConfig]
@@ -190,7 +191,8 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None,
              workers: int = 1) -> list[SimResult]:
     """Simulates every job, in ``workers`` processes (forked, so the requests are not
     copied to them); results in job order. Each simulation is seeded by its config, so
-    the results do not depend on ``workers``. ``progress(label)`` as each one ends."""
+    the results do not depend on ``workers``. ``progress(label, len(jobs))`` as each one
+    ends."""
     global _FORKED_JOBS
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
@@ -199,7 +201,7 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None,
         for label, reqs, system, config in jobs:
             out.append(simulate(reqs, system, config))
             if progress:
-                progress(label)
+                progress(label, len(jobs))
         return out
     _FORKED_JOBS = list(jobs)
     results: list[SimResult | None] = [None] * len(jobs)
@@ -211,7 +213,7 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None,
                 i = futures[fut]
                 results[i] = fut.result()
                 if progress:
-                    progress(jobs[i][0])
+                    progress(jobs[i][0], len(jobs))
     finally:
         _FORKED_JOBS = []
     return results  # type: ignore[return-value]

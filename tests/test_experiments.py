@@ -80,9 +80,9 @@ def test_parallel_workers_give_the_same_rows_as_one_process():
     strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
     seen: list[str] = []
     serial = e2e(**kw)
-    parallel = e2e(**kw, progress=seen.append, workers=2)
+    parallel = e2e(**kw, progress=lambda label, total: seen.append((label, total)), workers=2)
     assert strip(parallel.rows) == strip(serial.rows)
-    assert sorted(seen) == sorted(f"e2e loogle {s} {r}/s" for s in kw["systems"]
+    assert sorted(seen) == sorted((f"e2e loogle {s} {r}/s", 4) for s in kw["systems"]
                                   for r in (1.0, 8.0))
     with pytest.raises(ValueError):
         e2e(**kw, workers=0)

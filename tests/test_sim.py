@@ -171,6 +171,29 @@ def test_admission_recounts_when_finding_a_hit_settles_another_admission():
     assert len(out) == len({id(r) for r in out})  # nobody counted twice
 
 
+def test_workers_admit_first_come_first_served_like_sglang():
+    """A baseline worker admits new requests in arrival order and stops at the first
+    that does not fit (as SGLang's scheduler does, and as TokenLake's admission does):
+    a later small request does not pass it. Admitted prefills go on regardless."""
+    from evals.sim.engine import SimRequest
+    from evals.sim.local import Worker, admit_in_order
+
+    def req(i, n):
+        r = SimRequest(i, Request(f"r{i}", 0.0, n, 8, block_hashes=tuple(range(100 * i, 100 * i + n // BS))))
+        r.tokens = prompt_array(r.source)
+        return r
+
+    w = Worker(capacity=6 * BS)
+    running, big, small = req(0, 2 * BS), req(1, 5 * BS), req(2, BS)
+    assert admit_in_order(w, [running]) == [running]
+    assert admit_in_order(w, [big, running, small]) == [running]
+    assert big.blocked == small.blocked == "memory" and not small.admitted
+    w.admitted.discard(running)  # it left: memory is free again
+    big.blocked = small.blocked = None
+    assert admit_in_order(w, [big, small]) == [big]
+    assert small.blocked == "memory"
+
+
 # -------------------------------------------------------------------- timing
 
 

@@ -100,6 +100,23 @@ class Worker:
         return True
 
 
+def admit_in_order(worker: Worker, reqs: list[SimRequest]) -> list[SimRequest]:
+    """The requests of ``reqs`` (in arrival order) that can prefill on ``worker`` now:
+    those admitted already, and new ones first come first served while their prompts
+    fit. As SGLang's scheduler stops adding waiting requests at the first that does not
+    fit, so do we: it and every later new request wait (blocked) for a request to leave.
+    """
+    ready, full = [], False
+    for r in reqs:
+        if r.admitted:
+            ready.append(r)
+        elif not full and worker.admit(r):
+            ready.append(r)
+        else:
+            full, r.blocked = True, "memory"
+    return ready
+
+
 def local_prefill_run(b: Backend, reqs: list[SimRequest], tp: int) -> Run:
     """Chunked prefill of ``reqs`` on one worker until the first prompt completes."""
     chunk = b.config.chunk_tokens
@@ -219,12 +236,7 @@ class RoutedBackend(Backend):
         worker = self.workers[w]
         reqs = [r for r in reqs if r.run is None and r.blocked is None]
         if phase == "prefill":
-            ready = []
-            for r in reqs:
-                if r.admitted or worker.admit(r):
-                    ready.append(r)
-                else:
-                    r.blocked = "memory"
+            ready = admit_in_order(worker, reqs)
             if ready:
                 self.start_run(local_prefill_run(self, ready, self.tp))
                 return

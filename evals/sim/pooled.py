@@ -203,7 +203,9 @@ class PooledBackend(Backend):
         """Admitted requests plus, first come first served, new ones the pool can hold.
         As SGLang reserves memory: a request holds its uncached prompt, its output and
         one open tail; reused prefixes count once however many requests share them.
-        Admission stops at the first request that does not fit.
+        Admission stops at the first request that does not fit, as SGLang's scheduler
+        stops adding waiting requests to a batch, and as the baselines' workers do
+        (``evals/sim/local.py``, ``evals/sim/xpyd.py``).
 
         Finding a request's hit can settle another request's plan (it computed segments
         this one reuses), and a settle can take an admission back or admit again; the

@@ -20,7 +20,13 @@ from __future__ import annotations
 from collections import deque
 
 from evals.sim.engine import Backend, Run, SimRequest
-from evals.sim.local import Worker, local_decode_run, local_prefill_run, local_reads
+from evals.sim.local import (
+    Worker,
+    admit_in_order,
+    local_decode_run,
+    local_prefill_run,
+    local_reads,
+)
 from evals.sim.trace import prompt_array
 from scheduler.baselines.xpyd import XPyDRouter
 
@@ -59,15 +65,7 @@ class XPyDBackend(Backend):
             if w in self.queues:
                 self.start_run(local_decode_run(self, mine, self.tp))
                 continue
-            ready = []
-            for r in mine:  # first come first served while the prompts fit
-                if r.admitted or worker.admit(r):
-                    ready.append(r)
-                    continue
-                for late in mine[mine.index(r):]:  # they wait for a prompt to leave
-                    if not late.admitted:
-                        late.blocked = "memory"
-                break
+            ready = admit_in_order(worker, mine)
             if ready:
                 self.start_run(local_prefill_run(self, ready, self.tp))
 

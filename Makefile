@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test bench lint venv clean
+.PHONY: demo test bench eval lint venv clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tokenlake bench plans --json
+
+# The paper's §7 experiments at full scale on the simulator (about 25 minutes on 2 cores);
+# writes docs/results/<experiment>/ as committed (docs/evaluation.md discusses them).
+EVALS := e2e load-balance hit-rate elasticity multi-node
+JOBS ?= 2
+eval: $(STAMP)
+	for e in $(EVALS); do $(BIN)/tokenlake eval $$e --jobs $(JOBS) --out docs/results/$$e || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -215,14 +215,14 @@ class PooledBackend(Backend):
             version = self._reservations
             held = self._reserved + len(self._shared) * self.c
             out = [r for r in self.adm.values() if r.blocked is None]
-            for r in list(self.queue.values()):
+            for r in self.queue.values():  # no copy: a settle is caught before next()
                 if r.blocked is not None:
                     continue
                 if held + self._need(r, self._ready_prefix(r)) > self.cap:
                     return out
                 r.hit = self.planner.ready_hit(r)
                 if self._reservations != version:
-                    break  # a settle changed the admissions: count again
+                    break  # a settle changed the admissions (and the queue): count again
                 held += self._need(r, r.hit)
                 out.append(r)
             else:

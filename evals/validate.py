@@ -2,7 +2,7 @@
 
 The same small trace runs twice:
 
-* **real**: SmolLM2-135M through the pool on a :class:`~tokenlake.cluster.LocalCluster`
+* **real**: SmolLM2-135M through the pool on a :class:`~tokenlake.deploy.local.LocalCluster`
   (the serving loop of ``make demo``: the real compute, query and transfer engines), every
   iteration timed by the wall clock;
 * **simulated**: :func:`evals.sim.systems.simulate` with the ``cpu`` hardware profile, the
@@ -56,8 +56,8 @@ def run_real(trace: list[Request], instances: int, segment_tokens: int, chunk_to
              pool_bytes: int) -> RealRun:
     """The trace through the real engines, one request at a time (its arrival order)."""
     from scheduler.goodput import GoodputScheduler
-    from tokenlake.cluster import LocalCluster
-    from tokenlake.llama.weights import load_weights
+    from tokenlake.deploy.local import LocalCluster
+    from tokenlake.model.llama.weights import load_weights
     from tokenlake.serving import GenerationRequest, Server
 
     weights = load_weights()

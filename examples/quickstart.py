@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from tokenlake.attention import merge, partial_attention, partial_attention_ref
-from tokenlake.cluster import LocalCluster
-from tokenlake.plans import Batch, BatchRequest
-from tokenlake.specs import load_model
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.core.specs import load_model
+from tokenlake.dataplane.attention import merge, partial_attention, partial_attention_ref
+from tokenlake.deploy.local import LocalCluster
 
 
 def fake_kv(positions: range, layer: int, model) -> torch.Tensor:

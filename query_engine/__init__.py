@@ -1,7 +1,16 @@
 """Query engine: one process per instance that owns the instance's segment slab and
-answers query tasks with partial attention ``(o, lse)``.
+answers query tasks with partial attention ``(o, lse)`` (:mod:`query_engine.engine`).
 
-Not built yet: it arrives with the data plane (issue #3). Its inputs are already
-defined by the control plane: :class:`tokenlake.plans.QueryPlan` and
-:class:`tokenlake.plans.QueryTask`.
+:func:`main` is the process entry point the launchers in :mod:`tokenlake.deploy` start.
 """
+
+from query_engine.engine import QueryEngine
+from tokenlake.dataplane.engine import run_engine
+
+__all__ = ["QueryEngine", "main"]
+
+
+def main(spec_bytes: bytes, conn) -> None:
+    """Runs one query engine process (a ``multiprocessing`` target; see
+    :func:`tokenlake.dataplane.engine.run_engine` for the handshake over ``conn``)."""
+    run_engine(QueryEngine, spec_bytes, conn)

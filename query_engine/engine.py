@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenlake import wire
-from tokenlake.attention import empty_partial, merge, merge_many, slab_partial_attention
-from tokenlake.engine_base import EngineLoop, EngineSpec, Pending
-from tokenlake.errors import PlanError
+from tokenlake.core.errors import PlanError
+from tokenlake.dataplane import wire
+from tokenlake.dataplane.attention import empty_partial, merge, merge_many, slab_partial_attention
+from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
 
 Item = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (start, stop, slots, tokens)
 

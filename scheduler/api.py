@@ -7,7 +7,7 @@ many instances, and how many new tokens each computes this iteration. A policy t
 needs randomness takes a seeded ``random.Random`` in its constructor.
 
 :func:`to_batches` turns a decision into the ``(batches, dops)`` pair that
-:meth:`tokenlake.control.ControlPlane.gen_plans` takes.
+:meth:`tokenlake.core.control.ControlPlane.gen_plans` takes.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from tokenlake.cost_model import LatencyModel
-from tokenlake.plans import Batch, BatchRequest
+from tokenlake.core.cost_model import LatencyModel
+from tokenlake.core.plans import Batch, BatchRequest
 
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[str, ...] = ("prefill", "decode")

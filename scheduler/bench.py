@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from scheduler.api import InstanceView, RequestView, Snapshot
 from scheduler.goodput import GoodputScheduler
-from tokenlake.cost_model import LatencyModel
+from tokenlake.core.cost_model import LatencyModel
 
 
 def make_snapshot(n_requests: int, n_instances: int, prefill_share: float = 0.25,

@@ -1,7 +1,7 @@
 """Iteration time under the pool's cache load (paper §6.1-§6.2).
 
 The pool itself uses a share ``L`` of every instance (queries of remote segments, puts
-of new KV; :func:`tokenlake.cost_model.get_cache_load`), so a batch's compute gets only
+of new KV; :func:`tokenlake.core.cost_model.get_cache_load`), so a batch's compute gets only
 ``1 - L`` of its instances and runs ``1/(1 - L)`` times slower than the latency model
 predicts. ``L`` is clamped to ``[0, 0.95]`` so a saturated pool slows work by at most 20x
 rather than dividing by zero.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokenlake.cost_model import LatencyModel
+from tokenlake.core.cost_model import LatencyModel
 
 MAX_LOAD = 0.95
 

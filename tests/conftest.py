@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/dataplane_util.py
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
-    from tokenlake.shm import list_segments
+    from tokenlake.dataplane.shm import list_segments
 
     before = set(list_segments())
     yield

@@ -1,4 +1,4 @@
-"""Partial attention and its exact log-sum-exp merge (tokenlake.attention, DESIGN §4)."""
+"""Partial attention and its exact log-sum-exp merge (tokenlake.dataplane.attention, DESIGN §4)."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenlake import attention as A
+from tokenlake.dataplane import attention as A
 
 HEADS = [(9, 3), (32, 32), (32, 8)]  # (q_heads, kv_heads)
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)

@@ -315,7 +315,7 @@ def test_radix_sizes_and_ancestor_invariant(ops):
 def test_routed_policy_pins_batches_to_router_choice():
     api = pytest.importorskip("scheduler.api")
     from scheduler.baselines.adapter import RoutedPolicy
-    from tokenlake.cost_model import LatencyModel
+    from tokenlake.core.cost_model import LatencyModel
 
     tokens = {"q0": [1, 2, 3, 4], "q1": [1, 2, 3, 5], "q2": [9, 9], "q3": [7]}
     pol = RoutedPolicy(CacheAwareRouter([0, 1]), tokens.__getitem__, name="sgl")
@@ -375,7 +375,7 @@ class _Greedy:
 def test_fixed_pd_restricts_roles(config, p, d):
     api = pytest.importorskip("scheduler.api")
     from scheduler.baselines.fixed_pd import FixedPD
-    from tokenlake.cost_model import LatencyModel
+    from tokenlake.core.cost_model import LatencyModel
 
     inner = _Greedy()
     pol = FixedPD.split([0, 1, 2, 3], config, inner)
@@ -398,7 +398,7 @@ def test_fixed_pd_restricts_roles(config, p, d):
 def test_fcfs_decode_batch_first_then_prefills_in_arrival_order():
     from scheduler import api
     from scheduler.baselines.fcfs import FCFS
-    from tokenlake.cost_model import LatencyModel
+    from tokenlake.core.cost_model import LatencyModel
 
     lat = LatencyModel(1e-3, 1e-4, 0.0, 0.0, 0.0, 0.0)
     running = (api.RequestView("d1", "decode", 40, 0, 0.0), api.RequestView("p1", "prefill", 16, 100, 0.5),

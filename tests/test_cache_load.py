@@ -3,11 +3,11 @@ the global prefix tree."""
 
 import pytest
 
-from tokenlake.config import PoolConfig
-from tokenlake.control import ControlPlane
-from tokenlake.cost_model import LatencyModel, LoadRequest, get_cache_load
-from tokenlake.plans import Batch, BatchRequest
-from tokenlake.specs import load_hardware, load_model
+from tokenlake.core.config import PoolConfig
+from tokenlake.core.control import ControlPlane
+from tokenlake.core.cost_model import LatencyModel, LoadRequest, get_cache_load
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.core.specs import load_hardware, load_model
 
 C = 576
 

@@ -1,4 +1,4 @@
-"""Tests of the control plane (tokenlake/control.py, DESIGN §3-§5).
+"""Tests of the control plane (tokenlake/core/control.py, DESIGN §3-§5).
 
 The central property test replays random iterations against a small shadow model of
 what the pool must hold (every request's token sequence and its open tail) and checks
@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenlake.config import PoolConfig
-from tokenlake.control import ControlPlane
-from tokenlake.errors import CapacityError, PlanError, PrefixNotCached
-from tokenlake.plans import Batch, BatchRequest, Plans
-from tokenlake.specs import load_model
+from tokenlake.core.config import PoolConfig
+from tokenlake.core.control import ControlPlane
+from tokenlake.core.errors import CapacityError, PlanError, PrefixNotCached
+from tokenlake.core.plans import Batch, BatchRequest, Plans
+from tokenlake.core.specs import load_model
 
 MODEL = load_model("smollm2-135m")
 INSTANCES = (0, 1, 2, 3)

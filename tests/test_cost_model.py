@@ -1,4 +1,4 @@
-"""Tests of tokenlake.specs, tokenlake.cost_model and tokenlake.profiler (all fast, CPU)."""
+"""Tests of tokenlake.core.specs, tokenlake.core.cost_model and tokenlake.tools.profiler (all fast, CPU)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from importlib import resources
 
 import pytest
 
-from tokenlake.cost_model import (
+from tokenlake.core.cost_model import (
     LatencyModel,
     LatencySample,
     LoadRequest,
@@ -23,9 +23,8 @@ from tokenlake.cost_model import (
     roofline_samples,
     segment_threshold,
 )
-from tokenlake.errors import ConfigError
-from tokenlake.profiler import _write, profile_cpu
-from tokenlake.specs import (
+from tokenlake.core.errors import ConfigError
+from tokenlake.core.specs import (
     HardwareProfile,
     ModelSpec,
     list_hardware,
@@ -33,6 +32,7 @@ from tokenlake.specs import (
     load_hardware,
     load_model,
 )
+from tokenlake.tools.profiler import _write, profile_cpu
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +258,9 @@ def test_core_imports_without_numpy_torch_zmq() -> None:
     code = (
         "import sys\n"
         "for m in ('numpy', 'scipy', 'torch', 'zmq'): sys.modules[m] = None\n"
-        "import tokenlake.specs, tokenlake.cost_model, tokenlake.profiler\n"
-        "from tokenlake.cost_model import segment_threshold\n"
-        "from tokenlake.specs import load_model, load_hardware\n"
+        "import tokenlake.core.specs, tokenlake.core.cost_model, tokenlake.tools.profiler\n"
+        "from tokenlake.core.cost_model import segment_threshold\n"
+        "from tokenlake.core.specs import load_model, load_hardware\n"
         "print(segment_threshold(load_model('llama-2-7b'), load_hardware('a100-80gb')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -12,10 +12,10 @@ import torch
 import zmq
 from dataplane_util import TINY, execute, full_attention_check, reference_prefix
 
-from tokenlake import wire
-from tokenlake.cluster import LocalCluster
-from tokenlake.errors import EngineUnavailable, PlanError
-from tokenlake.plans import Batch, BatchRequest
+from tokenlake.core.errors import EngineUnavailable, PlanError
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.dataplane import wire
+from tokenlake.deploy.local import LocalCluster
 
 C = 8
 POOL_BYTES = 64 * TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4  # 64 slots

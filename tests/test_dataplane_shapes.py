@@ -5,9 +5,9 @@ import random
 import dataplane_util as du
 import pytest
 
-from tokenlake.cluster import LocalCluster
-from tokenlake.plans import Batch, BatchRequest
-from tokenlake.specs import ModelSpec
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.core.specs import ModelSpec
+from tokenlake.deploy.local import LocalCluster
 
 SHAPES = [
     ModelSpec(name="smollm-like", num_layers=1, hidden_size=576, num_q_heads=9, num_kv_heads=3, head_dim=64,

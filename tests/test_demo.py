@@ -3,7 +3,7 @@ later questions reuse the shared prefix, and the JSON report has the documented 
 
 import json
 
-from tokenlake.demo import DemoConfig, run_demo
+from tokenlake.tools.demo import DemoConfig, run_demo
 
 
 def test_demo_report():

@@ -1,4 +1,4 @@
-"""Tests of bipartite matching-based dispatching (tokenlake/dispatch.py, paper §5.2)."""
+"""Tests of bipartite matching-based dispatching (tokenlake/core/dispatch.py, paper §5.2)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from networkx.algorithms.bipartite import minimum_weight_full_matching
 
-from tokenlake.dispatch import (
+from tokenlake.core.dispatch import (
     DispatchNode,
     communication_bytes,
     dispatch,
     edge_weight,
     split_tokens,
 )
-from tokenlake.errors import PlanError
+from tokenlake.core.errors import PlanError
 
 # ---------------------------------------------------------------- helpers
 
@@ -241,7 +241,7 @@ def test_split_tokens_examples():
 
 def test_import_does_not_pull_numpy_or_scipy():
     code = (
-        "import sys; import tokenlake.dispatch; "
+        "import sys; import tokenlake.core.dispatch; "
         "bad = [m for m in ('numpy', 'scipy') if m in sys.modules]; "
         "sys.exit(f'imported {bad}' if bad else 0)"
     )

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from tokenlake.llama import model
-from tokenlake.llama import weights as weights_mod
-from tokenlake.llama.model import (
+from tokenlake.core.specs import load_model
+from tokenlake.model.llama import model
+from tokenlake.model.llama import weights as weights_mod
+from tokenlake.model.llama.model import (
     ContextLengthError,
     EmptyPromptError,
     LlamaInputError,
     TokenIdError,
 )
-from tokenlake.llama.reference import KVCache, ReferenceEngine, greedy
-from tokenlake.llama.tokenizer import DEFAULT_SYSTEM_PROMPT, load_tokenizer
-from tokenlake.llama.weights import LlamaConfig, find_smollm2_gguf, load_weights
-from tokenlake.specs import load_model
+from tokenlake.model.llama.reference import KVCache, ReferenceEngine, greedy
+from tokenlake.model.llama.tokenizer import DEFAULT_SYSTEM_PROMPT, load_tokenizer
+from tokenlake.model.llama.weights import LlamaConfig, find_smollm2_gguf, load_weights
 
 gguf = pytest.importorskip("gguf")
 

@@ -4,7 +4,7 @@ replication and clearly below the CV of hash placement alone."""
 
 from dataclasses import replace
 
-from tokenlake.walkthrough import WorkloadConfig, cv, run
+from tokenlake.tools.walkthrough import WorkloadConfig, cv, run
 
 WORKLOAD = replace(
     WorkloadConfig(), num_documents=30, document_tokens=12_000, num_requests=240, concurrency=16

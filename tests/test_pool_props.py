@@ -1,4 +1,4 @@
-"""Property tests of :class:`tokenlake.pool.CachePool` against a reference model.
+"""Property tests of :class:`tokenlake.core.pool.CachePool` against a reference model.
 
 :class:`PoolMachine` runs random sequences of inserts (``place`` of every full segment,
 then ``commit``), matches, leases, pins, second replicas (directly through the slot pool
@@ -32,12 +32,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from reference_model import MNode, MReplica, NodeModel
 
-from tokenlake.config import PoolConfig
-from tokenlake.errors import CapacityError, ConfigError, PrefixNotCached, SegmentNotFound
-from tokenlake.placement import plan_replication
-from tokenlake.pool import CachePool
-from tokenlake.prefix_tree import SegmentLocation
-from tokenlake.segments import token_bytes
+from tokenlake.core.config import PoolConfig
+from tokenlake.core.errors import CapacityError, ConfigError, PrefixNotCached, SegmentNotFound
+from tokenlake.core.placement import plan_replication
+from tokenlake.core.pool import CachePool
+from tokenlake.core.prefix_tree import SegmentLocation
+from tokenlake.core.segments import token_bytes
 
 C = 2
 CAPACITY = 3

@@ -1,14 +1,14 @@
 """Property tests of segment keys, the global prefix tree, the hash ring and heavy hitters.
 
-* :class:`TreeMachine` drives :class:`tokenlake.prefix_tree.PrefixTree` directly with
+* :class:`TreeMachine` drives :class:`tokenlake.core.prefix_tree.PrefixTree` directly with
   random inserts, replicas, commits, touches, pins, leases, evictions and subtree removals
   and compares it after every step with a reference model made of plain dicts (DESIGN §4:
   whole-segment matches of ready segments only, leaf-only eviction, global LRU).
 * Segment keys are compared with an independent blake2b implementation and across two
   interpreters with different ``PYTHONHASHSEED``.
-* :class:`tokenlake.placement.HashRing` moves about 1/N of the homes when an instance
+* :class:`tokenlake.core.placement.HashRing` moves about 1/N of the homes when an instance
   comes or goes, and spreads them.
-* :func:`tokenlake.placement.find_heavy_hitters` equals a brute-force top-k by count.
+* :func:`tokenlake.core.placement.find_heavy_hitters` equals a brute-force top-k by count.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from reference_model import MNode, MReplica, NodeModel
 
-from tokenlake.errors import ConfigError, SegmentNotFound
-from tokenlake.placement import HashRing, find_heavy_hitters
-from tokenlake.prefix_tree import PrefixTree
-from tokenlake.segments import KEY_BYTES, SegmentHasher, token_bytes
+from tokenlake.core.errors import ConfigError, SegmentNotFound
+from tokenlake.core.placement import HashRing, find_heavy_hitters
+from tokenlake.core.prefix_tree import PrefixTree
+from tokenlake.core.segments import KEY_BYTES, SegmentHasher, token_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 C = 2  # tokens per segment in the state machines: short sequences, many shared prefixes
@@ -58,7 +58,7 @@ def reference_keys(tokens: list[int], c: int, namespace: str) -> list[bytes]:
 FIXED_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, -1, 2**31 - 1, 0, 7]
 KEY_SCRIPT = (
     "import json, sys\n"
-    "from tokenlake.segments import SegmentHasher\n"
+    "from tokenlake.core.segments import SegmentHasher\n"
     "h = SegmentHasher(4, sys.argv[1])\n"
     "print(json.dumps([k.hex() for k in h.keys(json.loads(sys.argv[2]))]))\n"
 )

@@ -6,21 +6,21 @@ import sys
 
 CONTROL_PLANE = [
     "tokenlake",
-    "tokenlake.segments",
-    "tokenlake.slots",
-    "tokenlake.prefix_tree",
-    "tokenlake.placement",
-    "tokenlake.pool",
-    "tokenlake.config",
-    "tokenlake.specs",
-    "tokenlake.cost_model",
-    "tokenlake.dispatch",
-    "tokenlake.plans",
-    "tokenlake.requests",
-    "tokenlake.assembly",
-    "tokenlake.control",
-    "tokenlake.walkthrough",
-    "tokenlake.cli",
+    "tokenlake.core.segments",
+    "tokenlake.core.slots",
+    "tokenlake.core.prefix_tree",
+    "tokenlake.core.placement",
+    "tokenlake.core.pool",
+    "tokenlake.core.config",
+    "tokenlake.core.specs",
+    "tokenlake.core.cost_model",
+    "tokenlake.core.dispatch",
+    "tokenlake.core.plans",
+    "tokenlake.core.requests",
+    "tokenlake.core.assembly",
+    "tokenlake.core.control",
+    "tokenlake.tools.walkthrough",
+    "tokenlake.tools.cli",
 ]
 HEAVY = ["torch", "zmq", "numpy", "scipy", "msgpack"]
 
@@ -45,10 +45,10 @@ def test_control_plane_plans_with_torch_and_zmq_blocked():
     code = (
         "import sys\n"
         "sys.modules['torch'] = None; sys.modules['zmq'] = None\n"
-        "from tokenlake.config import PoolConfig\n"
-        "from tokenlake.control import ControlPlane\n"
-        "from tokenlake.plans import Batch, BatchRequest\n"
-        "from tokenlake.specs import load_model\n"
+        "from tokenlake.core.config import PoolConfig\n"
+        "from tokenlake.core.control import ControlPlane\n"
+        "from tokenlake.core.plans import Batch, BatchRequest\n"
+        "from tokenlake.core.specs import load_model\n"
         "cp = ControlPlane(PoolConfig(4, 'ns', 8), load_model('smollm2-135m'), [0, 1])\n"
         "p = cp.gen_plans([Batch((BatchRequest('a', tuple(range(1, 11))),))], [1])\n"
         "cp.complete(p)\n"

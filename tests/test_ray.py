@@ -37,12 +37,12 @@ from test_dataplane import (  # noqa: E402
     test_the_compute_engine_side_copies_nothing as no_copy_scenario,
 )
 
-from tokenlake.cluster import LocalCluster  # noqa: E402
-from tokenlake.errors import EngineUnavailable, PlanError  # noqa: E402
-from tokenlake.plans import Batch, BatchRequest  # noqa: E402
-from tokenlake.ray import RayCluster, RayComputeEngine, RayOptions  # noqa: E402
+from tokenlake.core.errors import EngineUnavailable, PlanError  # noqa: E402
+from tokenlake.core.plans import Batch, BatchRequest  # noqa: E402
+from tokenlake.dataplane.shm import list_segments  # noqa: E402
+from tokenlake.deploy.local import LocalCluster  # noqa: E402
+from tokenlake.deploy.ray import RayCluster, RayComputeEngine, RayOptions  # noqa: E402
 from tokenlake.serving import GenerationRequest, Server  # noqa: E402
-from tokenlake.shm import list_segments  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -97,7 +97,7 @@ def test_replication_migration_and_engine_stats(cluster):
 def test_a_malformed_peers_message_is_refused_and_the_engine_keeps_serving(ray_pool):
     import zmq
 
-    from tokenlake import wire
+    from tokenlake.dataplane import wire
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -191,9 +191,9 @@ NEW = 4  # generated tokens per request (the reference engine is slow on 2 cores
 
 @pytest.fixture(scope="module")
 def smollm():
-    from tokenlake.llama.reference import ReferenceEngine
-    from tokenlake.llama.tokenizer import load_tokenizer
-    from tokenlake.llama.weights import load_weights
+    from tokenlake.model.llama.reference import ReferenceEngine
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
 
     weights = load_weights()
     return weights, load_tokenizer(), ReferenceEngine(weights)
@@ -308,8 +308,8 @@ def test_serve_command_reports_a_crash_and_stops_cleanly_on_ctrl_c(ray_session, 
     command joins it): engines bind the named interface within the port range, it prints
     the addresses, notices an engine process killed outside Ray, and on Ctrl-C (SIGINT)
     shuts everything down and exits 0."""
-    from tokenlake import cli
-    from tokenlake.ray import ProcessRef
+    from tokenlake.deploy.ray import ProcessRef
+    from tokenlake.tools import cli
 
     out = _Lines()
     monkeypatch.setattr(sys, "stdout", out)

@@ -26,11 +26,11 @@ from scheduler.api import (
 from scheduler.bench import bench_scheduler, make_snapshot
 from scheduler.goodput import GoodputScheduler, new_tokens, order
 from scheduler.latency import MAX_LOAD, batch_times, iteration_time, work_terms
-from tokenlake.config import PoolConfig
-from tokenlake.control import ControlPlane
-from tokenlake.cost_model import LatencyModel
-from tokenlake.plans import Batch
-from tokenlake.specs import load_model
+from tokenlake.core.config import PoolConfig
+from tokenlake.core.control import ControlPlane
+from tokenlake.core.cost_model import LatencyModel
+from tokenlake.core.plans import Batch
+from tokenlake.core.specs import load_model
 
 LAT = LatencyModel.load("a100-80gb_llama-2-7b")
 CHUNK = 512

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlake.cluster import LocalCluster
+from tokenlake.deploy.local import LocalCluster
 from tokenlake.serving import BadRequest, GenerationRequest, Server
 
 C = 16
@@ -14,9 +14,9 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def model():
-    from tokenlake.llama.reference import ReferenceEngine
-    from tokenlake.llama.tokenizer import load_tokenizer
-    from tokenlake.llama.weights import load_weights
+    from tokenlake.model.llama.reference import ReferenceEngine
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
 
     weights = load_weights()
     return weights, load_tokenizer(), ReferenceEngine(weights)
@@ -97,7 +97,7 @@ def test_goodput_scheduler_drives_the_server_and_output_is_unchanged(model):
     (prefill and decode in separate batches, prefill spread over several instances when
     the latency model says it pays), and greedy output still equals the reference."""
     from scheduler.goodput import GoodputScheduler
-    from tokenlake.cost_model import LatencyModel
+    from tokenlake.core.cost_model import LatencyModel
 
     weights, tok, ref = model
     spec = weights.config.to_model_spec("smollm2-135m")
@@ -129,7 +129,7 @@ def test_goodput_scheduler_drives_the_server_and_output_is_unchanged(model):
 
 def test_a_policy_that_schedules_nothing_is_an_error_not_a_hang(model):
     from scheduler.api import Decision
-    from tokenlake.cost_model import LatencyModel
+    from tokenlake.core.cost_model import LatencyModel
 
     class Idle:
         name = "idle"

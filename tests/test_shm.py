@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from tokenlake import shm
-from tokenlake.errors import TokenLakeError
-from tokenlake.shm import (
+from tokenlake.core.errors import TokenLakeError
+from tokenlake.dataplane import shm
+from tokenlake.dataplane.shm import (
     BufferRegistry,
     BufferSpec,
     SegmentExists,
@@ -253,7 +253,7 @@ def test_registry_cleanup_after_a_child_was_sigkilled(prefix):
 def test_registry_cleans_up_at_interpreter_exit(prefix):
     code = (
         "import sys\n"
-        "from tokenlake.shm import BufferRegistry, BufferSpec\n"
+        "from tokenlake.dataplane.shm import BufferRegistry, BufferSpec\n"
         "r = BufferRegistry(sys.argv[1])\n"
         "r.create(BufferSpec(sys.argv[1] + 'a', (4,), 'float32'))\n"
         "print('created', flush=True)\n"

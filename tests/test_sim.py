@@ -19,7 +19,7 @@ from evals.sim.systems import SYSTEMS, p90_goodput, simulate
 from evals.sim.timing import ChunkSchedule, DecodeSchedule, decode_bs1_s, prefill_bs1_s
 from evals.sim.trace import arrange, load_trace, prompt_array
 from evals.workloads.base import Request
-from tokenlake.cost_model import LatencyModel
+from tokenlake.core.cost_model import LatencyModel
 
 BS = 512
 
@@ -312,7 +312,7 @@ def test_prompt_array_equals_request_tokens_and_trace_tools(tmp_path):
 
 
 def test_tokenlake_sim_cli_prints_json(tmp_path, capsys):
-    from tokenlake.cli import main
+    from tokenlake.tools.cli import main
 
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps({"timestamp": 200 * i, "input_length": r.input_length,
@@ -330,7 +330,7 @@ def test_tokenlake_sim_cli_prints_json(tmp_path, capsys):
 
 
 def test_tokenlake_sim_cli_rejects_bad_arguments(tmp_path, capsys):
-    from tokenlake.cli import main
+    from tokenlake.tools.cli import main
 
     assert main(["sim", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Tests of the wire format (tokenlake/wire.py, docs/protocol.md, DESIGN §4 Wire/Failure).
+"""Tests of the wire format (tokenlake/dataplane/wire.py, docs/protocol.md, DESIGN §4 Wire/Failure).
 
 Round trips of every allowlisted dtype, the zero-copy claim on the send path (frames
 alias the tensors, CopyStats stays 0), a malformed message never raising anything but
@@ -22,9 +22,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenlake import wire
-from tokenlake.errors import CapacityError, EngineUnavailable, SegmentNotFound, TokenLakeError
-from tokenlake.wire import (
+from tokenlake.core.errors import CapacityError, EngineUnavailable, SegmentNotFound, TokenLakeError
+from tokenlake.dataplane import wire
+from tokenlake.dataplane.wire import (
     DTYPES,
     CopyStats,
     Kind,
@@ -433,7 +433,7 @@ def test_unknown_remote_types_become_remote_error():
     # passing a RemoteError on keeps the origin's type name
     forwarded = decode(error_message(4, info.value))
     assert forwarded.body == {"type": "ValueError", "message": "no such layer"}
-    # a name that merely looks dangerous is never looked up outside tokenlake.errors
+    # a name that merely looks dangerous is never looked up outside tokenlake.core.errors
     evil = decode(encode(Kind.ERROR, 1, {"type": "SystemExit", "message": "bye"}))
     with pytest.raises(RemoteError):
         raise_if_error(evil)
@@ -574,7 +574,7 @@ def test_bind_address_defaults_to_loopback():
 
 
 def test_bind_address_warns_off_loopback(caplog):
-    with caplog.at_level(logging.WARNING, logger="tokenlake.wire"):
+    with caplog.at_level(logging.WARNING, logger="tokenlake.dataplane.wire"):
         bind_address("localhost")
         assert not caplog.records
         assert bind_address("0.0.0.0", 6000) == "tcp://0.0.0.0:6000"

@@ -1,7 +1,16 @@
 """Transfer engine: one process per instance that executes transfer plans (puts of new
-KV, whole-segment replication and migration, frees).
+KV, whole-segment replication and migration, frees) (:mod:`transfer_engine.engine`).
 
-Not built yet: it arrives with the data plane (issue #3). Its inputs are already
-defined by the control plane: :class:`tokenlake.plans.TransferPlan` and
-:class:`tokenlake.pool.Replication`.
+:func:`main` is the process entry point the launchers in :mod:`tokenlake.deploy` start.
 """
+
+from tokenlake.dataplane.engine import run_engine
+from transfer_engine.engine import TransferEngine
+
+__all__ = ["TransferEngine", "main"]
+
+
+def main(spec_bytes: bytes, conn) -> None:
+    """Runs one transfer engine process (a ``multiprocessing`` target; see
+    :func:`tokenlake.dataplane.engine.run_engine` for the handshake over ``conn``)."""
+    run_engine(TransferEngine, spec_bytes, conn)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenlake import wire
-from tokenlake.engine_base import EngineLoop, EngineSpec
-from tokenlake.errors import PlanError
+from tokenlake.core.errors import PlanError
+from tokenlake.dataplane import wire
+from tokenlake.dataplane.engine import EngineLoop, EngineSpec
 
 Put = tuple[int, int, int, int]  # (slot, offset, start, stop)
 

@@ -1,6 +1,6 @@
 """``tokenlake sim``: replay a trace on one simulated system and print its metrics.
 
-This module only builds the argument parser at import (``tokenlake.cli`` imports it to
+This module only builds the argument parser at import (``tokenlake.tools.cli`` imports it to
 add the subcommand; nothing heavy is imported until :func:`run`).
 """
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from evals.sim.engine import SimulationError
     from evals.sim.systems import simulate
     from evals.sim.trace import arrange, load_trace
-    from tokenlake.errors import ConfigError
+    from tokenlake.core.errors import ConfigError
 
     try:
         config = SimConfig(instances=args.instances, hardware=args.hardware, model=args.model,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenlake.cost_model import LatencyModel, default_segment_tokens
-from tokenlake.errors import ConfigError
-from tokenlake.specs import HardwareProfile, ModelSpec, load_hardware, load_model
+from tokenlake.core.cost_model import LatencyModel, default_segment_tokens
+from tokenlake.core.errors import ConfigError
+from tokenlake.core.specs import HardwareProfile, ModelSpec, load_hardware, load_model
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class SimConfig:
         cache_gb: KV-cache memory per GPU, 1e9 bytes; default: device memory minus the
             model's weights (66.5 GB for Llama-2-7B fp16 on an A100-80GB).
         segment_tokens: TokenLake's segment size ``C``; default
-            :func:`tokenlake.cost_model.default_segment_tokens` (576 on the A100).
+            :func:`tokenlake.core.cost_model.default_segment_tokens` (576 on the A100).
         chunk_tokens: chunked-prefill size, the same for every system (paper §7: "the
             same chunked prefill size"); default 512, the goodput scheduler's default.
             With the shipped A100 latency model the best per-token cost is near 1.1K

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from evals.sim.engine import Run, SimRequest
 from evals.sim.trace import decode_tokens
-from tokenlake.errors import CapacityError
-from tokenlake.plans import Batch, BatchRequest, Plans
+from tokenlake.core.errors import CapacityError
+from tokenlake.core.plans import Batch, BatchRequest, Plans
 
 
 def plan_reads(plans: Plans) -> dict[str, dict[int, int]]:

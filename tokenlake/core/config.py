@@ -1,0 +1,58 @@
+"""Typed, validated configuration of the control plane (STYLE 7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenlake.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How the global pool places, replicates and evicts segments.
+
+    Attributes:
+        segment_tokens: ``C``, tokens per segment (see
+            :func:`tokenlake.core.cost_model.default_segment_tokens` for the paper's threshold).
+        namespace: model id + KV layout; keys of different namespaces never collide.
+        slots_per_instance: segment slots in each instance's slab.
+        vnodes: virtual nodes per instance on the hash ring.
+        window_s: length of the access-accounting window, seconds.
+        bucket_s: granularity of that window, seconds.
+        heavy_hitter_factor: heavy hitters tracked = ``factor * N * log2 N`` (at least N).
+        replicate_high: replicate from an instance whose load exceeds mean x (1 + high).
+        replicate_low: ... until its load is at most mean x (1 + low) (hysteresis).
+        max_replications: cap on copies started by one rebalance round.
+        seed: seed of the RNG used for power-of-two-choices replica selection.
+    """
+
+    segment_tokens: int
+    namespace: str
+    slots_per_instance: int
+    vnodes: int = 64
+    window_s: float = 10.0
+    bucket_s: float = 1.0
+    heavy_hitter_factor: float = 1.0
+    replicate_high: float = 0.10
+    replicate_low: float = 0.03
+    max_replications: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("segment_tokens", self.segment_tokens)
+        _positive_int("slots_per_instance", self.slots_per_instance)
+        _positive_int("vnodes", self.vnodes)
+        _positive_int("max_replications", self.max_replications)
+        if not self.namespace:
+            raise ConfigError("namespace must be non-empty (model id + KV layout)")
+        if not 0 < self.bucket_s <= self.window_s:
+            raise ConfigError(f"need 0 < bucket_s <= window_s, got {self.bucket_s}, {self.window_s}")
+        if self.heavy_hitter_factor < 0:
+            raise ConfigError("heavy_hitter_factor must be >= 0")
+        if not 0 <= self.replicate_low <= self.replicate_high:
+            raise ConfigError("need 0 <= replicate_low <= replicate_high (hysteresis)")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,385 @@
+"""The global prefix tree of segments (DESIGN §4, paper §3.2).
+
+Nodes are full segments, keyed by their chained key (see :mod:`tokenlake.core.segments`), so
+a key names a whole prefix and the tree is a dict plus parent/children links. Each node
+has one or more *replicas* (instance, slot). A replica is *pending* until all its layers
+are stored; a segment is visible to :meth:`PrefixTree.match` only once it has a ready
+replica.
+
+Invariants kept here (and checked by :meth:`PrefixTree.check`):
+
+* every non-root node's parent is in the tree (no orphaned suffix);
+* a node with children, a pin or a lease is never removed;
+* the LRU index holds exactly the replicas that may be evicted now: ready replicas of
+  unpinned, unleased nodes that are either a leaf or have another ready replica.
+
+The tree is pure bookkeeping: which slot to take and what to evict is decided by
+:class:`tokenlake.core.pool.CachePool`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from sortedcontainers import SortedList
+
+from tokenlake.core.errors import SegmentNotFound
+from tokenlake.core.segments import SegmentHasher, SegmentKey
+
+
+class _Replica:
+    __slots__ = ("instance", "slot", "ready", "last_access", "lru_entry")
+
+    def __init__(self, instance: int, slot: int, ready: bool, now: float) -> None:
+        self.instance = instance
+        self.slot = slot
+        self.ready = ready
+        self.last_access = now
+        self.lru_entry: tuple | None = None
+
+
+class _Node:
+    __slots__ = ("key", "parent", "index", "children", "replicas", "leases", "pins")
+
+    def __init__(self, key: SegmentKey, parent: SegmentKey | None, index: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.index = index  # position of the segment in its sequence (0 = first)
+        self.children: set[SegmentKey] = set()
+        self.replicas: dict[int, _Replica] = {}
+        self.leases = 0
+        self.pins = 0
+
+    def ready_instances(self) -> list[int]:
+        return [i for i, r in self.replicas.items() if r.ready]
+
+
+@dataclass(frozen=True)
+class SegmentLocation:
+    """Where one ready replica of a segment lives."""
+
+    instance: int  # instance id
+    slot: int  # slot number in that instance's slab
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The longest cached prefix of a token sequence.
+
+    Attributes:
+        keys: keys of the matched segments, in sequence order.
+        replicas: for each matched segment, its ready replicas.
+        hit_tokens: tokens covered by the match (``len(keys) * C``).
+    """
+
+    keys: tuple[SegmentKey, ...]
+    replicas: tuple[tuple[SegmentLocation, ...], ...]
+    hit_tokens: int
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.keys)
+
+
+class PrefixTree:
+    """Global prefix tree with replicas, leases, pins and an LRU index of evictable replicas.
+
+    Args:
+        hasher: the segment hasher (gives ``C`` and the namespace of the keys).
+    """
+
+    def __init__(self, hasher: SegmentHasher) -> None:
+        self.hasher = hasher
+        self._nodes: dict[SegmentKey, _Node] = {}
+        self._roots: set[SegmentKey] = set()
+        self._lru = SortedList()  # (last_access, -index, seq, key, instance)
+        self._seq = itertools.count()
+
+    # ------------------------------------------------------------------ lookup
+    @property
+    def segment_tokens(self) -> int:
+        return self.hasher.segment_tokens
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._nodes
+
+    def is_ready(self, key: SegmentKey) -> bool:
+        """True when ``key`` is in the tree with at least one ready replica."""
+        node = self._nodes.get(key)
+        return node is not None and any(r.ready for r in node.replicas.values())
+
+    def parent(self, key: SegmentKey) -> SegmentKey | None:
+        return self._node(key).parent
+
+    def index(self, key: SegmentKey) -> int:
+        return self._node(key).index
+
+    def children(self, key: SegmentKey | None) -> tuple[SegmentKey, ...]:
+        """Children of ``key``; ``None`` names the (virtual) root."""
+        kids = self._roots if key is None else self._node(key).children
+        return tuple(kids)
+
+    def replicas(self, key: SegmentKey, ready_only: bool = True) -> tuple[SegmentLocation, ...]:
+        reps = self._node(key).replicas
+        if len(reps) == 1:  # the common case, without the sort
+            ((i, r),) = reps.items()
+            return (SegmentLocation(i, r.slot),) if r.ready or not ready_only else ()
+        return tuple(
+            SegmentLocation(i, r.slot)
+            for i, r in sorted(reps.items())
+            if r.ready or not ready_only
+        )
+
+    def is_pinned(self, key: SegmentKey) -> bool:
+        return self._node(key).pins > 0
+
+    def lease_count(self, key: SegmentKey) -> int:
+        return self._node(key).leases
+
+    def last_access(self, key: SegmentKey, instance: int) -> float:
+        """Last access time of the replica of ``key`` on ``instance`` (LRU order)."""
+        rep = self._node(key).replicas.get(instance)
+        if rep is None:
+            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
+        return rep.last_access
+
+    def keys(self) -> Iterator[SegmentKey]:
+        return iter(self._nodes)
+
+    def match(self, token_ids: Sequence[int] | bytes, max_tokens: int | None = None) -> MatchResult:
+        """Longest prefix of ``token_ids`` made of ready segments.
+
+        Hashing is lazy and stops at the first miss. ``max_tokens`` caps the match
+        (e.g. ``len(prompt) - 1`` so that at least one token is left to compute).
+        """
+        c = self.hasher.segment_tokens
+        # Raw int32 bytes are a Sequence too: count (and cut) them in tokens of 4 bytes.
+        width = 4 if isinstance(token_ids, (bytes, bytearray, memoryview)) else 1
+        limit = len(token_ids) // width
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        max_segments = limit // c
+        keys: list[SegmentKey] = []
+        where: list[tuple[SegmentLocation, ...]] = []
+        if max_segments:
+            nodes = self._nodes
+            for key in self.hasher.iter_keys(token_ids[: max_segments * c * width]):
+                node = nodes.get(key)
+                if node is None:
+                    break
+                locs = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)
+                if not locs:
+                    break
+                keys.append(key)
+                where.append(locs)
+        return MatchResult(tuple(keys), tuple(where), len(keys) * c)
+
+    # ---------------------------------------------------------------- mutation
+    def insert(self, key: SegmentKey, parent: SegmentKey | None, index: int) -> bool:
+        """Adds a node without replicas; returns False if ``key`` was already there (dedup).
+
+        ``parent`` must be in the tree (``None`` for a first segment, with ``index`` 0).
+        """
+        if key in self._nodes:
+            return False
+        if parent is None:
+            if index != 0:
+                raise ValueError("a segment without parent must have index 0")
+        elif parent not in self._nodes:
+            raise SegmentNotFound(f"parent segment {parent.hex()} is not in the tree")
+        elif self._nodes[parent].index != index - 1:
+            raise ValueError("segment index must be its parent's index + 1")
+        self._nodes[key] = _Node(key, parent, index)
+        if parent is None:
+            self._roots.add(key)
+        else:
+            pnode = self._nodes[parent]
+            pnode.children.add(key)
+            self._sync(pnode)
+        return True
+
+    def add_replica(
+        self, key: SegmentKey, instance: int, slot: int, now: float, ready: bool = False
+    ) -> None:
+        """Records that ``slot`` on ``instance`` holds (or will hold) segment ``key``."""
+        node = self._node(key)
+        if instance in node.replicas:
+            raise ValueError(f"segment {key.hex()} already has a replica on instance {instance}")
+        node.replicas[instance] = _Replica(instance, slot, ready, now)
+        self._sync(node)
+
+    def set_ready(self, key: SegmentKey, instance: int, now: float) -> None:
+        """Marks a pending replica as stored in all layers; the segment becomes matchable."""
+        node = self._node(key)
+        rep = node.replicas.get(instance)
+        if rep is None:
+            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
+        rep.ready = True
+        rep.last_access = now
+        if rep.lru_entry is not None:  # already ready and indexed: re-file at the new time
+            self._lru.remove(rep.lru_entry)
+            rep.lru_entry = None
+        self._sync(node)
+
+    def touch(self, key: SegmentKey, instance: int, now: float) -> None:
+        """Records an access of one replica at time ``now`` (for LRU)."""
+        node = self._node(key)
+        rep = node.replicas[instance]
+        rep.last_access = max(rep.last_access, now)
+        if rep.lru_entry is not None:
+            self._lru.remove(rep.lru_entry)
+            rep.lru_entry = self._entry(node, rep)
+            self._lru.add(rep.lru_entry)
+
+    def remove_replica(self, key: SegmentKey, instance: int) -> int:
+        """Drops one replica and returns its slot; the node goes when its last replica goes.
+
+        Removing the last replica of a node with children, a pin or a lease raises
+        ``ValueError``: that would orphan a suffix or pull data from under a plan.
+        """
+        node = self._node(key)
+        rep = node.replicas.get(instance)
+        if rep is None:
+            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
+        if len(node.replicas) == 1 and (node.children or node.pins or node.leases):
+            raise ValueError(f"segment {key.hex()} is pinned, leased or has children")
+        if rep.lru_entry is not None:
+            self._lru.remove(rep.lru_entry)
+        del node.replicas[instance]
+        if node.replicas:
+            self._sync(node)
+        else:
+            self._drop_node(node)
+        return rep.slot
+
+    def remove_subtree(self, key: SegmentKey) -> list[tuple[SegmentKey, int, int]]:
+        """Removes ``key`` and all its descendants regardless of pins and leases.
+
+        Used when an instance fails. Returns ``(key, instance, slot)`` of every replica
+        that was dropped so the caller can release the slots.
+        """
+        dropped: list[tuple[SegmentKey, int, int]] = []
+        stack = [key]
+        order: list[_Node] = []
+        while stack:
+            node = self._nodes[stack.pop()]
+            order.append(node)
+            stack.extend(node.children)
+        for node in reversed(order):  # leaves first
+            for inst, rep in node.replicas.items():
+                if rep.lru_entry is not None:
+                    self._lru.remove(rep.lru_entry)
+                dropped.append((node.key, inst, rep.slot))
+            node.replicas.clear()
+            node.children.clear()
+            node.pins = node.leases = 0
+            self._drop_node(node)
+        return dropped
+
+    # ------------------------------------------------------------ pins/leases
+    def pin(self, keys: Iterable[SegmentKey]) -> None:
+        """Pins segments: they are never evicted until unpinned (counted)."""
+        self._adjust(keys, "pins", +1)
+
+    def unpin(self, keys: Iterable[SegmentKey]) -> None:
+        self._adjust(keys, "pins", -1)
+
+    def lease(self, keys: Iterable[SegmentKey]) -> None:
+        """Marks segments as referenced by an in-flight plan (counted)."""
+        self._adjust(keys, "leases", +1)
+
+    def unlease(self, keys: Iterable[SegmentKey], missing_ok: bool = False) -> None:
+        """Releases leases; with ``missing_ok`` keys already removed (failures) are skipped."""
+        if missing_ok:
+            keys = [k for k in keys if k in self._nodes]
+        self._adjust(keys, "leases", -1)
+
+    # -------------------------------------------------------------------- LRU
+    def lru_victim(self) -> tuple[SegmentKey, int] | None:
+        """The least recently used evictable replica as ``(key, instance)``, or ``None``."""
+        if not self._lru:
+            return None
+        entry = self._lru[0]
+        return entry[3], entry[4]
+
+    def evictable_count(self) -> int:
+        return len(self._lru)
+
+    # -------------------------------------------------------------- internals
+    def _node(self, key: SegmentKey) -> _Node:
+        try:
+            return self._nodes[key]
+        except KeyError:
+            raise SegmentNotFound(f"segment {bytes(key).hex()} is not in the tree") from None
+
+    def _adjust(self, keys: Iterable[SegmentKey], field: str, delta: int) -> None:
+        nodes = [self._node(k) for k in keys]  # validate all before changing any
+        if delta < 0:
+            need: dict[SegmentKey, int] = {}
+            for n in nodes:
+                need[n.key] = need.get(n.key, 0) + 1
+            for n in nodes:
+                if getattr(n, field) < need[n.key]:
+                    raise ValueError(f"segment {n.key.hex()} has no {field[:-1]} to release")
+        for n in nodes:
+            old = getattr(n, field)
+            setattr(n, field, old + delta)
+            if old == 0 or old + delta == 0:  # evictability changes only at zero
+                self._sync(n)
+
+    def _entry(self, node: _Node, rep: _Replica) -> tuple:
+        return (rep.last_access, -node.index, next(self._seq), node.key, rep.instance)
+
+    def _evictable(self, node: _Node) -> bool:
+        if node.pins or node.leases:
+            return False
+        ready = 0
+        for r in node.replicas.values():
+            ready += r.ready
+        return ready > 1 or (ready == 1 and not node.children)
+
+    def _sync(self, node: _Node) -> None:
+        """Makes the LRU index agree with the node's current state."""
+        ok = self._evictable(node)
+        for rep in node.replicas.values():
+            want = ok and rep.ready
+            if want and rep.lru_entry is None:
+                rep.lru_entry = self._entry(node, rep)
+                self._lru.add(rep.lru_entry)
+            elif not want and rep.lru_entry is not None:
+                self._lru.remove(rep.lru_entry)
+                rep.lru_entry = None
+
+    def _drop_node(self, node: _Node) -> None:
+        del self._nodes[node.key]
+        if node.parent is None:
+            self._roots.discard(node.key)
+        else:
+            pnode = self._nodes.get(node.parent)
+            if pnode is not None:
+                pnode.children.discard(node.key)
+                self._sync(pnode)
+
+    def check(self) -> None:
+        """Asserts the invariants listed in the module docstring (for tests)."""
+        in_lru = {(e[3], e[4]) for e in self._lru}
+        assert len(in_lru) == len(self._lru)
+        for key, node in self._nodes.items():
+            if node.parent is not None:
+                assert node.parent in self._nodes, "orphaned suffix"
+                assert key in self._nodes[node.parent].children
+            else:
+                assert key in self._roots
+            for child in node.children:
+                assert self._nodes[child].parent == key
+            ok = self._evictable(node)
+            for inst, rep in node.replicas.items():
+                assert ((key, inst) in in_lru) == (ok and rep.ready), "LRU index out of date"
+                if rep.lru_entry is not None:
+                    assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
+        assert all(k in self._nodes for k in self._roots)

@@ -1,0 +1,104 @@
+"""Slot pool: the mechanism that owns each instance's segment slots (STYLE 1).
+
+Each instance owns one slab of ``capacity`` slots (DESIGN §4); a slot holds one segment
+across all layers. This module only hands out and takes back slot numbers; which
+segment goes where is decided by placement, what to evict by the cache manager.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from tokenlake.core.errors import ConfigError
+
+
+class SlotPool:
+    """Free lists of segment slots per instance.
+
+    Slots are handed out lowest number first, so a fresh pool fills its slab from the
+    front and tests see deterministic slot numbers.
+    """
+
+    def __init__(self, capacities: dict[int, int] | None = None) -> None:
+        self._capacity: dict[int, int] = {}
+        self._free: dict[int, list[int]] = {}  # min-heaps of free slots
+        self._free_set: dict[int, set[int]] = {}
+        self._n_free = 0  # free slots over all instances
+        for instance, capacity in (capacities or {}).items():
+            self.add_instance(instance, capacity)
+
+    def add_instance(self, instance: int, capacity: int) -> None:
+        """Registers an instance with ``capacity`` empty slots."""
+        if instance in self._capacity:
+            raise ConfigError(f"instance {instance} is already in the pool")
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ConfigError(f"slot capacity must be a non-negative int, got {capacity!r}")
+        self._capacity[instance] = capacity
+        self._free[instance] = list(range(capacity))  # sorted, hence a valid heap
+        self._free_set[instance] = set(range(capacity))
+        self._n_free += capacity
+
+    def remove_instance(self, instance: int) -> None:
+        """Forgets an instance and all its slots (the caller drops what they held)."""
+        self._check(instance)
+        self._n_free -= len(self._free[instance])
+        del self._capacity[instance]
+        del self._free[instance]
+        del self._free_set[instance]
+
+    def allocate(self, instance: int) -> int | None:
+        """Takes a free slot on ``instance``; ``None`` when the instance is full."""
+        self._check(instance)
+        free = self._free[instance]
+        if not free:
+            return None
+        slot = heapq.heappop(free)
+        self._free_set[instance].discard(slot)
+        self._n_free -= 1
+        return slot
+
+    def take(self, instance: int, slot: int) -> None:
+        """Takes one particular free slot (undoes a :meth:`free`); ``ValueError`` if in use."""
+        self._check(instance)
+        if slot not in self._free_set[instance]:
+            raise ValueError(f"slot {slot} on instance {instance} is not free")
+        self._free_set[instance].remove(slot)
+        free = self._free[instance]
+        free.remove(slot)
+        heapq.heapify(free)
+        self._n_free -= 1
+
+    def free(self, instance: int, slot: int) -> None:
+        """Returns a slot. Freeing a slot twice or out of range raises ``ValueError``."""
+        self._check(instance)
+        if not 0 <= slot < self._capacity[instance]:
+            raise ValueError(f"slot {slot} out of range on instance {instance}")
+        free_set = self._free_set[instance]
+        if slot in free_set:
+            raise ValueError(f"slot {slot} on instance {instance} is already free")
+        free_set.add(slot)
+        heapq.heappush(self._free[instance], slot)
+        self._n_free += 1
+
+    def capacity(self, instance: int) -> int:
+        self._check(instance)
+        return self._capacity[instance]
+
+    def free_count(self, instance: int) -> int:
+        self._check(instance)
+        return len(self._free[instance])
+
+    def used(self, instance: int) -> int:
+        """Slots in use on ``instance``."""
+        return self.capacity(instance) - self.free_count(instance)
+
+    @property
+    def instances(self) -> tuple[int, ...]:
+        return tuple(sorted(self._capacity))
+
+    def total_free(self) -> int:
+        return self._n_free
+
+    def _check(self, instance: int) -> None:
+        if instance not in self._capacity:
+            raise ConfigError(f"unknown instance {instance}; known: {sorted(self._capacity)}")

@@ -1,0 +1,233 @@
+"""The data-plane client a compute engine embeds (paper Figure 5).
+
+One :class:`InstanceClient` per instance whose compute engine runs sub-batches there.
+It owns no data: the ``q``, ``out`` and ``kv`` buffers are shared memory also mapped by
+the instance's query and transfer engines, so handing work over is a small message.
+
+    q_buf = client.init_query(query_plan)        # once per iteration
+    kv_buf = client.init_transfer(transfer_plan)  # once per iteration
+    for layer in range(num_layers):
+        kv_buf[layer] = ...; handle = client.put(layer)  # asynchronous
+        q_buf[:] = ...;      o, lse = client.query(layer)
+    handle.wait()
+
+Every wait has a timeout; a dead engine surfaces as
+:class:`~tokenlake.core.errors.EngineUnavailable` within about ``poll_s`` of its death.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from tokenlake.core.errors import EngineUnavailable, PlanError
+from tokenlake.core.plans import QueryPlan, TransferPlan
+from tokenlake.dataplane import wire
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A merged prefix-attention result: ``o`` [rows, q_heads, head_dim] float32,
+    normalised; ``lse`` [rows, q_heads] float32, natural-log log-sum-exp. Views of the
+    shared ``out`` buffer: consume them before the next :meth:`InstanceClient.query`."""
+
+    o: torch.Tensor
+    lse: torch.Tensor
+
+
+class PutHandle:
+    """Completion of one layer's put; :meth:`wait` blocks until every store is done."""
+
+    def __init__(self, client: InstanceClient, msg_id: int, layer: int) -> None:
+        self._client, self._id, self.layer = client, msg_id, layer
+        self._done = False
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if not self._done:
+            self._client._wait(self._id, timeout_s)
+            self._done = True
+
+    def done(self) -> bool:
+        """True once the put has completed (does not block)."""
+        if not self._done and self._client._poll_done(self._id):
+            self._done = True
+        return self._done
+
+
+class QueryHandle:
+    """A query in flight; :meth:`wait` returns its :class:`Partial`."""
+
+    def __init__(self, client: InstanceClient, msg_id: int, rows: int) -> None:
+        self._client, self._id, self._rows = client, msg_id, rows
+
+    def wait(self, timeout_s: float | None = None) -> Partial:
+        self._client._wait(self._id, timeout_s)
+        return Partial(self._client.out_o[: self._rows], self._client.out_lse[: self._rows])
+
+
+class InstanceClient:
+    """Compute-engine side of one instance's query and transfer engines."""
+
+    _ids = itertools.count(1)
+
+    def __init__(
+        self,
+        instance: int,
+        endpoints: dict[str, str],
+        buffers: dict[str, torch.Tensor],
+        alive: Callable[[], str | None],
+        timeout_s: float = 5.0,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.instance = instance
+        self.endpoints = endpoints
+        self.q = buffers["q"]  # [max_rows, q_heads, head_dim]
+        self.out_o = buffers["out_o"]
+        self.out_lse = buffers["out_lse"]
+        self.kv = buffers["kv"]  # [layers, max_rows, 2, kv_heads, head_dim]
+        self._alive = alive
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._ctx: zmq.Context | None = None
+        self._socks: dict[str, zmq.Socket] = {}
+        self._poller: zmq.Poller | None = None
+        self._replies: dict[int, wire.Message] = {}
+        self._query_plan: tuple[int, int] | None = None  # (plan id, rows)
+        self._transfer_plan: tuple[int, int] | None = None
+        self._puts: list[PutHandle] = []
+
+    def start(self, ctx: zmq.Context) -> None:
+        self._ctx = ctx
+        for role in ("query", "transfer"):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoints[role])
+            self._socks[role] = sock
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
+        self._poller = None
+
+    # ---------------------------------------------------------------- query
+    def init_query(self, plan: QueryPlan) -> torch.Tensor:
+        """Registers a sub-batch's query plan with the home query engine; returns
+        ``q_buf``, the [rows, q_heads, head_dim] float32 view to write q rows into."""
+        self._check_home(plan.home)
+        tasks = {}
+        for task in plan.tasks + plan.tails:
+            items = tasks.setdefault(task.instance, [])
+            items.extend([it.start, it.stop, list(it.slots), list(it.tokens)] for it in task.items)
+        pid = next(self._ids)
+        self._call("query", wire.Kind.REGISTER_PLAN,
+                   {"plan": pid, "rows": plan.num_rows, "tasks": [[i, t] for i, t in tasks.items()]})
+        self._release("query")
+        self._query_plan = (pid, plan.num_rows)
+        return self.q[: plan.num_rows]
+
+    def query(self, layer: int, timeout_s: float | None = None) -> Partial:
+        """Prefix attention of ``q_buf`` over the pool for one layer."""
+        return self.query_async(layer).wait(timeout_s)
+
+    def query_async(self, layer: int) -> QueryHandle:
+        """Starts :meth:`query`; do other work (self-attention), then ``wait()``. Do not
+        touch ``q_buf`` until it is done."""
+        if self._query_plan is None:
+            raise PlanError("call init_query first")
+        pid, rows = self._query_plan
+        msg_id = self._send("query", wire.Kind.QUERY, {"plan": pid, "layer": layer})
+        return QueryHandle(self, msg_id, rows)
+
+    # ------------------------------------------------------------- transfer
+    def init_transfer(self, plan: TransferPlan) -> torch.Tensor:
+        """Registers a sub-batch's transfer plan; returns ``kv_buf``, the
+        [layers, rows, 2, kv_heads, head_dim] float32 view to write new K/V into."""
+        self._check_home(plan.home)
+        puts = [[p.instance, p.slot, p.offset, p.start, p.stop] for p in plan.puts]
+        pid = next(self._ids)
+        self._call("transfer", wire.Kind.REGISTER_PLAN, {"plan": pid, "rows": plan.num_rows, "puts": puts})
+        self._release("transfer")
+        self._transfer_plan = (pid, plan.num_rows)
+        return self.kv[:, : plan.num_rows]
+
+    def put(self, layer: int, layers: int = 1) -> PutHandle:
+        """Stores layers ``[layer, layer + layers)`` of ``kv_buf`` where the plan says,
+        asynchronously (``layers > 1`` coalesces tiny decode puts into one message).
+
+        Do not overwrite those layers of ``kv_buf`` before the handle is done."""
+        if self._transfer_plan is None:
+            raise PlanError("call init_transfer first")
+        if layers < 1 or layer < 0 or layer + layers > self.kv.shape[0]:
+            raise PlanError(f"layers [{layer}, {layer + layers}) outside [0, {self.kv.shape[0]})")
+        body = {"plan": self._transfer_plan[0], "layer": layer}
+        if layers != 1:
+            body["layers"] = layers
+        msg_id = self._send("transfer", wire.Kind.PUT, body)
+        handle = PutHandle(self, msg_id, layer)
+        self._puts.append(handle)
+        return handle
+
+    def wait_puts(self, timeout_s: float | None = None) -> None:
+        """Waits until every put issued so far is stored (the per-batch completion: call
+        it before reporting the iteration's plans complete to the control plane)."""
+        while self._puts:
+            self._puts[0].wait(timeout_s)
+            self._puts.pop(0)
+
+    # ------------------------------------------------------------ internals
+    def _check_home(self, home: int) -> None:
+        if home != self.instance:
+            raise PlanError(f"plan is homed on instance {home}; this client is instance {self.instance}")
+
+    def _release(self, role: str) -> None:
+        old = self._query_plan if role == "query" else self._transfer_plan
+        if old is not None:
+            self._send(role, wire.Kind.RELEASE_PLAN, {"plan": old[0]})
+
+    def _send(self, role: str, kind: wire.Kind, body: dict, tensors=()) -> int:
+        msg_id = next(self._ids)
+        wire.send_frames(self._socks[role], wire.encode(kind, msg_id, body, tensors))
+        return msg_id
+
+    def _call(self, role: str, kind: wire.Kind, body: dict, tensors=(), timeout_s=None) -> wire.Message:
+        return self._wait(self._send(role, kind, body, tensors), timeout_s)
+
+    def _drain(self, wait_ms: int) -> bool:
+        """Files every reply that arrives within ``wait_ms``; True if any did."""
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            for sock in self._socks.values():
+                self._poller.register(sock, zmq.POLLIN)
+        got = False
+        for sock, _ in self._poller.poll(wait_ms):
+            while sock.poll(0):
+                msg = wire.decode(sock.recv_multipart(copy=False))
+                self._replies[msg.msg_id] = msg
+                got = True
+        return got
+
+    def _poll_done(self, msg_id: int) -> bool:
+        self._drain(0)
+        return msg_id in self._replies
+
+    def _wait(self, msg_id: int, timeout_s: float | None) -> wire.Message:
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while msg_id not in self._replies:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineUnavailable(
+                    f"no reply from instance {self.instance}'s engines within the timeout"
+                )
+            if not self._drain(int(min(left, self.poll_s) * 1000) + 1):
+                dead = self._alive()  # quiet for poll_s: is anyone there?
+                if dead is not None:
+                    raise EngineUnavailable(f"{dead} is not running")
+        msg = self._replies.pop(msg_id)
+        wire.raise_if_error(msg)
+        return msg

@@ -1,0 +1,349 @@
+"""What the query and transfer engines share: their spec, the start-up handshake, the
+event loop with its peers, and the body of their process entry points.
+
+An engine is one process per instance and role. It binds one ROUTER socket (clients
+and peer engines connect to it with DEALER sockets), maps its instance's slab from
+shared memory, and serves messages until told to stop or until its parent dies. The
+loop never blocks on one peer: requests it sends to peers are answered on their DEALER
+sockets and matched by message id, with a deadline each (DESIGN §4 "Failure").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+
+from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
+from tokenlake.dataplane import wire
+
+log = logging.getLogger(__name__)
+
+ROLES = ("query", "transfer")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine process needs, sent to it as msgpack at start-up.
+
+    Attributes:
+        role: ``"query"`` or ``"transfer"``.
+        instance: instance id.
+        cluster_id: unique id of the cluster (names of shared buffers).
+        buffers: name -> :class:`tokenlake.dataplane.shm.BufferSpec` dict of the shared buffers
+            this engine maps: ``slab`` always; the home buffers of its instance's compute
+            engine (``q``, ``out_o``, ``out_lse`` for a query engine, ``kv`` for a
+            transfer engine).
+        host: interface to bind (loopback unless configured).
+        peer_timeout_s: how long to wait for a peer engine before failing the request.
+        torch_threads: intra-op threads of torch in this process.
+        port_range: ``(first, last)`` ports to bind (the first free one, inclusive
+            bounds); ``None`` binds any free port.
+    """
+
+    role: str
+    instance: int
+    cluster_id: str
+    buffers: dict[str, dict[str, Any]]
+    host: str = "127.0.0.1"
+    peer_timeout_s: float = 2.0
+    torch_threads: int = 1
+    port_range: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if "slab" not in self.buffers:
+            raise ConfigError("an engine needs its instance's slab")
+        if self.peer_timeout_s <= 0:
+            raise ConfigError("peer_timeout_s must be > 0")
+        if self.port_range is not None:
+            lo, hi = self.port_range  # msgpack gives a list
+            object.__setattr__(self, "port_range", (int(lo), int(hi)))
+            if not 1 <= lo <= hi <= 65535:
+                raise ConfigError(f"port_range must be 1 <= first <= last <= 65535, got {self.port_range}")
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> EngineSpec:
+        return cls(**msgpack.unpackb(raw, strict_map_key=False))
+
+
+@dataclass
+class Pending:
+    """A request this engine sent to peers and is still waiting for."""
+
+    deadline: float
+    waiting: set[int]  # message ids not answered yet
+    results: list = field(default_factory=list)  # decoded replies
+    on_done: Callable[[Pending], None] | None = None
+    on_fail: Callable[[Pending, BaseException], None] | None = None
+
+
+class EngineLoop:
+    """Single-threaded event loop: one ROUTER for incoming work, one DEALER per peer.
+
+    Subclasses implement :meth:`handle` (a request from a client or a peer, on the
+    ROUTER) and use :meth:`ask` to send requests to peers whose replies complete a
+    :class:`Pending`.
+    """
+
+    tick_s = 0.1
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.ctx: zmq.Context | None = None
+        self.router: zmq.Socket | None = None
+        self.endpoint = ""
+        self.peers: dict[int, zmq.Socket] = {}
+        self._pending: dict[int, Pending] = {}  # msg id -> pending op
+        self._next_id = 1
+        self._stop = False
+        self._handled = 0  # requests served (ROUTER messages)
+        self._busy_s = 0.0  # seconds spent handling messages (not waiting)
+        self._parent = os.getppid()
+        self._peers_changed = True  # serve() rebuilds its poller when set
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        """Binds the ROUTER on a free port of ``spec.host`` (the first free one of
+        ``spec.port_range`` when set); returns its endpoint."""
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        if self.spec.port_range is None:
+            self.router.bind(f"tcp://{self.spec.host}:*")
+        else:
+            first, last = self.spec.port_range
+            for port in range(first, last + 1):
+                try:
+                    self.router.bind(f"tcp://{self.spec.host}:{port}")
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE:
+                        raise
+            else:
+                raise ConfigError(f"no free port in {first}-{last} on {self.spec.host}")
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    def connect_peers(self, endpoints: dict[int, str | None]) -> None:
+        """Opens a DEALER to every other engine of the same role.
+
+        Called again (``PEERS`` message, after an instance was restarted elsewhere), it
+        replaces the socket of every instance named: the old one is closed, dropping
+        what was still queued for the old address, and an endpoint of ``None`` just
+        forgets that peer. Requests pending on a dropped socket fail at their deadline.
+        """
+        assert self.ctx is not None
+        for inst, ep in endpoints.items():
+            if inst == self.spec.instance:
+                continue
+            old = self.peers.pop(inst, None)
+            if old is not None:
+                old.close(0)
+            if ep is None:
+                continue
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ep)
+            self.peers[inst] = sock
+        self._peers_changed = True
+
+    def map_buffers(self) -> dict[str, torch.Tensor]:
+        """Maps the shared buffers named in the spec (closed again by :meth:`close`)."""
+        from tokenlake.dataplane.shm import BufferSpec, SharedTensor
+
+        self._maps = {n: SharedTensor.attach(BufferSpec.from_dict(d)) for n, d in self.spec.buffers.items()}
+        return {n: m.tensor for n, m in self._maps.items()}
+
+    def close(self) -> None:
+        for m in getattr(self, "_maps", {}).values():
+            m.close()
+        for sock in self.peers.values():
+            sock.close(0)
+        if self.router is not None:
+            self.router.close(0)
+        if self.ctx is not None:
+            self.ctx.term()
+
+    def _poller(self) -> tuple[zmq.Poller, dict]:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        by_socket = {}
+        for inst, sock in self.peers.items():
+            poller.register(sock, zmq.POLLIN)
+            by_socket[sock] = inst
+        self._peers_changed = False
+        return poller, by_socket
+
+    def serve(self) -> None:
+        """Runs until a SHUTDOWN message arrives or the parent process is gone."""
+        poller, by_socket = self._poller()
+        while not self._stop:
+            if self._peers_changed:
+                poller, by_socket = self._poller()
+            for sock, _ in poller.poll(int(self.tick_s * 1000)):
+                if self._peers_changed:
+                    break  # a peer socket of this poll may be closed: poll again
+                t0 = time.perf_counter()
+                if sock is self.router:
+                    self._on_request(sock.recv_multipart(copy=False))
+                    self._handled += 1
+                else:
+                    self._on_reply(by_socket[sock], sock.recv_multipart(copy=False))
+                self._busy_s += time.perf_counter() - t0
+            self._expire()
+            if os.getppid() != self._parent:
+                log.warning("parent process is gone; %s engine %d stops", self.spec.role, self.spec.instance)
+                break
+
+    def stats(self) -> dict:
+        """What a PING is answered with: identity and the bytes this process copied on
+        the wire path (payload bytes decode had to copy, see ``wire.CopyStats``)."""
+        return {
+            "role": self.spec.role,
+            "instance": self.spec.instance,
+            "bytes_copied": wire.CopyStats.bytes_copied,
+            "messages_copied": wire.CopyStats.messages,
+            "requests": self._handled,
+            "busy_s": self._busy_s,
+        }
+
+    # ------------------------------------------------------------- messages
+    def _on_request(self, frames: list) -> None:
+        identity, payload = frames[0], frames[1:]
+        msg_id = 0
+        try:
+            msg = wire.decode(payload)
+            msg_id = msg.msg_id
+            if msg.kind == wire.Kind.SHUTDOWN:
+                self._stop = True
+                self.reply(identity, wire.encode(wire.Kind.SHUTDOWN, msg_id))
+            elif msg.kind == wire.Kind.PING:
+                self.reply(identity, wire.encode(wire.Kind.PONG, msg_id, self.stats()))
+            elif msg.kind == wire.Kind.PEERS:
+                self.connect_peers(_peer_table(msg.body))
+                self.reply(identity, wire.encode(wire.Kind.PEERS, msg_id))
+            else:
+                self.handle(identity, msg)
+        except Exception as exc:  # a bad request must not stop the engine
+            msg_id = getattr(exc, "msg_id", None) or msg_id  # WireError knows it if readable
+            if not isinstance(exc, TokenLakeError):
+                log.exception("%s engine %d: request failed", self.spec.role, self.spec.instance)
+            self.reply(identity, wire.error_message(msg_id, exc))
+
+    def _on_reply(self, instance: int, frames: list) -> None:
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError:
+            log.exception("malformed reply from instance %d", instance)
+            return
+        pending = self._pending.pop(msg.msg_id, None)
+        if pending is None:
+            return  # late reply of an op that already failed
+        pending.waiting.discard(msg.msg_id)
+        if msg.kind == wire.Kind.ERROR:
+            self._fail(pending, _as_exception(msg))
+            return
+        pending.results.append((instance, msg))
+        if not pending.waiting and pending.on_done is not None:
+            pending.on_done(pending)
+
+    def reply(self, identity, frames: list) -> None:
+        assert self.router is not None
+        wire.send_frames(self.router, [identity, *frames])
+
+    def ask(self, instance: int, kind: wire.Kind, body: dict, tensors, pending: Pending) -> None:
+        """Sends a request to a peer; its reply will complete ``pending``."""
+        msg_id = self._next_id
+        self._next_id += 1
+        sock = self.peers.get(instance)
+        if sock is None:
+            raise ConfigError(f"instance {instance} is not a peer of instance {self.spec.instance}")
+        pending.waiting.add(msg_id)
+        self._pending[msg_id] = pending
+        wire.send_frames(sock, wire.encode(kind, msg_id, body, tensors))
+
+    def new_pending(self, on_done, on_fail) -> Pending:
+        return Pending(time.monotonic() + self.spec.peer_timeout_s, set(), [], on_done, on_fail)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for msg_id, pending in list(self._pending.items()):
+            if pending.deadline < now and msg_id in self._pending:
+                self._fail(pending, EngineUnavailable(
+                    f"instance {self.spec.instance}: a peer did not answer within "
+                    f"{self.spec.peer_timeout_s:.1f} s"))
+
+    def _fail(self, pending: Pending, exc: BaseException) -> None:
+        for msg_id in pending.waiting:
+            self._pending.pop(msg_id, None)
+        pending.waiting.clear()
+        if pending.on_fail is not None:
+            cb, pending.on_fail, pending.on_done = pending.on_fail, None, None
+            cb(pending, exc)
+
+    def handle(self, identity, msg: wire.Message) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _peer_table(body: dict) -> dict[int, str | None]:
+    """``{"peers": [[instance, endpoint or nil], ...]}`` of a ``PEERS`` message."""
+    table = {}
+    for entry in body.get("peers", ()) if isinstance(body.get("peers"), list) else ():
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)):
+            raise wire.WireError(f"PEERS: malformed entry {entry!r}")
+        inst, ep = entry
+        if ep is not None and not (isinstance(ep, str) and ep.startswith("tcp://") and len(ep) < 256):
+            raise wire.WireError(f"PEERS: instance {inst}: not a tcp endpoint: {ep!r}")
+        table[inst] = ep
+    if not table:
+        raise wire.WireError("PEERS needs a non-empty 'peers' list")
+    return table
+
+
+def _as_exception(msg: wire.Message) -> BaseException:
+    try:
+        wire.raise_if_error(msg)
+    except BaseException as exc:  # noqa: BLE001 - converted, not swallowed
+        return exc
+    return TokenLakeError("peer replied with an error")
+
+
+def run_engine(engine_cls: Callable[[EngineSpec], Any], spec_bytes: bytes, conn) -> None:
+    """Runs one engine process: the body of ``query_engine.main`` and ``transfer_engine.main``.
+
+    ``engine_cls`` builds the engine from its :class:`EngineSpec`. Handshake over ``conn``
+    (bytes only, msgpack): send ``{"endpoint"}``, receive ``{"peers": {instance:
+    endpoint}}``, send ``{"ready": true}``, then serve until told to stop.
+    """
+    spec = EngineSpec.from_bytes(spec_bytes)
+    torch.set_num_threads(spec.torch_threads)
+    logging.basicConfig(level=logging.WARNING, format=f"[{spec.role}-{spec.instance}] %(message)s")
+    engine = engine_cls(spec)
+    try:
+        conn.send_bytes(msgpack.packb({"endpoint": engine.start()}))
+        peers = msgpack.unpackb(conn.recv_bytes(), strict_map_key=False)["peers"]
+        engine.connect_peers({int(k): v for k, v in peers.items()})
+        conn.send_bytes(msgpack.packb({"ready": True}))
+        profile_dir = os.environ.get("TOKENLAKE_PROFILE_ENGINES")  # developer aid
+        if profile_dir:
+            import cProfile
+
+            cProfile.runctx("engine.serve()", globals(), {"engine": engine},
+                            os.path.join(profile_dir, f"{spec.role}-{spec.instance}.prof"))
+        else:
+            engine.serve()
+    finally:
+        engine.close()
+        conn.close()

@@ -1,0 +1,264 @@
+"""``LocalCluster``: the query and transfer engines of N instances on this machine.
+
+    with LocalCluster(4, load_model("smollm2-135m"), pool_bytes=64 << 20) as cluster:
+        plans = cluster.control.gen_plans(batches, dops)
+        client = cluster.client(plans.query_plans[0].home)
+        ...
+
+The cluster process is the driver: it runs the control plane and owns every shared
+buffer (created here, unlinked in :meth:`LocalCluster.close`, also when an engine
+crashed). Engines are started with the ``forkserver`` method, which imports torch once,
+and stop when told to or when this process dies.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+
+import msgpack
+import torch
+import zmq
+
+from tokenlake.core.control import pool_control
+from tokenlake.core.errors import ConfigError, EngineUnavailable
+from tokenlake.core.pool import Replication
+from tokenlake.core.specs import ModelSpec
+from tokenlake.dataplane import wire
+from tokenlake.dataplane.client import InstanceClient
+from tokenlake.dataplane.engine import EngineSpec
+from tokenlake.dataplane.shm import BufferRegistry, BufferSpec, cluster_prefix, new_cluster_id
+from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
+from tokenlake.deploy.roles import engine_entry
+
+SLAB_DTYPE = torch.float32  # CPU engines compute in float32
+_DTYPE_BYTES = 4
+
+
+class LocalCluster:
+    """N instances' query and transfer engines as local processes, plus the control plane.
+
+    Args:
+        n_instances: instances (each gets one query and one transfer engine).
+        model: model spec (heads, head dim, layers size the buffers).
+        pool_bytes: slab bytes per instance; slots = pool_bytes // segment bytes.
+        segment_tokens: ``C`` (default 64 for small CPU models; see
+            :func:`tokenlake.core.cost_model.default_segment_tokens`).
+        max_rows: rows of each instance's q/out/kv buffers (tokens per sub-batch).
+        clock: injected clock of the control plane.
+        timeout_s: client-side wait limit; peer_timeout_s: engine-to-engine limit.
+    """
+
+    def __init__(
+        self,
+        n_instances: int,
+        model: ModelSpec,
+        pool_bytes: int,
+        segment_tokens: int = 64,
+        max_rows: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+        timeout_s: float = 5.0,
+        peer_timeout_s: float = 2.0,
+        start_timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, _DTYPE_BYTES, clock, seed)
+        self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
+        self.segment_tokens = segment_tokens
+        self.slots_per_instance = self.control.config.slots_per_instance
+        self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
+        self.start_timeout_s, self.host = start_timeout_s, host
+        self.cluster_id = ""
+        self._registry: BufferRegistry | None = None
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._procs: dict[tuple[str, int], mp.Process] = {}
+        self._endpoints: dict[tuple[str, int], str] = {}
+        self._clients: dict[int, InstanceClient] = {}
+        self._ctx: zmq.Context | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Creates the shared buffers and starts 2N engine processes; waits until ready."""
+        self.cluster_id = new_cluster_id()
+        self._registry = BufferRegistry(cluster_prefix(self.cluster_id))
+        try:
+            specs = self._create_buffers()
+            self._spawn(specs)
+        except BaseException:
+            self.close()
+            raise
+        self._ctx = zmq.Context()
+
+    def _create_buffers(self) -> dict[int, dict[str, dict]]:
+        m, rows = self.model, self.max_rows
+        shapes = {
+            "slab": (self.slots_per_instance, m.num_layers, 2, m.num_kv_heads, self.segment_tokens, m.head_dim),
+            "q": (rows, m.num_q_heads, m.head_dim),
+            "out_o": (rows, m.num_q_heads, m.head_dim),
+            "out_lse": (rows, m.num_q_heads),
+            "kv": (m.num_layers, rows, 2, m.num_kv_heads, m.head_dim),
+        }
+        out: dict[int, dict[str, dict]] = {}
+        for inst in range(self.n_instances):
+            out[inst] = {}
+            for name, shape in shapes.items():
+                spec = BufferSpec(f"{self._registry.prefix}{name}-{inst}", shape, "float32")
+                self._buffers[(inst, name)] = self._registry.create(spec).tensor
+                out[inst][name] = spec.to_dict()
+        return out
+
+    def _spawn(self, specs: dict[int, dict[str, dict]]) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "query_engine.engine", "transfer_engine.engine"])
+        wanted = {"query": ("slab", "q", "out_o", "out_lse"), "transfer": ("slab", "kv")}
+        conns = {}
+        for inst in range(self.n_instances):
+            for role in ROLES:
+                spec = EngineSpec(role, inst, self.cluster_id,
+                                  {n: specs[inst][n] for n in wanted[role]},
+                                  host=self.host, peer_timeout_s=self.peer_timeout_s)
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
+                                   name=f"tokenlake-{role}-{inst}", daemon=True)
+                proc.start()
+                child.close()
+                self._procs[(role, inst)] = proc
+                conns[(role, inst)] = parent
+        for key, conn in conns.items():
+            self._endpoints[key] = self._expect(conn, key)["endpoint"]
+        for (role, _inst), conn in conns.items():
+            peers = {i: self._endpoints[(role, i)] for i in range(self.n_instances)}
+            conn.send_bytes(msgpack.packb({"peers": peers}))
+        for key, conn in conns.items():
+            self._expect(conn, key)
+            conn.close()
+
+    def _expect(self, conn, key) -> dict:
+        deadline = time.monotonic() + self.start_timeout_s
+        while not conn.poll(0.1):
+            if not self._procs[key].is_alive():
+                raise EngineUnavailable(f"{key[0]} engine {key[1]} died during start-up")
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"{key[0]} engine {key[1]} did not start in time")
+        try:
+            return msgpack.unpackb(conn.recv_bytes(), strict_map_key=False)
+        except EOFError:
+            raise EngineUnavailable(
+                f"{key[0]} engine {key[1]} died during start-up (engines start with the "
+                "'forkserver' method: a script that starts a LocalCluster must do so under "
+                "`if __name__ == '__main__':`)"
+            ) from None
+
+    def close(self) -> None:
+        """Stops every engine (politely, then by force) and unlinks every shared buffer."""
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        if self._ctx is not None:
+            self._shutdown_engines()
+            self._ctx.term()
+            self._ctx = None
+        for proc in self._procs.values():
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2.0)
+        self._procs.clear()
+        self._buffers.clear()
+        if self._registry is not None:
+            self._registry.cleanup()
+            self._registry = None
+
+    def _shutdown_engines(self) -> None:
+        socks = []
+        for key in self._endpoints:
+            if not self._procs[key].is_alive():
+                continue
+            sock = self._dealer(key)
+            wire.send_frames(sock, wire.encode(wire.Kind.SHUTDOWN, 0))
+            socks.append(sock)
+        deadline = time.monotonic() + 2.0
+        for sock in socks:
+            sock.poll(max(0, int((deadline - time.monotonic()) * 1000)))
+            sock.close(0)
+
+    # ---------------------------------------------------------------- usage
+    def client(self, instance: int) -> InstanceClient:
+        """The data-plane client of ``instance`` (created on first use)."""
+        if self._ctx is None:
+            raise ConfigError("the cluster is not running; use it as a context manager")
+        if instance not in self._clients:
+            bufs = {n: self._buffers[(instance, n)] for n in ("q", "out_o", "out_lse", "kv")}
+            eps = {role: self._endpoints[(role, instance)] for role in ROLES}
+            client = InstanceClient(instance, eps, bufs, lambda: self._dead(instance), self.timeout_s)
+            client.start(self._ctx)
+            self._clients[instance] = client
+        return self._clients[instance]
+
+    def slab(self, instance: int) -> torch.Tensor:
+        """The driver's view of an instance's slab (tests and benchmarks read it)."""
+        return self._buffers[(instance, "slab")]
+
+    def alive(self, role: str, instance: int) -> bool:
+        return self._procs[(role, instance)].is_alive()
+
+    def kill(self, role: str, instance: int) -> None:
+        """Kills one engine (fault-injection for tests)."""
+        proc = self._procs[(role, instance)]
+        proc.kill()
+        proc.join(timeout=5.0)
+
+    def _dead(self, instance: int) -> str | None:
+        for role in ROLES:
+            if not self._procs[(role, instance)].is_alive():
+                return f"the {role} engine of instance {instance}"
+        return None
+
+    def _dealer(self, key: tuple[str, int]) -> zmq.Socket:
+        """A fresh DEALER connected to one engine (the caller closes it)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._endpoints[key])
+        return sock
+
+    def _request(self, key: tuple[str, int], kind: wire.Kind, body: dict | None = None) -> wire.Message:
+        """One request to one engine and its (typed-error-checked) reply."""
+        sock = self._dealer(key)
+        try:
+            wire.send(sock, wire.encode(kind, 1, body))
+            return wire.raise_if_error(wire.recv(sock, self.timeout_s))
+        finally:
+            sock.close(0)
+
+    def engine_stats(self) -> dict[tuple[str, int], dict]:
+        """Pings every live engine; returns its stats (see ``EngineLoop.stats``)."""
+        return {key: self._request(key, wire.Kind.PING).body
+                for key in self._endpoints if self._procs[key].is_alive()}
+
+    def migrate(self, key: bytes, target: int) -> None:
+        """Moves a segment to ``target``: one contiguous copy, then the source replica is
+        dropped and its slot freed (a freed slot needs no data operation)."""
+        rep = self.control.start_replication(key, target)
+        self.replicate([rep])
+        self.control.drop_replica(key, rep.source.instance)
+
+    def replicate(self, reps: list[Replication]) -> None:
+        """Copies each replication's segment (one contiguous slab block) and commits it;
+        a failed copy is rolled back in the control plane and re-raised."""
+        for rep in reps:
+            body = {"slot": rep.source.slot, "target": rep.target.instance, "target_slot": rep.target.slot}
+            try:
+                self._request(("transfer", rep.source.instance), wire.Kind.COPY_SEGMENT, body)
+            except BaseException:
+                self.control.pool.abort_replication(rep)
+                raise
+            self.control.finish_replication(rep)

@@ -1,0 +1,42 @@
+"""The engine roles of an instance and the code each runs.
+
+Kept apart from the launchers so that they can name roles without importing torch: the
+engine packages are imported only when an engine is about to start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: The data-plane engine processes of one instance (= ``tokenlake.dataplane.engine.ROLES``,
+#: not imported here because that module imports torch).
+ENGINE_ROLES = ("query", "transfer")
+
+
+def engine_entry(role: str) -> Callable[[bytes, Any], None]:
+    """The process entry point (``main(spec_bytes, conn)``) of an engine role."""
+    # Imported here, not at module level: the engine packages import torch, which the
+    # launchers' drivers (a Ray driver, `tokenlake serve`) need not load to name a role.
+    if role == "query":
+        import query_engine
+
+        return query_engine.main
+    if role == "transfer":
+        import transfer_engine
+
+        return transfer_engine.main
+    raise ValueError(f"role must be one of {ENGINE_ROLES}, got {role!r}")
+
+
+def engine_class(role: str) -> type:
+    """The engine class of a role (built in-process by the Ray engine actors)."""
+    if role == "query":
+        from query_engine.engine import QueryEngine
+
+        return QueryEngine
+    if role == "transfer":
+        from transfer_engine.engine import TransferEngine
+
+        return TransferEngine
+    raise ValueError(f"role must be one of {ENGINE_ROLES}, got {role!r}")

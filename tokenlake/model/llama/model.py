@@ -1,0 +1,128 @@
+"""The model's pieces as pure functions of (weights, tensors), float32 on the CPU.
+
+A forward pass of a layer is ``q, k, v = qkv(...)``, attention of ``q`` over the cached
+and new ``k, v`` (done by the caller: :func:`tokenlake.dataplane.attention.partial_attention`
+locally, or the pool's query engines plus an exact merge), then ``finish_layer(...)``.
+The reference engine (:mod:`tokenlake.model.llama.reference`) and the stateless compute engine
+share these functions, so they compute the same numbers.
+
+Shapes: ``n`` rows (tokens) at a time; ``hidden`` ``[n, hidden_size]``; ``q``
+``[n, q_heads, head_dim]``; ``k`` / ``v`` ``[n, kv_heads, head_dim]``. Positions are
+absolute token positions in the sequence (0-based), one per row.
+
+RoPE layout: interleaved pairs. Dimension pair ``(2i, 2i+1)`` of every head is rotated
+by ``pos * rope_base ** (-2i / head_dim)``; this is llama.cpp's ``LLAMA_ROPE_TYPE_NORM``,
+which matches the GGUF converter's permutation of the Q/K weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tokenlake.core.errors import TokenLakeError
+from tokenlake.model.llama.weights import LayerWeights, LlamaConfig, LlamaWeights
+
+Tensor = torch.Tensor
+
+
+class LlamaInputError(TokenLakeError, ValueError):
+    """Token ids or lengths a model cannot take (base of the three below)."""
+
+
+class EmptyPromptError(LlamaInputError):
+    """A prompt with no tokens."""
+
+
+class TokenIdError(LlamaInputError):
+    """A token id outside ``[0, vocab_size)``."""
+
+
+class ContextLengthError(LlamaInputError):
+    """More tokens than the model's ``max_context``."""
+
+
+def check_token_ids(config: LlamaConfig, token_ids: Sequence[int] | Tensor) -> Tensor:
+    """``token_ids`` as a 1-D int64 tensor, validated: raises :class:`TokenIdError` for
+    an id outside ``[0, vocab_size)`` or a non-integer / non-1-D input."""
+    ids = torch.as_tensor(token_ids)
+    if ids.dim() != 1 or (ids.numel() and (ids.is_floating_point() or ids.is_complex()
+                                           or ids.dtype == torch.bool)):
+        raise TokenIdError(f"token ids must be a 1-D sequence of ints, got {ids.dtype} "
+                           f"shape {tuple(ids.shape)}")
+    ids = ids.to(torch.long)
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.numel():
+        raise TokenIdError(f"token ids outside [0, {config.vocab_size}): {bad[:5].tolist()}")
+    return ids
+
+
+def _layer(w: LlamaWeights, layer: int | LayerWeights) -> LayerWeights:
+    return w.layers[layer] if isinstance(layer, int) else layer
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * weight`` (float32)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(config: LlamaConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """``cos``, ``sin`` ``[n, head_dim // 2]`` float32 for absolute ``positions`` ``[n]``
+    (angles computed in float64, then rounded)."""
+    half = config.head_dim // 2
+    inv_freq = config.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2 / config.head_dim)
+    angles = torch.as_tensor(positions, dtype=torch.float64).reshape(-1, 1) * inv_freq
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates interleaved pairs ``(x[..., 2i], x[..., 2i+1])`` of ``x`` ``[n, heads,
+    head_dim]`` by the angles of ``cos`` / ``sin`` ``[n, head_dim // 2]``; new tensor."""
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).reshape(x.shape)
+
+
+def embed(w: LlamaWeights, token_ids: Tensor) -> Tensor:
+    """``[n, hidden]`` float32 rows of the embedding table (ids are not re-validated;
+    use :func:`check_token_ids` on untrusted input)."""
+    return w.embed[token_ids]
+
+
+def qkv(w: LlamaWeights, layer: int | LayerWeights, hidden: Tensor, positions: Tensor,
+        rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention inputs of ``layer`` (an index or its :class:`LayerWeights`):
+    attention RMSNorm of ``hidden`` ``[n, hidden]``, the Q/K/V projections and RoPE at
+    ``positions`` ``[n]`` on q and k. ``rope``: precomputed :func:`rope_tables` of
+    ``positions`` (optional, saves recomputing them per layer).
+
+    Returns q ``[n, q_heads, head_dim]``, k and v ``[n, kv_heads, head_dim]``, float32.
+    """
+    c, lw = w.config, _layer(w, layer)
+    n = hidden.shape[0]
+    x = rms_norm(hidden, lw.attn_norm, c.rms_eps)
+    q = F.linear(x, lw.wq).view(n, c.num_q_heads, c.head_dim)
+    k = F.linear(x, lw.wk).view(n, c.num_kv_heads, c.head_dim)
+    v = F.linear(x, lw.wv).view(n, c.num_kv_heads, c.head_dim)
+    cos, sin = rope if rope is not None else rope_tables(c, positions)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def finish_layer(w: LlamaWeights, layer: int | LayerWeights, hidden: Tensor,
+                 attn: Tensor) -> Tensor:
+    """The rest of ``layer`` after attention: output projection of ``attn``
+    ``[n, q_heads, head_dim]`` plus the residual ``hidden`` ``[n, hidden]``, then the FFN
+    RMSNorm and SwiGLU MLP (``down(silu(gate(x)) * up(x))``) plus the residual.
+    Returns the new ``[n, hidden]`` float32."""
+    c, lw = w.config, _layer(w, layer)
+    hidden = hidden + F.linear(attn.reshape(attn.shape[0], -1), lw.wo)
+    x = rms_norm(hidden, lw.ffn_norm, c.rms_eps)
+    return hidden + F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up), lw.w_down)
+
+
+def logits(w: LlamaWeights, hidden: Tensor) -> Tensor:
+    """``[n, vocab]`` float32 logits: final RMSNorm, then the tied LM head (``embed.T``)."""
+    return F.linear(rms_norm(hidden, w.final_norm, w.config.rms_eps), w.embed)

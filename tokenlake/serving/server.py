@@ -1,0 +1,291 @@
+"""The serving loop: requests in, iterations scheduled, tokens out (greedy).
+
+Each iteration a policy picks the batches: by default the goodput DP
+(:class:`scheduler.goodput.GoodputScheduler`), or any :class:`scheduler.api.Policy`
+(e.g. :class:`scheduler.baselines.fcfs.FCFS`). The server builds its
+:class:`~scheduler.api.Snapshot` every iteration -- waiting and running requests with
+their phase, pooled context and remaining prompt, the instances, the pool's cache load
+and the latency model -- and runs exactly the batches, phases and DoPs it returns.
+
+New requests reuse whatever prefix the pool holds (whole segments, matched in the
+global tree); their sealed segments are published to the tree as they fill, so a later
+turn of the same session, or another request with the same document, prefills only
+what is new.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenlake.core.errors import TokenLakeError
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.model.compute import ComputeEngine
+
+#: The measured latency model of the CPU compute engine (``tokenlake profile-latency``).
+DEFAULT_LATENCY = "cpu_smollm2-135m"
+
+
+class BadRequest(TokenLakeError, ValueError):
+    """A request the server cannot serve (empty, unknown token ids, too long)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """``prompt_ids`` to continue greedily for at most ``max_new_tokens``."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = 32
+    stop_ids: tuple[int, ...] = (2,)
+
+
+@dataclass
+class RequestResult:
+    """What happened to one request (filled in as it runs)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: list[int] = field(default_factory=list)
+    hit_tokens: int = 0  # prompt tokens served from the pool at admission
+    prefill_tokens: int = 0  # prompt tokens computed
+    logits: list[torch.Tensor] = field(default_factory=list)  # last-row logits per output token
+    done: bool = False
+
+
+@dataclass
+class _Live:
+    req: GenerationRequest
+    result: RequestResult
+    computed: int = 0  # prompt tokens whose KV is in the pool for this request
+    admitted: bool = False
+    arrival_s: float = 0.0
+
+
+class Server:
+    """Greedy generation through the pool with FCFS chunked prefill.
+
+    Args:
+        cluster: a running :class:`~tokenlake.deploy.local.LocalCluster`.
+        weights: model weights (the compute engine is stateless).
+        chunk_tokens: most prompt tokens one request prefills per iteration.
+        keep_logits: keep every step's logits in the results (tests compare them).
+        on_token: called as ``on_token(request_id, token_id)`` for streaming.
+        rebalance_every: run heavy-hitter replication every this many iterations
+            (0: never).
+        policy: a :class:`scheduler.api.Policy` deciding every iteration's batches,
+            phases and DoPs (default: the goodput DP, :class:`scheduler.goodput.
+            GoodputScheduler` with ``chunk_tokens`` and prefill DoP 1, since one compute
+            engine computes every batch here; :class:`scheduler.baselines.fcfs.FCFS`
+            is first-come-first-served). A prefill batch is trimmed to the cluster's
+            ``max_rows`` new tokens (the size of its buffers).
+        latency: the policy's :class:`~tokenlake.core.cost_model.LatencyModel` (default: the
+            measured CPU model ``cpu_smollm2-135m``); hardware: profile for the cache load.
+        tbt_slo_s: every request's time-between-tokens SLO (None: no SLO).
+        clock: arrival times and the snapshot's ``now_s``.
+        compute_slots: how many batches the policy may run per iteration (the
+            instances it sees). Default: one per instance when the engine computes
+            batches in parallel (``engine.parallel``, the Ray compute actors), else 1:
+            the single local :class:`ComputeEngine` computes batches one after the
+            other, so splitting work into more batches only adds weight passes (the
+            control plane still spreads segments and queries over every instance).
+        engine: what runs the iterations, anything with ``run(plans, batches) ->
+            IterationOutput`` (default: ``cluster.compute_engine()`` when the cluster
+            has one that is not None, e.g. a ``RayCluster`` with compute actors, else a
+            :class:`~tokenlake.model.compute.ComputeEngine` in this process).
+    """
+
+    def __init__(self, cluster, weights, chunk_tokens: int = 512, keep_logits: bool = False,
+                 on_token: Callable[[str, int], None] | None = None, rebalance_every: int = 4,
+                 policy=None, latency=None, hardware: str = "cpu",
+                 tbt_slo_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 engine=None, compute_slots: int | None = None) -> None:
+        if chunk_tokens > cluster.max_rows:
+            raise ValueError(f"chunk_tokens={chunk_tokens} exceeds the cluster's max_rows={cluster.max_rows}")
+        from scheduler.goodput import GoodputScheduler
+        from tokenlake.core.cost_model import LatencyModel
+        from tokenlake.core.specs import load_hardware
+
+        # One compute engine computes every batch of a local cluster: spreading a prefill
+        # over k instances adds messages and saves nothing (tokenlake.tools.latency_profile).
+        self.policy = GoodputScheduler(chunk_tokens=chunk_tokens, max_prefill_dop=1) if policy is None else policy
+        self.latency = latency if latency is not None else LatencyModel.load(DEFAULT_LATENCY)
+        self.hardware = load_hardware(hardware)
+        self.tbt_slo_s = tbt_slo_s
+        self.clock = clock
+        self.decisions: list = []  # every policy decision, in order
+        self.cluster = cluster
+        if engine is None and hasattr(cluster, "compute_engine"):
+            engine = cluster.compute_engine()
+        self.engine = engine if engine is not None else ComputeEngine(weights, cluster)
+        if compute_slots is None:  # batches that can compute at the same time
+            parallel = getattr(self.engine, "parallel", False)
+            compute_slots = cluster.n_instances if parallel else 1
+        if not 1 <= compute_slots <= cluster.n_instances:
+            raise ValueError(f"compute_slots must be in [1, {cluster.n_instances}], got {compute_slots}")
+        self.compute_slots = compute_slots
+        self.cfg = weights.config
+        self.chunk_tokens = chunk_tokens
+        self.keep_logits = keep_logits
+        self.on_token = on_token
+        self._waiting: deque[_Live] = deque()
+        self._running: dict[str, _Live] = {}
+        self.results: dict[str, RequestResult] = {}
+        self.iterations = 0
+        self.rebalance_every = rebalance_every
+        self.replications = 0
+
+    # ------------------------------------------------------------- requests
+    def submit(self, req: GenerationRequest) -> RequestResult:
+        """Queues a request; raises :class:`BadRequest` without touching anything else."""
+        self._check(req)
+        result = RequestResult(req.request_id, req.prompt_ids)
+        self.results[req.request_id] = result
+        self._waiting.append(_Live(req, result, arrival_s=self.clock()))
+        return result
+
+    def _check(self, req: GenerationRequest) -> None:
+        if req.request_id in self.results:
+            raise BadRequest(f"request id {req.request_id!r} was already used")
+        if not req.prompt_ids:
+            raise BadRequest(f"request {req.request_id!r}: empty prompt")
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise BadRequest(f"request {req.request_id!r}: token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if req.max_new_tokens < 1:
+            raise BadRequest(f"request {req.request_id!r}: max_new_tokens must be >= 1")
+        total = len(req.prompt_ids) + req.max_new_tokens
+        if total > self.cfg.max_context:
+            raise BadRequest(f"request {req.request_id!r}: {total} tokens exceed the context limit {self.cfg.max_context}")
+
+    # ------------------------------------------------------------ iterations
+    def run(self, requests: Sequence[GenerationRequest] = ()) -> dict[str, RequestResult]:
+        """Submits ``requests`` and iterates until every request is done."""
+        for r in requests:
+            self.submit(r)
+        while self._waiting or self._running:
+            self.step()
+        return self.results
+
+    def step(self) -> None:
+        """One iteration: the policy's batches, plans, compute, completion."""
+        batches, dops, prefilling = self._ask_policy()
+        if not batches:
+            return
+        cp = self.cluster.control
+        plans = cp.gen_plans(batches, dops)
+        try:
+            out = self.engine.run(plans, batches)
+        except BaseException:
+            cp.abort(plans)
+            raise
+        cp.complete(plans)
+        self.iterations += 1
+        if self.rebalance_every and self.iterations % self.rebalance_every == 0:
+            reps = cp.rebalance()  # between iterations: no plan is in flight
+            self.cluster.replicate(reps)
+            self.replications += len(reps)
+        for rid, logits in out.logits.items():
+            live = self._running[rid]
+            if rid in prefilling and live.computed < len(live.req.prompt_ids):
+                continue  # a prefill chunk that is not the prompt's last
+            self._emit(live, logits)
+
+    # ------------------------------------------------------------ policies
+    def _hit(self, prompt: tuple[int, ...]) -> int:
+        """Prompt tokens the pool can serve now (whole segments; the last token is always
+        computed, so that its logits exist)."""
+        tree = self.cluster.control.get_prefix_tree()
+        return tree.match(prompt, max_tokens=len(prompt) - 1).hit_tokens
+
+    def snapshot(self):
+        """The :class:`scheduler.api.Snapshot` the policy decides on this iteration."""
+        from scheduler.api import InstanceView, RequestView, Snapshot
+
+        waiting, running, seqs = [], [], []
+        for live in self._waiting:
+            prompt = live.req.prompt_ids
+            hit = self._hit(prompt)
+            waiting.append(RequestView(live.req.request_id, "prefill", hit, len(prompt) - hit,
+                                       live.arrival_s, self.tbt_slo_s))
+            seqs.append(prompt)
+        for rid, live in self._running.items():
+            prompt, out = live.req.prompt_ids, live.result.output_ids
+            if live.computed < len(prompt):
+                view = RequestView(rid, "prefill", live.computed, len(prompt) - live.computed,
+                                   live.arrival_s, self.tbt_slo_s)
+            else:
+                view = RequestView(rid, "decode", len(prompt) + len(out) - 1, 0, live.arrival_s,
+                                   self.tbt_slo_s)
+            running.append(view)
+            seqs.append(prompt)
+        cp = self.cluster.control
+        load = cp.get_cache_load(seqs, self.hardware, self.latency) if seqs else 0.0
+        instances = tuple(InstanceView(i) for i in range(self.compute_slots))
+        return Snapshot(self.clock(), tuple(waiting), tuple(running), instances, min(load, 0.99),
+                        self.latency)
+
+    def _ask_policy(self) -> tuple[list[Batch], list[int], set[str]]:
+        snap = self.snapshot()
+        if not snap.requests:
+            return [], [], set()
+        decision = self.policy.schedule(snap)
+        decision.check(snap)
+        if not decision.batches:
+            raise RuntimeError(f"policy {self.policy.name!r} scheduled nothing for "
+                               f"{len(snap.requests)} requests on free instances ({decision.note})")
+        self.decisions.append(decision)
+        waiting = {live.req.request_id: live for live in self._waiting}
+        batches, dops, prefilling = [], [], set()
+        for b in decision.batches:
+            reqs: list[BatchRequest] = []
+            rows = 0  # a sub-batch's rows must fit the instance buffers: keep the batch within
+            for rid, n in zip(b.request_ids, b.new_tokens):
+                n = min(n, self.cluster.max_rows - rows)
+                if n < 1:
+                    continue  # the batch is full: this request waits for the next iteration
+                live = waiting.pop(rid, None)
+                if live is not None:  # admitted now
+                    self._waiting.remove(live)
+                    self._running[rid] = live
+                live = self._running[rid]
+                if b.phase == "decode":
+                    reqs.append(BatchRequest(rid, (live.result.output_ids[-1],)))
+                else:
+                    reqs.append(self._chunk(live, n))
+                    prefilling.add(rid)
+                rows += len(reqs[-1].new_token_ids)
+            if reqs:
+                batches.append(Batch(tuple(reqs), b.phase))
+                dops.append(b.dop)
+        return batches, dops, prefilling
+
+    def _chunk(self, live: _Live, tokens: int | None = None) -> BatchRequest:
+        prompt = live.req.prompt_ids
+        prefix: tuple[int, ...] = ()
+        if not live.admitted:
+            hit = self._hit(prompt)
+            prefix, live.computed, live.admitted = prompt[:hit], hit, True
+            live.result.hit_tokens = hit
+        stop = min(len(prompt), live.computed + (tokens or self.chunk_tokens))
+        new = prompt[live.computed : stop]
+        live.result.prefill_tokens += len(new)
+        live.computed = stop
+        return BatchRequest(live.req.request_id, new, prefix)
+
+    def _emit(self, live: _Live, logits: torch.Tensor) -> None:
+        token = int(torch.argmax(logits))
+        res = live.result
+        res.output_ids.append(token)
+        if self.keep_logits:
+            res.logits.append(logits.clone())
+        if self.on_token is not None:
+            self.on_token(res.request_id, token)
+        if token in live.req.stop_ids or len(res.output_ids) >= live.req.max_new_tokens:
+            res.done = True
+            del self._running[res.request_id]
+            self.cluster.control.finish_request(res.request_id)

@@ -1,0 +1,145 @@
+"""``tokenlake bench query-vs-fetch``: the declarative query against the imperative fetch.
+
+One decode step (1 query row) of one Llama-2-7B-shaped layer (32 heads x 128 dims,
+float32) over a prefix of S tokens spread over 4 instances:
+
+(a) **query**: the q row goes to every instance holding prefix segments; each computes
+    its partial attention; the partials come back and are merged (``client.query``);
+(b) **fetch**: the prefix KV held by the other instances is fetched over the same
+    transport (zmq, zero-copy frames) and attended locally with the local part.
+
+Prints figures; asserts nothing. Bytes are payload bytes (tensor frames).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import torch
+import zmq
+
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.core.specs import ModelSpec
+from tokenlake.dataplane import wire
+from tokenlake.dataplane.attention import merge, partial_attention, slab_partial_attention
+from tokenlake.deploy.local import LocalCluster
+from tokenlake.tools.bench_plans import timed_ms
+
+LAYER = ModelSpec(
+    name="llama-2-7b-one-layer", num_layers=1, hidden_size=4096, num_q_heads=32, num_kv_heads=32,
+    head_dim=128, intermediate_size=11008, vocab_size=32000, num_params=6.74e9, dtype_bytes=4,
+    max_context=1 << 20,
+)
+
+
+def _fill(cluster: LocalCluster, rid: str, tokens: list[int], chunk: int) -> None:
+    """Stores the prefix through the real put path, one chunked-prefill iteration at a time."""
+    cp = cluster.control
+    for off in range(0, len(tokens), chunk):
+        plans = cp.gen_plans([Batch((BatchRequest(rid, tuple(tokens[off : off + chunk])),))], [1])
+        (tp,) = plans.transfer_plans
+        client = cluster.client(tp.home)
+        kv = client.init_transfer(tp)
+        kv.normal_()
+        client.put(0).wait(timeout_s=120)
+        cp.complete(plans)
+
+
+def _fetch_and_attend(cluster, ctx, qp, q: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The imperative path: pull remote slots' KV, attend over everything locally."""
+    home_slab = cluster.slab(qp.home)
+    socks, fetched = [], 0
+    parts = []
+    for task in qp.tasks + qp.tails:
+        slots = [s for it in task.items for s in it.slots]
+        tokens = [t for it in task.items for t in it.tokens]
+        if task.instance == qp.home:
+            parts.append(slab_partial_attention(q, home_slab, 0, slots, tokens))
+            continue
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(cluster._endpoints[("transfer", task.instance)])
+        sock.send_multipart(wire.encode(wire.Kind.READ_SEGMENT, 1, {"layer": 0, "slots": slots}))
+        socks.append((sock, tokens))
+    for sock, tokens in socks:
+        msg = wire.recv(sock, 120.0)
+        sock.close(0)
+        blocks = [t[:, :, :n] for t, n in zip(msg.tensors, tokens)]  # [2, kv_heads, n, d]
+        fetched += sum(t.numel() * t.element_size() for t in msg.tensors)
+        kv = torch.cat(blocks, dim=2)  # the fetched prefix, now local: [2, kv_heads, S_i, d]
+        parts.append(partial_attention(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1)))
+    o, lse = parts[0]
+    for po, plse in parts[1:]:
+        o, lse = merge(o, lse, po, plse)
+    return fetched, o
+
+
+def bench_query_vs_fetch(
+    prefixes=(4096, 16384, 65536), n_instances: int = 4, segment_tokens: int = 512,
+    repeats: int = 5, chunk: int = 4096,
+) -> dict:
+    m = LAYER
+    seg_bytes = 2 * m.num_kv_heads * segment_tokens * m.head_dim * 4
+    slots = sum(prefixes) // segment_tokens // n_instances + 2 * n_instances + 8
+    rng = random.Random(0)
+    results = []
+    with LocalCluster(n_instances, m, slots * seg_bytes, segment_tokens, max_rows=chunk, timeout_s=120.0,
+                      peer_timeout_s=60.0) as cluster:
+        ctx = zmq.Context.instance()
+        cp = cluster.control
+        for s in prefixes:
+            rid = f"prefix-{s}"
+            tokens = [rng.randrange(3, 32000) for _ in range(s)]
+            _fill(cluster, rid, tokens, chunk)
+            plans = cp.gen_plans([Batch((BatchRequest(rid, (7,)),), "decode")], [1])
+            qp = plans.query_plans[0]
+            client = cluster.client(qp.home)
+            q = client.init_query(qp)
+            q.normal_()
+            query_ms = timed_ms(lambda c=client: c.query(0, timeout_s=120), repeats)
+            got = client.query(0).o.clone()
+            remote = {t.instance for t in qp.tasks + qp.tails} - {qp.home}
+            query_bytes = len(remote) * (q[0].numel() * 4 + got[0].numel() * 4 + m.num_q_heads * 4)
+            outcome: dict = {}
+
+            def fetch(qp=qp, q=q, outcome=outcome):
+                outcome["bytes"], outcome["o"] = _fetch_and_attend(cluster, ctx, qp, q)
+
+            fetch_ms = timed_ms(fetch, max(2, repeats // 2))
+            fetched = [outcome["bytes"]]
+            assert torch.allclose(outcome["o"], got, atol=1e-4), "query and fetch disagree"
+            results.append({
+                "prefix_tokens": s,
+                "query_bytes": query_bytes,
+                "fetch_bytes": fetched[0],
+                "query_ms": statistics.median(query_ms),
+                "fetch_ms": statistics.median(fetch_ms),
+                "bytes_ratio": fetched[0] / max(query_bytes, 1),
+                "latency_ratio": statistics.median(fetch_ms) / statistics.median(query_ms),
+            })
+            cp.abort(plans)
+            cp.finish_request(rid)
+    return {
+        "results": results,
+        **_attention_throughput(max(prefixes), segment_tokens),
+        "setup": {"instances": n_instances, "segment_tokens": segment_tokens, "dtype": "float32",
+                  "heads": m.num_q_heads, "head_dim": m.head_dim, "query_rows": 1},
+    }
+
+
+def _attention_throughput(tokens: int, segment_tokens: int) -> dict:
+    """Local partial attention over a slab, as GB/s of KV read, against this machine's
+    measured memory read bandwidth."""
+    from tokenlake.tools.profiler import measure_mem_bw
+
+    m = LAYER
+    n = tokens // segment_tokens
+    slab = torch.randn(n, 1, 2, m.num_kv_heads, segment_tokens, m.head_dim)
+    q = torch.randn(1, m.num_q_heads, m.head_dim)
+    slots, toks = list(range(n)), [segment_tokens] * n
+    slab_partial_attention(q, slab, 0, slots, toks)
+    ms = statistics.median(timed_ms(lambda: slab_partial_attention(q, slab, 0, slots, toks), 5))
+    gbps = slab.numel() * 4 / (ms / 1e3) / 1e9
+    return {"attention_gbps": gbps, "memory_read_gbps": measure_mem_bw()[0] / 1e9,
+            "attention_threads": torch.get_num_threads()}

@@ -1,0 +1,150 @@
+"""``make demo`` / ``tokenlake demo``: SmolLM2-135M served through a 4-instance pool.
+
+A long shared system prompt, one shared document asked several questions (LooGLE-like)
+and a two-turn session. Every attention over a cached prefix is computed by the
+instances that hold it; the compute engine keeps no KV between iterations. Each answer
+is checked token for token against a plain engine with a local KV cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from importlib import resources
+
+from tokenlake.deploy.local import LocalCluster
+from tokenlake.serving import GenerationRequest, Server
+
+SYSTEM = (
+    "You are the reading assistant of the Port Veldon town library. You answer questions about "
+    "documents that visitors bring to the desk. Read the document carefully before you answer. "
+    "Answer in one or two short sentences, use only facts that the document states, and say "
+    "plainly when the document does not contain the answer. Do not invent names, dates or "
+    "numbers, do not give opinions, and do not repeat the question. When a question asks for a "
+    "number, give the number with its unit. When a question asks for a name, give the full name "
+    "as the document writes it. Be polite and brief."
+)
+QUESTIONS = [
+    "How tall is the Harbor Lighthouse?",
+    "Who was the first keeper of the lighthouse?",
+    "What color does the light flash today?",
+    "When is the Lantern Festival held?",
+]
+SESSION = ["In what year was the tower finished?", "And how many steps does it have?"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    instances: int = 4
+    segment_tokens: int = 64
+    pool_mib_per_instance: int = 96
+    max_new_tokens: int = 24
+
+
+def _document() -> str:
+    return resources.files("tokenlake.data").joinpath("demo_document.txt").read_text(encoding="utf-8")
+
+
+def _ask(history: list[dict], question: str, doc: str, first: bool) -> list[dict]:
+    content = f"Document:\n{doc}\n\nQuestion: {question}" if first else question
+    return history + [{"role": "user", "content": content}]
+
+
+def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
+    """Serves the workload, checks it against the reference engine, returns the report."""
+    from tokenlake.model.llama.reference import ReferenceEngine
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
+
+    t0 = time.monotonic()
+    weights, tok = load_weights(), load_tokenizer()
+    spec = weights.config.to_model_spec("smollm2-135m")
+    doc = _document()
+    system = [{"role": "system", "content": SYSTEM}]
+    results, prompts = {}, {}
+    with LocalCluster(config.instances, spec, config.pool_mib_per_instance << 20,
+                      segment_tokens=config.segment_tokens) as cluster:
+        server = Server(cluster, weights)
+
+        def serve(wave: dict[str, list[dict]]) -> None:
+            reqs = []
+            for rid, messages in wave.items():
+                prompts[rid] = tuple(tok.apply_chat_template(messages))
+                reqs.append(GenerationRequest(rid, prompts[rid], config.max_new_tokens, (tok.eos_id,)))
+            server.run(reqs)
+
+        # Wave 1: the first question puts the system prompt and the document into the pool.
+        serve({"q0": _ask(system, QUESTIONS[0], doc, True)})
+        # Wave 2: the other questions and the session's first turn reuse them.
+        wave = {f"q{i}": _ask(system, q, doc, True) for i, q in enumerate(QUESTIONS[1:], 1)}
+        wave["s0"] = _ask(system, SESSION[0], doc, True)
+        serve(wave)
+        # Wave 3: the session's second turn reuses its whole history.
+        answer = tok.decode([t for t in server.results["s0"].output_ids if t != tok.eos_id])
+        turn2 = _ask(wave["s0"] + [{"role": "assistant", "content": answer}], SESSION[1], doc, False)
+        serve({"s1": turn2})
+        stats = cluster.control.stats()
+        pool = stats.pool
+        results = server.results
+        batches = [b for d in server.decisions for b in d.batches]
+        schedule = {
+            "policy": server.policy.name,
+            "iterations": server.iterations,
+            "prefill_batches_by_dop": {str(k): sum(1 for b in batches if b.phase == "prefill" and b.dop == k)
+                                       for k in sorted({b.dop for b in batches if b.phase == "prefill"})},
+            "decode_batches": sum(1 for b in batches if b.phase == "decode"),
+        }
+    progress(f"served {len(results)} requests through {config.instances} instances "
+             f"in {time.monotonic() - t0:.1f} s; checking against the reference engine ...")
+    ref = ReferenceEngine(weights)
+    match = True
+    report_requests = []
+    for rid, res in results.items():
+        expected = ref.generate(list(prompts[rid]), config.max_new_tokens, stop_ids=(tok.eos_id,)).output_ids
+        ok = list(expected) == res.output_ids
+        match &= ok
+        report_requests.append({
+            "request_id": rid,
+            "prompt_token_ids": list(prompts[rid]),
+            "output_token_ids": res.output_ids,
+            "hit_tokens": res.hit_tokens,
+            "prompt_tokens": len(prompts[rid]),
+            "answer": tok.decode([t for t in res.output_ids if t != tok.eos_id]).strip(),
+            "matches_reference": ok,
+        })
+    reads = [pool.reads[i] for i in sorted(pool.reads)]
+    mean = statistics.fmean(reads) if reads else 0.0
+    cv = statistics.pstdev(reads) / mean if mean else 0.0
+    return {
+        "reference_match": match,
+        "requests": report_requests,
+        "instances": [{"instance": i, "segments": pool.slots_used[i], "accesses": pool.reads[i]}
+                      for i in sorted(pool.slots_used)],
+        "cv": cv,
+        "hit_rate": stats.hit_rate,
+        "segment_tokens": config.segment_tokens,
+        "scheduler": schedule,
+        "wall_s": time.monotonic() - t0,
+    }
+
+
+def print_report(report: dict) -> None:
+    print()
+    for r in report["requests"]:
+        mark = "ok" if r["matches_reference"] else "DIFFERS FROM REFERENCE"
+        print(f"[{r['request_id']}] hit {r['hit_tokens']:>4} of {r['prompt_tokens']:>4} prompt tokens  ({mark})")
+        print(f"      {r['answer']}")
+    print()
+    print("instance  segments  cache accesses")
+    for i in report["instances"]:
+        print(f"{i['instance']:>8}  {i['segments']:>8}  {i['accesses']:>14}")
+    print(f"\naccess-load CV {report['cv']:.1%}   hit rate {report['hit_rate']:.1%}   "
+          f"C = {report['segment_tokens']} tokens   {report['wall_s']:.1f} s")
+    sch = report["scheduler"]
+    dops = ", ".join(f"DoP {k}: {n}" for k, n in sch["prefill_batches_by_dop"].items())
+    print(f"scheduler {sch['policy']}: {sch['iterations']} iterations; prefill batches {dops}; "
+          f"decode batches {sch['decode_batches']}")
+    verdict = "every answer equals the reference engine's greedy output" if report["reference_match"] \
+        else "SOME ANSWERS DIFFER FROM THE REFERENCE ENGINE"
+    print(verdict)

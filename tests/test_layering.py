@@ -1,0 +1,156 @@
+"""The layering of the code base (docs/design.md §2), read from the source.
+
+Every import of the project's own modules counts, at module level and inside functions
+(a function-level import is still an arrow: it only hides it from the interpreter's
+start-up). Two rules:
+
+* an arrow may point only to the importer's own layer or to one the layer may use
+  (``ALLOWED`` below, lowest layer first): the pure core imports nothing above it, the
+  data plane neither serving nor deployment, and so on;
+* there is no circle, neither between modules nor between layers.
+
+The test parses files; it imports nothing of the project, so it also holds for code that
+needs torch, zmq or Ray.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("tokenlake", "query_engine", "transfer_engine", "scheduler", "evals")
+
+#: (layer, module prefixes), lowest first; the longest matching prefix decides.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "core": ("tokenlake", "tokenlake.core"),
+    "dataplane": ("tokenlake.dataplane",),
+    "engines": ("query_engine", "transfer_engine"),
+    "model": ("tokenlake.model",),
+    "scheduler": ("scheduler",),
+    "serving": ("tokenlake.serving",),
+    "deploy": ("tokenlake.deploy",),
+    "evals": ("evals",),
+    "tools": ("tokenlake.tools",),
+}
+
+#: The layers each layer may import besides itself.
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "dataplane": {"core"},
+    "engines": {"core", "dataplane"},
+    "model": {"core", "dataplane"},
+    "scheduler": {"core"},
+    "serving": {"core", "dataplane", "model", "scheduler"},
+    "deploy": {"core", "dataplane", "engines", "model", "scheduler", "serving"},
+    "evals": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy"},
+    "tools": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy", "evals"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_files() -> Iterator[Path]:
+    for pkg in PACKAGES:
+        yield from sorted((ROOT / pkg).rglob("*.py"))
+
+
+def layer_of(module: str) -> str:
+    best, best_len = None, -1
+    for layer, prefixes in LAYERS.items():
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = layer, len(prefix)
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return best
+
+
+def imports_of(path: Path, modules: set[str]) -> Iterator[tuple[str, int]]:
+    """``(imported project module, line)`` for every import in the file, at any depth."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # "from pkg import mod" imports the module pkg.mod when there is one
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:  # "import a.b.c" of a name inside a.b
+                name = name.rpartition(".")[0]
+            if name and name != me:
+                yield name, node.lineno
+
+
+def import_graph() -> nx.DiGraph:
+    files = {module_name(p): p for p in project_files()}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(files)
+    for module, path in files.items():
+        for target, line in imports_of(path, set(files)):
+            graph.add_edge(module, target, line=line)
+    return graph
+
+
+GRAPH = import_graph()
+
+
+def test_the_graph_is_read():
+    """Sanity: the parser sees imports we know exist (a broken reader would pass all)."""
+    assert GRAPH.has_edge("tokenlake.core.control", "tokenlake.core.pool")
+    assert GRAPH.has_edge("tokenlake.deploy.local", "tokenlake.dataplane.client")
+    assert GRAPH.has_edge("scheduler.goodput", "scheduler.api")
+    assert GRAPH.number_of_nodes() > 80
+
+
+def test_every_module_has_a_layer():
+    for module in GRAPH:
+        layer_of(module)
+
+
+def test_no_import_runs_up():
+    wrong = []
+    for src, dst, data in GRAPH.edges(data=True):
+        a, b = layer_of(src), layer_of(dst)
+        if a != b and b not in ALLOWED[a]:
+            wrong.append(f"{src} (line {data['line']}, layer {a}) imports {dst} (layer {b})")
+    assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_circle_between_modules():
+    cycles = list(nx.simple_cycles(GRAPH))
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c + [c[0]]) for c in cycles)
+
+
+def test_no_circle_between_layers():
+    layers = nx.DiGraph()
+    layers.add_edges_from((layer_of(a), layer_of(b)) for a, b in GRAPH.edges if
+                          layer_of(a) != layer_of(b))
+    assert nx.is_directed_acyclic_graph(layers), list(nx.simple_cycles(layers))
+
+
+@pytest.mark.parametrize("src,dst", [
+    ("tokenlake.core.control", "tokenlake.dataplane.wire"),
+    ("tokenlake.dataplane.client", "tokenlake.deploy.local"),
+    ("tokenlake.core.pool", "tokenlake.tools.cli"),
+    ("scheduler.api", "tokenlake.serving.server"),
+])
+def test_the_rules_catch_an_upward_arrow(src, dst):
+    """The rules themselves: each of these arrows would be refused."""
+    assert layer_of(dst) not in ALLOWED[layer_of(src)]

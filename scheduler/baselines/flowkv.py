@@ -1,9 +1,9 @@
 """FlowKV-style load-aware routing.
 
-Idea from FlowKV (Li et al., "FlowKV: A Disaggregated Inference Framework with Low-Latency
-KV Cache Transfer and Load-Aware Scheduling", Alibaba Cloud, 2025; seed
-/work/shared/seeds/003_*, §3.4 and App. B): normalise each node's load metrics and route
-to the node with the lowest weighted "comprehensive load score". FlowKV tunes its weights
+Idea from the FlowKV paper (Li et al., "FlowKV: A Disaggregated Inference Framework with
+Low-Latency KV Cache Transfer and Load-Aware Scheduling", Alibaba Cloud, 2025, §3.4 and
+App. B): normalise each node's load metrics and route to the node with the lowest
+weighted "comprehensive load score". FlowKV tunes its weights
 experimentally and does not publish them; we use three of its metrics with these weights:
 
     score_i = W_PREFILL * queued_prefill_tokens_i / max_j(queued_prefill_tokens_j)

@@ -68,67 +68,88 @@ class JsonArrayStream:
         self.truncated = False
 
     def __iter__(self) -> Iterator[Any]:
-        decoder = json.JSONDecoder()
         with self.path.open(encoding="utf-8-sig") as f:
-            buf, pos, base, eof = "", 0, 0, False
-
-            def fill() -> None:
-                nonlocal buf, pos, base, eof
-                chunk = f.read(self.chunk_chars)
-                eof = not chunk
-                base += pos
-                buf, pos = buf[pos:] + chunk, 0
-
-            def skip_ws() -> bool:
-                """Advance past whitespace; False at the end of the file."""
-                nonlocal pos
-                while True:
-                    while pos < len(buf) and buf[pos] in " \t\r\n":
-                        pos += 1
-                    if pos < len(buf):
-                        return True
-                    if eof:
-                        return False
-                    fill()
-
-            if not skip_ws() or buf[pos] != "[":
+            cur = _Cursor(f, self.chunk_chars)
+            if not cur.skip_ws() or cur.char() != "[":
                 raise ValueError(f"{self.path}: expected a JSON array ('[') at character "
-                                 f"{base + pos}")
-            pos += 1
+                                 f"{cur.offset()}")
+            cur.pos += 1
             empty, expect_separator = True, False
             while True:
-                if not skip_ws():
+                if not cur.skip_ws():
                     self.truncated = True  # cut off between elements
                     return
-                if expect_separator or empty:
-                    if buf[pos] == "]":
-                        return
+                if (expect_separator or empty) and cur.char() == "]":
+                    return
                 if expect_separator:
-                    if buf[pos] != ",":
+                    if cur.char() != ",":
                         raise ValueError(f"{self.path}: expected ',' or ']' at character "
-                                         f"{base + pos}, found {buf[pos]!r}")
-                    pos += 1
+                                         f"{cur.offset()}, found {cur.char()!r}")
+                    cur.pos += 1
                     expect_separator = False
                     continue
-                try:
-                    obj, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError as e:
-                    cut = e.msg.startswith("Unterminated string") or \
-                        len(buf) - e.pos <= _TAIL_SLACK
-                    if not cut:
-                        raise ValueError(f"{self.path}: malformed JSON at character "
-                                         f"{base + e.pos}: {e.msg}") from None
-                    if eof:
-                        self.truncated = True
-                        return
-                    fill()
+                status, obj = cur.decode(self.path)
+                if status == "truncated":
+                    self.truncated = True
+                    return
+                if status == "more":
                     continue
-                if end == len(buf) and not eof:
-                    fill()  # a number or literal might continue in the next chunk
-                    continue
-                pos = end
                 empty, expect_separator = False, True
                 yield obj
+
+
+class _Cursor:
+    """A read position in a text file read in chunks: ``buf[pos:]`` is not yet consumed,
+    ``base`` is the file offset of ``buf[0]``."""
+
+    def __init__(self, f, chunk_chars: int) -> None:
+        self.f, self.chunk_chars = f, chunk_chars
+        self.buf, self.pos, self.base, self.eof = "", 0, 0, False
+        self.decoder = json.JSONDecoder()
+
+    def fill(self) -> None:
+        chunk = self.f.read(self.chunk_chars)
+        self.eof = not chunk
+        self.base += self.pos
+        self.buf, self.pos = self.buf[self.pos:] + chunk, 0
+
+    def char(self) -> str:
+        return self.buf[self.pos]
+
+    def offset(self) -> int:
+        return self.base + self.pos
+
+    def skip_ws(self) -> bool:
+        """Advance past whitespace; False at the end of the file."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return True
+            if self.eof:
+                return False
+            self.fill()
+
+    def decode(self, path: Path) -> tuple[str, Any]:
+        """One JSON value at the cursor: ``("ok", value)``, ``("more", None)`` when the
+        buffer was refilled and the caller should try again, ``("truncated", None)`` when
+        the file ends inside the value."""
+        try:
+            obj, end = self.decoder.raw_decode(self.buf, self.pos)
+        except json.JSONDecodeError as e:
+            cut = e.msg.startswith("Unterminated string") or len(self.buf) - e.pos <= _TAIL_SLACK
+            if not cut:
+                raise ValueError(f"{path}: malformed JSON at character "
+                                 f"{self.base + e.pos}: {e.msg}") from None
+            if self.eof:
+                return "truncated", None
+            self.fill()
+            return "more", None
+        if end == len(self.buf) and not self.eof:
+            self.fill()  # a number or literal might continue in the next chunk
+            return "more", None
+        self.pos = end
+        return "ok", obj
 
 
 def conversation_turns(element: Any, where: str) -> list[tuple[str, str]]:

@@ -10,6 +10,7 @@ import itertools
 import math
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from scheduler.api import (
     to_batches,
 )
 from scheduler.bench import bench_scheduler, make_snapshot
-from scheduler.goodput import GoodputScheduler, new_tokens, order
+from scheduler.goodput import GoodputScheduler, new_tokens
 from scheduler.latency import MAX_LOAD, batch_times, iteration_time, work_terms
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.control import ControlPlane
@@ -45,6 +46,9 @@ def snapshot(reqs, n_free, load=0.1, n_busy=0, latency=LAT):
 
 
 def random_requests(rng, n, slo_choices=(None, 0.02, 0.05, 0.5)):
+    """``n`` requests with random phases, contexts, SLOs and arrival times (so that the
+    orders by id, by arrival and by context length all differ). Arrivals come from a
+    second stream, so ``rng``'s draws -- and thus the cases -- do not depend on them."""
     out = []
     for i in range(n):
         ctx = rng.choice([0, rng.randint(1, 200_000)])
@@ -54,7 +58,8 @@ def random_requests(rng, n, slo_choices=(None, 0.02, 0.05, 0.5)):
         else:
             out.append(RequestView(f"r{i}", "decode", max(ctx, 1), 0, 0.0,
                                    rng.choice(slo_choices)))
-    return out
+    arrivals = random.Random(sum(r.context_tokens for r in out) + n)
+    return [replace(r, arrival_s=-arrivals.uniform(0.0, 10.0)) for r in out]  # s before now
 
 
 def with_relative_slos(rng, reqs, load):
@@ -73,10 +78,19 @@ def batch_time(snap, reqs, dop):
     return iteration_time(snap.latency, pairs, dop, snap.cache_load)
 
 
+def paper_order(requests, phase):
+    """One phase's requests as paper §6.2 orders them for the DP: by context length
+    (ties by id). Written here, not imported, so that the oracle does not inherit a
+    mistake in the module's own order."""
+    return sorted((r for r in requests if r.phase == phase),
+                  key=lambda r: (r.context_tokens, r.request_id))
+
+
 def brute_force(snap, use_slo):
-    """Least total latency over all contiguous partitions of each phase and all DoPs."""
+    """Least total latency over all contiguous partitions of each phase (in
+    :func:`paper_order`) and all DoPs."""
     n = snap.free_instances
-    prefill, decode = order(snap.requests, "prefill"), order(snap.requests, "decode")
+    prefill, decode = paper_order(snap.requests, "prefill"), paper_order(snap.requests, "decode")
     if n == 1 and prefill and decode:
         prefill = []
 
@@ -126,6 +140,11 @@ def check_structure(snap, sol):
         expected = {r.request_id for r in snap.requests if r.phase == "decode"}
         assert "decode only" in d.note
     assert sorted(scheduled) == sorted(expected)
+    # Each phase's batches are consecutive runs of that phase's requests in context order.
+    for phase in ("prefill", "decode"):
+        in_phase = [rid for b in d.batches if b.phase == phase for rid in b.request_ids]
+        want = [r.request_id for r in paper_order(snap.requests, phase) if r.request_id in expected]
+        assert in_phase == want, phase
     views = {r.request_id: r for r in snap.requests}
     for b in d.batches:
         assert {views[r].phase for r in b.request_ids} == {b.phase}

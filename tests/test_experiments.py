@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import statistics
 
 import pytest
 
@@ -31,14 +33,30 @@ def test_p90_goodput_is_the_highest_rate_meeting_the_slo():
     assert _p90_goodput([{"rate": 1, "slo_attainment": 0.1}]) == 0.0
 
 
+def highest_rate_meeting_slo(rows, system):
+    """The P90 goodput of one system, read off its rows here: the highest rate at which
+    at least 90% of requests met their SLO, 0.0 if none."""
+    met = sorted(r["rate"] for r in rows if r["system"] == system and r["slo_attainment"] >= 0.9)
+    return met[-1] if met else 0.0
+
+
 def test_small_e2e_experiment_writes_rows_report_and_figure(tmp_path):
-    systems = ("tokenlake", "mooncake-1p3d")
-    res = e2e(("loogle",), systems, {"loogle": (1.0, 50.0)}, scale=0.008, config=SimConfig(), seed=1)
-    assert len(res.rows) == 2 * len(systems)
-    for s in systems:
-        mine = [r for r in res.rows if r["system"] == s]
-        assert res.summary["p90_goodput"]["loogle"][s] == _p90_goodput(mine)
-        assert all(r["requests"] == 8 for r in mine)  # every request finished
+    """A small cluster with a tight SLO, so that the goodputs differ: one system meets the
+    SLO at no rate, another up to a rate inside the grid."""
+    systems = ("tokenlake", "mooncake-1p3d", "sglang-router")
+    rates = (1.0, 4.0, 8.0, 50.0)
+    res = e2e(("loogle",), systems, {"loogle": rates}, scale=0.02,
+              config=SimConfig(instances=4, slo_scale=2.0), seed=1)
+    assert len(res.rows) == len(rates) * len(systems)
+    assert all(r["requests"] == 20 for r in res.rows)  # every request finished
+    good = {s: highest_rate_meeting_slo(res.rows, s) for s in systems}
+    assert res.summary["p90_goodput"] == {"loogle": good}
+    ratio = {}
+    for s in systems[1:]:
+        ratio[s] = good["tokenlake"] / good[s] if good[s] else math.inf
+    assert res.summary["p90_goodput_ratio"] == {"loogle": pytest.approx(ratio)}
+    # The case exercises both ends: a goodput inside the grid and one of zero.
+    assert any(rates[0] < g < rates[-1] for g in good.values()) and 0.0 in good.values()
     files = write(res, tmp_path)
     with open(files["rows"], newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -46,16 +64,24 @@ def test_small_e2e_experiment_writes_rows_report_and_figure(tmp_path):
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["experiment"] == "e2e" and len(doc["rows"]) == len(res.rows)
     report = (tmp_path / "report.md").read_text()
-    assert "P90 goodput" in report and "mooncake-1p3d" in report
+    assert "P90 goodput" in report
+    for s in systems:  # the report's table shows the goodputs computed above
+        assert f"| loogle | {s} | {good[s]:.2f} |" in report
     assert (tmp_path / "e2e_loogle.png").stat().st_size > 1000
 
 
 def test_load_balance_records_a_cv_series_per_system():
-    res = load_balance("loogle", rate=2.0, systems=("tokenlake", "mooncake-3p1d"), scale=0.008)
-    for s in ("tokenlake", "mooncake-3p1d"):
-        assert res.series[s]["cv"], s
-        assert res.summary["mean_cv"][s] == next(r["cv"] for r in res.rows if r["system"] == s)
-    assert set(res.summary["cv_ratio_to_tokenlake"]) == {"mooncake-3p1d"}
+    systems = ("tokenlake", "mooncake-3p1d")
+    res = load_balance("loogle", rate=2.0, systems=systems, scale=0.008)
+    for s in systems:
+        series = res.series[s]["cv"]
+        assert series, s
+        # The summary's mean CV is the mean over the time windows of the CV series.
+        assert res.summary["mean_cv"][s] == pytest.approx(statistics.fmean(series), rel=1e-12)
+        assert next(r["cv"] for r in res.rows if r["system"] == s) == res.summary["mean_cv"][s]
+    tl = statistics.fmean(res.series["tokenlake"]["cv"])
+    want = statistics.fmean(res.series["mooncake-3p1d"]["cv"]) / tl
+    assert res.summary["cv_ratio_to_tokenlake"] == {"mooncake-3p1d": pytest.approx(want)}
 
 
 def test_simulator_hit_rate_equals_the_real_engines_on_the_same_trace():

@@ -1,4 +1,4 @@
-"""Decision-time benchmark of the goodput DP: ``python -m scheduler.bench``.
+"""Decision-time benchmark of the goodput DP: ``tokenlake bench scheduler``.
 
 Builds a seeded snapshot of ``n_requests`` requests (a share of them prefill, the rest
 decode, log-uniform context lengths up to 128k tokens, TBT SLO 0.2 s on decode) and
@@ -7,8 +7,6 @@ times :meth:`GoodputScheduler.schedule` on N free instances (median of ``repeats
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 import time
@@ -52,24 +50,3 @@ def bench_scheduler(ns: Sequence[int] = (8, 16, 64), n_requests: int = 256,
             times.append((time.perf_counter() - t0) * 1e3)
         out[str(n)] = sorted(times)[len(times) // 2]
     return {"decision_ms": out}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scheduler.bench")
-    p.add_argument("--ns", default="8,16,64")
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--prefill-share", type=float, default=0.25)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--prefill-dops", choices=("all", "pow2"), default="all")
-    a = p.parse_args(argv)
-    ns = tuple(int(x) for x in a.ns.split(","))
-    res = bench_scheduler(ns, a.requests, a.prefill_share, a.repeats,
-                          prefill_dops=a.prefill_dops)
-    res["config"] = {"requests": a.requests, "prefill_share": a.prefill_share,
-                     "prefill_dops": a.prefill_dops}
-    print(json.dumps(res, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

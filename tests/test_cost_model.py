@@ -19,7 +19,6 @@ from tokenlake.core.cost_model import (
     compute_s_per_prefix_token,
     default_segment_tokens,
     get_cache_load,
-    main,
     roofline_samples,
     segment_threshold,
 )
@@ -32,7 +31,7 @@ from tokenlake.core.specs import (
     load_hardware,
     load_model,
 )
-from tokenlake.tools.profiler import _write, profile_cpu
+from tokenlake.tools.profiler import profile_cpu, write_profile
 
 
 @pytest.fixture(scope="module")
@@ -197,17 +196,6 @@ def test_roofline_samples_reproducible_and_fit_reasonable(llama, a100) -> None:
     assert data["fit"]["mean_rel_err"] < 0.15
 
 
-def test_fit_roofline_cli(tmp_path, capsys) -> None:
-    out = tmp_path / "fit.json"
-    assert main(["fit-roofline", "--hardware", "a100-80gb", "--model", "llama-2-7b",
-                 "--samples", "40", "--out", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    LatencyModel.from_dict(doc["coefficients"])
-    assert {"mean_rel_err", "max_rel_err"} <= set(doc["fit"])
-    assert main(["threshold", "--hardware", "a100-80gb", "--model", "llama-2-7b"]) == 0
-    assert '"default_segment_tokens": 576' in capsys.readouterr().out
-
-
 # --------------------------------------------------------------------------- cache load
 
 
@@ -244,7 +232,7 @@ def test_profiler_tiny_memcpy(tmp_path) -> None:
     assert prof.flops > 0 and prof.mem_bw > 0 and prof.net_bw > 0 and prof.mem_bytes > 0
     table = tmp_path / "hw.json"
     table.write_text(json.dumps({"other": load_hardware("a100-80gb").to_dict()}))
-    _write(prof, str(table), merge=True)
+    write_profile(prof, str(table), merge=True)
     assert set(json.loads(table.read_text())) == {"other", "cpu"}
 
 

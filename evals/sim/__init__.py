@@ -6,6 +6,7 @@ time of compute and data movement is modelled. Entry point::
     from evals.sim.systems import simulate
     result = simulate(requests, "tokenlake", SimConfig(instances=8))
 
-Importing this package is cheap (no numpy): ``tokenlake sim`` builds its argument
-parser from :mod:`evals.sim.cli` before deciding to run anything.
+Importing this package is cheap (no numpy); the command line (``tokenlake sim``,
+``tokenlake bench sim``) lives in :mod:`tokenlake.tools.cli_eval` and
+:mod:`tokenlake.tools.cli_bench`.
 """

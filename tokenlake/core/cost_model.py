@@ -19,18 +19,16 @@ Llama-2-7B in fp16). Pure Python at import time: numpy/scipy are imported lazily
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from typing import Any
 
 from tokenlake.core.errors import ConfigError
-from tokenlake.core.specs import HardwareProfile, ModelSpec, load_hardware, load_model
+from tokenlake.core.specs import HardwareProfile, ModelSpec
 
 # --------------------------------------------------------------------------- threshold
 
@@ -323,57 +321,3 @@ def get_cache_load(reqs: Sequence[LoadRequest], n_instances: int, model: ModelSp
         return used / total if total > 0 else 0.0
 
     return max(share(mem, hw.mem_bw), share(flops, hw.flops))
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def fit_roofline_file(hardware: str, model: str, n_samples: int, seed: int,
-                      max_context: int | None, command: str) -> dict[str, Any]:
-    """Fit a :class:`LatencyModel` to roofline samples; the JSON document to commit."""
-    spec, hw = load_model(model), load_hardware(hardware)
-    samples = roofline_samples(spec, hw, n_samples=n_samples, seed=seed, max_context=max_context)
-    fitted = LatencyModel.fit(samples)
-    return {
-        "hardware": hardware,
-        "model": model,
-        "source": "roofline_samples (synthetic), not measurements",
-        "max_context": max_context or spec.max_context,
-        "coefficients": fitted.to_dict(),
-        "fit": fit_report(fitted, samples),
-        "generated_by": command,
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tokenlake.core.cost_model {threshold,fit-roofline} ...``."""
-    parser = argparse.ArgumentParser(prog="python -m tokenlake.core.cost_model")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    th = sub.add_parser("threshold", help="print the segment-size threshold")
-    fit = sub.add_parser("fit-roofline", help="fit a latency model to roofline samples")
-    for p in (th, fit):
-        p.add_argument("--hardware", required=True)
-        p.add_argument("--model", required=True)
-    fit.add_argument("--out", required=True)
-    fit.add_argument("--samples", type=int, default=500)
-    fit.add_argument("--seed", type=int, default=0)
-    fit.add_argument("--max-context", type=int, default=None)
-    args = parser.parse_args(argv)
-    if args.cmd == "threshold":
-        spec, hw = load_model(args.model), load_hardware(args.hardware)
-        print(json.dumps({"threshold_tokens": segment_threshold(spec, hw),
-                          "default_segment_tokens": default_segment_tokens(spec, hw),
-                          "comm_overhead_us": comm_overhead_s(spec, hw) * 1e6}, indent=2))
-        return 0
-    command = "python -m tokenlake.core.cost_model " + " ".join(sys.argv[1:] if argv is None else argv)
-    doc = fit_roofline_file(args.hardware, args.model, args.samples, args.seed,
-                            args.max_context, command)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2)
-        fh.write("\n")
-    print(json.dumps(doc["fit"], indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

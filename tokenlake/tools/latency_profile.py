@@ -18,11 +18,8 @@ the serving loop loads them with ``LatencyModel.load("cpu_smollm2-135m")``.
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from tokenlake.core.cost_model import (
@@ -123,35 +120,3 @@ def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
         "samples": [{"requests": [list(r) for r in s.requests], "k": s.k, "seconds": s.seconds}
                     for s in samples],
     }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="tokenlake profile-latency", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--samples", type=int, default=60)
-    parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--max-prefix", type=int, default=4096)
-    parser.add_argument("--segment-tokens", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.samples < 6 or args.instances < 1 or args.max_prefix < 1:
-        parser.error("need --samples >= 6, --instances >= 1, --max-prefix >= 1")
-
-    def progress(i: int, n: int) -> None:
-        print(f"\rsample {i}/{n}", end="", file=sys.stderr, flush=True)
-
-    doc = profile(args.samples, args.instances, args.max_prefix, args.segment_tokens, args.seed,
-                  progress=progress)
-    print(file=sys.stderr)
-    doc["generated_by"] = "tokenlake profile-latency " + " ".join(sys.argv[2:] if argv is None else argv)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1)
-        fh.write("\n")
-    print(json.dumps({"coefficients": doc["coefficients"], "fit": doc["fit"]}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,13 +10,12 @@ Three measurements, best of a few repeats each, about 10-20 s in all at default 
   bandwidth of one large message. Without pyzmq: memcpy bandwidth and the documented
   estimate :data:`FALLBACK_LATENCY_S`.
 
-Run ``python -m tokenlake.tools.profiler --out tokenlake/data/hardware.json --merge`` to
+Run ``tokenlake profile-cpu --out tokenlake/data/hardware.json --merge`` to
 re-measure the shipped ``cpu`` profile. numpy, torch and zmq are imported lazily.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -187,18 +186,18 @@ def profile_cpu(mem_mib: int = 256, matmul_n: int = 2048, transfer_mib: int = 64
     flops, mm_lib = measure_matmul_flops(matmul_n, repeats)
     net_bw, latency, how = measure_transfer(transfer_mib, max(1, repeats // 2 + 1), transfer)
     notes = (
-        f"Measured by tokenlake.tools.profiler on {os.cpu_count()} logical CPUs on "
+        f"Measured by tokenlake profile-cpu on {os.cpu_count()} logical CPUs on "
         f"{time.strftime('%Y-%m-%d')}: mem_bw = best sum over a {mem_mib} MiB float32 array "
         f"({mem_lib}); flops = best float32 {matmul_n}x{matmul_n} matmul ({mm_lib}); "
         f"net = {how}; mem_bytes = physical RAM. Regenerate with: "
-        "python -m tokenlake.tools.profiler --out tokenlake/data/hardware.json --merge"
+        "tokenlake profile-cpu --out tokenlake/data/hardware.json --merge"
     )
     return HardwareProfile(name=name, flops=_sig(flops), mem_bw=_sig(mem_bw), net_bw=_sig(net_bw),
                            net_latency_s=_sig(latency), mem_bytes=_physical_memory_bytes(),
                            notes=notes)
 
 
-def _write(profile: HardwareProfile, path: str, merge: bool) -> None:
+def write_profile(profile: HardwareProfile, path: str, merge: bool) -> None:
     """Write ``{name: fields}``; with ``merge`` update that entry of an existing table."""
     table: dict[str, Any] = {}
     if merge and os.path.exists(path):
@@ -209,22 +208,3 @@ def _write(profile: HardwareProfile, path: str, merge: bool) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(table, fh, indent=2)
         fh.write("\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tokenlake.tools.profiler --out FILE [--merge]``."""
-    parser = argparse.ArgumentParser(prog="python -m tokenlake.tools.profiler")
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--merge", action="store_true",
-                        help="update the entry in an existing hardware table instead of overwriting")
-    parser.add_argument("--name", default="cpu")
-    parser.add_argument("--transfer", default="auto", choices=["auto", "zmq", "memcpy"])
-    args = parser.parse_args(argv)
-    profile = profile_cpu(transfer=args.transfer, name=args.name)
-    _write(profile, args.out, args.merge)
-    print(json.dumps(profile.to_dict(), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

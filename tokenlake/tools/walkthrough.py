@@ -1,5 +1,5 @@
 """Control-plane walk-through: a LooGLE-like workload on the pool, with and without
-heavy-hitter replication (``tokenlake demo --control-plane``).
+heavy-hitter replication (``tokenlake walkthrough``).
 
 Only metadata moves here: every plan is "executed" at once by calling
 :meth:`ControlPlane.complete`, and replications finish at once. What it shows is what
@@ -56,6 +56,19 @@ class WalkthroughResult:
         """Mean CV over time, skipping the first quarter (warm-up)."""
         tail = self.cv_over_time[len(self.cv_over_time) // 4 :]
         return statistics.fmean(tail) if tail else 0.0
+
+    def to_dict(self) -> dict:
+        """The JSON form ``tokenlake walkthrough --json`` prints (bytes in bytes)."""
+        return {
+            "replication": self.replication,
+            "requests": self.requests,
+            "hit_rate": self.hit_rate,
+            "cv": self.mean_cv,
+            "segments": self.segments,
+            "replications": self.replications,
+            "dedup_bytes": self.dedup_bytes,
+            "reads_per_instance": {str(k): v for k, v in self.reads.items()},
+        }
 
 
 def cv(values: list[float]) -> float:
@@ -134,3 +147,21 @@ def run(
         replication, next_id, stats.hit_rate, stats.dedup_bytes, dict(stats.pool.reads), cvs,
         stats.pool.replications, stats.pool.segments,
     )
+
+
+def print_report(results: list[WalkthroughResult], workload: WorkloadConfig, n_instances: int,
+                 segment_tokens: int = 576) -> None:
+    """Prints the runs of ``tokenlake walkthrough`` side by side for a reader."""
+    print(f"Control-plane walk-through: {workload.num_requests} LooGLE-like requests "
+          f"({workload.num_documents} shared documents of {workload.document_tokens} tokens, "
+          f"Zipf {workload.zipf_s}) on {n_instances} instances, C = {segment_tokens} tokens\n")
+    for r in results:
+        title = "with heavy-hitter replication" if r.replication else "hash placement only"
+        print(f"[{title}]")
+        print(f"  hit rate            {r.hit_rate:6.1%}   (reused prefix tokens / input tokens)")
+        print(f"  segments in pool    {r.segments:6d}   replicas made: {r.replications}")
+        print(f"  deduplicated        {r.dedup_bytes / 2**30:6.2f} GiB")
+        print(f"  cache-access CV     {r.mean_cv:6.1%}   (mean over time of per-instance reads)")
+        total = sum(r.reads.values()) or 1
+        print("  reads per instance  " + " ".join(f"{100 * v / total:4.1f}%" for v in r.reads.values()))
+        print()

@@ -1,0 +1,171 @@
+"""``tokenlake bench {plans,query-vs-fetch,e2e,scheduler,sim}``: benchmarks that print
+figures (they assert nothing; README.md quotes them).
+
+Each benchmark's work lives beside what it measures (``tokenlake/tools/bench_*.py``,
+``scheduler/bench.py``, ``evals/sim/bench.py``); this module parses the arguments and
+prints the result, as JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from tokenlake.tools.bench_plans import bench_plans
+from tokenlake.tools.cli_args import UsageError, fraction, positive
+from tokenlake.tools.cli_eval import SYSTEM_NAMES
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``bench`` and its five benchmarks to the command tree."""
+    bench = sub.add_parser("bench", help="benchmarks (print figures; not tests)",
+                           description="Benchmarks: they print figures and assert nothing.")
+    what = bench.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
+    add_plans(what.add_parser("plans", help="gen_plans latency and prefix-match throughput"))
+    add_query_vs_fetch(what.add_parser(
+        "query-vs-fetch", help="one decode query through the pool vs fetching the prefix KV"))
+    add_e2e(what.add_parser(
+        "e2e", help="SmolLM2 through the pool: TTFT cached vs recomputed, decode tokens/s"))
+    add_scheduler(what.add_parser(
+        "scheduler", help="decision time of the goodput DP scheduler (JSON)"))
+    add_sim(what.add_parser(
+        "sim", help="simulator speed on a repeated Mooncake trace (JSON)"))
+
+
+def _json_flag(p: argparse.ArgumentParser, always: bool = False) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="accepted for uniformity: this benchmark always prints JSON" if always
+                   else "print JSON instead of a summary")
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def add_plans(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instances", type=positive(int), nargs="+", default=[8, 64, 256],
+                   metavar="N", help="pool sizes to time gen_plans on")
+    _json_flag(p)
+    p.set_defaults(run=run_plans)
+
+
+def run_plans(args: argparse.Namespace) -> int:
+    result = bench_plans(tuple(args.instances))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for n, ms in result["gen_plans_ms"].items():
+        print(f"gen_plans  N={n:>4}: {ms:8.3f} ms")
+    print(f"prefix match: {result['match_tokens_per_s'] / 1e6:.1f} M tokens/s")
+    return 0
+
+
+# --------------------------------------------------------------------------- query-vs-fetch
+
+
+def add_query_vs_fetch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefixes", type=positive(int), nargs="+", default=[4096, 16384, 65536],
+                   metavar="TOKENS", help="prefix lengths to measure, tokens")
+    _json_flag(p)
+    p.set_defaults(run=run_query_vs_fetch)
+
+
+def run_query_vs_fetch(args: argparse.Namespace) -> int:
+    # torch and the engine processes: only when this benchmark runs
+    from tokenlake.tools.bench_dataplane import bench_query_vs_fetch
+
+    result = bench_query_vs_fetch(tuple(args.prefixes))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for r in result["results"]:
+        print(f"S={r['prefix_tokens']:>6}: query {r['query_ms']:8.2f} ms {r['query_bytes']:>10} B"
+              f" | fetch {r['fetch_ms']:8.2f} ms {r['fetch_bytes']:>12} B")
+    return 0
+
+
+# --------------------------------------------------------------------------- e2e
+
+
+def add_e2e(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
+    p.add_argument("--decode-batches", type=positive(int), nargs="+", default=[1, 8],
+                   metavar="B", help="decode batch sizes to measure; the first is the headline")
+    _json_flag(p)
+    p.set_defaults(run=run_e2e)
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+    # torch and the model: only when this benchmark runs
+    from tokenlake.tools.bench_e2e import bench_e2e
+
+    result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"TTFT cached {result['cached_ttft_ms']:.0f} ms vs recompute "
+          f"{result['recompute_ttft_ms']:.0f} ms; decode {result['pool_decode_tok_s']:.1f} tok/s "
+          f"(pool) vs {result['reference_decode_tok_s']:.1f} (reference)")
+    return 0
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+def add_scheduler(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instances", type=positive(int), nargs="+", default=[8, 16, 64],
+                   metavar="N", help="free instances of each timed decision")
+    p.add_argument("--requests", type=positive(int), default=256, help="requests in the snapshot")
+    p.add_argument("--prefill-share", type=fraction, default=0.25,
+                   help="share of the requests in prefill (the rest decode)")
+    p.add_argument("--repeats", type=positive(int), default=5, help="timed decisions per N")
+    p.add_argument("--prefill-dops", choices=("all", "pow2"), default="all",
+                   help="prefill degrees of parallelism the DP considers")
+    _json_flag(p, always=True)
+    p.set_defaults(run=run_scheduler)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    # numpy (the goodput DP): only when this benchmark runs
+    from scheduler.bench import bench_scheduler
+
+    result = bench_scheduler(tuple(args.instances), args.requests, args.prefill_share,
+                             args.repeats, prefill_dops=args.prefill_dops)
+    result["config"] = {"requests": args.requests, "prefill_share": args.prefill_share,
+                        "prefill_dops": args.prefill_dops}
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- sim
+
+
+def add_sim(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None,
+                   help="Mooncake-format JSONL trace (default: the shipped synthetic Mooncake "
+                        "trace, shared/data/mooncake_synthetic_trace.jsonl beside the checkout)")
+    p.add_argument("--system", default="tokenlake", choices=SYSTEM_NAMES, help="simulated system")
+    p.add_argument("--repeat", type=positive(int), default=3,
+                   help="copies of the trace replayed back to back")
+    p.add_argument("--instances", type=positive(int), default=8, help="GPUs")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--speedup", type=positive(float), default=None,
+                      help="divide the trace's arrival times by this factor")
+    when.add_argument("--rate", type=positive(float), default=None,
+                      help="Poisson arrivals at this many requests/s instead of the trace's times")
+    p.add_argument("--limit", type=positive(int), default=None, help="first N requests only")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrivals")
+    _json_flag(p, always=True)
+    p.set_defaults(run=run_sim)
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    # numpy and the simulator: only when this benchmark runs
+    from evals.sim.bench import DEFAULT_TRACE, bench
+
+    trace = args.trace or str(DEFAULT_TRACE)
+    if not os.path.isfile(trace):
+        raise UsageError(f"bench sim: trace file not found: {trace}")
+    print(json.dumps(bench(trace, args.system, args.repeat, args.instances, args.speedup,
+                           args.rate, args.limit, args.seed), indent=2))
+    return 0

@@ -1,0 +1,142 @@
+"""``tokenlake demo``, ``tokenlake walkthrough`` and ``tokenlake serve``: the pool at work.
+
+Each command is an ``add_*`` function that registers its arguments on the one tree
+(:mod:`tokenlake.tools.cli`) and a ``run_*`` function that runs the parsed arguments
+and returns the exit code. Nothing heavy is imported until a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+
+from tokenlake.core.specs import list_models
+from tokenlake.tools.cli_args import UsageError, at_least, port_range, positive, share
+
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``demo``, ``walkthrough`` and ``serve`` to the command tree."""
+    add_demo(sub.add_parser(
+        "demo", help="SmolLM2-135M served through a local pool, checked against a plain engine",
+        description="SmolLM2-135M served through a local pool; every answer is checked token "
+                    "for token against a plain engine. Exit code 0 when every answer matches, "
+                    "1 when one differs (a wrong answer, not a usage mistake)."))
+    add_walkthrough(sub.add_parser(
+        "walkthrough", help="control-plane walk-through (LooGLE-like workload, no model)",
+        description="A LooGLE-like workload through the control plane alone, with and without "
+                    "heavy-hitter replication: hit rate, deduplication, per-instance reads."))
+    add_serve(sub.add_parser(
+        "serve", help="run the pool on a Ray cluster until Ctrl-C (docs/deploy-ray.md)",
+        description="Starts the pool on a Ray cluster, prints its addresses and watches it "
+                    "until Ctrl-C or SIGTERM (exit 0; 130 for Ctrl-C during start-up)."))
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """0 when every answer equals the reference engine's, 1 when one differs."""
+    # torch and the model load only when the demo runs, not for --help
+    from tokenlake.tools.demo import DemoConfig, print_report, run_demo
+
+    report = run_demo(DemoConfig(instances=args.instances),
+                      progress=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0 if report["reference_match"] else 1
+
+
+# --------------------------------------------------------------------------- walkthrough
+
+
+def add_walkthrough(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instances", type=positive(int), default=8, help="pool instances")
+    p.add_argument("--requests", type=positive(int), default=400, help="requests to serve")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    p.add_argument("--json", action="store_true", help="print the two runs as JSON")
+    p.set_defaults(run=run_walkthrough)
+
+
+def run_walkthrough(args: argparse.Namespace) -> int:
+    from tokenlake.tools.walkthrough import WorkloadConfig, print_report, run
+
+    workload = replace(WorkloadConfig(), num_requests=args.requests, seed=args.seed)
+    results = [run(args.instances, replication=rep, workload=workload) for rep in (False, True)]
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        print_report(results, workload, args.instances)
+    return 0
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray", required=True, metavar="ADDRESS",
+                   help="Ray cluster to join: 'auto', the head's HOST:PORT, or 'local' "
+                        "(ray.init() without an address: this machine's Ray, or a new one)")
+    p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
+    p.add_argument("--pool-mb", type=positive(int), default=256, help="slab MiB per instance")
+    p.add_argument("--model", default="smollm2-135m", choices=list_models(),
+                   help="model whose KV the pool holds")
+    p.add_argument("--segment-tokens", type=positive(int), default=64, help="tokens per segment")
+    p.add_argument("--max-rows", type=positive(int), default=1024,
+                   help="rows of each q/out/kv buffer")
+    p.add_argument("--bind", default=os.environ.get("TOKENLAKE_BIND", "127.0.0.1"),
+                   help="engine address: IP, interface name or 'node' (env TOKENLAKE_BIND)")
+    p.add_argument("--ports", type=port_range, default=os.environ.get("TOKENLAKE_PORTS"),
+                   metavar="FIRST-LAST",
+                   help="engine port range (env TOKENLAKE_PORTS; unset: any free port)")
+    p.add_argument("--strategy", default="PACK", choices=RAY_STRATEGIES,
+                   help="placement-group strategy of the per-instance bundles")
+    p.add_argument("--cpus-per-instance", type=positive(float), default=1.0,
+                   help="CPUs of each instance's bundle")
+    p.add_argument("--gpus-per-instance", type=at_least(int, 0), default=0,
+                   help="GPUs of each instance's bundle")
+    p.add_argument("--engine-share", type=share, default=1.0,
+                   help="share of each bundle for the pool's actors (rest: compute engine)")
+    p.add_argument("--no-restart", action="store_true", help="remove failed instances only")
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Runs until Ctrl-C or SIGTERM; a cluster that cannot start is a one-line error (2)."""
+    import signal
+
+    try:  # Ray is an optional extra, and heavy: only this command needs it
+        from tokenlake.deploy.ray import RayOptions, serve
+    except ImportError as exc:
+        raise UsageError(f"serve needs Ray (pip install 'tokenlake[ray]'): {exc}") from None
+    from tokenlake.core.errors import TokenLakeError
+
+    def on_term(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)  # a service manager's stop: shut down cleanly too
+    options = RayOptions(
+        strategy=args.strategy, cpus_per_instance=args.cpus_per_instance,
+        gpus_per_instance=args.gpus_per_instance, engine_share=args.engine_share,
+        host=args.bind, port_range=args.ports, address=None if args.ray == "local" else args.ray,
+    )
+    try:
+        return serve(args.instances, args.model, args.pool_mb << 20, options, args.segment_tokens,
+                     args.max_rows, restart=not args.no_restart, json_lines=args.json,
+                     out=lambda line: print(line, flush=True))
+    except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had
+        raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:  # during start-up: the cluster has cleaned up already
+        return 130

@@ -272,3 +272,37 @@ def test_demo_exits_1_when_an_answer_differs_from_the_reference(monkeypatch, cap
     monkeypatch.setitem(sys.modules, "tokenlake.tools.demo", fake)
     assert run(["demo", "--instances", "2", "--json"], capsys)[0] == 1
     assert run(["demo", "--instances", "3", "--json"], capsys)[0] == 0
+
+
+def test_walkthrough_prints_both_runs_as_text_and_json(capsys):
+    argv = ["walkthrough", "--requests", "6", "--instances", "2"]
+    code, out, _ = run([*argv, "--json"], capsys)
+    assert code == 0
+    runs = json.loads(out)
+    assert [r["replication"] for r in runs] == [False, True]
+    assert all(r["requests"] == 6 and set(r["reads_per_instance"]) == {"0", "1"} for r in runs)
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    assert "[hash placement only]" in out and "[with heavy-hitter replication]" in out
+    assert "6 LooGLE-like requests" in out
+
+
+def test_bench_scheduler_takes_its_options_and_records_them(capsys):
+    code, out, _ = run(["bench", "scheduler", "--instances", "2", "4", "--requests", "8",
+                        "--repeats", "1", "--prefill-share", "0.5"], capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert set(result["decision_ms"]) == {"2", "4"}
+    assert result["config"] == {"requests": 8, "prefill_share": 0.5, "prefill_dops": "all"}
+
+
+def test_bench_sim_replays_a_given_trace(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": 100 * i, "input_length": 600,
+                                           "output_length": 2, "hash_ids": [0, i + 1]})
+                               for i in range(4)))
+    code, out, _ = run(["bench", "sim", "--trace", str(trace), "--repeat", "2",
+                        "--instances", "2"], capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert result["requests"] == 8 and result["repeat"] == 2 and result["trace"] == "t.jsonl"

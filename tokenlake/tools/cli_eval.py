@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tokenlake.core.specs import list_hardware, list_models
@@ -127,8 +128,6 @@ def run_eval(args: argparse.Namespace) -> int:
         return _run_validate(args)
     kw = _experiment_kwargs(args)
     # numpy, the simulator and matplotlib: only when an experiment runs
-    from dataclasses import replace
-
     from evals.experiments import EXPERIMENTS
     from evals.report import write
     from evals.sim.config import SimConfig

@@ -8,11 +8,15 @@ and returns the exit code. Nothing heavy is imported until a command runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import signal
 from dataclasses import replace
 
+from tokenlake.core.errors import TokenLakeError
 from tokenlake.core.specs import list_models
+from tokenlake.tools import walkthrough
 from tokenlake.tools.cli_args import UsageError, at_least, port_range, positive, share
 
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -70,14 +74,13 @@ def add_walkthrough(p: argparse.ArgumentParser) -> None:
 
 
 def run_walkthrough(args: argparse.Namespace) -> int:
-    from tokenlake.tools.walkthrough import WorkloadConfig, print_report, run
-
-    workload = replace(WorkloadConfig(), num_requests=args.requests, seed=args.seed)
-    results = [run(args.instances, replication=rep, workload=workload) for rep in (False, True)]
+    workload = replace(walkthrough.WorkloadConfig(), num_requests=args.requests, seed=args.seed)
+    results = [walkthrough.run(args.instances, replication=rep, workload=workload)
+               for rep in (False, True)]
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
     else:
-        print_report(results, workload, args.instances)
+        walkthrough.print_report(results, workload, args.instances)
     return 0
 
 
@@ -115,13 +118,10 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Runs until Ctrl-C or SIGTERM; a cluster that cannot start is a one-line error (2)."""
-    import signal
-
-    try:  # Ray is an optional extra, and heavy: only this command needs it
-        from tokenlake.deploy.ray import RayOptions, serve
-    except ImportError as exc:
-        raise UsageError(f"serve needs Ray (pip install 'tokenlake[ray]'): {exc}") from None
-    from tokenlake.core.errors import TokenLakeError
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError("serve needs Ray: pip install 'tokenlake[ray]'")
+    # Ray is an optional extra, and heavy: only this command imports it
+    from tokenlake.deploy.ray import RayOptions, serve
 
     def on_term(*_):
         raise KeyboardInterrupt

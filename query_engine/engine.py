@@ -4,27 +4,43 @@ It maps its instance's slab and the compute engine's ``q``/``out`` buffers from 
 memory and answers two kinds of work:
 
 * as **home** of a sub-batch (from its compute engine): on ``QUERY`` it sends the q rows
-  each remote instance needs to that instance's query engine, computes its own share
-  over local slots meanwhile, merges every partial ``(o, lse)`` exactly, writes the
-  result into ``out`` and answers the compute engine;
-* as **remote** (from a peer query engine): partial attention of the received q rows
-  over the slots the plan names, returned as ``(o, lse)``.
+  each remote instance needs to that instance's query engine (``PEER_QUERY``), computes
+  its own share over local slots meanwhile, merges every partial ``(o, lse)`` exactly,
+  writes the result into ``out`` and answers the compute engine (``QUERY_DONE``);
+* as **peer** (from a home query engine): partial attention of the received q rows
+  over the slots the plan names, returned as ``(o, lse)`` (``PEER_QUERY_RESULT``).
 
-Plans are registered once (``REGISTER_PLAN``) and reused for every layer.
+Plans are registered once (``REGISTER_QUERY_PLAN``, which the home passes on to each
+peer as ``PEER_REGISTER_PLAN``) and reused for every layer. Their items arrive typed
+(:class:`~tokenlake.dataplane.messages.AttendItem`) and are checked against this slab
+here, before anything is stored or sent on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tokenlake.core.errors import PlanError
-from tokenlake.dataplane import wire
 from tokenlake.dataplane.attention import empty_partial, merge, merge_many, slab_partial_attention
 from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
-
-Item = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (start, stop, slots, tokens)
+from tokenlake.dataplane.messages import (
+    AttendItem,
+    PeerQuery,
+    PeerQueryResult,
+    PeerRegisterPlan,
+    PeerReleasePlan,
+    PlanAck,
+    Query,
+    QueryDone,
+    RegisterQueryPlan,
+    ReleasePlan,
+    WireMessage,
+)
+from tokenlake.dataplane.tensor_frames import WireError
+from tokenlake.dataplane.wire import error_message
 
 
 @dataclass(frozen=True)
@@ -32,7 +48,7 @@ class HomePlan:
     """A sub-batch plan registered by this instance's compute engine."""
 
     rows: int
-    local: tuple[Item, ...]
+    local: tuple[AttendItem, ...]
     remote: dict[int, tuple[int, int]]  # instance -> (lo, hi) rows it needs
 
 
@@ -47,91 +63,84 @@ class QueryEngine(EngineLoop):
         self.out_lse = bufs["out_lse"]
         self.q_heads = self.q.shape[1]
         self.home_plans: dict[int, HomePlan] = {}
-        self.peer_plans: dict[str, tuple[Item, ...]] = {}
+        self.peer_plans: dict[tuple[int, int], tuple[AttendItem, ...]] = {}  # (home, plan) -> items
 
     # -------------------------------------------------------------- dispatch
-    def handle(self, identity, msg: wire.Message) -> None:
-        body, kind = msg.body, msg.kind
-        if kind == wire.Kind.REGISTER_PLAN and "tasks" in body:
-            self._register_home(body)
-            self.reply(identity, wire.encode(wire.Kind.REGISTER_PLAN, msg.msg_id, {"plan": body["plan"]}))
-        elif kind == wire.Kind.REGISTER_PLAN:
-            self.peer_plans[str(body["plan"])] = self._items(body["items"], self.q.shape[0])
-            self.reply(identity, wire.encode(wire.Kind.REGISTER_PLAN, msg.msg_id, {"plan": body["plan"]}))
-        elif kind == wire.Kind.RELEASE_PLAN:
-            self._release(body)
-            self.reply(identity, wire.encode(wire.Kind.RELEASE_PLAN, msg.msg_id, {"plan": body["plan"]}))
-        elif kind == wire.Kind.QUERY and "key" in body:
-            self._serve_peer(identity, msg)
-        elif kind == wire.Kind.QUERY:
-            self._serve_home(identity, msg)
-        else:
-            raise wire.WireError(f"query engine cannot handle {kind.name}")
+    def handle(self, identity, msg_id: int, message: WireMessage) -> None:
+        match message:
+            case Query():
+                self._serve_home(identity, msg_id, message)
+            case PeerQuery():
+                self._serve_peer(identity, msg_id, message)
+            case RegisterQueryPlan():
+                self._register_home(message)
+                self.reply(identity, PlanAck(message.plan).encode(msg_id))
+            case PeerRegisterPlan():
+                self._check_items(message.items, self.q.shape[0])
+                self.peer_plans[(message.home, message.plan)] = message.items
+                self.reply(identity, PlanAck(message.plan).encode(msg_id))
+            case ReleasePlan():
+                self._release(message.plan)
+                self.reply(identity, PlanAck(message.plan).encode(msg_id))
+            case PeerReleasePlan():
+                self.peer_plans.pop((message.home, message.plan), None)
+                self.reply(identity, PlanAck(message.plan).encode(msg_id))
+            case _:
+                raise WireError(f"query engine cannot handle {message.KIND.name}")
 
     # ------------------------------------------------------------- plans
-    def _items(self, raw, rows: int) -> tuple[Item, ...]:
-        """Validates ``[[start, stop, [slots], [tokens]], ...]`` against the slab."""
-        items = []
-        for it in raw:
-            start, stop, slots, tokens = int(it[0]), int(it[1]), tuple(it[2]), tuple(it[3])
-            if not 0 <= start < stop <= rows:
-                raise PlanError(f"rows [{start}, {stop}) outside [0, {rows})")
-            if len(slots) != len(tokens) or not slots:
+    def _check_items(self, items: Sequence[AttendItem], rows: int) -> None:
+        """Checks items against the slab and a plan of ``rows`` q rows (PlanError)."""
+        for it in items:
+            if not 0 <= it.start < it.stop <= rows:
+                raise PlanError(f"rows [{it.start}, {it.stop}) outside [0, {rows})")
+            if len(it.slots) != len(it.tokens) or not it.slots:
                 raise PlanError("an item needs as many token counts as slots, and at least one")
-            if any(not 0 <= s < self.num_slots for s in slots):
-                raise PlanError(f"slot out of range [0, {self.num_slots}) in {list(slots)}")
-            if any(not 0 < t <= self.C for t in tokens):
-                raise PlanError(f"token counts must be in (0, {self.C}], got {list(tokens)}")
-            items.append((start, stop, slots, tokens))
-        return tuple(items)
+            if any(not 0 <= s < self.num_slots for s in it.slots):
+                raise PlanError(f"slot out of range [0, {self.num_slots}) in {list(it.slots)}")
+            if any(not 0 < t <= self.C for t in it.tokens):
+                raise PlanError(f"token counts must be in (0, {self.C}], got {list(it.tokens)}")
 
-    def _register_home(self, body: dict) -> None:
-        pid, rows = int(body["plan"]), int(body["rows"])
+    def _register_home(self, message: RegisterQueryPlan) -> None:
+        pid, rows = message.plan, message.rows
         if not 0 < rows <= self.q.shape[0]:
             raise PlanError(f"plan has {rows} rows; q_buf holds at most {self.q.shape[0]}")
-        local: tuple[Item, ...] = ()
-        remote: dict[int, tuple[int, int]] = {}
+        local: tuple[AttendItem, ...] = ()
         checked = []
-        for inst, raw in body["tasks"]:
-            inst = int(inst)
-            items = self._items(raw, rows)
-            if inst == self.spec.instance:
-                local += items
-            elif inst not in self.peers:
-                raise PlanError(f"instance {inst} is not in this cluster")
+        for task in message.tasks:
+            self._check_items(task.items, rows)
+            if task.instance == self.spec.instance:
+                local += task.items
+            elif task.instance not in self.peers:
+                raise PlanError(f"instance {task.instance} is not in this cluster")
             else:
-                checked.append((inst, items))
-        for inst, items in checked:  # all validated: now tell the peers
-            lo, hi = min(i[0] for i in items), max(i[1] for i in items)
-            shifted = [[s - lo, e - lo, list(sl), list(tk)] for s, e, sl, tk in items]
-            key = f"{self.spec.instance}:{pid}"
-            wire.send_frames(self.peers[inst], wire.encode(wire.Kind.REGISTER_PLAN, 0, {"plan": key, "items": shifted}))
-            remote[inst] = (lo, hi)
+                checked.append(task)
+        remote: dict[int, tuple[int, int]] = {}
+        for task in checked:  # all validated: now tell the peers
+            lo, hi = min(it.start for it in task.items), max(it.stop for it in task.items)
+            shifted = tuple(it.shifted(-lo) for it in task.items)
+            self.tell(task.instance, PeerRegisterPlan(self.spec.instance, pid, shifted))
+            remote[task.instance] = (lo, hi)
         self.home_plans[pid] = HomePlan(rows, local, remote)
 
-    def _release(self, body: dict) -> None:
-        plan = body["plan"]
-        if isinstance(plan, str):
-            self.peer_plans.pop(plan, None)
-            return
-        home = self.home_plans.pop(int(plan), None)
+    def _release(self, pid: int) -> None:
+        home = self.home_plans.pop(pid, None)
         if home is not None:
             for inst in home.remote:
-                key = f"{self.spec.instance}:{plan}"
-                wire.send_frames(self.peers[inst], wire.encode(wire.Kind.RELEASE_PLAN, 0, {"plan": key}))
+                self.tell(inst, PeerReleasePlan(self.spec.instance, pid))
 
     # ------------------------------------------------------------- compute
-    def _partial(self, q: torch.Tensor, items, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _partial(self, q: torch.Tensor, items: Sequence[AttendItem], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial attention of rows ``q`` over the items' slots (rows relative to ``q``).
 
         Items over the same rows (a request's sealed segments and its open tail) are
         attended in one call; a single group over all rows is returned as it is.
         """
         groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-        for start, stop, slots, tokens in items:
-            g = groups.setdefault((start, stop), ([], []))
-            g[0].extend(slots)
-            g[1].extend(tokens)
+        for it in items:
+            g = groups.setdefault((it.start, it.stop), ([], []))
+            g[0].extend(it.slots)
+            g[1].extend(it.tokens)
         if len(groups) == 1:
             ((start, stop), (slots, tokens)), = groups.items()
             if start == 0 and stop == q.shape[0]:
@@ -142,50 +151,48 @@ class QueryEngine(EngineLoop):
             o[start:stop], lse[start:stop] = merge(o[start:stop], lse[start:stop], po, plse)
         return o, lse
 
-    def _check_layer(self, body: dict) -> int:
-        layer = int(body["layer"])
+    def _check_layer(self, layer: int) -> int:
         if not 0 <= layer < self.num_layers:
             raise PlanError(f"layer {layer} outside [0, {self.num_layers})")
         return layer
 
-    def _serve_peer(self, identity, msg: wire.Message) -> None:
-        items = self.peer_plans.get(str(msg.body["key"]))
+    def _serve_peer(self, identity, msg_id: int, message: PeerQuery) -> None:
+        key = (message.home, message.plan)
+        items = self.peer_plans.get(key)
         if items is None:
-            raise PlanError(f"unknown plan {msg.body['key']!r} on instance {self.spec.instance}")
-        layer = self._check_layer(msg.body)
-        (q,) = msg.tensors
+            raise PlanError(f"unknown plan {message.home}:{message.plan} on instance {self.spec.instance}")
+        layer = self._check_layer(message.layer)
+        q = message.q
         if q.dim() != 3 or q.shape[1:] != (self.q_heads, self.head_dim) or q.dtype != torch.float32:
             raise PlanError(f"q must be float32 [rows, {self.q_heads}, {self.head_dim}], got {q.dtype} {tuple(q.shape)}")
-        if max(it[1] for it in items) > q.shape[0]:
+        if max(it.stop for it in items) > q.shape[0]:
             raise PlanError("q has fewer rows than the plan's items need")
         o, lse = self._partial(q, items, layer)
-        self.reply(identity, wire.encode(wire.Kind.QUERY_RESULT, msg.msg_id, {"layer": layer}, (o, lse)))
+        self.reply(identity, PeerQueryResult(layer, o, lse).encode(msg_id))
 
-    def _serve_home(self, identity, msg: wire.Message) -> None:
-        pid = int(msg.body["plan"])
+    def _serve_home(self, identity, msg_id: int, message: Query) -> None:
+        pid = message.plan
         plan = self.home_plans.get(pid)
         if plan is None:
             raise PlanError(f"unknown plan {pid} on instance {self.spec.instance}")
-        layer = self._check_layer(msg.body)
+        layer = self._check_layer(message.layer)
         q = self.q[: plan.rows]
-        pending = self.new_pending(None, None)
-        pending.on_done = lambda p: self._finish_home(identity, msg.msg_id, plan, layer, p)
-        pending.on_fail = lambda p, exc: self.reply(identity, wire.error_message(msg.msg_id, exc))
+        pending = self.new_pending(PeerQueryResult)
+        pending.on_done = lambda p: self._finish_home(identity, msg_id, plan, layer, p)
+        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
         for inst, (lo, hi) in plan.remote.items():  # q rows out first: peers work meanwhile
-            key = f"{self.spec.instance}:{pid}"
-            self.ask(inst, wire.Kind.QUERY, {"key": key, "layer": layer}, (q[lo:hi],), pending)
-        pending.results.append((self.spec.instance, self._partial(q, plan.local, layer)))
+            self.ask(inst, PeerQuery(self.spec.instance, pid, layer, q[lo:hi]), pending)
+        own = PeerQueryResult(layer, *self._partial(q, plan.local, layer))  # merged like a peer's
+        pending.results.append((self.spec.instance, own))
         if not pending.waiting:
-            self._finish_home(identity, msg.msg_id, plan, layer, pending)
+            self._finish_home(identity, msg_id, plan, layer, pending)
 
     def _finish_home(self, identity, msg_id: int, plan: HomePlan, layer: int, pending: Pending) -> None:
         o, lse = self.out_o[: plan.rows], self.out_lse[: plan.rows]
         parts = []  # (lo, hi, o, lse)
-        for inst, result in pending.results:
-            if inst == self.spec.instance:
-                parts.append((0, plan.rows, *result))
-            else:
-                parts.append((*plan.remote[inst], *result.tensors))
+        for inst, result in pending.results:  # PeerQueryResults (Pending.expect)
+            lo, hi = (0, plan.rows) if inst == self.spec.instance else plan.remote[inst]
+            parts.append((lo, hi, result.o, result.lse))
         if all(lo == 0 and hi == plan.rows for lo, hi, _, _ in parts):  # one vectorised merge
             mo, mlse = merge_many(torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
             o.copy_(mo)
@@ -195,4 +202,4 @@ class QueryEngine(EngineLoop):
             lse.fill_(float("-inf"))
             for lo, hi, po, plse in parts:
                 o[lo:hi], lse[lo:hi] = merge(o[lo:hi], lse[lo:hi], po, plse)
-        self.reply(identity, wire.encode(wire.Kind.QUERY_RESULT, msg_id, {"layer": layer}))
+        self.reply(identity, QueryDone(layer).encode(msg_id))

@@ -15,6 +15,15 @@ from dataplane_util import TINY, execute, full_attention_check, reference_prefix
 from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane import wire
+from tokenlake.dataplane.messages import (
+    AttendItem,
+    InstanceItems,
+    PeerQuery,
+    Ping,
+    Query,
+    RegisterQueryPlan,
+)
+from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 from tokenlake.deploy.local import LocalCluster
 
 C = 8
@@ -169,14 +178,32 @@ def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
         sock.send_multipart([b"\xff\x00garbage", b"x"])  # malformed header
         reply = wire.recv(sock, 5.0)
         assert reply.kind == wire.Kind.ERROR
-        sock.send_multipart(wire.encode(wire.Kind.REGISTER_PLAN, 2, {"plan": 99, "rows": 1, "tasks": [[inst, [[0, 1, [10_000], [C]]]]]}))
+        bad_slot = InstanceItems(inst, (AttendItem(0, 1, (10_000,), (C,)),))
+        sock.send_multipart(RegisterQueryPlan(99, 1, (bad_slot,)).encode(2))
         reply = wire.recv(sock, 5.0)
         with pytest.raises(PlanError, match="slot"):
             wire.raise_if_error(reply)
-        sock.send_multipart(wire.encode(wire.Kind.QUERY, 3, {"plan": 12345, "layer": 0}))
+        sock.send_multipart(Query(12345, 0).encode(3))
         with pytest.raises(PlanError, match="unknown plan"):
             wire.raise_if_error(wire.recv(sock, 5.0))
-        sock.send_multipart(wire.encode(wire.Kind.PING, 4))
+        # a body that does not fit its kind: a WireError naming the field, with the id
+        sock.send_multipart(wire.encode(wire.Kind.QUERY, 5, {"plan": 1, "layer": "0"}))
+        reply = wire.recv(sock, 5.0)
+        assert reply.msg_id == 5
+        with pytest.raises(WireError, match="QUERY: field 'layer' must be an int"):
+            wire.raise_if_error(reply)
+        # what a peer query looked like in protocol 1 is no peer query: the kind decides
+        sock.send_multipart(wire.encode(wire.Kind.QUERY, 7, {"key": f"{inst}:1", "layer": 0}))
+        with pytest.raises(WireError, match="QUERY: field 'plan' is missing"):
+            wire.raise_if_error(wire.recv(sock, 5.0))
+        sock.send_multipart(PeerQuery(inst, 1, 0, torch.zeros(1, TINY.num_q_heads, TINY.head_dim)).encode(8))
+        with pytest.raises(PlanError, match="unknown plan"):
+            wire.raise_if_error(wire.recv(sock, 5.0))
+        # a transfer engine's kind sent to a query engine is refused by name
+        sock.send_multipart(wire.encode(wire.Kind.PUT, 6, {"plan": 1, "layer": 0}))
+        with pytest.raises(WireError, match="query engine cannot handle PUT"):
+            wire.raise_if_error(wire.recv(sock, 5.0))
+        sock.send_multipart(Ping().encode(4))
         assert wire.recv(sock, 5.0).kind == wire.Kind.PONG
     finally:
         sock.close(0)
@@ -243,13 +270,13 @@ def test_migration_moves_a_segment_and_queries_stay_exact(cluster):
 
 def test_the_compute_engine_side_copies_nothing(cluster):
     """q rows reach the home query engine and results come back through shared memory:
-    the client decodes no tensor frame, so it copies no byte (wire.CopyStats)."""
+    the client decodes no tensor frame, so it copies no byte (CopyStats)."""
     rng = random.Random(9)
     tokens = {"z": [rng.randrange(3, 900) for _ in range(4 * C + 1)]}
-    wire.CopyStats.reset()
+    CopyStats.reset()
     run_iteration(cluster, tokens, {"z": 4 * C})
     run_iteration(cluster, tokens, {"z": 1})
-    assert wire.CopyStats.bytes_copied == 0
+    assert CopyStats.bytes_copied == 0
     stats = cluster.engine_stats()
     assert {k for k in stats} == {(r, i) for r in ("query", "transfer") for i in range(cluster.n_instances)}
     cluster.control.finish_request("z")

@@ -4,13 +4,15 @@ It maps its instance's slab and the compute engine's ``kv`` buffer from shared m
 and executes:
 
 * ``PUT`` of one layer (or a run of ``layers`` consecutive layers: decode coalesces its
-  tiny puts into one message per iteration) of a registered transfer plan: rows stored
-  on this instance are written straight from ``kv`` into the slab; rows stored elsewhere
-  go to the peer transfer engines (one message per peer, one frame per layer and put
-  item), and the compute engine is answered when every store of those layers is done;
+  tiny puts into one message per iteration) of a registered transfer plan
+  (``REGISTER_TRANSFER_PLAN``): rows stored on this instance are written straight from
+  ``kv`` into the slab; rows stored elsewhere go to the peer transfer engines
+  (``PEER_PUT``: one message per peer, one frame per layer and put item), and the
+  compute engine is answered (``PUT_DONE``) when every store of those layers is done;
 * ``COPY_SEGMENT``: one whole segment (all layers: one contiguous block of the slab)
-  to a peer, for replication or migration;
-* from peers: ``PUT`` items and ``SEGMENT_DATA`` written into the local slab.
+  to a peer (``PEER_SEGMENT``), for replication or migration;
+* ``READ_SEGMENT``: one layer of some slots, returned as frames (``SEGMENT_DATA``);
+* from peers: ``PEER_PUT`` and ``PEER_SEGMENT`` written into the local slab.
 """
 
 from __future__ import annotations
@@ -20,17 +22,34 @@ from dataclasses import dataclass
 import torch
 
 from tokenlake.core.errors import PlanError
-from tokenlake.dataplane import wire
 from tokenlake.dataplane.engine import EngineLoop, EngineSpec
-
-Put = tuple[int, int, int, int]  # (slot, offset, start, stop)
+from tokenlake.dataplane.messages import (
+    CopyDone,
+    CopySegment,
+    PeerPut,
+    PeerSegment,
+    PlanAck,
+    Put,
+    PutDone,
+    PutTarget,
+    ReadSegment,
+    RegisterTransferPlan,
+    ReleasePlan,
+    SegmentData,
+    SlotWrite,
+    WireMessage,
+)
+from tokenlake.dataplane.tensor_frames import WireError
+from tokenlake.dataplane.wire import error_message
 
 
 @dataclass(frozen=True)
 class TransferPlanState:
+    """A registered transfer plan: its rows, the puts into this slab, the puts per peer."""
+
     rows: int
-    local: tuple[Put, ...]
-    remote: dict[int, tuple[Put, ...]]
+    local: tuple[PutTarget, ...]
+    remote: dict[int, tuple[PutTarget, ...]]
 
 
 class TransferEngine(EngineLoop):
@@ -42,28 +61,28 @@ class TransferEngine(EngineLoop):
         self.kv = bufs["kv"]  # [layers, max_rows, 2, kv_heads, head_dim]
         self.plans: dict[int, TransferPlanState] = {}
 
-    def handle(self, identity, msg: wire.Message) -> None:
-        kind, body = msg.kind, msg.body
-        if kind == wire.Kind.REGISTER_PLAN:
-            self._register(body)
-            self.reply(identity, wire.encode(kind, msg.msg_id, {"plan": body["plan"]}))
-        elif kind == wire.Kind.RELEASE_PLAN:
-            self.plans.pop(int(body["plan"]), None)
-            self.reply(identity, wire.encode(kind, msg.msg_id, {"plan": body["plan"]}))
-        elif kind == wire.Kind.PUT and "items" in body:
-            self._store_peer_put(body, msg.tensors)
-            self.reply(identity, wire.encode(wire.Kind.PUT_DONE, msg.msg_id, {"layer": int(body["layer"])}))
-        elif kind == wire.Kind.PUT:
-            self._put(identity, msg)
-        elif kind == wire.Kind.COPY_SEGMENT:
-            self._copy(identity, msg)
-        elif kind == wire.Kind.READ_SEGMENT:
-            self._read(identity, msg)
-        elif kind == wire.Kind.SEGMENT_DATA:
-            self._store_segment(body, msg.tensors)
-            self.reply(identity, wire.encode(wire.Kind.COPY_DONE, msg.msg_id, {"slot": body["slot"]}))
-        else:
-            raise wire.WireError(f"transfer engine cannot handle {kind.name}")
+    def handle(self, identity, msg_id: int, message: WireMessage) -> None:
+        match message:
+            case Put():
+                self._put(identity, msg_id, message)
+            case PeerPut():
+                self._store_peer_put(message)
+                self.reply(identity, PutDone(message.layer).encode(msg_id))
+            case RegisterTransferPlan():
+                self._register(message)
+                self.reply(identity, PlanAck(message.plan).encode(msg_id))
+            case ReleasePlan():
+                self.plans.pop(message.plan, None)
+                self.reply(identity, PlanAck(message.plan).encode(msg_id))
+            case CopySegment():
+                self._copy(identity, msg_id, message)
+            case ReadSegment():
+                self._read(identity, msg_id, message)
+            case PeerSegment():
+                self._store_segment(message)
+                self.reply(identity, CopyDone(message.slot).encode(msg_id))
+            case _:
+                raise WireError(f"transfer engine cannot handle {message.KIND.name}")
 
     # ----------------------------------------------------------- validation
     def _check_put(self, slot: int, offset: int, n: int) -> None:
@@ -72,37 +91,35 @@ class TransferEngine(EngineLoop):
         if n <= 0 or offset < 0 or offset + n > self.C:
             raise PlanError(f"{n} tokens at offset {offset} do not fit a {self.C}-token segment")
 
-    def _check_layer(self, body: dict) -> int:
-        layer = int(body["layer"])
+    def _check_layer(self, layer: int) -> int:
         if not 0 <= layer < self.num_layers:
             raise PlanError(f"layer {layer} outside [0, {self.num_layers})")
         return layer
 
-    def _check_layers(self, body: dict) -> range:
-        """The layers ``[layer, layer + layers)`` of a ``PUT`` (``layers`` defaults to 1)."""
-        first, n = int(body["layer"]), int(body.get("layers", 1))
+    def _check_layers(self, first: int, n: int) -> range:
+        """The layers ``[first, first + n)`` of a put, checked against the slab."""
         if n < 1 or not 0 <= first <= first + n <= self.num_layers:
             raise PlanError(f"layers [{first}, {first + n}) outside [0, {self.num_layers})")
         return range(first, first + n)
 
-    def _register(self, body: dict) -> None:
-        pid, rows = int(body["plan"]), int(body["rows"])
+    def _register(self, message: RegisterTransferPlan) -> None:
+        rows = message.rows
         if not 0 < rows <= self.kv.shape[1]:
             raise PlanError(f"plan has {rows} rows; kv_buf holds at most {self.kv.shape[1]}")
-        local: list[Put] = []
-        remote: dict[int, list[Put]] = {}
-        for inst, slot, offset, start, stop in body["puts"]:
-            inst, put = int(inst), (int(slot), int(offset), int(start), int(stop))
-            if not 0 <= put[2] < put[3] <= rows:
-                raise PlanError(f"rows [{put[2]}, {put[3]}) outside [0, {rows})")
-            self._check_put(put[0], put[1], put[3] - put[2])
-            if inst == self.spec.instance:
+        local: list[PutTarget] = []
+        remote: dict[int, list[PutTarget]] = {}
+        for put in message.puts:
+            if not 0 <= put.start < put.stop <= rows:
+                raise PlanError(f"rows [{put.start}, {put.stop}) outside [0, {rows})")
+            self._check_put(put.slot, put.offset, put.stop - put.start)
+            if put.instance == self.spec.instance:
                 local.append(put)
-            elif inst in self.peers:
-                remote.setdefault(inst, []).append(put)
+            elif put.instance in self.peers:
+                remote.setdefault(put.instance, []).append(put)
             else:
-                raise PlanError(f"instance {inst} is not in this cluster")
-        self.plans[pid] = TransferPlanState(rows, tuple(local), {i: tuple(p) for i, p in remote.items()})
+                raise PlanError(f"instance {put.instance} is not in this cluster")
+        self.plans[message.plan] = TransferPlanState(
+            rows, tuple(local), {i: tuple(p) for i, p in remote.items()})
 
     # ----------------------------------------------------------------- puts
     def _write(self, slot: int, layer: int, offset: int, rows: torch.Tensor) -> None:
@@ -110,71 +127,63 @@ class TransferEngine(EngineLoop):
         n = rows.shape[0]
         self.slab[slot, layer, :, :, offset : offset + n, :].copy_(rows.permute(1, 2, 0, 3))
 
-    def _put(self, identity, msg: wire.Message) -> None:
-        plan = self.plans.get(int(msg.body["plan"]))
+    def _put(self, identity, msg_id: int, message: Put) -> None:
+        plan = self.plans.get(message.plan)
         if plan is None:
-            raise PlanError(f"unknown transfer plan {msg.body['plan']} on instance {self.spec.instance}")
-        layers = self._check_layers(msg.body)
+            raise PlanError(f"unknown transfer plan {message.plan} on instance {self.spec.instance}")
+        layers = self._check_layers(message.layer, message.layers)
         kv = self.kv
-        pending = self.new_pending(None, None)
-        done = lambda p: self.reply(identity, wire.encode(wire.Kind.PUT_DONE, msg.msg_id, {"layer": layers.start}))  # noqa: E731
+        pending = self.new_pending(PutDone)
+        done = lambda p: self.reply(identity, PutDone(layers.start).encode(msg_id))  # noqa: E731
         pending.on_done = done
-        pending.on_fail = lambda p, exc: self.reply(identity, wire.error_message(msg.msg_id, exc))
+        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
         for inst, puts in plan.remote.items():  # remote first: they store while we do
-            items = [[slot, offset, stop - start] for slot, offset, start, stop in puts]
-            tensors = tuple(kv[layer, start:stop] for layer in layers for _, _, start, stop in puts)
-            body = {"layer": layers.start, "layers": len(layers), "items": items}
-            self.ask(inst, wire.Kind.PUT, body, tensors, pending)
+            items = tuple(SlotWrite(p.slot, p.offset, p.stop - p.start) for p in puts)
+            tensors = tuple(kv[layer, p.start : p.stop] for layer in layers for p in puts)
+            self.ask(inst, PeerPut(layers.start, len(layers), items, tensors), pending)
         for layer in layers:
-            for slot, offset, start, stop in plan.local:
-                self._write(slot, layer, offset, kv[layer, start:stop])
+            for p in plan.local:
+                self._write(p.slot, layer, p.offset, kv[layer, p.start : p.stop])
         if not pending.waiting:
             done(pending)
 
-    def _store_peer_put(self, body: dict, tensors) -> None:
-        layers = self._check_layers(body)
-        items = body["items"]
-        if len(items) * len(layers) != len(tensors):
-            raise PlanError(f"{len(items)} put items x {len(layers)} layers but {len(tensors)} tensors")
+    def _store_peer_put(self, message: PeerPut) -> None:
+        layers = self._check_layers(message.layer, message.layers)
         want = (2, self.kv_heads, self.head_dim)
-        for (slot, offset, n), rows in zip(items * len(layers), tensors):  # validate all, then write
-            self._check_put(int(slot), int(offset), int(n))
-            if rows.dtype != self.slab.dtype or tuple(rows.shape) != (int(n), *want):
-                raise PlanError(f"put rows must be {self.slab.dtype} [{n}, {', '.join(map(str, want))}]")
-        writes = ((layer, slot, offset) for layer in layers for slot, offset, _ in items)
-        for (layer, slot, offset), rows in zip(writes, tensors):
-            self._write(int(slot), layer, int(offset), rows)
+        items = message.items * len(layers)  # layer-major, as the tensors
+        for it, rows in zip(items, message.kv):  # validate all, then write
+            self._check_put(it.slot, it.offset, it.rows)
+            if rows.dtype != self.slab.dtype or tuple(rows.shape) != (it.rows, *want):
+                raise PlanError(f"put rows must be {self.slab.dtype} [{it.rows}, {', '.join(map(str, want))}]")
+        writes = ((layer, it) for layer in layers for it in message.items)
+        for (layer, it), rows in zip(writes, message.kv):
+            self._write(it.slot, layer, it.offset, rows)
 
     # ------------------------------------------------------------- segments
-    def _copy(self, identity, msg: wire.Message) -> None:
-        body = msg.body
-        src, dst_inst, dst = int(body["slot"]), int(body["target"]), int(body["target_slot"])
+    def _copy(self, identity, msg_id: int, message: CopySegment) -> None:
+        src, dst_inst, dst = message.slot, message.target, message.target_slot
         if not 0 <= src < self.num_slots:
             raise PlanError(f"slot {src} outside [0, {self.num_slots})")
-        pending = self.new_pending(None, None)
-        pending.on_done = lambda p: self.reply(identity, wire.encode(wire.Kind.COPY_DONE, msg.msg_id, {"slot": dst}))
-        pending.on_fail = lambda p, exc: self.reply(identity, wire.error_message(msg.msg_id, exc))
+        pending = self.new_pending(CopyDone)
+        pending.on_done = lambda p: self.reply(identity, CopyDone(dst).encode(msg_id))
+        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
         if dst_inst == self.spec.instance:
             raise PlanError("a segment copy needs another instance as target")
-        self.ask(dst_inst, wire.Kind.SEGMENT_DATA, {"slot": dst}, (self.slab[src],), pending)
+        self.ask(dst_inst, PeerSegment(dst, self.slab[src]), pending)
 
-    def _read(self, identity, msg: wire.Message) -> None:
+    def _read(self, identity, msg_id: int, message: ReadSegment) -> None:
         """Returns one layer of the named slots (the imperative "fetch the prefix KV"
         path the benchmark compares against): one zero-copy frame per slot."""
-        layer = self._check_layer(msg.body)
-        slots = [int(s) for s in msg.body["slots"]]
-        if any(not 0 <= s < self.num_slots for s in slots):
+        layer = self._check_layer(message.layer)
+        if any(not 0 <= s < self.num_slots for s in message.slots):
             raise PlanError(f"slot out of range [0, {self.num_slots})")
-        tensors = tuple(self.slab[s, layer] for s in slots)
-        self.reply(identity, wire.encode(wire.Kind.SEGMENT_DATA, msg.msg_id, {"layer": layer, "slots": slots}, tensors))
+        blocks = tuple(self.slab[s, layer] for s in message.slots)
+        self.reply(identity, SegmentData(layer, message.slots, blocks).encode(msg_id))
 
-    def _store_segment(self, body: dict, tensors) -> None:
-        slot = int(body["slot"])
+    def _store_segment(self, message: PeerSegment) -> None:
+        slot, data = message.slot, message.data
         if not 0 <= slot < self.num_slots:
             raise PlanError(f"slot {slot} outside [0, {self.num_slots})")
-        (data,) = tensors
         if data.dtype != self.slab.dtype or data.shape != self.slab.shape[1:]:
             raise PlanError(f"segment data must be {self.slab.dtype} {tuple(self.slab.shape[1:])}")
         self.slab[slot].copy_(data)
-
-

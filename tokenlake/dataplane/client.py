@@ -28,6 +28,19 @@ import zmq
 from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.core.plans import QueryPlan, TransferPlan
 from tokenlake.dataplane import wire
+from tokenlake.dataplane.messages import (
+    PlanAck,
+    Put,
+    PutDone,
+    Query,
+    QueryDone,
+    RegisterQueryPlan,
+    RegisterTransferPlan,
+    ReleasePlan,
+    WireMessage,
+    expect,
+)
+from tokenlake.dataplane.sockets import send_frames
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,7 @@ class PutHandle:
 
     def wait(self, timeout_s: float | None = None) -> None:
         if not self._done:
-            self._client._wait(self._id, timeout_s)
+            self._client._wait(self._id, timeout_s, PutDone)
             self._done = True
 
     def done(self) -> bool:
@@ -66,7 +79,7 @@ class QueryHandle:
         self._client, self._id, self._rows = client, msg_id, rows
 
     def wait(self, timeout_s: float | None = None) -> Partial:
-        self._client._wait(self._id, timeout_s)
+        self._client._wait(self._id, timeout_s, QueryDone)
         return Partial(self._client.out_o[: self._rows], self._client.out_lse[: self._rows])
 
 
@@ -97,6 +110,7 @@ class InstanceClient:
         self._socks: dict[str, zmq.Socket] = {}
         self._poller: zmq.Poller | None = None
         self._replies: dict[int, wire.Message] = {}
+        self._unawaited: set[int] = set()  # ids of releases, whose replies nobody reads
         self._query_plan: tuple[int, int] | None = None  # (plan id, rows)
         self._transfer_plan: tuple[int, int] | None = None
         self._puts: list[PutHandle] = []
@@ -120,13 +134,8 @@ class InstanceClient:
         """Registers a sub-batch's query plan with the home query engine; returns
         ``q_buf``, the [rows, q_heads, head_dim] float32 view to write q rows into."""
         self._check_home(plan.home)
-        tasks = {}
-        for task in plan.tasks + plan.tails:
-            items = tasks.setdefault(task.instance, [])
-            items.extend([it.start, it.stop, list(it.slots), list(it.tokens)] for it in task.items)
         pid = next(self._ids)
-        self._call("query", wire.Kind.REGISTER_PLAN,
-                   {"plan": pid, "rows": plan.num_rows, "tasks": [[i, t] for i, t in tasks.items()]})
+        self._call("query", RegisterQueryPlan.from_plan(pid, plan), PlanAck)
         self._release("query")
         self._query_plan = (pid, plan.num_rows)
         return self.q[: plan.num_rows]
@@ -141,7 +150,7 @@ class InstanceClient:
         if self._query_plan is None:
             raise PlanError("call init_query first")
         pid, rows = self._query_plan
-        msg_id = self._send("query", wire.Kind.QUERY, {"plan": pid, "layer": layer})
+        msg_id = self._send("query", Query(pid, layer))
         return QueryHandle(self, msg_id, rows)
 
     # ------------------------------------------------------------- transfer
@@ -149,9 +158,8 @@ class InstanceClient:
         """Registers a sub-batch's transfer plan; returns ``kv_buf``, the
         [layers, rows, 2, kv_heads, head_dim] float32 view to write new K/V into."""
         self._check_home(plan.home)
-        puts = [[p.instance, p.slot, p.offset, p.start, p.stop] for p in plan.puts]
         pid = next(self._ids)
-        self._call("transfer", wire.Kind.REGISTER_PLAN, {"plan": pid, "rows": plan.num_rows, "puts": puts})
+        self._call("transfer", RegisterTransferPlan.from_plan(pid, plan), PlanAck)
         self._release("transfer")
         self._transfer_plan = (pid, plan.num_rows)
         return self.kv[:, : plan.num_rows]
@@ -165,10 +173,7 @@ class InstanceClient:
             raise PlanError("call init_transfer first")
         if layers < 1 or layer < 0 or layer + layers > self.kv.shape[0]:
             raise PlanError(f"layers [{layer}, {layer + layers}) outside [0, {self.kv.shape[0]})")
-        body = {"plan": self._transfer_plan[0], "layer": layer}
-        if layers != 1:
-            body["layers"] = layers
-        msg_id = self._send("transfer", wire.Kind.PUT, body)
+        msg_id = self._send("transfer", Put(self._transfer_plan[0], layer, layers))
         handle = PutHandle(self, msg_id, layer)
         self._puts.append(handle)
         return handle
@@ -186,17 +191,18 @@ class InstanceClient:
             raise PlanError(f"plan is homed on instance {home}; this client is instance {self.instance}")
 
     def _release(self, role: str) -> None:
+        """Releases the role's current plan without waiting (its reply is dropped)."""
         old = self._query_plan if role == "query" else self._transfer_plan
         if old is not None:
-            self._send(role, wire.Kind.RELEASE_PLAN, {"plan": old[0]})
+            self._unawaited.add(self._send(role, ReleasePlan(old[0])))
 
-    def _send(self, role: str, kind: wire.Kind, body: dict, tensors=()) -> int:
+    def _send(self, role: str, message: WireMessage) -> int:
         msg_id = next(self._ids)
-        wire.send_frames(self._socks[role], wire.encode(kind, msg_id, body, tensors))
+        send_frames(self._socks[role], message.encode(msg_id))
         return msg_id
 
-    def _call(self, role: str, kind: wire.Kind, body: dict, tensors=(), timeout_s=None) -> wire.Message:
-        return self._wait(self._send(role, kind, body, tensors), timeout_s)
+    def _call(self, role: str, message: WireMessage, reply: type[WireMessage]) -> WireMessage:
+        return self._wait(self._send(role, message), None, reply)
 
     def _drain(self, wait_ms: int) -> bool:
         """Files every reply that arrives within ``wait_ms``; True if any did."""
@@ -208,7 +214,10 @@ class InstanceClient:
         for sock, _ in self._poller.poll(wait_ms):
             while sock.poll(0):
                 msg = wire.decode(sock.recv_multipart(copy=False))
-                self._replies[msg.msg_id] = msg
+                if msg.msg_id in self._unawaited:
+                    self._unawaited.discard(msg.msg_id)
+                else:
+                    self._replies[msg.msg_id] = msg
                 got = True
         return got
 
@@ -216,7 +225,9 @@ class InstanceClient:
         self._drain(0)
         return msg_id in self._replies
 
-    def _wait(self, msg_id: int, timeout_s: float | None) -> wire.Message:
+    def _wait(self, msg_id: int, timeout_s: float | None, reply: type[WireMessage]) -> WireMessage:
+        """The reply to ``msg_id``, read as a ``reply``; an ``ERROR`` raises its typed
+        exception, silence past the timeout or a dead engine ``EngineUnavailable``."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while msg_id not in self._replies:
             left = deadline - time.monotonic()
@@ -228,6 +239,4 @@ class InstanceClient:
                 dead = self._alive()  # quiet for poll_s: is anyone there?
                 if dead is not None:
                     raise EngineUnavailable(f"{dead} is not running")
-        msg = self._replies.pop(msg_id)
-        wire.raise_if_error(msg)
-        return msg
+        return expect(self._replies.pop(msg_id), reply)

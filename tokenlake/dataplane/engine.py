@@ -22,7 +22,10 @@ import torch
 import zmq
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
-from tokenlake.dataplane import wire
+from tokenlake.dataplane import messages, wire
+from tokenlake.dataplane.messages import Ack, ErrorReply, Peers, Ping, Pong, Shutdown, WireMessage
+from tokenlake.dataplane.sockets import send_frames
+from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +83,15 @@ class EngineSpec:
 
 @dataclass
 class Pending:
-    """A request this engine sent to peers and is still waiting for."""
+    """A request this engine sent to peers and is still waiting for: it completes
+    (``on_done``) when every peer answered with an ``expect`` message, and fails
+    (``on_fail``, once) on the first ``ERROR``, on another reply kind, or at ``deadline``
+    (``time.monotonic()`` seconds)."""
 
     deadline: float
-    waiting: set[int]  # message ids not answered yet
-    results: list = field(default_factory=list)  # decoded replies
+    expect: type[WireMessage]
+    waiting: set[int] = field(default_factory=set)  # message ids not answered yet
+    results: list[tuple[int, WireMessage]] = field(default_factory=list)  # (instance, reply)
     on_done: Callable[[Pending], None] | None = None
     on_fail: Callable[[Pending, BaseException], None] | None = None
 
@@ -92,9 +99,11 @@ class Pending:
 class EngineLoop:
     """Single-threaded event loop: one ROUTER for incoming work, one DEALER per peer.
 
-    Subclasses implement :meth:`handle` (a request from a client or a peer, on the
-    ROUTER) and use :meth:`ask` to send requests to peers whose replies complete a
-    :class:`Pending`.
+    Every message is read once into its typed message
+    (:mod:`tokenlake.dataplane.messages`). The loop answers ``PING``, ``PEERS`` and
+    ``SHUTDOWN`` itself; subclasses implement :meth:`handle` (any other request from a
+    client or a peer, on the ROUTER) and use :meth:`ask` to send requests to peers whose
+    replies complete a :class:`Pending`.
     """
 
     tick_s = 0.1
@@ -207,17 +216,11 @@ class EngineLoop:
                 log.warning("parent process is gone; %s engine %d stops", self.spec.role, self.spec.instance)
                 break
 
-    def stats(self) -> dict:
+    def stats(self) -> Pong:
         """What a PING is answered with: identity and the bytes this process copied on
-        the wire path (payload bytes decode had to copy, see ``wire.CopyStats``)."""
-        return {
-            "role": self.spec.role,
-            "instance": self.spec.instance,
-            "bytes_copied": wire.CopyStats.bytes_copied,
-            "messages_copied": wire.CopyStats.messages,
-            "requests": self._handled,
-            "busy_s": self._busy_s,
-        }
+        the wire path (payload bytes decode had to copy, see ``CopyStats``)."""
+        return Pong(self.spec.role, self.spec.instance, CopyStats.bytes_copied,
+                    CopyStats.messages, self._handled, self._busy_s)
 
     # ------------------------------------------------------------- messages
     def _on_request(self, frames: list) -> None:
@@ -226,16 +229,17 @@ class EngineLoop:
         try:
             msg = wire.decode(payload)
             msg_id = msg.msg_id
-            if msg.kind == wire.Kind.SHUTDOWN:
+            message = messages.parse(msg)
+            if isinstance(message, Shutdown):
                 self._stop = True
-                self.reply(identity, wire.encode(wire.Kind.SHUTDOWN, msg_id))
-            elif msg.kind == wire.Kind.PING:
-                self.reply(identity, wire.encode(wire.Kind.PONG, msg_id, self.stats()))
-            elif msg.kind == wire.Kind.PEERS:
-                self.connect_peers(_peer_table(msg.body))
-                self.reply(identity, wire.encode(wire.Kind.PEERS, msg_id))
+                self.reply(identity, Ack().encode(msg_id))
+            elif isinstance(message, Ping):
+                self.reply(identity, self.stats().encode(msg_id))
+            elif isinstance(message, Peers):
+                self.connect_peers(dict(message.peers))
+                self.reply(identity, Ack().encode(msg_id))
             else:
-                self.handle(identity, msg)
+                self.handle(identity, msg_id, message)
         except Exception as exc:  # a bad request must not stop the engine
             msg_id = getattr(exc, "msg_id", None) or msg_id  # WireError knows it if readable
             if not isinstance(exc, TokenLakeError):
@@ -244,38 +248,52 @@ class EngineLoop:
 
     def _on_reply(self, instance: int, frames: list) -> None:
         try:
-            msg = wire.decode(frames)
-        except wire.WireError:
+            msg_id, reply = messages.decode(frames)
+        except WireError:
             log.exception("malformed reply from instance %d", instance)
             return
-        pending = self._pending.pop(msg.msg_id, None)
+        pending = self._pending.pop(msg_id, None)
         if pending is None:
-            return  # late reply of an op that already failed
-        pending.waiting.discard(msg.msg_id)
-        if msg.kind == wire.Kind.ERROR:
-            self._fail(pending, _as_exception(msg))
+            return  # late reply of an op that already failed, or of a message sent without waiting
+        pending.waiting.discard(msg_id)
+        if isinstance(reply, ErrorReply):
+            self._fail(pending, reply.exception())
             return
-        pending.results.append((instance, msg))
+        if not isinstance(reply, pending.expect):
+            self._fail(pending, WireError(f"instance {instance} answered {reply.KIND.name}, "
+                                          f"not {pending.expect.KIND.name}"))
+            return
+        pending.results.append((instance, reply))
         if not pending.waiting and pending.on_done is not None:
             pending.on_done(pending)
 
     def reply(self, identity, frames: list) -> None:
         assert self.router is not None
-        wire.send_frames(self.router, [identity, *frames])
+        send_frames(self.router, [identity, *frames])
 
-    def ask(self, instance: int, kind: wire.Kind, body: dict, tensors, pending: Pending) -> None:
-        """Sends a request to a peer; its reply will complete ``pending``."""
+    def tell(self, instance: int, message: WireMessage) -> None:
+        """Sends ``message`` to a peer without waiting: its reply (id 0) is dropped."""
+        send_frames(self._peer(instance), message.encode(0))
+
+    def ask(self, instance: int, message: WireMessage, pending: Pending) -> None:
+        """Sends ``message`` to a peer; its reply will complete ``pending``."""
+        sock = self._peer(instance)
         msg_id = self._next_id
         self._next_id += 1
+        pending.waiting.add(msg_id)
+        self._pending[msg_id] = pending
+        send_frames(sock, message.encode(msg_id))
+
+    def _peer(self, instance: int) -> zmq.Socket:
         sock = self.peers.get(instance)
         if sock is None:
             raise ConfigError(f"instance {instance} is not a peer of instance {self.spec.instance}")
-        pending.waiting.add(msg_id)
-        self._pending[msg_id] = pending
-        wire.send_frames(sock, wire.encode(kind, msg_id, body, tensors))
+        return sock
 
-    def new_pending(self, on_done, on_fail) -> Pending:
-        return Pending(time.monotonic() + self.spec.peer_timeout_s, set(), [], on_done, on_fail)
+    def new_pending(self, expect: type[WireMessage]) -> Pending:
+        """A :class:`Pending` expecting ``expect`` replies within ``peer_timeout_s``; set
+        its ``on_done`` and ``on_fail`` before asking."""
+        return Pending(time.monotonic() + self.spec.peer_timeout_s, expect)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -293,31 +311,10 @@ class EngineLoop:
             cb, pending.on_fail, pending.on_done = pending.on_fail, None, None
             cb(pending, exc)
 
-    def handle(self, identity, msg: wire.Message) -> None:  # pragma: no cover - abstract
+    def handle(self, identity, msg_id: int, message: WireMessage) -> None:  # pragma: no cover - abstract
+        """Serves one request (already read into its typed message); replies with
+        :meth:`reply`. An exception is answered with ``ERROR`` by the loop."""
         raise NotImplementedError
-
-
-def _peer_table(body: dict) -> dict[int, str | None]:
-    """``{"peers": [[instance, endpoint or nil], ...]}`` of a ``PEERS`` message."""
-    table = {}
-    for entry in body.get("peers", ()) if isinstance(body.get("peers"), list) else ():
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)):
-            raise wire.WireError(f"PEERS: malformed entry {entry!r}")
-        inst, ep = entry
-        if ep is not None and not (isinstance(ep, str) and ep.startswith("tcp://") and len(ep) < 256):
-            raise wire.WireError(f"PEERS: instance {inst}: not a tcp endpoint: {ep!r}")
-        table[inst] = ep
-    if not table:
-        raise wire.WireError("PEERS needs a non-empty 'peers' list")
-    return table
-
-
-def _as_exception(msg: wire.Message) -> BaseException:
-    try:
-        wire.raise_if_error(msg)
-    except BaseException as exc:  # noqa: BLE001 - converted, not swallowed
-        return exc
-    return TokenLakeError("peer replied with an error")
 
 
 def run_engine(engine_cls: Callable[[EngineSpec], Any], spec_bytes: bytes, conn) -> None:

@@ -70,6 +70,7 @@ def tree_state(cp) -> dict:
             tree.replicas(k),
             tree.lease_count(k),
             tree.is_pinned(k),
+            tuple(tree.last_access(k, loc.instance) for loc in tree.replicas(k, False)),
         )
         for k in tree.keys()
     }
@@ -78,7 +79,8 @@ def tree_state(cp) -> dict:
 def request_table(cp) -> dict:
     """The control plane's request table (white box: chain, open tail, busy flag)."""
     return {
-        rid: (list(s.chain), s.tail, list(s.tail_tokens), s.busy) for rid, s in cp._requests.items()
+        s.request_id: (list(s.chain), s.tail, list(s.tail_tokens), s.busy)
+        for s in cp.requests.states()
     }
 
 
@@ -776,7 +778,8 @@ def test_remove_instance_reports_requests_that_lost_a_segment():
     run(cp, [batch(req("empty", [5]))])  # only an open tail
     victim = 1
     expected = set()
-    for rid, state in cp._requests.items():
+    for state in cp.requests.states():
+        rid = state.request_id
         on_victim = [
             k for k in state.chain if {loc.instance for loc in tree.replicas(k)} == {victim}
         ]
@@ -839,12 +842,12 @@ def test_instance_load_counts_segment_reads():
 
 def check_invariants(cp) -> None:
     """Pool-wide invariants that hold after every operation, failures included."""
+    cp.check()  # pool (tree, slots, copies), request table, transactions in flight
     tree = cp.get_prefix_tree()
-    tree.check()
     stats = cp.stats().pool
     assert sum(stats.slots_used.values()) == stats.replicas + stats.private_slots
     leases: dict[bytes, int] = {}
-    for s in cp._requests.values():
+    for s in cp.requests.states():
         for k in s.chain:
             if k in tree:
                 leases[k] = leases.get(k, 0) + 1

@@ -30,12 +30,13 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from pool_state import pool_state
 from reference_model import MNode, MReplica, NodeModel
 
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.errors import CapacityError, ConfigError, PrefixNotCached, SegmentNotFound
 from tokenlake.core.placement import plan_replication
-from tokenlake.core.pool import CachePool
+from tokenlake.core.pool import CachePool, Eviction
 from tokenlake.core.prefix_tree import SegmentLocation
 from tokenlake.core.segments import token_bytes
 
@@ -125,11 +126,13 @@ class PoolMachine(RuleBasedStateMachine):
         cands = self.model.lru_candidates(protect)
         return ("evict", cands) if cands else ("full", None)
 
-    def took(self, expect, loc: SegmentLocation) -> None:
-        """Checks (and applies to the model) a slot that ``_take_slot`` handed out."""
+    def took(self, expect, loc: SegmentLocation, evicted) -> None:
+        """Checks (and applies to the model) a slot that ``_take_slot`` handed out, and
+        the eviction record that came with it."""
         kind, what = expect
         if kind == "free":
             assert loc.instance == what  # first instance in ring order with a free slot
+            assert evicted is None
         else:
             victims = [
                 (k, i)
@@ -138,10 +141,16 @@ class PoolMachine(RuleBasedStateMachine):
                 if (i, r.slot) == (loc.instance, loc.slot)
             ]
             assert len(victims) == 1 and victims[0] in what, (victims, what)
+            self.check_eviction(evicted, *victims[0])
             self.model.drop_replica(*victims[0])
             self.evictions += 1
         assert 0 <= loc.slot < self.model.capacity[loc.instance]
         assert loc.slot not in self.model.used_slots(loc.instance)
+
+    def check_eviction(self, evicted, key: bytes, inst: int) -> None:
+        """The pool's eviction record names exactly the replica the model evicts."""
+        node, rep = self.model.nodes[key], self.model.nodes[key].replicas[inst]
+        assert evicted == Eviction(key, node.parent, node.index, inst, rep.slot, rep.last)
 
     def forget(self, gone: set[bytes]) -> None:
         def strip(chains):
@@ -181,8 +190,9 @@ class PoolMachine(RuleBasedStateMachine):
         parent, created = None, []
         for i, key in enumerate(self.pool.hasher.keys(tokens)):
             if key in self.model.nodes:
-                loc, new = self.pool.place(key, parent, i)
-                assert not new
+                placed = self.pool.place(key, parent, i)
+                loc = placed.location
+                assert not placed.created and placed.evicted is None
                 reps = self.model.nodes[key].replicas
                 ready = sorted(j for j, r in reps.items() if r.ready)
                 assert loc.instance == (ready or sorted(reps))[0]
@@ -194,9 +204,10 @@ class PoolMachine(RuleBasedStateMachine):
                     with pytest.raises(CapacityError):
                         self.pool.place(key, parent, i)
                     break
-                loc, new = self.pool.place(key, parent, i)
-                assert new
-                self.took(expect, loc)
+                placed = self.pool.place(key, parent, i)
+                loc = placed.location
+                assert placed.created
+                self.took(expect, loc, placed.evicted)
                 node = self.model.nodes[key] = MNode(parent, i)
                 node.replicas[loc.instance] = MReplica(loc.slot, False, self.now)
                 created.append((key, loc.instance))
@@ -347,11 +358,22 @@ class PoolMachine(RuleBasedStateMachine):
     def evict(self):
         cands = self.model.lru_candidates()
         victim = self.tree.lru_victim()
-        assert self.pool.evict_one() is bool(cands)
+        evicted = self.pool.evict_one()
+        assert (evicted is not None) == bool(cands)
         if cands:
             assert victim in cands
+            self.check_eviction(evicted, *victim)
             self.model.drop_replica(*victim)
             self.evictions += 1
+
+    @rule(n=st.integers(1, 4))
+    def evict_and_restore(self, n):
+        """Evictions put back (newest first) leave the pool exactly as it was."""
+        before = pool_state(self.pool)
+        evicted = [e for e in (self.pool.evict_one() for _ in range(n)) if e is not None]
+        event(f"evict_and_restore: {len(evicted)}")
+        self.pool.restore_evicted(evicted)
+        assert pool_state(self.pool) == before
 
     @rule(owner=st.sampled_from("abc"), hint=st.binary(max_size=3))
     def allocate_private(self, owner, hint):
@@ -361,8 +383,10 @@ class PoolMachine(RuleBasedStateMachine):
             with pytest.raises(CapacityError):
                 self.pool.allocate_private(owner, hint)
             return
-        loc = self.pool.allocate_private(owner, hint)
-        self.took(expect, loc)
+        placed = self.pool.allocate_private(owner, hint)
+        loc = placed.location
+        assert placed.created
+        self.took(expect, loc, placed.evicted)
         self.model.private[(loc.instance, loc.slot)] = owner
 
     @rule(data=st.data())
@@ -465,7 +489,7 @@ class PoolMachine(RuleBasedStateMachine):
         if not hasattr(self, "model"):
             return
         pool, tree, model = self.pool, self.tree, self.model
-        tree.check()  # no orphaned suffix; the LRU index holds exactly the evictable
+        pool.check()  # the tree's invariants, exact slot accounting, copies in flight
         assert set(tree.keys()) == set(model.nodes)
         for key, node in model.nodes.items():
             assert node.parent is None or node.parent in model.nodes
@@ -538,8 +562,9 @@ def test_place_never_evicts_the_parent_it_extends():
     pool.place(x, None, 0)
     pool.commit(x, pool.tree.replicas(x, ready_only=False)[0].instance)
     clock[0] = 2.0
-    loc, created = pool.place(k1, k0, 1)  # k0 is the LRU leaf, but x must go instead
-    assert created and x not in pool.tree and k0 in pool.tree
+    placed = pool.place(k1, k0, 1)  # k0 is the LRU leaf, but x must go instead
+    assert placed.created and x not in pool.tree and k0 in pool.tree
+    assert (placed.evicted.key, placed.evicted.parent, placed.evicted.last_access) == (x, None, 1.0)
     assert pool.tree.parent(k1) == k0 and pool.tree.lease_count(k0) == 0
     pool.tree.check()
 

@@ -1,5 +1,10 @@
 """Assembly of sub-batch plans (the last step of ``gen_plans``).
 
+:meth:`PartAssembler.assemble` splits every batch into DoP sub-batches of contiguous
+rows, gives each sub-batch node the bytes it would send to every instance, matches the
+nodes to instances (:mod:`tokenlake.core.dispatch`) and builds the query and transfer
+plans with the chosen homes.
+
 A sub-batch's query traffic has two parts: reads of *sealed* segments, which stay the
 same from one decode step to the next, and reads of each request's private *open
 tail*, which grows every step. :class:`PartAssembler` caches the sealed part of every
@@ -10,11 +15,25 @@ builds the tails, spans and puts anew (plan once, run many).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tokenlake.core.plans import Batch, PutItem, QueryItem, QueryTask, RowSpan
+from tokenlake.core.dispatch import DispatchNode, dispatch, split_tokens
+from tokenlake.core.plans import (
+    Batch,
+    Plans,
+    PutItem,
+    QueryItem,
+    QueryPlan,
+    QueryTask,
+    RowSpan,
+    TransferPlan,
+)
 from tokenlake.core.requests import NewTokenPut, RequestState
+from tokenlake.core.segments import SegmentKey
+
+Access = tuple[tuple[SegmentKey, ...], dict[int, int]]  # (chain, reads per instance)
 
 
 class Prepared(NamedTuple):
@@ -38,17 +57,65 @@ class Part:
     tasks: tuple[QueryTask, ...]  # sealed segments, by instance
     tails: tuple[QueryTask, ...]  # open tails, by instance
     puts: tuple[PutItem, ...]
-    accesses: list  # (keys, per-instance reads) per request, for access accounting
+    accesses: list[Access]  # per request, for access accounting
     query_rows: dict[int, int]  # q rows this part sends to each instance
     put_rows: dict[int, int]  # KV rows this part stores on each instance
 
 
 class PartAssembler:
-    """Builds :class:`Part` objects; caches sealed query tasks across iterations."""
+    """Builds the plans of each iteration; caches sealed query tasks across iterations.
 
-    def __init__(self) -> None:
+    Args:
+        query_row_bytes: bytes one q row costs per remote instance, all layers (q out,
+            partial o and LSE back).
+        kv_row_bytes: bytes of one token's KV, all layers.
+    """
+
+    def __init__(self, query_row_bytes: int, kv_row_bytes: int) -> None:
+        self._query_row_bytes = query_row_bytes
+        self._kv_row_bytes = kv_row_bytes
         self._prev: dict = {}
         self._cur: dict = {}
+
+    def assemble(
+        self, batches: Sequence[Batch], dops: Sequence[int], prepared: dict[str, Prepared],
+        iteration: int, instances: Sequence[int],
+    ) -> tuple[Plans, list[Access]]:
+        """Splits batches into sub-batches, dispatches them to distinct ``instances``, and
+        builds the plans. Also returns the segment reads the plans make (one entry per
+        request and sub-batch), for the pool's access accounting."""
+        self.begin_iteration()
+        parts: list[Part] = []
+        for b, (batch, dop) in enumerate(zip(batches, dops)):
+            offsets, total = [], 0
+            for req in batch.requests:
+                offsets.append(total)
+                total += len(req.new_token_ids)
+            for p, (lo, hi) in enumerate(split_tokens(total, dop)):
+                parts.append(self.build(b, p, batch, offsets, prepared, lo, hi))
+        qb, kb = self._query_row_bytes, self._kv_row_bytes
+        nodes = [
+            DispatchNode(
+                part.batch, part.part,
+                {i: qb * r for i, r in part.query_rows.items()},
+                {i: kb * r for i, r in part.put_rows.items()},
+            )
+            for part in parts
+        ]
+        homes = dispatch(nodes, instances)
+        query_plans, transfer_plans = [], []
+        groups: list[list[int]] = [[] for _ in batches]
+        for part, home in zip(parts, homes):
+            groups[part.batch].append(home)
+            query_plans.append(
+                QueryPlan(part.batch, part.part, home, part.rows, part.spans, part.tasks, part.tails)
+            )
+            stored = sum(put.stop - put.start for put in part.puts)
+            transfer_plans.append(
+                TransferPlan(part.batch, part.part, home, part.rows, part.puts, part.rows - stored)
+            )
+        plans = Plans(iteration, tuple(query_plans), tuple(transfer_plans), tuple(map(tuple, groups)))
+        return plans, [a for part in parts for a in part.accesses]
 
     def begin_iteration(self) -> None:
         """Keeps only the previous iteration's parts in the cache (bounded memory)."""

@@ -1,15 +1,24 @@
 """The cache manager of the global pool: slots, placement, eviction, replication.
 
-:class:`CachePool` is the single writer of cache metadata (DESIGN §2). It combines the
-mechanism (:class:`~tokenlake.core.slots.SlotPool`, :class:`~tokenlake.core.prefix_tree.PrefixTree`)
-with the policies of :mod:`tokenlake.core.placement`:
+:class:`CachePool` is the single writer of cache metadata (DESIGN §2): every change to
+the prefix tree and the slots goes through it. It applies the policies of
+:mod:`tokenlake.core.placement` to the mechanism (:class:`~tokenlake.core.slots.SlotPool`,
+:class:`~tokenlake.core.prefix_tree.PrefixTree`):
 
 * a new segment goes to its home on the hash ring, spilling along the ring when the
   home is full; when the whole pool is full the globally least recently used evictable
   replica is evicted and its slot reused; if nothing is evictable (all pinned, leased
   or pending) a :class:`~tokenlake.core.errors.CapacityError` is raised;
 * open tails of running requests live in *private* slots until they fill;
-* :meth:`CachePool.rebalance` finds heavy hitters and starts replications.
+* copies of heavy hitters are started and finished by its
+  :class:`~tokenlake.core.replication.Replicator`.
+
+An eviction is returned to the caller as an :class:`Eviction` record (in the
+:class:`Placement` that needed the slot): a caller whose plan fails before any data
+moved puts the evicted replicas back with :meth:`CachePool.restore_evicted`.
+
+Invariant (checked by :meth:`CachePool.check`, with the tree's, the slots' and the
+replicator's): every used slot holds exactly one replica or one private tail.
 
 Time comes from an injected clock and randomness from an injected ``random.Random``.
 """
@@ -23,31 +32,32 @@ from dataclasses import dataclass, field
 
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.errors import CapacityError, ConfigError, PrefixNotCached, SegmentNotFound
-from tokenlake.core.placement import (
-    AccessWindow,
-    HashRing,
-    ReplicationDecision,
-    choose_replica,
-    expected_load,
-    find_heavy_hitters,
-    heavy_hitter_budget,
-    plan_replication,
-)
+from tokenlake.core.placement import AccessWindow, HashRing, choose_replica
 from tokenlake.core.prefix_tree import MatchResult, PrefixTree, SegmentLocation
+from tokenlake.core.replication import Replication, Replicator
 from tokenlake.core.segments import SegmentHasher, SegmentKey
 from tokenlake.core.slots import SlotPool
 
 
 @dataclass(frozen=True)
-class Replication:
-    """A started copy of one whole segment (one contiguous slab copy, DESIGN §4).
-
-    The target replica is pending until :meth:`CachePool.finish_replication`.
-    """
+class Eviction:
+    """One replica the pool evicted to free its slot: enough to put it back exactly."""
 
     key: SegmentKey
-    source: SegmentLocation
-    target: SegmentLocation
+    parent: SegmentKey | None  # the segment's parent in the tree (None for a first segment)
+    index: int  # the segment's position in its sequence
+    instance: int
+    slot: int  # the freed slot; its data is intact until the slot is written again
+    last_access: float  # the replica's LRU time (seconds of the pool's clock)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where :meth:`CachePool.place` or :meth:`CachePool.allocate_private` put something."""
+
+    location: SegmentLocation
+    created: bool  # False: the segment was already cached (dedup), nothing was taken
+    evicted: Eviction | None = None  # the replica evicted to free ``location``, if any
 
 
 @dataclass(frozen=True)
@@ -95,12 +105,9 @@ class CachePool:
         self.ring = HashRing(vnodes=config.vnodes)
         self.window = AccessWindow(config.window_s, config.bucket_s)
         self.slots = SlotPool()
+        self.replicator = Replicator(self)
         self._private: dict[tuple[int, int], str] = {}  # (instance, slot) -> owner
-        self._replicating: dict[tuple[SegmentKey, int], Replication] = {}
-        self._dedup = self._evictions = self._replications = 0
-        # While not None, evict_one() notes what it evicts here so that a plan that fails
-        # before any data moved can put it back (see restore_evicted).
-        self.eviction_log: list[tuple] | None = None
+        self._dedup = self._evictions = 0
         for inst in instances:
             self.add_instance(inst)
 
@@ -120,9 +127,7 @@ class CachePool:
         would orphan its suffix). Slots those subtrees held elsewhere are freed."""
         if instance not in self.slots.instances:
             raise ConfigError(f"unknown instance {instance}")
-        for rep in list(self._replicating.values()):
-            if instance in (rep.source.instance, rep.target.instance):
-                self.abort_replication(rep)
+        self.replicator.abort_touching(instance)
         gone: list[SegmentKey] = []
         for key in list(self.tree.keys()):
             if key not in self.tree:
@@ -140,9 +145,7 @@ class CachePool:
                     self.slots.free(inst, slot)
         # Copies between other instances of segments that went with a subtree are void:
         # their target slots were freed above, and the key may be inserted again later.
-        for where, rep in list(self._replicating.items()):
-            if rep.key not in self.tree:
-                del self._replicating[where]
+        self.replicator.void_missing()
         lost = tuple(o for (i, _), o in self._private.items() if i == instance)
         self._private = {loc: o for loc, o in self._private.items() if loc[0] != instance}
         self.ring.remove(instance)
@@ -162,17 +165,18 @@ class CachePool:
         return by_inst[choose_replica(sorted(by_inst), load, self.rng)]
 
     # ------------------------------------------------------------- placement
-    def place(self, key: SegmentKey, parent: SegmentKey | None, index: int) -> tuple[SegmentLocation, bool]:
+    def place(self, key: SegmentKey, parent: SegmentKey | None, index: int) -> Placement:
         """Makes sure segment ``key`` is in the tree.
 
-        Returns ``(location, created)``: a new pending replica at the segment's home
-        (``created``), or an existing replica (dedup: the caller skips storing it).
+        Returns a new pending replica at the segment's home (``created``; ``evicted``
+        names the replica evicted to make room, if any), or an existing replica (dedup:
+        the caller skips storing it). Raises :class:`CapacityError` on a full pool.
         """
         if key in self.tree:
             self._dedup += 1
             locs = self.tree.replicas(key, ready_only=False)
             ready = self.tree.replicas(key)
-            return (ready or locs)[0], False
+            return Placement((ready or locs)[0], False)
         if parent is None and index != 0:
             raise ValueError("a segment without parent must have index 0")
         if parent is not None and self.tree.index(parent) != index - 1:  # raises SegmentNotFound
@@ -183,13 +187,13 @@ class CachePool:
         if guard:
             self.tree.lease([parent])
         try:
-            loc = self._take_slot(key)
+            loc, evicted = self._take_slot(key)
         finally:
             if guard:
                 self.tree.unlease([parent])
         self.tree.insert(key, parent, index)
         self.tree.add_replica(key, loc.instance, loc.slot, self.clock())
-        return loc, True
+        return Placement(loc, True, evicted)
 
     def commit(self, key: SegmentKey, instance: int) -> None:
         """All layers of the replica on ``instance`` are stored: the segment is visible."""
@@ -200,12 +204,20 @@ class CachePool:
         slot = self.tree.remove_replica(key, instance)
         self.slots.free(instance, slot)
 
-    def allocate_private(self, owner: str, hint: bytes) -> SegmentLocation:
-        """A private slot for an open tail, placed by hashing ``hint`` on the ring."""
+    def drop_replica(self, key: SegmentKey, instance: int) -> None:
+        """Frees one replica of a segment that has another ready one (migration's last
+        step). Raises ``ValueError`` if it is the only ready replica."""
+        if not any(loc.instance != instance for loc in self.tree.replicas(key)):
+            raise ValueError(f"segment {key.hex()} has no other ready replica")
+        self.abort(key, instance)
+
+    def allocate_private(self, owner: str, hint: bytes) -> Placement:
+        """A private slot for an open tail, placed by hashing ``hint`` on the ring
+        (``created`` is always True). Raises :class:`CapacityError` on a full pool."""
         digest = hashlib.blake2b(hint, digest_size=16).digest()
-        loc = self._take_slot(digest)
+        loc, evicted = self._take_slot(digest)
         self._private[(loc.instance, loc.slot)] = owner
-        return loc
+        return Placement(loc, True, evicted)
 
     def release_private(self, loc: SegmentLocation, owner: str | None = None) -> None:
         """Frees a private slot. With ``owner``, a slot that is no longer ``owner``'s
@@ -216,6 +228,10 @@ class CachePool:
         if self._private.pop(where, None) is None:
             raise SegmentNotFound(f"no private slot {loc.slot} on instance {loc.instance}")
         self.slots.free(loc.instance, loc.slot)
+
+    def private_owner(self, loc: SegmentLocation) -> str | None:
+        """The owner of private slot ``loc``, or ``None`` if it is not a private slot."""
+        return self._private.get((loc.instance, loc.slot))
 
     def seal_private(
         self, loc: SegmentLocation, key: SegmentKey, parent: SegmentKey | None, index: int
@@ -237,32 +253,30 @@ class CachePool:
         self._private[(loc.instance, slot)] = owner
 
     def count_dedup(self, n: int = 1) -> None:
-        """Counts segments that were found cached instead of being stored again."""
+        """Counts segments found cached instead of stored again (``n < 0``: undone)."""
         self._dedup += n
 
-    def _take_slot(self, key: SegmentKey) -> SegmentLocation:
+    # ------------------------------------------------------------- eviction
+    def _take_slot(self, key: SegmentKey) -> tuple[SegmentLocation, Eviction | None]:
         """A free slot, spilling along the ring from ``key``'s home; on a full pool the
         least recently used replica goes and its slot (the only free one) is taken."""
         if self.slots.total_free():
             for inst in self.ring.preference(key):
                 slot = self.slots.allocate(inst)
                 if slot is not None:
-                    return SegmentLocation(inst, slot)
-        inst = self._evict_lru()
-        if inst is None:
+                    return SegmentLocation(inst, slot), None
+        evicted = self.evict_one()
+        if evicted is None:
             raise CapacityError(
                 f"pool full: {sum(self.slots.capacity(i) for i in self.instances)} slots are all "
                 "pinned, leased, pending or private"
             )
-        return SegmentLocation(inst, self.slots.allocate(inst))
+        inst = evicted.instance
+        return SegmentLocation(inst, self.slots.allocate(inst)), evicted
 
-    def evict_one(self) -> bool:
-        """Evicts the least recently used evictable replica; False if there is none."""
-        return self._evict_lru() is not None
-
-    def _evict_lru(self) -> int | None:
-        """Evicts the least recently used evictable replica; returns the instance whose
-        slot it freed, or ``None`` if nothing is evictable."""
+    def evict_one(self) -> Eviction | None:
+        """Evicts the least recently used evictable replica, freeing its slot; ``None``
+        if nothing is evictable."""
         victim = self.tree.lru_victim()
         if victim is None:
             return None
@@ -272,23 +286,22 @@ class CachePool:
         slot = self.tree.remove_replica(key, inst)
         self.slots.free(inst, slot)
         self._evictions += 1
-        if self.eviction_log is not None:
-            self.eviction_log.append((key, parent, index, inst, slot, last))
-        return inst
+        return Eviction(key, parent, index, inst, slot, last)
 
-    def restore_evicted(self, log: list[tuple]) -> None:
-        """Puts back the replicas noted in ``log`` (newest first), for a plan that failed
-        before the data plane saw it: their slots still hold the segments' data. The
-        slots must be free again (the failed plan's allocations undone)."""
-        for key, parent, index, inst, slot, last in reversed(log):
-            self.slots.take(inst, slot)
-            if key not in self.tree:
-                self.tree.insert(key, parent, index)
-            self.tree.add_replica(key, inst, slot, last, ready=True)
+    def restore_evicted(self, evictions: Sequence[Eviction]) -> None:
+        """Puts back evicted replicas (given oldest first; restored newest first), for
+        a plan that failed before the data plane saw it: their slots still hold the
+        segments' data. The slots must be free again (the failed plan's allocations
+        undone). Each replica gets back its slot and LRU time; among replicas of equal
+        LRU time and depth it rejoins at the end of the tie."""
+        for ev in reversed(evictions):
+            self.slots.take(ev.instance, ev.slot)
+            if ev.key not in self.tree:
+                self.tree.insert(ev.key, ev.parent, ev.index)
+            self.tree.add_replica(ev.key, ev.instance, ev.slot, ev.last_access, ready=True)
             self._evictions -= 1
-        log.clear()
 
-    # ---------------------------------------------------------- pins, access
+    # ---------------------------------------------------- pins, leases, access
     def pin(self, token_ids: Sequence[int]) -> MatchResult:
         """Pins the cached whole segments of ``token_ids`` (system prompts, documents).
 
@@ -305,6 +318,26 @@ class CachePool:
     def unpin(self, keys: Iterable[SegmentKey]) -> None:
         self.tree.unpin(keys)
 
+    def lease(self, keys: Iterable[SegmentKey]) -> None:
+        """Keeps segments from eviction while a request or plan references them (counted)."""
+        self.tree.lease(keys)
+
+    def unlease(self, keys: Iterable[SegmentKey], missing_ok: bool = False) -> None:
+        """Releases leases; with ``missing_ok`` segments already gone (failures) are skipped."""
+        self.tree.unlease(keys, missing_ok)
+
+    def release_chain(
+        self, chain: Sequence[SegmentKey], reads: Iterable[tuple[SegmentKey, int]]
+    ) -> None:
+        """A request is done with its leased ``chain``. Each ``(key, instance)`` of
+        ``reads`` (the replicas it read) is touched now, the release being its last
+        access for LRU; then the chain is unleased (segments already gone are skipped)."""
+        tree, now = self.tree, self.clock()
+        for key, inst in reads:
+            if key in tree and any(loc.instance == inst for loc in tree.replicas(key)):
+                tree.touch(key, inst, now)
+        tree.unlease(chain, missing_ok=True)
+
     def record_access(self, chains: Iterable[tuple[tuple[SegmentKey, ...], Mapping[int, int]]]) -> None:
         """One read of each segment of each chain (see :meth:`AccessWindow.record_many`)."""
         self.window.record_many(chains, self.clock())
@@ -315,83 +348,21 @@ class CachePool:
         return {i: acc.get(i, 0) for i in self.instances}
 
     # ------------------------------------------------------------- rebalance
-    def heavy_hitters(self) -> list[SegmentKey]:
-        acc = self.window.segment_accesses(self.clock())
-        budget = heavy_hitter_budget(len(self.instances), self.config.heavy_hitter_factor)
-        return find_heavy_hitters(
-            self.tree.children(None), self.tree.children, {k: c for k, c in acc.items() if k in self.tree}, budget
-        )
-
     def rebalance(self) -> list[Replication]:
-        """Starts replicating heavy hitters off overloaded instances (paper §4.3).
-
-        Each returned :class:`Replication` has a pending target replica; the transfer
-        engine copies the segment and the caller reports back with
-        :meth:`finish_replication` (or :meth:`abort_replication`).
-        """
-        now = self.clock()
-        acc = {k: c for k, c in self.window.segment_accesses(now).items() if k in self.tree}
-        if not acc:
-            return []
-        budget = heavy_hitter_budget(len(self.instances), self.config.heavy_hitter_factor)
-        heavy = find_heavy_hitters(self.tree.children(None), self.tree.children, acc, budget)
-        holders = self._holders
-        decisions = plan_replication(
-            heavy, acc, holders, expected_load(acc, holders), self.instances,
-            high=self.config.replicate_high, low=self.config.replicate_low,
-            max_decisions=self.config.max_replications, has_room=self._has_room,
-        )
-        return [r for d in decisions if (r := self._start_replication(d)) is not None]
+        """Starts copies of heavy hitters off overloaded instances (see
+        :meth:`Replicator.rebalance`); each ends with :meth:`finish_replication` or
+        :meth:`abort_replication`."""
+        return self.replicator.rebalance()
 
     def start_replication(self, key: SegmentKey, target: int) -> Replication:
-        """Starts copying segment ``key`` to ``target`` by hand (operators, migration,
-        tests). Raises :class:`SegmentNotFound` if it has no ready replica,
-        ``ValueError`` if ``target`` already holds it, :class:`CapacityError` if
-        ``target`` has no free slot."""
-        ready = self.tree.replicas(key)
-        if not ready:
-            raise SegmentNotFound(f"segment {key.hex()} has no ready replica to copy")
-        if any(loc.instance == target for loc in self.tree.replicas(key, ready_only=False)):
-            raise ValueError(f"instance {target} already holds segment {key.hex()}")
-        if target not in self.slots.instances:
-            raise ConfigError(f"unknown instance {target}")
-        rep = self._start_replication(ReplicationDecision(key, ready[0].instance, target))
-        if rep is None:
-            raise CapacityError(f"instance {target} has no free slot for a replica")
-        return rep
-
-    def _holders(self, key: SegmentKey) -> list[int]:
-        return [loc.instance for loc in self.tree.replicas(key, ready_only=False)]
-
-    def _has_room(self, instance: int) -> bool:
-        return self.slots.free_count(instance) > 0 or self.tree.evictable_count() > 0
-
-    def _start_replication(self, d: ReplicationDecision) -> Replication | None:
-        slot = self.slots.allocate(d.target)
-        if slot is None:
-            # Make room on the target only; never evict the segment being copied.
-            return None
-        src = {loc.instance: loc for loc in self.tree.replicas(d.key)}.get(d.source)
-        if src is None:
-            self.slots.free(d.target, slot)
-            return None
-        self.tree.add_replica(d.key, d.target, slot, self.clock())
-        self.tree.lease([d.key])  # keep the source until the copy is done
-        rep = Replication(d.key, src, SegmentLocation(d.target, slot))
-        self._replicating[(d.key, d.target)] = rep
-        return rep
+        """Starts one copy by hand (see :meth:`Replicator.start`)."""
+        return self.replicator.start(key, target)
 
     def finish_replication(self, rep: Replication) -> None:
-        self._replicating.pop((rep.key, rep.target.instance))
-        self.tree.unlease([rep.key])
-        self.tree.set_ready(rep.key, rep.target.instance, self.clock())
-        self._replications += 1
+        self.replicator.finish(rep)
 
     def abort_replication(self, rep: Replication) -> None:
-        self._replicating.pop((rep.key, rep.target.instance))
-        self.tree.unlease([rep.key], missing_ok=True)
-        if rep.key in self.tree:
-            self.abort(rep.key, rep.target.instance)
+        self.replicator.abort(rep)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> PoolStats:
@@ -409,6 +380,21 @@ class CachePool:
             private_slots=len(self._private),
             dedup_segments=self._dedup,
             evictions=self._evictions,
-            replications=self._replications,
+            replications=self.replicator.finished,
             reads={i: reads.get(i, 0) for i in self.instances},
         )
+
+    def check(self) -> None:
+        """Asserts the invariants of the module docstring, the tree's and the
+        replicator's (for tests)."""
+        self.tree.check()
+        self.slots.check()
+        self.replicator.check()
+        held = [(loc.instance, loc.slot) for key in self.tree.keys()
+                for loc in self.tree.replicas(key, ready_only=False)] + list(self._private)
+        assert len(held) == len(set(held)), "a slot holds two things"
+        assert {i for i, _ in held} <= set(self.instances), "replica on an unknown instance"
+        for inst in self.instances:
+            mine = [s for i, s in held if i == inst]
+            assert all(0 <= s < self.slots.capacity(inst) for s in mine), "slot out of range"
+            assert len(mine) == self.slots.used(inst), f"slot accounting off on instance {inst}"

@@ -1,24 +1,55 @@
-"""Per-request bookkeeping of the control plane: what a live request holds in the pool.
+"""The request table of the control plane: what every live request holds in the pool.
 
 A live request holds a *chain* of sealed segments (leased for its lifetime, so a
 running request never loses its prefix) and at most one private *open tail*: a slot
 with fewer than ``C`` tokens that becomes a shared segment when it fills (DESIGN §4).
 The query side of a request (which replica of each segment to read) is resolved once
-and reused every iteration until the chain grows or replicas change.
+and reused every iteration until the chain grows or replicas change (the table's
+*epoch* moves).
+
+Invariants (checked by :meth:`RequestTable.check`), for every request not marked lost:
+
+* its chain is a path from the root of the prefix tree (segment ``i`` at index ``i``,
+  each the child of the one before);
+* it has an open tail exactly when it has tail tokens, fewer than ``C`` of them, and
+  the tail's slot is a private slot the pool holds for this request;
+
+and for every request: each of its chain's segments still in the tree carries at least
+one lease per request holding it.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from tokenlake.core.errors import PlanError, PrefixNotCached
+from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.prefix_tree import SegmentLocation
 from tokenlake.core.segments import SegmentKey
+
+if TYPE_CHECKING:  # annotations only: the pool and the transaction do not import this module
+    from tokenlake.core.pool import CachePool, InstanceRemoval
+    from tokenlake.core.transaction import Transaction
+
+
+class RequestSnapshot(NamedTuple):
+    """What :meth:`RequestState.restore` needs to undo one iteration (during an
+    iteration the chain only grows and the tail token list is only extended in place
+    or replaced)."""
+
+    chain_len: int
+    tail: SegmentLocation | None
+    tail_tokens: list[int]  # the list object itself, cut back to ``tail_len`` on restore
+    tail_len: int
 
 
 @dataclass
 class RequestState:
-    """Mutable state of one live request (owned by :class:`~tokenlake.core.control.ControlPlane`)."""
+    """Mutable state of one live request (owned by :class:`RequestTable`)."""
 
     request_id: str
     chain: list[SegmentKey] = field(default_factory=list)
@@ -26,28 +57,26 @@ class RequestState:
     tail_tokens: list[int] = field(default_factory=list)
     busy: int = -1  # iteration whose plans are in flight for this request, -1 if none
     lost: bool = False  # part of its prefix went with a removed instance: finish it
-    # Query-side resolution cache (see ControlPlane._resolve).
+    # Query-side resolution cache (see RequestTable.resolve).
     epoch: int = -1
     keys: tuple[SegmentKey, ...] = ()
     chosen: tuple[int, ...] = ()  # instance read for each of ``keys``
     by_instance: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     histogram: dict[int, int] = field(default_factory=dict)
+    version: int = -1  # changes whenever the resolution above is redone
 
     def prefix_tokens(self, segment_tokens: int) -> int:
         """Tokens of this request held by the pool (sealed chain plus open tail)."""
         return len(self.chain) * segment_tokens + len(self.tail_tokens)
 
-    version: int = -1  # changes whenever the resolution above is redone
+    def snapshot(self) -> RequestSnapshot:
+        """State to restore if the iteration fails."""
+        return RequestSnapshot(len(self.chain), self.tail, self.tail_tokens, len(self.tail_tokens))
 
-    def snapshot(self) -> tuple:
-        """State to restore if the iteration fails (the chain only grows meanwhile)."""
-        # During an iteration the tail token list is only extended in place or replaced.
-        return (len(self.chain), self.tail, self.tail_tokens, len(self.tail_tokens))
-
-    def restore(self, snap: tuple) -> None:
-        del self.chain[snap[0] :]
-        self.tail, self.tail_tokens = snap[1], snap[2]
-        del self.tail_tokens[snap[3] :]
+    def restore(self, snap: RequestSnapshot) -> None:
+        del self.chain[snap.chain_len :]
+        self.tail, self.tail_tokens = snap.tail, snap.tail_tokens
+        del self.tail_tokens[snap.tail_len :]
         self.epoch = -1
 
 
@@ -63,3 +92,224 @@ class NewTokenPut(NamedTuple):
     slot: int
     offset: int
     key: SegmentKey | None
+
+
+class RequestTable:
+    """Live requests of one control plane, by request id.
+
+    Args:
+        segment_tokens: ``C``, tokens per segment.
+    """
+
+    def __init__(self, segment_tokens: int) -> None:
+        self._c = segment_tokens
+        self._states: dict[str, RequestState] = {}
+        self._epoch = 0  # moves when replicas appear or vanish: resolutions are redone
+        self._versions = itertools.count()  # resolution versions, unique in this table
+
+    # ----------------------------------------------------------------- lookup
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._states.get(request_id)
+
+    def ids(self) -> tuple[str, ...]:
+        """Live request ids, in admission order."""
+        return tuple(self._states)
+
+    def states(self) -> tuple[RequestState, ...]:
+        """Live requests' states (read them; the table changes them)."""
+        return tuple(self._states.values())
+
+    def prefix_tokens(self, request_id: str) -> int:
+        """Tokens of a live request held by the pool; ``KeyError`` if it is unknown."""
+        return self._states[request_id].prefix_tokens(self._c)
+
+    # ------------------------------------------------------------- admission
+    def validate(self, batches: Sequence[Batch], dops: Sequence[int], n_instances: int) -> None:
+        """Raises :class:`PlanError` unless ``batches`` with ``dops`` can be planned now:
+        as many DoPs as batches, positive, fitting ``n_instances``; no empty batch or
+        unknown phase; each request once, with new tokens, not in flight, not lost, and
+        declaring a prefix only on its first iteration."""
+        if len(batches) != len(dops):
+            raise PlanError(f"{len(batches)} batches but {len(dops)} DoPs")
+        if any(type(d) is not int or d < 1 for d in dops):
+            raise PlanError(f"every DoP must be a positive int, got {list(dops)}")
+        if sum(dops) > n_instances:
+            raise PlanError(f"sub-batches ({sum(dops)}) exceed instances ({n_instances})")
+        seen: set[str] = set()
+        for b, batch in enumerate(batches):
+            if not batch.requests:
+                raise PlanError(f"batch {b} is empty")
+            if batch.phase not in ("prefill", "decode"):
+                raise PlanError(f"batch {b} has unknown phase {batch.phase!r}")
+            for req in batch.requests:
+                if req.request_id in seen:
+                    raise PlanError(f"request {req.request_id!r} appears twice in one iteration")
+                seen.add(req.request_id)
+                self._validate_request(req)
+
+    def _validate_request(self, req: BatchRequest) -> None:
+        rid = req.request_id
+        if not req.new_token_ids:
+            raise PlanError(f"request {rid!r} has no new tokens")
+        state = self._states.get(rid)
+        if state is None:
+            return
+        if state.busy >= 0:
+            raise PlanError(f"request {rid!r} has plans in flight")
+        if state.lost:
+            raise PlanError(
+                f"request {rid!r} lost part of its prefix with a removed instance; "
+                "finish it and recompute"
+            )
+        if req.prefix_token_ids:
+            raise PlanError(f"request {rid!r} is live; send prefix_token_ids only first")
+
+    def admit(self, req: BatchRequest, pool: CachePool, tx: Transaction) -> RequestState:
+        """The request takes part in ``tx``: a live one is snapshotted, a new one is
+        admitted with its declared prefix leased. Raises :class:`PrefixNotCached` if
+        that prefix is not whole segments, all cached and ready."""
+        rid = req.request_id
+        state = self._states.get(rid)
+        tx.join(rid)
+        if state is not None:
+            tx.remember(rid, state.snapshot())
+            return state
+        c, prefix = self._c, req.prefix_token_ids
+        if len(prefix) % c:
+            raise PrefixNotCached(
+                f"request {rid!r}: prefix of {len(prefix)} tokens is not a whole "
+                f"number of {c}-token segments"
+            )
+        match = pool.tree.match(prefix)
+        if match.hit_tokens != len(prefix):
+            raise PrefixNotCached(
+                f"request {rid!r}: only {match.hit_tokens} of {len(prefix)} prefix "
+                "tokens are cached and ready"
+            )
+        state = RequestState(rid, chain=list(match.keys))
+        pool.lease(state.chain)
+        tx.leased(tuple(state.chain))
+        self._states[rid] = state
+        tx.remember(rid, None)
+        tx.counts.admitted += 1
+        tx.counts.hit_tokens += len(prefix)
+        return state
+
+    # ------------------------------------------------------------- resolution
+    def invalidate_reads(self) -> None:
+        """Replicas appeared or vanished: every request's reads are resolved anew."""
+        self._epoch += 1
+
+    def resolve(self, state: RequestState, pool: CachePool) -> None:
+        """Chooses one ready replica per chain segment (power of two choices on the
+        instances' windowed load), cached until the chain or the epoch changes.
+        Raises :class:`PlanError` for a segment no plan has finished storing yet."""
+        if state.epoch == self._epoch and len(state.keys) == len(state.chain):
+            return
+        tree, c = pool.tree, self._c
+        load = pool.instance_load()
+        by_instance: dict[int, tuple[list[int], list[int]]] = {}
+        chosen: list[int] = []
+        for key in state.chain:
+            locs = tree.replicas(key)
+            if not locs:
+                raise PlanError(
+                    f"segment {key.hex()} of request {state.request_id!r} is still being "
+                    "stored; complete the iteration that stores it first"
+                )
+            loc = pool.choose(locs, load)
+            load[loc.instance] = load.get(loc.instance, 0) + 1
+            chosen.append(loc.instance)
+            slots, toks = by_instance.setdefault(loc.instance, ([], []))
+            slots.append(loc.slot)
+            toks.append(c)
+        state.keys = tuple(state.chain)
+        state.by_instance = {i: (tuple(s), tuple(t)) for i, (s, t) in by_instance.items()}
+        state.version = next(self._versions)
+        state.histogram = {i: len(s) for i, (s, _) in by_instance.items()}
+        state.chosen = tuple(chosen)
+        state.epoch = self._epoch
+
+    # -------------------------------------------------------------- lifecycle
+    def set_busy(self, request_ids: Iterable[str], iteration: int) -> None:
+        for rid in request_ids:
+            self._states[rid].busy = iteration
+
+    def set_idle(self, request_ids: Iterable[str]) -> None:
+        """Their plans completed or were aborted (requests finished since are skipped)."""
+        for rid in request_ids:
+            state = self._states.get(rid)
+            if state is not None:
+                state.busy = -1
+
+    def restore(self, snapshots: Mapping[str, RequestSnapshot | None]) -> None:
+        """Undoes an iteration: requests admitted by it (``None``) leave the table, the
+        others get their snapshot back."""
+        for rid, snap in snapshots.items():
+            if snap is None:
+                self._states.pop(rid, None)
+            else:
+                self._states[rid].restore(snap)
+
+    def finish(self, request_id: str, pool: CachePool) -> None:
+        """The request is done: its chain's leases and its open tail go back to the pool.
+        Raises :class:`PlanError` if it is unknown or has plans in flight."""
+        state = self._states.get(request_id)
+        if state is None:
+            raise PlanError(f"unknown request {request_id!r}")
+        if state.busy >= 0:
+            raise PlanError(f"request {request_id!r} has plans in flight; complete or abort first")
+        del self._states[request_id]
+        pool.release_chain(state.chain, zip(state.keys, state.chosen))
+        if state.tail is not None:
+            pool.release_private(state.tail, request_id)
+
+    def mark_lost(self, removal: InstanceRemoval) -> tuple[str, ...]:
+        """An instance left the pool: requests whose chain lost a segment, or whose open
+        tail was there, are marked lost. Returns their ids (sorted), with the owners of
+        private slots that went with it."""
+        gone = set(removal.removed_keys)
+        lost = set(removal.lost_private)
+        for rid, state in self._states.items():
+            cut = next((i for i, k in enumerate(state.chain) if k in gone), None)
+            if cut is not None:
+                # The gone keys are a suffix (a subtree went) and their leases went with
+                # them: drop them, or finishing the request would unlease a segment that
+                # was stored again meanwhile, under another request's lease.
+                del state.chain[cut:]
+                lost.add(rid)
+        for rid in lost:
+            state = self._states.get(rid)
+            if state is not None:
+                state.lost = True
+                if state.tail is not None and state.tail.instance == removal.instance:
+                    state.tail = None
+        return tuple(sorted(lost))
+
+    # ------------------------------------------------------------- invariants
+    def check(self, pool: CachePool) -> None:
+        """Asserts the invariants listed in the module docstring (for tests)."""
+        tree = pool.tree
+        holders: Counter = Counter()
+        for rid, state in self._states.items():
+            assert state.request_id == rid
+            holders.update(k for k in state.chain if k in tree)
+            if state.lost:
+                continue
+            for i, key in enumerate(state.chain):
+                assert key in tree, f"request {rid!r} holds a segment that left the tree"
+                assert tree.index(key) == i, "chain out of order"
+                assert tree.parent(key) == (state.chain[i - 1] if i else None), "broken chain"
+            if state.tail is None:
+                assert not state.tail_tokens, f"request {rid!r} has tail tokens but no tail"
+            else:
+                assert 0 < len(state.tail_tokens) < self._c, "open tail empty or full"
+                assert pool.private_owner(state.tail) == rid, "open tail not held privately"
+        for key, n in holders.items():
+            assert tree.lease_count(key) >= n, "a live request's segment is not leased"

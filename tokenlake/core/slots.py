@@ -99,6 +99,17 @@ class SlotPool:
     def total_free(self) -> int:
         return self._n_free
 
+    def check(self) -> None:
+        """Asserts that each free list (a heap) and its set hold the same in-range slots
+        and that the free total is their sum (for tests)."""
+        assert self._n_free == sum(len(f) for f in self._free.values()), "free total off"
+        for instance, capacity in self._capacity.items():
+            free = self._free[instance]
+            assert sorted(free) == sorted(self._free_set[instance]), "free heap and set differ"
+            assert all(0 <= s < capacity for s in free), "free slot out of range"
+            assert all(free[i] <= free[c] for i in range(len(free))
+                       for c in (2 * i + 1, 2 * i + 2) if c < len(free)), "free list not a heap"
+
     def _check(self, instance: int) -> None:
         if instance not in self._capacity:
             raise ConfigError(f"unknown instance {instance}; known: {sorted(self._capacity)}")

@@ -105,9 +105,9 @@ def bench_match(
         parent = None
         n = 0
         for i, key in enumerate(hasher.iter_keys(tokens)):
-            loc, created = pool.place(key, parent, i)
-            if created:
-                pool.commit(key, loc.instance)
+            placed = pool.place(key, parent, i)
+            if placed.created:
+                pool.commit(key, placed.location.instance)
             parent, n = key, n + 1
         return n
 

@@ -1,0 +1,177 @@
+"""Heavy-hitter replication of the cache pool (paper §4.3): copies in flight.
+
+:class:`Replicator` is the part of :class:`~tokenlake.core.pool.CachePool` that starts,
+finishes and aborts copies of whole segments between instances. Which segments to copy
+where is decided by the pure policies of :mod:`tokenlake.core.placement`
+(:func:`~tokenlake.core.placement.find_heavy_hitters`,
+:func:`~tokenlake.core.placement.plan_replication`); this module applies the decisions.
+
+Invariants (checked by :meth:`Replicator.check`):
+
+* every copy in flight has a *pending* target replica in the tree, in the slot the copy
+  names, and its segment holds one lease per copy in flight (the source is kept until
+  the copy is done);
+* no two copies in flight target the same (segment, instance).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenlake.core.errors import CapacityError, ConfigError, SegmentNotFound
+from tokenlake.core.placement import (
+    ReplicationDecision,
+    expected_load,
+    find_heavy_hitters,
+    heavy_hitter_budget,
+    plan_replication,
+)
+from tokenlake.core.prefix_tree import SegmentLocation
+from tokenlake.core.segments import SegmentKey
+
+if TYPE_CHECKING:  # the pool owns its replicator; only annotations name the pool here
+    from tokenlake.core.pool import CachePool
+
+
+@dataclass(frozen=True)
+class Replication:
+    """A started copy of one whole segment (one contiguous slab copy, DESIGN §4).
+
+    The target replica is pending until :meth:`Replicator.finish`.
+    """
+
+    key: SegmentKey
+    source: SegmentLocation  # a ready replica, leased until the copy ends
+    target: SegmentLocation  # the pending replica the copy fills
+
+
+class Replicator:
+    """Copies of segments between the instances of one pool, started and not yet done.
+
+    Args:
+        pool: the pool whose tree, slots, clock and access window the copies use.
+    """
+
+    def __init__(self, pool: CachePool) -> None:
+        self._pool = pool
+        self._in_flight: dict[tuple[SegmentKey, int], Replication] = {}
+        self.finished = 0  # copies completed since creation
+
+    def in_flight(self) -> tuple[Replication, ...]:
+        return tuple(self._in_flight.values())
+
+    def heavy_hitters(self) -> list[SegmentKey]:
+        """The most accessed segments of the current window (best-first from the root)."""
+        return find_heavy_hitters(*self._walk_inputs(self._accesses()))
+
+    def rebalance(self) -> list[Replication]:
+        """Starts copying heavy hitters off overloaded instances (paper §4.3).
+
+        Each returned :class:`Replication` has a pending target replica; the transfer
+        engine copies the segment and the caller reports back with :meth:`finish` (or
+        :meth:`abort`).
+        """
+        pool = self._pool
+        acc = self._accesses()
+        if not acc:
+            return []
+        heavy = find_heavy_hitters(*self._walk_inputs(acc))
+        decisions = plan_replication(
+            heavy, acc, self._holders, expected_load(acc, self._holders), pool.instances,
+            high=pool.config.replicate_high, low=pool.config.replicate_low,
+            max_decisions=pool.config.max_replications, has_room=self._has_room,
+        )
+        return [r for d in decisions if (r := self._start(d)) is not None]
+
+    def start(self, key: SegmentKey, target: int) -> Replication:
+        """Starts copying segment ``key`` to ``target`` by hand (operators, migration,
+        tests). Raises :class:`SegmentNotFound` if it has no ready replica,
+        ``ValueError`` if ``target`` already holds it, :class:`ConfigError` for an
+        unknown ``target``, :class:`CapacityError` if ``target`` has no free slot."""
+        tree = self._pool.tree
+        ready = tree.replicas(key)
+        if not ready:
+            raise SegmentNotFound(f"segment {key.hex()} has no ready replica to copy")
+        if any(loc.instance == target for loc in tree.replicas(key, ready_only=False)):
+            raise ValueError(f"instance {target} already holds segment {key.hex()}")
+        if target not in self._pool.slots.instances:
+            raise ConfigError(f"unknown instance {target}")
+        rep = self._start(ReplicationDecision(key, ready[0].instance, target))
+        if rep is None:
+            raise CapacityError(f"instance {target} has no free slot for a replica")
+        return rep
+
+    def finish(self, rep: Replication) -> None:
+        """The copy is stored in all layers: the target replica becomes ready."""
+        tree = self._pool.tree
+        self._in_flight.pop((rep.key, rep.target.instance))
+        tree.unlease([rep.key])
+        tree.set_ready(rep.key, rep.target.instance, self._pool.clock())
+        self.finished += 1
+
+    def abort(self, rep: Replication) -> None:
+        """The copy failed: its pending target replica and its source lease go."""
+        self._in_flight.pop((rep.key, rep.target.instance))
+        self._pool.tree.unlease([rep.key], missing_ok=True)
+        if rep.key in self._pool.tree:
+            self._pool.abort(rep.key, rep.target.instance)
+
+    def abort_touching(self, instance: int) -> None:
+        """Aborts every copy from or to ``instance`` (it is leaving the pool)."""
+        for rep in list(self._in_flight.values()):
+            if instance in (rep.source.instance, rep.target.instance):
+                self.abort(rep)
+
+    def void_missing(self) -> None:
+        """Forgets copies of segments no longer in the tree (they went with a removed
+        instance's subtree, which freed their target slots too)."""
+        tree = self._pool.tree
+        for where, rep in list(self._in_flight.items()):
+            if rep.key not in tree:
+                del self._in_flight[where]
+
+    def check(self) -> None:
+        """Asserts the invariants listed in the module docstring (for tests)."""
+        tree = self._pool.tree
+        copies = Counter(key for key, _ in self._in_flight)
+        for (key, inst), rep in self._in_flight.items():
+            assert (rep.key, rep.target.instance) == (key, inst)
+            pending = [loc for loc in tree.replicas(key, ready_only=False) if loc.instance == inst]
+            assert pending == [rep.target], "copy without its pending target replica"
+            assert rep.target not in tree.replicas(key), "target of a copy in flight is ready"
+            assert tree.lease_count(key) >= copies[key], "copy source not leased"
+
+    # -------------------------------------------------------------- internals
+    def _accesses(self) -> dict[SegmentKey, int]:
+        tree = self._pool.tree
+        acc = self._pool.window.segment_accesses(self._pool.clock())
+        return {k: c for k, c in acc.items() if k in tree}
+
+    def _walk_inputs(self, acc: dict[SegmentKey, int]):
+        pool = self._pool
+        budget = heavy_hitter_budget(len(pool.instances), pool.config.heavy_hitter_factor)
+        return pool.tree.children(None), pool.tree.children, acc, budget
+
+    def _holders(self, key: SegmentKey) -> list[int]:
+        return [loc.instance for loc in self._pool.tree.replicas(key, ready_only=False)]
+
+    def _has_room(self, instance: int) -> bool:
+        return self._pool.slots.free_count(instance) > 0 or self._pool.tree.evictable_count() > 0
+
+    def _start(self, d: ReplicationDecision) -> Replication | None:
+        pool = self._pool
+        slot = pool.slots.allocate(d.target)
+        if slot is None:
+            # Make room on the target only; never evict the segment being copied.
+            return None
+        src = {loc.instance: loc for loc in pool.tree.replicas(d.key)}.get(d.source)
+        if src is None:
+            pool.slots.free(d.target, slot)
+            return None
+        pool.tree.add_replica(d.key, d.target, slot, pool.clock())
+        pool.tree.lease([d.key])  # keep the source until the copy is done
+        rep = Replication(d.key, src, SegmentLocation(d.target, slot))
+        self._in_flight[(d.key, d.target)] = rep
+        return rep

@@ -7,7 +7,10 @@ start-up). Two rules:
 * an arrow may point only to the importer's own layer or to one the layer may use
   (``ALLOWED`` below, lowest layer first): the pure core imports nothing above it, the
   data plane neither serving nor deployment, and so on;
-* there is no circle, neither between modules nor between layers.
+* there is no circle, neither between modules nor between layers. Imports under
+  ``if TYPE_CHECKING:`` (annotations only) count for the first rule but not for module
+  circles: two classes of one layer may name each other in annotations without either
+  module needing the other to load.
 
 The test parses files; it imports nothing of the project, so it also holds for code that
 needs torch, zmq or Ray.
@@ -74,11 +77,23 @@ def layer_of(module: str) -> str:
     return best
 
 
-def imports_of(path: Path, modules: set[str]) -> Iterator[tuple[str, int]]:
-    """``(imported project module, line)`` for every import in the file, at any depth."""
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks."""
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return inside
+
+
+def imports_of(path: Path, modules: set[str]) -> Iterator[tuple[str, int, bool]]:
+    """``(imported project module, line, annotations only)`` for every import in the
+    file, at any depth."""
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    typing_only = _type_checking_nodes(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -95,7 +110,7 @@ def imports_of(path: Path, modules: set[str]) -> Iterator[tuple[str, int]]:
             while name and name not in modules:  # "import a.b.c" of a name inside a.b
                 name = name.rpartition(".")[0]
             if name and name != me:
-                yield name, node.lineno
+                yield name, node.lineno, id(node) in typing_only
 
 
 def import_graph() -> nx.DiGraph:
@@ -103,8 +118,10 @@ def import_graph() -> nx.DiGraph:
     graph = nx.DiGraph()
     graph.add_nodes_from(files)
     for module, path in files.items():
-        for target, line in imports_of(path, set(files)):
-            graph.add_edge(module, target, line=line)
+        for target, line, typing_only in imports_of(path, set(files)):
+            if graph.has_edge(module, target):  # a real import wins over an annotation
+                typing_only = typing_only and graph.edges[module, target]["typing_only"]
+            graph.add_edge(module, target, line=line, typing_only=typing_only)
     return graph
 
 
@@ -134,7 +151,8 @@ def test_no_import_runs_up():
 
 
 def test_no_circle_between_modules():
-    cycles = list(nx.simple_cycles(GRAPH))
+    runtime = nx.DiGraph([(a, b) for a, b, d in GRAPH.edges(data=True) if not d["typing_only"]])
+    cycles = list(nx.simple_cycles(runtime))
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c + [c[0]]) for c in cycles)
 
 

@@ -21,33 +21,22 @@ import msgpack
 import torch
 import zmq
 
-from tokenlake.core.control import pool_control
-from tokenlake.core.errors import ConfigError, EngineUnavailable
-from tokenlake.core.pool import Replication
+from tokenlake.core.errors import EngineUnavailable
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
-from tokenlake.dataplane.shm import BufferRegistry, BufferSpec, cluster_prefix, new_cluster_id
+from tokenlake.dataplane.shm import BufferRegistry, cluster_prefix, new_cluster_id
+from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
 
-SLAB_DTYPE = torch.float32  # CPU engines compute in float32
-_DTYPE_BYTES = 4
 
-
-class LocalCluster:
+class LocalCluster(ClusterBase):
     """N instances' query and transfer engines as local processes, plus the control plane.
 
-    Args:
-        n_instances: instances (each gets one query and one transfer engine).
-        model: model spec (heads, head dim, layers size the buffers).
-        pool_bytes: slab bytes per instance; slots = pool_bytes // segment bytes.
-        segment_tokens: ``C`` (default 64 for small CPU models; see
-            :func:`tokenlake.core.cost_model.default_segment_tokens`).
-        max_rows: rows of each instance's q/out/kv buffers (tokens per sub-batch).
-        clock: injected clock of the control plane.
-        timeout_s: client-side wait limit; peer_timeout_s: engine-to-engine limit.
+    Args: see :class:`~tokenlake.deploy.base.ClusterBase`; ``host`` is the address the
+    engines bind (loopback by default).
     """
 
     def __init__(
@@ -64,28 +53,16 @@ class LocalCluster:
         start_timeout_s: float = 60.0,
         host: str = "127.0.0.1",
     ) -> None:
-        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, _DTYPE_BYTES, clock, seed)
-        self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
-        self.segment_tokens = segment_tokens
-        self.slots_per_instance = self.control.config.slots_per_instance
-        self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
-        self.start_timeout_s, self.host = start_timeout_s, host
+        super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
+                         timeout_s, peer_timeout_s, start_timeout_s, host)
         self.cluster_id = ""
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._procs: dict[tuple[str, int], mp.Process] = {}
         self._endpoints: dict[tuple[str, int], str] = {}
         self._clients: dict[int, InstanceClient] = {}
-        self._ctx: zmq.Context | None = None
 
     # ------------------------------------------------------------ lifecycle
-    def __enter__(self) -> LocalCluster:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def start(self) -> None:
         """Creates the shared buffers and starts 2N engine processes; waits until ready."""
         self.cluster_id = new_cluster_id()
@@ -99,32 +76,23 @@ class LocalCluster:
         self._ctx = zmq.Context()
 
     def _create_buffers(self) -> dict[int, dict[str, dict]]:
-        m, rows = self.model, self.max_rows
-        shapes = {
-            "slab": (self.slots_per_instance, m.num_layers, 2, m.num_kv_heads, self.segment_tokens, m.head_dim),
-            "q": (rows, m.num_q_heads, m.head_dim),
-            "out_o": (rows, m.num_q_heads, m.head_dim),
-            "out_lse": (rows, m.num_q_heads),
-            "kv": (m.num_layers, rows, 2, m.num_kv_heads, m.head_dim),
-        }
+        """Creates every instance's buffers (``self.layout``); their spec dicts per instance."""
         out: dict[int, dict[str, dict]] = {}
         for inst in range(self.n_instances):
-            out[inst] = {}
-            for name, shape in shapes.items():
-                spec = BufferSpec(f"{self._registry.prefix}{name}-{inst}", shape, "float32")
+            specs = self.layout.specs(self._registry.prefix, inst)
+            for name, spec in specs.items():
                 self._buffers[(inst, name)] = self._registry.create(spec).tensor
-                out[inst][name] = spec.to_dict()
+            out[inst] = {name: spec.to_dict() for name, spec in specs.items()}
         return out
 
     def _spawn(self, specs: dict[int, dict[str, dict]]) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "query_engine.engine", "transfer_engine.engine"])
-        wanted = {"query": ("slab", "q", "out_o", "out_lse"), "transfer": ("slab", "kv")}
         conns = {}
         for inst in range(self.n_instances):
             for role in ROLES:
                 spec = EngineSpec(role, inst, self.cluster_id,
-                                  {n: specs[inst][n] for n in wanted[role]},
+                                  {n: specs[inst][n] for n in ENGINE_BUFFERS[role]},
                                   host=self.host, peer_timeout_s=self.peer_timeout_s)
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
@@ -194,10 +162,9 @@ class LocalCluster:
     # ---------------------------------------------------------------- usage
     def client(self, instance: int) -> InstanceClient:
         """The data-plane client of ``instance`` (created on first use)."""
-        if self._ctx is None:
-            raise ConfigError("the cluster is not running; use it as a context manager")
+        self._check_started()
         if instance not in self._clients:
-            bufs = {n: self._buffers[(instance, n)] for n in ("q", "out_o", "out_lse", "kv")}
+            bufs = {n: self._buffers[(instance, n)] for n in CLIENT_BUFFERS}
             eps = {role: self._endpoints[(role, instance)] for role in ROLES}
             client = InstanceClient(instance, eps, bufs, lambda: self._dead(instance), self.timeout_s)
             client.start(self._ctx)
@@ -239,26 +206,5 @@ class LocalCluster:
         finally:
             sock.close(0)
 
-    def engine_stats(self) -> dict[tuple[str, int], dict]:
-        """Pings every live engine; returns its stats (see ``EngineLoop.stats``)."""
-        return {key: self._request(key, wire.Kind.PING).body
-                for key in self._endpoints if self._procs[key].is_alive()}
-
-    def migrate(self, key: bytes, target: int) -> None:
-        """Moves a segment to ``target``: one contiguous copy, then the source replica is
-        dropped and its slot freed (a freed slot needs no data operation)."""
-        rep = self.control.start_replication(key, target)
-        self.replicate([rep])
-        self.control.drop_replica(key, rep.source.instance)
-
-    def replicate(self, reps: list[Replication]) -> None:
-        """Copies each replication's segment (one contiguous slab block) and commits it;
-        a failed copy is rolled back in the control plane and re-raised."""
-        for rep in reps:
-            body = {"slot": rep.source.slot, "target": rep.target.instance, "target_slot": rep.target.slot}
-            try:
-                self._request(("transfer", rep.source.instance), wire.Kind.COPY_SEGMENT, body)
-            except BaseException:
-                self.control.pool.abort_replication(rep)
-                raise
-            self.control.finish_replication(rep)
+    def _live_engines(self) -> list[tuple[str, int]]:
+        return [key for key in self._endpoints if self._procs[key].is_alive()]

@@ -1,0 +1,209 @@
+"""What both launchers share: the buffer layout of an instance, the control plane, and
+what the driver asks of the engines (segment copies, stats).
+
+:class:`~tokenlake.deploy.local.LocalCluster` (engines as processes of this machine) and
+:class:`~tokenlake.deploy.ray.RayCluster` (engines as Ray actors) differ only in how
+engines are started, reached and stopped. How many buffers an instance has and of
+which shape, how a replication or a migration runs and how the control plane follows
+it, are written here once.
+
+Importing this module loads no torch (the Ray driver and its host actors import it):
+the wire, which does, is imported where a message is built.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenlake.core.control import pool_control
+from tokenlake.core.errors import ConfigError
+from tokenlake.core.specs import ModelSpec
+from tokenlake.dataplane.shm import BufferSpec
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from tokenlake.core.pool import Replication
+    from tokenlake.dataplane import wire
+
+#: dtype of every shared buffer: the CPU engines compute in float32.
+BUFFER_DTYPE = "float32"
+DTYPE_BYTES = 4
+#: The buffers each engine role maps (its instance's slab, and its compute engine's
+#: home buffers: q rows and partial outputs for a query engine, new KV for a transfer one).
+ENGINE_BUFFERS: dict[str, tuple[str, ...]] = {
+    "query": ("slab", "q", "out_o", "out_lse"),
+    "transfer": ("slab", "kv"),
+}
+#: The buffers an instance's client (its compute engine) maps.
+CLIENT_BUFFERS = ("q", "out_o", "out_lse", "kv")
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """The shared buffers of one instance: names and shapes, all ``BUFFER_DTYPE``
+    (float32), C-contiguous. ``R`` is ``max_rows``, the tokens of one sub-batch.
+
+    ========= =============================================== ==========================
+    name      shape                                           holds
+    ========= =============================================== ==========================
+    slab      [slots, layers, 2, kv_heads, C, head_dim]        the instance's segments (K, V)
+    q         [R, q_heads, head_dim]                          query rows of a sub-batch
+    out_o     [R, q_heads, head_dim]                          its partial attention output
+    out_lse   [R, q_heads]                                    natural-log LSE of ``out_o``
+    kv        [layers, R, 2, kv_heads, head_dim]              new K and V to put
+    ========= =============================================== ==========================
+    """
+
+    model: ModelSpec
+    slots: int  # segments per slab
+    segment_tokens: int  # C
+    max_rows: int  # R
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` in creation order (slab first)."""
+        m, rows = self.model, self.max_rows
+        return {
+            "slab": (self.slots, m.num_layers, 2, m.num_kv_heads, self.segment_tokens, m.head_dim),
+            "q": (rows, m.num_q_heads, m.head_dim),
+            "out_o": (rows, m.num_q_heads, m.head_dim),
+            "out_lse": (rows, m.num_q_heads),
+            "kv": (m.num_layers, rows, 2, m.num_kv_heads, m.head_dim),
+        }
+
+    def specs(self, prefix: str, instance: int) -> dict[str, BufferSpec]:
+        """``{name: spec}`` of ``instance``'s buffers, named ``<prefix><name>-<instance>``
+        (``prefix`` is a cluster prefix of :func:`tokenlake.dataplane.shm.cluster_prefix`)."""
+        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, BUFFER_DTYPE)
+                for name, shape in self.shapes().items()}
+
+
+class ClusterBase(abc.ABC):
+    """The driver of N instances' engines: the control plane, the buffer layout, and the
+    requests the driver sends to engines. Subclasses start, reach and stop the engines.
+
+    Args:
+        n_instances: instances (each gets one query and one transfer engine).
+        model: model spec (heads, head dim, layers size the buffers).
+        pool_bytes: slab bytes per instance; slots = pool_bytes // segment bytes.
+        segment_tokens: ``C`` (default 64 for small CPU models; see
+            :func:`tokenlake.core.cost_model.default_segment_tokens`).
+        max_rows: rows of each instance's q/out/kv buffers (tokens per sub-batch).
+        clock, seed: injected clock and seed of the control plane.
+        timeout_s: wait limit of the driver and of clients for an engine's answer
+            (seconds); peer_timeout_s: engine-to-engine limit; start_timeout_s: limit
+            of the start-up.
+        host: what the engines bind.
+    """
+
+    def __init__(
+        self,
+        n_instances: int,
+        model: ModelSpec,
+        pool_bytes: int,
+        segment_tokens: int,
+        max_rows: int,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+        timeout_s: float = 5.0,
+        peer_timeout_s: float = 2.0,
+        start_timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, DTYPE_BYTES, clock, seed)
+        self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
+        self.segment_tokens = segment_tokens
+        self.slots_per_instance = self.control.config.slots_per_instance
+        self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows)
+        self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
+        self.start_timeout_s, self.host = start_timeout_s, host
+        self._ctx: Any = None  # the driver's zmq context: set by start(), cleared by close()
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Creates the buffers and starts the engines; returns when they serve."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stops every engine and unlinks every shared buffer (idempotent)."""
+
+    # ------------------------------------------------------------ engines
+    @abc.abstractmethod
+    def client(self, instance: int) -> Any:
+        """The data-plane client (:class:`~tokenlake.dataplane.client.InstanceClient`)
+        of ``instance``."""
+
+    @abc.abstractmethod
+    def slab(self, instance: int) -> Any:
+        """The driver's view (a torch tensor) of an instance's slab."""
+
+    @abc.abstractmethod
+    def alive(self, role: str, instance: int) -> bool:
+        """Whether the ``role`` engine of ``instance`` is running."""
+
+    @abc.abstractmethod
+    def kill(self, role: str, instance: int) -> None:
+        """Kills one engine (fault injection); returns once it is gone."""
+
+    @abc.abstractmethod
+    def _live_engines(self) -> list[tuple[str, int]]:
+        """``(role, instance)`` of every engine that is running now."""
+
+    @abc.abstractmethod
+    def _request(self, key: tuple[str, int], kind: wire.Kind, body: dict | None = None) -> wire.Message:
+        """One request to the engine ``key``; its reply, typed errors raised
+        (:func:`tokenlake.dataplane.wire.raise_if_error`); ``EngineUnavailable`` when it
+        does not answer within ``timeout_s``."""
+
+    def _request_all(self, keys: list[tuple[str, int]], kind: wire.Kind,
+                     body: dict | None = None) -> dict[tuple[str, int], wire.Message]:
+        """The same request to several engines: ``{key: reply}``. Here one after the
+        other, the first failure raised; a launcher may send them at once."""
+        return {key: self._request(key, kind, body) for key in keys}
+
+    def _check_started(self) -> None:
+        """Raises ``ConfigError`` unless :meth:`start` has run and :meth:`close` has not."""
+        if self._ctx is None:
+            raise ConfigError("the cluster is not running; use it as a context manager")
+
+    # ------------------------------------------------------------ the driver's requests
+    def engine_stats(self) -> dict[tuple[str, int], dict]:
+        """Pings every live engine; returns its stats (see ``EngineLoop.stats``)."""
+        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
+
+        replies = self._request_all(self._live_engines(), wire.Kind.PING)
+        return {key: msg.body for key, msg in replies.items()}
+
+    def migrate(self, key: bytes, target: int) -> None:
+        """Moves a segment to ``target``: one contiguous copy, then the source replica is
+        dropped and its slot freed (a freed slot needs no data operation)."""
+        rep = self.control.start_replication(key, target)
+        self.replicate([rep])
+        self.control.drop_replica(key, rep.source.instance)
+
+    def replicate(self, reps: list[Replication]) -> None:
+        """Copies each replication's segment (one contiguous slab block, transfer engine
+        to transfer engine) and commits it; a failed copy is rolled back in the control
+        plane and re-raised."""
+        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
+
+        for rep in reps:
+            body = {"slot": rep.source.slot, "target": rep.target.instance, "target_slot": rep.target.slot}
+            try:
+                self._request(("transfer", rep.source.instance), wire.Kind.COPY_SEGMENT, body)
+            except BaseException:
+                self.control.pool.abort_replication(rep)
+                raise
+            self.control.finish_replication(rep)

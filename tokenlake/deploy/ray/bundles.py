@@ -1,0 +1,206 @@
+""":class:`Bundles`: the placement group of a :class:`~tokenlake.deploy.ray.RayCluster`
+and the actors of each instance in its bundle, started and torn down together.
+
+Starting a set of instances: every actor is created at once (the engines import torch
+while the hosts create the buffers), then the hosts create the buffers, the engines map
+them and bind, each new engine learns its peers' endpoints and the running engines learn
+the new ones (wire ``PEERS``). Tearing down: the running engines forget the instances
+(``PEERS`` with no endpoint), the engines stop, the hosts unlink the buffers (the driver
+does it for a dead host), the actors are killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tokenlake.core.errors import ConfigError, EngineUnavailable
+from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, BufferLayout
+from tokenlake.deploy.ray.actors import EngineActorRemote
+from tokenlake.deploy.ray.compute import ComputeActors
+from tokenlake.deploy.ray.host import HostActor, HostBuffers, unlink_on, unlink_prefix
+from tokenlake.deploy.ray.options import RayOptions
+from tokenlake.deploy.ray.relay import ActorTable, gather
+from tokenlake.deploy.roles import ENGINE_ROLES
+
+
+class Bundles:
+    """One placement-group bundle per instance and the actors in each.
+
+    Attributes:
+        pg: the placement group (None until :meth:`place`, and after :meth:`remove`).
+        node: the driver's Ray node id.
+        running: the instances whose engines serve.
+        table: the actors' handles, processes and endpoints.
+        hosts: per instance, the buffers its host created.
+    """
+
+    def __init__(self, options: RayOptions, layout: BufferLayout, timeout_s: float,
+                 peer_timeout_s: float, start_timeout_s: float) -> None:
+        self.options, self.layout = options, layout
+        self.peer_timeout_s, self.start_timeout_s = peer_timeout_s, start_timeout_s
+        self.pg = None
+        self.node = ""
+        self.running: set[int] = set()
+        self.table = ActorTable(timeout_s)
+        self.hosts: dict[int, HostBuffers] = {}
+
+    def place(self, n_instances: int) -> None:
+        """Places ``n_instances`` bundles; ``EngineUnavailable`` when Ray cannot within
+        ``start_timeout_s``."""
+        self.node = ray.get_runtime_context().get_node_id()
+        self.pg = placement_group([self.options.bundle() for _ in range(n_instances)],
+                                  strategy=self.options.strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.start_timeout_s)
+        if not ready:
+            raise EngineUnavailable(
+                f"Ray could not place {n_instances} bundles of {self.options.bundle()} "
+                f"({self.options.strategy}) within {self.start_timeout_s:.0f} s: not enough "
+                "resources or nodes (see `ray status`)")
+
+    def in_bundle(self, instance: int) -> PlacementGroupSchedulingStrategy:
+        """The scheduling strategy of ``instance``'s bundle."""
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=instance)
+
+    # ---------------------------------------------------------------- start
+    def start(self, instances: list[int], compute: ComputeActors | None) -> None:
+        """Starts the host and engines of ``instances`` (and their compute actors) and
+        joins them to the running ones."""
+        hosts, engines = self._create_actors(instances)
+        if compute is not None:
+            compute.create({i: self.in_bundle(i) for i in instances})
+        self._create_buffers(hosts)
+        self._start_engines(engines)
+        others = sorted(self.running)
+        self.running |= set(instances)
+        self._connect(engines, instances, others)
+        if compute is not None:
+            compute.open({i: self.client_info(i) for i in instances})
+
+    def _create_actors(self, instances: list[int]) -> tuple[dict[int, Any], dict[tuple[str, int], Any]]:
+        hosts, engines = {}, {}
+        for i in instances:
+            hosts[i] = HostActor.options(scheduling_strategy=self.in_bundle(i),
+                                         **self.options.resources("host")).remote(i)
+            self.table.actors[("host", i)] = hosts[i]
+            for role in ENGINE_ROLES:
+                actor = EngineActorRemote.options(scheduling_strategy=self.in_bundle(i),
+                                                  **self.options.resources(role)).remote(role, i)
+                self.table.actors[(role, i)] = engines[(role, i)] = actor
+        return hosts, engines
+
+    def _create_buffers(self, hosts: dict[int, Any]) -> None:
+        """Has each host create its instance's buffers; refuses a loopback bind when
+        the instances turn out to span several nodes."""
+        made = gather({i: h.create.remote(self.layout) for i, h in hosts.items()}, "host start-up",
+                      self.start_timeout_s)
+        for i, info in made.items():
+            self.hosts[i] = info
+            self.table.procs[("host", i)] = info.proc
+        nodes = {self.table.procs[("host", i)].node for i in set(hosts) | self.running}
+        if len(nodes) > 1 and self.options.loopback:
+            raise ConfigError(
+                f"the instances are on {len(nodes)} nodes but the engines would bind "
+                f"{self.options.host}: bind an address the nodes can reach (host='node', an "
+                "interface name or an IP; see docs/deploy-ray.md)")
+
+    def _start_engines(self, engines: dict[tuple[str, int], Any]) -> None:
+        """Has each engine map its buffers and bind its socket; records the endpoints."""
+        from tokenlake.dataplane.engine import EngineSpec  # imports torch (the engine loop)
+
+        starts = {}
+        for (role, i), actor in engines.items():
+            info = self.hosts[i]
+            spec = EngineSpec(role, i, info.cluster_id, {n: info.buffers[n] for n in ENGINE_BUFFERS[role]},
+                              host=self.options.host, peer_timeout_s=self.peer_timeout_s,
+                              port_range=self.options.port_range)
+            starts[(role, i)] = actor.start.remote(spec.to_bytes())
+        for key, started in gather(starts, "engine start-up", self.start_timeout_s).items():
+            self.table.endpoints[key] = started.endpoint
+            self.table.procs[key] = started.proc
+
+    def _connect(self, engines: dict[tuple[str, int], Any], instances: list[int], others: list[int]) -> None:
+        """Gives the new engines the endpoints of every running peer (they start serving),
+        and the engines of ``others`` those of the new ones."""
+        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
+
+        table = {role: {j: self.table.endpoints[(role, j)] for j in self.running} for role in ENGINE_ROLES}
+        gather({k: a.connect.remote(table[k[0]]) for k, a in engines.items()}, "engine connect",
+               self.start_timeout_s)
+        for role in ENGINE_ROLES:
+            body = {"peers": [[i, table[role][i]] for i in instances]}
+            self.table.request_all([(role, j) for j in others], wire.Kind.PEERS, body, strict=True)
+
+    def client_info(self, instance: int) -> dict[str, Any]:
+        """See :meth:`RayCluster.client_info` (``instance`` must be running)."""
+        info, t = self.hosts[instance], self.table
+        return {
+            "instance": instance,
+            "node_id": t.procs[("host", instance)].node,
+            "endpoints": {role: t.endpoints[(role, instance)] for role in ENGINE_ROLES},
+            "buffers": {n: info.buffers[n] for n in CLIENT_BUFFERS},
+            "procs": {role: t.procs[(role, instance)].to_dict() for role in ENGINE_ROLES},
+            "timeout_s": self.table.timeout_s,
+        }
+
+    # ---------------------------------------------------------------- stop
+    def teardown(self, instances: list[int], tell_peers: bool) -> None:
+        """Stops and removes the actors of ``instances``; unlinks their buffers.
+        ``tell_peers``: the running engines forget them first (drop their sockets and
+        what those queued)."""
+        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
+
+        gone = set(instances)
+        self.running -= gone
+        if tell_peers and self.running:
+            for role in ENGINE_ROLES:
+                body = {"peers": [[i, None] for i in instances]}
+                keys = [(role, j) for j in sorted(self.running)]
+                self.table.request_all(keys, wire.Kind.PEERS, body, strict=False)
+        keys = [k for k in self.table.actors if k[1] in gone]
+        self.table.stop([k for k in keys if k[0] != "host"])
+        unlinked = self._close_hosts(instances)
+        self.table.kill(keys, self.node)
+        for i in instances:
+            info = self.hosts.pop(i, None)
+            if info is not None and i not in unlinked:  # the host died: unlink for it
+                unlink_on(self.table.procs[("host", i)].node, info.prefix, self.node)
+        self.table.forget(keys)
+
+    def _close_hosts(self, instances: list[int]) -> set[int]:
+        """Has the hosts of ``instances`` unlink their buffers (at most 5 s); returns the
+        instances whose host did."""
+        closes = {i: self.table.actors[("host", i)].close.remote()
+                  for i in instances if ("host", i) in self.table.actors}
+        ready = ray.wait(list(closes.values()), num_returns=len(closes), timeout=5.0)[0] if closes else []
+        unlinked = set()
+        for i, ref in closes.items():
+            if ref in ready:
+                with contextlib.suppress(RayError):
+                    ray.get(ref)
+                    unlinked.add(i)
+        return unlinked
+
+    def close(self) -> None:
+        """Tears every instance down and removes the placement group. After Ray has shut
+        down (which killed the actors), unlinks the buffers on this node only."""
+        if ray.is_initialized():
+            instances = sorted({i for _, i in self.table.actors} | self.running)
+            if instances:
+                self.teardown(instances, tell_peers=False)
+            if self.pg is not None:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(self.pg)
+        else:
+            for i, info in self.hosts.items():
+                if self.table.procs[("host", i)].node == self.node:
+                    unlink_prefix(info.prefix)
+            self.hosts.clear()
+            self.table.clear()
+            self.running.clear()
+        self.pg = None

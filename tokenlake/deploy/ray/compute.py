@@ -1,0 +1,176 @@
+"""The driver side of the compute actors: :class:`RayComputeEngine` runs an iteration's
+batches on the compute actors of their home instances; :class:`ComputeActors` creates,
+opens and stops those actors for a :class:`~tokenlake.deploy.ray.RayCluster`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tokenlake.core.errors import EngineUnavailable, PlanError, TokenLakeError
+from tokenlake.core.plans import Batch, Plans
+from tokenlake.deploy.ray.actors import ComputeActorRemote
+from tokenlake.deploy.ray.options import COMPUTE_ROLE, RayOptions
+from tokenlake.deploy.ray.relay import ActorTable, actor_error
+
+if TYPE_CHECKING:
+    from tokenlake.deploy.ray.cluster import RayCluster
+    from tokenlake.model.compute import IterationOutput
+
+
+def _batches_by_home(plans: Plans, n_batches: int) -> dict[int, list[int]]:
+    """``{home instance: [batch, ...]}``; a batch spread over several homes (DoP > 1) or
+    plans that do not cover exactly batches ``0..n_batches-1`` are a ``PlanError``."""
+    homes: dict[int, set[int]] = {}
+    for qp in plans.query_plans:
+        homes.setdefault(qp.batch, set()).add(qp.home)
+    if set(homes) != set(range(n_batches)):
+        raise PlanError(f"the plans cover batches {sorted(homes)}, not the {n_batches} given")
+    for b, hs in sorted(homes.items()):
+        if len(hs) > 1:
+            raise PlanError(
+                f"batch {b} is spread over instances {sorted(hs)} (DoP {len(hs)}); the Ray "
+                "compute actors compute a batch on its home instance only: schedule with "
+                "DoP 1 (e.g. GoodputScheduler(max_prefill_dop=1), the Server's default)")
+    by_home: dict[int, list[int]] = {}
+    for b in range(n_batches):
+        by_home.setdefault(next(iter(homes[b])), []).append(b)
+    return by_home
+
+
+def _sub_plans(plans: Plans, batches: list[int]) -> Plans:
+    """The plans of ``batches`` only, renumbered ``0..k-1`` in that order (what one
+    compute actor sees of the iteration)."""
+    local = {b: k for k, b in enumerate(batches)}
+    return Plans(plans.iteration,
+                 tuple(dataclasses.replace(p, batch=local[p.batch]) for p in plans.query_plans
+                       if p.batch in local),
+                 tuple(dataclasses.replace(p, batch=local[p.batch]) for p in plans.transfer_plans
+                       if p.batch in local),
+                 tuple(plans.groups[b] for b in batches))
+
+
+class RayComputeEngine:
+    """Driver side of the compute actors, with the interface of
+    :class:`~tokenlake.model.compute.ComputeEngine` (``run(plans, batches) ->
+    IterationOutput``), so :class:`~tokenlake.serving.Server` can use either.
+
+    Each batch goes to the compute actor of its home instance (several batches with the
+    same home run there one after the other); the actors of one iteration run in
+    parallel, and :meth:`run` returns when all of them are done (every put stored).
+
+    Limits: a batch with DoP > 1 (sub-batches on several homes) is refused with a
+    ``PlanError`` before anything runs: its sub-batches form one sequence-parallel
+    computation, which the actors cannot split yet. Schedule with prefill DoP 1 (the
+    ``Server``'s default policy does). A dead or missing compute actor is an
+    ``EngineUnavailable``; so is an iteration not finished within ``timeout_s``.
+
+    ``batches_run[i]`` counts the batches computed by instance i's actor.
+    ``parallel = True`` tells the ``Server`` that batches on different instances
+    compute at the same time (one batch per instance and iteration).
+    """
+
+    parallel = True
+
+    def __init__(self, cluster: RayCluster, timeout_s: float | None = 300.0) -> None:
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.batches_run: dict[int, int] = {}
+
+    def run(self, plans: Plans, batches: list[Batch]) -> IterationOutput:
+        from tokenlake.model.compute import IterationOutput  # the model layer: torch
+
+        by_home = _batches_by_home(plans, len(batches))
+        if not batches:
+            return IterationOutput({}, {})
+        actors = {home: self.cluster.compute_actor(home) for home in by_home}  # before sending
+        refs = {home: actors[home].run.remote(_sub_plans(plans, bs), [batches[b] for b in bs])
+                for home, bs in by_home.items()}
+        return self._collect(refs, by_home)
+
+    def _collect(self, refs: dict[int, Any], by_home: dict[int, list[int]]) -> IterationOutput:
+        """Waits for every actor, also after a failure (the caller aborts the plans
+        next); merges their outputs, or raises the first failure."""
+        import torch  # the model layer's tensors
+
+        from tokenlake.model.compute import IterationOutput  # the model layer: torch
+
+        ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)[0])
+        logits, prefix, error = {}, {}, None
+        for home, ref in refs.items():
+            try:
+                if ref not in ready:
+                    raise EngineUnavailable(f"the compute actor of instance {home} did not finish "
+                                            f"the iteration within {self.timeout_s:.0f} s")
+                ids, rows, spans = ray.get(ref)
+            except RayActorError:
+                error = error or EngineUnavailable(f"the compute actor of instance {home} is not running")
+                continue
+            except (RayError, TokenLakeError) as exc:
+                error = error or actor_error(exc)
+                continue
+            if ids:
+                table = torch.tensor(rows)  # a copy: Ray's array is read-only shared memory
+                logits.update((rid, table[k]) for k, rid in enumerate(ids))
+            prefix.update(spans)
+            self.batches_run[home] = self.batches_run.get(home, 0) + len(by_home[home])
+        if error is not None:
+            raise error
+        return IterationOutput(logits, prefix)
+
+
+class ComputeActors:
+    """The compute actors of a cluster's instances, as the driver starts and stops them.
+
+    Their handles and processes live in the cluster's :class:`ActorTable` under the role
+    ``"compute"``. Each actor asks for ``options.resources("compute")`` and runs torch
+    with ``threads`` threads (default: its whole CPUs, at least 1); ``loader`` is the
+    weights loader it calls once (None: the default weights).
+    """
+
+    def __init__(self, table: ActorTable, options: RayOptions, loader: Callable[[], Any] | None,
+                 threads: int | None, start_timeout_s: float) -> None:
+        self.table, self.options, self.loader = table, options, loader
+        self.resources = options.resources(COMPUTE_ROLE)
+        self.threads = int(threads) if threads is not None else max(1, int(self.resources["num_cpus"]))
+        self.start_timeout_s = start_timeout_s
+
+    def create(self, bundles: dict[int, PlacementGroupSchedulingStrategy]) -> None:
+        """Creates the actors of ``{instance: its bundle}`` (each loads torch and the
+        weights now, asynchronously)."""
+        for i, bundle in bundles.items():
+            self.table.actors[(COMPUTE_ROLE, i)] = ComputeActorRemote.options(
+                scheduling_strategy=bundle, **self.resources
+            ).remote(i, self.loader, self.threads)
+
+    def open(self, infos: dict[int, dict[str, Any]]) -> None:
+        """Hands each created actor its instance's ``client_info``; waits until all are
+        ready (at most ``start_timeout_s``). Actor failures are ``EngineUnavailable``,
+        the TokenLake errors they raised (a ``ConfigError``: weights that do not fit)
+        are raised as such."""
+        refs = {i: self.table.actors[(COMPUTE_ROLE, i)].open.remote(info) for i, info in infos.items()}
+        try:
+            procs = ray.get(list(refs.values()), timeout=self.start_timeout_s)
+        except GetTimeoutError:
+            raise EngineUnavailable(
+                f"compute start-up: no answer within {self.start_timeout_s:.0f} s (does the bundle have "
+                f"{self.resources} left for the compute actor? see `ray status`)") from None
+        except RayActorError as exc:
+            raise EngineUnavailable(f"compute start-up failed: {exc}") from exc
+        except RayError as exc:
+            raise actor_error(exc) from exc
+        for i, proc in zip(refs, procs):
+            self.table.procs[(COMPUTE_ROLE, i)] = proc
+
+    def stop(self, instances: list[int], node: str) -> None:
+        """Closes the clients of the instances' actors, kills the actors and waits until
+        those on ``node`` (the driver's) are gone."""
+        keys = [(COMPUTE_ROLE, i) for i in instances if (COMPUTE_ROLE, i) in self.table.actors]
+        self.table.stop(keys)
+        self.table.kill(keys, node)
+        self.table.forget(keys)

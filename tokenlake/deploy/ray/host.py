@@ -1,0 +1,144 @@
+"""The host actor: owner of one instance's shared buffers on the instance's node.
+
+The driver cannot create ``/dev/shm`` files on another machine, so each instance's host
+actor creates them where the instance runs and unlinks them when it is closed. Names
+carry the host's pid (``tokenlake-<pid>-<hex>-<buffer>-<instance>``), so
+``tokenlake.dataplane.shm.sweep_stale()`` run on a node removes what a killed host left
+there. The host never maps its buffers (engines and clients attach by name), so it stays
+a small process without torch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tokenlake.dataplane.shm import (
+    BufferSpec,
+    SegmentExists,
+    SharedMemoryError,
+    cluster_prefix,
+    list_segments,
+    new_cluster_id,
+    shm_dir,
+    unlink_segment,
+)
+from tokenlake.deploy.base import BufferLayout
+from tokenlake.deploy.ray.liveness import ProcessRef
+
+log = logging.getLogger(__name__)
+
+
+def create_unmapped(spec: BufferSpec) -> None:
+    """Creates one zero-filled shared-memory file of ``spec.nbytes`` without mapping it.
+
+    ``tokenlake.dataplane.shm`` creates a buffer and maps it as a torch tensor in one
+    step; the host must not load torch, so it creates the file the same way (same
+    directory, mode 0600, pages reserved) and leaves mapping to the engines.
+
+    Raises:
+        SegmentExists: the name is taken (never silently reused).
+        SharedMemoryError: the pages cannot be reserved (``/dev/shm`` too small).
+    """
+    path = os.path.join(shm_dir(), spec.name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError as e:
+        raise SegmentExists(f"shared buffer {spec.name!r} already exists") from e
+    try:
+        try:
+            os.posix_fallocate(fd, 0, spec.nbytes)  # reserve the pages now (no SIGBUS later)
+        except AttributeError:  # no posix_fallocate (macOS): sparse, still zero-filled
+            os.ftruncate(fd, spec.nbytes)
+    except BaseException as e:
+        os.close(fd)
+        unlink_segment(spec.name)
+        if isinstance(e, OSError):
+            raise SharedMemoryError(f"cannot allocate {spec.nbytes} bytes for {spec.name!r}: {e}") from e
+        raise
+    os.close(fd)
+
+
+def unlink_prefix(prefix: str) -> list[str]:
+    """Unlinks every buffer of this node whose name starts with ``prefix``; their names."""
+    return [name for name in list_segments(prefix) if unlink_segment(name)]
+
+
+@dataclass(frozen=True)
+class HostBuffers:
+    """What a host created for its instance (returned to the driver through Ray).
+
+    Attributes:
+        buffers: ``{name: BufferSpec.to_dict()}`` of the instance's buffers.
+        prefix: their common name prefix on the node.
+        cluster_id: the host's cluster id (``<pid>-<hex>``; the engines' ``EngineSpec``).
+        proc: the host's process.
+    """
+
+    buffers: dict[str, dict[str, Any]]
+    prefix: str
+    cluster_id: str
+    proc: ProcessRef
+
+
+class InstanceHost:
+    """Owner of one instance's shared buffers on its node (runs as a Ray actor)."""
+
+    def __init__(self, instance: int) -> None:
+        self.instance = instance
+        self.cluster_id = new_cluster_id()  # carries this process's pid: sweep_stale works
+        self.prefix = cluster_prefix(self.cluster_id)
+        self._names: list[str] = []
+        atexit.register(self.close)
+
+    def create(self, layout: BufferLayout) -> HostBuffers:
+        """Creates the buffers of ``layout`` (all of them, or none: a failure unlinks
+        what was made and re-raises)."""
+        specs = {}
+        try:
+            for name, spec in layout.specs(self.prefix, self.instance).items():
+                create_unmapped(spec)
+                self._names.append(spec.name)
+                specs[name] = spec.to_dict()
+        except BaseException:
+            self.close()
+            raise
+        return HostBuffers(specs, self.prefix, self.cluster_id, ProcessRef.this())
+
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> int:
+        """Unlinks every buffer of this host (idempotent); returns how many it removed."""
+        names, self._names = self._names, []
+        removed = [n for n in names if unlink_segment(n)]
+        return len(removed) + len(unlink_prefix(self.prefix))
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
+        return f"tokenlake-host-{self.instance}"
+
+
+HostActor = ray.remote(max_restarts=0)(InstanceHost)
+_unlink_task = ray.remote(num_cpus=0, max_retries=0)(unlink_prefix)
+
+
+def unlink_on(node: str, prefix: str, here: str) -> None:
+    """Unlinks the buffers under ``prefix`` on ``node`` (for a host that died): directly
+    when ``node`` is ``here`` (the caller's node), else by a small Ray task there. A
+    failure is logged (``sweep_stale()`` on that node cleans up), never raised."""
+    if node == here:
+        unlink_prefix(prefix)
+        return
+    try:
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+        ray.get(_unlink_task.options(scheduling_strategy=strategy).remote(prefix), timeout=30.0)
+    except RayError as exc:
+        log.warning("could not unlink %s* on node %s (%s); run tokenlake.dataplane.shm.sweep_stale() there",
+                    prefix, node, exc)

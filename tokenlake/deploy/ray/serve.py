@@ -1,0 +1,66 @@
+""":func:`serve`: ``tokenlake serve --ray``, a pool on Ray watched from the shell."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tokenlake.core.specs import load_model
+from tokenlake.deploy.ray.cluster import RayCluster
+from tokenlake.deploy.ray.options import RayOptions
+
+
+def serve(
+    instances: int,
+    model_name: str,
+    pool_bytes: int,
+    options: RayOptions,
+    segment_tokens: int = 64,
+    max_rows: int = 1024,
+    restart: bool = True,
+    poll_s: float = 1.0,
+    out: Callable[[str], None] = print,
+    json_lines: bool = False,
+    stop: threading.Event | None = None,
+) -> int:
+    """``tokenlake serve --ray``: starts the pool, prints its addresses, watches it
+    every ``poll_s`` seconds (failed instances are removed and, with ``restart``, started
+    again) until Ctrl-C (KeyboardInterrupt) or ``stop`` is set, then shuts everything
+    down. ``json_lines``: one JSON object per event (``ready``, ``serving``, ``failed``,
+    ``restarted``, ``stopping``, ``stopped``) instead of text. Returns the exit code."""
+
+    def emit(event: str, text: str, **data: Any) -> None:
+        out(json.dumps({"event": event, **data}) if json_lines else text)
+
+    model = load_model(model_name)
+    stop = stop if stop is not None else threading.Event()
+    with RayCluster(instances, model, pool_bytes, segment_tokens, max_rows, options=options) as cluster:
+        lines = [f"TokenLake pool on Ray: {instances} instances of {model.name}, "
+                 f"{cluster.slots_per_instance} slots of C={segment_tokens} each ({options.strategy})"]
+        desc = cluster.describe()
+        lines += [f"  instance {d['instance']}: node {d['node_ip']} ({d['node_id'][:12]}) "
+                  f"query {d['endpoints']['query']} transfer {d['endpoints']['transfer']}" for d in desc]
+        emit("ready", "\n".join(lines), instances=desc)
+        emit("serving", "serving; Ctrl-C to stop")
+        try:
+            while not stop.wait(poll_s):
+                _recover(cluster, restart, emit)
+        except KeyboardInterrupt:
+            pass
+        emit("stopping", "stopping")
+    emit("stopped", "stopped: actors gone, shared memory unlinked")
+    return 0
+
+
+def _recover(cluster: RayCluster, restart: bool, emit: Callable[..., None]) -> None:
+    """Removes every failed instance (and starts it again with ``restart``), reporting each."""
+    for i, lost in cluster.remove_failed().items():
+        emit("failed", f"instance {i} failed and was removed ({len(lost)} requests lost)",
+             instance=i, lost=list(lost))
+        if restart:
+            cluster.restart_instance(i)
+            (d,) = [d for d in cluster.describe() if d["instance"] == i]
+            emit("restarted", f"instance {i} restarted: query {d['endpoints']['query']} "
+                 f"transfer {d['endpoints']['transfer']}", instance=d)

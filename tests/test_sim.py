@@ -153,21 +153,23 @@ def test_admission_recounts_when_finding_a_hit_settles_another_admission():
     b = make_backend("tokenlake", SMALL)
     reqs = [SimRequest(i, r) for i, r in enumerate(make_trace(4, seed=3, gap_s=0.0))]
     for r in reqs:
+        b.tracker.add(r)
         b.on_arrival(r)
     first, later = reqs[0], reqs[2]
     real_hit, calls = b.planner.ready_hit, []
 
-    def settling_hit(r):
-        calls.append(r.rid)
+    def settling_hit(r, start=0):
+        calls.append(r.request_id)
         if len(calls) == 1:  # as a settle of a computed plan does: `later` is admitted
-            b.reserve(later, 1)
-        return real_hit(r)
+            b.admit(later)
+        return real_hit(r, start)
 
     b.planner.ready_hit = settling_hit
     out = b._admissible()
-    assert calls.count(first.rid) == 2  # counted again after the settle
-    assert later.rid in b.adm and later.rid not in b.queue
-    assert [r.rid for r in out] == [later.rid] + [r.rid for r in reqs if r is not later]
+    assert calls.count(first.request_id) == 2  # counted again after the settle
+    assert later.admitted and later not in list(b.tracker.waiting())
+    assert list(b.tracker.running()) == [later]
+    assert [r.request_id for r in out] == [later.request_id] + [r.request_id for r in reqs if r is not later]
     assert len(out) == len({id(r) for r in out})  # nobody counted twice
 
 
@@ -177,13 +179,16 @@ def test_workers_admit_first_come_first_served_like_sglang():
     a later small request does not pass it. Admitted prefills go on regardless."""
     from evals.sim.engine import SimRequest
     from evals.sim.local import Worker, admit_in_order
+    from tokenlake.serving.tracker import RequestTracker
+
+    tracker = RequestTracker(chunk_tokens=BS)
 
     def req(i, n):
         r = SimRequest(i, Request(f"r{i}", 0.0, n, 8, block_hashes=tuple(range(100 * i, 100 * i + n // BS))))
         r.tokens = prompt_array(r.source)
-        return r
+        return tracker.add(r)
 
-    w = Worker(capacity=6 * BS)
+    w = Worker(6 * BS, tracker)
     running, big, small = req(0, 2 * BS), req(1, 5 * BS), req(2, BS)
     assert admit_in_order(w, [running]) == [running]
     assert admit_in_order(w, [big, running, small]) == [running]

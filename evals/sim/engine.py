@@ -26,6 +26,7 @@ from evals.sim.config import Setup
 from evals.sim.metrics import Recorder, SimResult, as_result
 from evals.sim.timing import decode_bs1_s, prefill_bs1_s
 from evals.workloads.base import Request
+from tokenlake.serving.tracker import DONE, RequestTracker, TrackedRequest
 
 ARRIVAL, PLAN_END = 0, 1
 
@@ -34,37 +35,26 @@ class SimulationError(RuntimeError):
     """The simulated cluster cannot make progress (e.g. memory too small for a request)."""
 
 
-class SimRequest:
-    """A request's progress. Phases: ``waiting`` (not admitted), ``prefill``, ``decode``,
-    ``done`` (xPyD also ``transfer``). ``prefilled`` counts prompt tokens whose KV exists
-    (hit + computed); ``worker`` is where it last ran (or is routed); ``ready_s`` when its
-    last iteration ends; ``aux`` is the backend's (TokenLake: its plan; xPyD: KV bytes)."""
+class SimRequest(TrackedRequest):
+    """A request's progress: the tracked part (phase, hit, prefilled, generated, see
+    :mod:`tokenlake.serving.tracker`; changed only through the backend's
+    :attr:`Backend.tracker`) plus what the simulator keeps. ``worker`` is where it last
+    ran (or is routed); ``ready_s`` when its last iteration ends; ``blocked`` why it may
+    not be scheduled now (None: it may); ``aux`` is the backend's (TokenLake: its plan;
+    xPyD: KV bytes)."""
 
-    __slots__ = ("idx", "rid", "source", "arrival_s", "input_len", "output_len", "phase",
-                 "admitted", "hit", "prefilled", "generated", "first_token_s",
-                 "last_token_s", "tbt_sum", "tbt_count", "tbt_max", "run", "blocked",
-                 "ttft_slo_s", "tbt_slo_s", "tokens", "keys", "worker", "aux", "ready_s")
+    __slots__ = ("idx", "source", "output_len", "first_token_s", "last_token_s", "tbt_sum",
+                 "tbt_count", "tbt_max", "run", "blocked", "ttft_slo_s", "tokens", "keys",
+                 "worker", "aux", "ready_s")
 
     def __init__(self, idx: int, source: Request) -> None:
-        self.idx, self.rid, self.source = idx, source.request_id, source
-        self.arrival_s = source.arrival_s
-        self.input_len, self.output_len = source.input_length, source.output_length
-        self.phase, self.admitted = "waiting", False
-        self.hit = self.prefilled = self.generated = 0
+        super().__init__(source.request_id, source.input_length, source.arrival_s)
+        self.idx, self.source, self.output_len = idx, source, source.output_length
         self.first_token_s = self.last_token_s = 0.0
         self.tbt_sum, self.tbt_count, self.tbt_max = 0.0, 0, 0.0
         self.run = self.blocked = self.tokens = self.keys = self.worker = self.aux = None
         self.ttft_slo_s = self.tbt_slo_s = 0.0
         self.ready_s = self.arrival_s  # when its last iteration ends (it may run again)
-
-    @property
-    def context(self) -> int:
-        """Tokens the next iteration attends over (prompt so far, then outputs fed back)."""
-        return self.prefilled if self.phase != "decode" else self.input_len + self.generated - 1
-
-    @property
-    def remaining(self) -> int:
-        return self.input_len - self.prefilled
 
 
 class Run:
@@ -98,7 +88,8 @@ class Backend:
 
     name = "backend"
 
-    def __init__(self, setup: Setup, system: str, instance_ids: Sequence) -> None:
+    def __init__(self, setup: Setup, system: str, instance_ids: Sequence,
+                 chunk_tokens: int | None = None) -> None:
         self.setup, self.system = setup, system
         self.lat, self.config = setup.latency, setup.config
         self.instance_ids = list(instance_ids)
@@ -106,7 +97,9 @@ class Backend:
         self.now = 0.0
         self._heap: list = []
         self._seq = itertools.count()
-        self.live: dict[str, SimRequest] = {}
+        # The live requests (arrived, not finished), in arrival order; chunk_tokens: the
+        # most prompt tokens a request prefills per iteration (default: the config's).
+        self.tracker = RequestTracker(chunk_tokens or self.config.chunk_tokens)
         self.busy: dict = {}  # instance -> run
         self.runs: set[Run] = set()
         self.state = 0  # bumps whenever the waiting set or the idle instances change
@@ -151,9 +144,9 @@ class Backend:
             self._update_cuts()
             if progress is not None:
                 progress(len(self.rec.rows))
-        if self.live:
-            stuck = sorted(self.live)[:5]
-            raise SimulationError(f"{len(self.live)} requests never finished (e.g. {stuck}); "
+        if self.tracker:
+            stuck = sorted(self.tracker)[:5]
+            raise SimulationError(f"{len(self.tracker)} requests never finished (e.g. {stuck}); "
                                   "the cache is probably too small for them")
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         extra = self.extra()
@@ -176,16 +169,16 @@ class Backend:
         out = {}
         for turns in sessions.values():
             turns.sort(key=lambda r: (r.source.turn, r.idx))
-            out.update((a.rid, b) for a, b in zip(turns, turns[1:]))
+            out.update((a.request_id, b) for a, b in zip(turns, turns[1:]))
         return out
 
     def _arrive(self, req: SimRequest) -> None:
         cfg, lat = self.config, self.lat
         scale = cfg.slo_scale
-        req.ttft_slo_s = (cfg.input_token_slo_s * req.input_len if cfg.input_token_slo_s
-                          else scale * prefill_bs1_s(lat, req.input_len, cfg.chunk_tokens))
-        req.tbt_slo_s = cfg.output_token_slo_s or scale * decode_bs1_s(lat, req.input_len)
-        self.live[req.rid] = req
+        req.ttft_slo_s = (cfg.input_token_slo_s * req.prompt_len if cfg.input_token_slo_s
+                          else scale * prefill_bs1_s(lat, req.prompt_len, cfg.chunk_tokens))
+        req.tbt_slo_s = cfg.output_token_slo_s or scale * decode_bs1_s(lat, req.prompt_len)
+        self.tracker.add(req)
         self.pending_arrivals -= 1
         self.on_arrival(req)
 
@@ -227,13 +220,14 @@ class Backend:
         self.finish_done(run.reqs)
 
     def finish_done(self, reqs) -> None:
-        """Records and releases every request of ``reqs`` that generated its last token."""
+        """Records and releases every request of ``reqs`` that generated its last token
+        and is not blocked (xPyD: its KV is still on the way to the decode worker)."""
         for r in reqs:
-            if r.phase == "done":
-                del self.live[r.rid]
+            if r.phase == DONE and r.blocked is None:
+                self.tracker.remove(r)
                 self.rec.finish(r, r.ttft_slo_s, r.tbt_slo_s)
                 self.on_finish(r)
-                nxt = self._next_turn.pop(r.rid, None)
+                nxt = self._next_turn.pop(r.request_id, None)
                 if nxt is not None:  # the session's next turn is sent now (or on time)
                     nxt.arrival_s = nxt.ready_s = max(nxt.arrival_s, self.now)
                     self.push(nxt.arrival_s, ARRIVAL, nxt)
@@ -243,6 +237,7 @@ class Backend:
         """Requests of ``run`` advanced by iterations ``j0+1 .. j1``."""
         sched, rec = run.sched, self.rec
         self.busy_s += sched.end(j1) - sched.end(j0)
+        tracker = self.tracker
         decoding = [r for r, c in zip(run.reqs, run.chunks) if c is None]
         if decoding:
             t1 = sched.end(j0 + 1)
@@ -250,25 +245,24 @@ class Backend:
                 rec.gap(r, t1)
             rec.steps(sched, j0 + 2, j1, decoding)
             for r in decoding:
-                r.generated += j1 - j0
+                tracker.advance_decode(r, j1 - j0)
                 if r.generated >= r.output_len:
-                    r.phase = "done"
+                    tracker.finish(r)
         t_end = sched.end(j1)
         for i, r in enumerate(run.reqs):
             if run.chunks[i] is None:
                 continue
             n = run.tokens_between(i, j0, j1)
-            r.prefilled += n
             rec.prefill_tokens += n
-            if r.prefilled >= r.input_len:
+            if tracker.advance_prefill(r, n):
                 rec.first_token(r, t_end)
-                r.generated = 1
-                r.phase = "done" if r.output_len == 1 else "decode"
+                if r.output_len == 1:
+                    tracker.finish(r)
 
     # ------------------------------------------------------------- decisions
     def waiting(self) -> list[SimRequest]:
         """Live requests in no run and not blocked: what a decision may schedule."""
-        return [r for r in self.live.values() if r.run is None and r.blocked is None]
+        return [r for r in self.tracker.values() if r.run is None and r.blocked is None]
 
     def free_instances(self) -> list:
         return [i for i in self.instance_ids if i not in self.busy]
@@ -281,7 +275,7 @@ class Backend:
             return
         waiting = self.waiting()
         idle = self.free_instances()
-        sig = (tuple(r.rid for r in waiting), tuple(idle))
+        sig = (tuple(r.request_id for r in waiting), tuple(idle))
         if sig != self._sig:
             self._sig = sig
             self.state += 1
@@ -297,7 +291,7 @@ class Backend:
         """Called once before the first event (timers)."""
 
     def on_arrival(self, req: SimRequest) -> None:
-        """A request arrived (it is in :attr:`live`)."""
+        """A request arrived (it is in :attr:`tracker`)."""
 
     def decide(self) -> None:
         """Schedule what can run now."""

@@ -26,10 +26,11 @@ from array import array
 from evals.sim.engine import Backend, Run, SimRequest, SimulationError
 from evals.sim.timing import ChunkSchedule, DecodeSchedule, decode_coefficients, iteration_s
 from evals.sim.trace import decode_tokens, prompt_array
-from scheduler.api import InstanceView, RequestView, Snapshot
+from scheduler.api import InstanceView, Snapshot
 from scheduler.baselines.adapter import RoutedPolicy
 from scheduler.baselines.flowkv import FlowKVRouter
 from scheduler.baselines.radix import RadixTree
+from tokenlake.serving.tracker import RequestTracker
 
 ROUTER_EVICT = 20
 
@@ -66,35 +67,36 @@ class Worker:
     requests leave: the prompts of those still prefilling and every output.
     """
 
-    def __init__(self, capacity: int, holds_output: bool = True, caches: bool = True) -> None:
+    def __init__(self, capacity: int, tracker: RequestTracker, holds_output: bool = True,
+                 caches: bool = True) -> None:
         self.capacity = capacity
+        self.tracker = tracker  # the backend's: admissions go through it
         self.holds_output = holds_output
         self.caches = caches  # False: a decode-only worker holds whole prompts
         self.cache = LocalCache()
         self.admitted: set[SimRequest] = set()
 
     def need(self, r: SimRequest, hit: int) -> int:
-        return r.input_len - (hit if self.caches else 0) + (r.output_len if self.holds_output else 0)
+        return r.prompt_len - (hit if self.caches else 0) + (r.output_len if self.holds_output else 0)
 
     def held(self) -> int:
         return sum(self.need(r, r.hit) for r in self.admitted)
 
     def cache_limit(self) -> int:
         private = sum((r.output_len if self.holds_output else 0)
-                      + (r.input_len - r.hit if r.phase == "prefill" else 0)
+                      + (r.prompt_len - r.hit if r.phase == "prefill" else 0)
                       for r in self.admitted)
         return self.capacity - private
 
     def admit(self, r: SimRequest) -> bool:
         """Admits ``r`` with its hit in this cache if it fits; False if it must wait."""
         if self.need(r, 0) > self.capacity:
-            raise SimulationError(f"request {r.rid} needs {self.need(r, 0)} KV tokens; a "
+            raise SimulationError(f"request {r.request_id} needs {self.need(r, 0)} KV tokens; a "
                                   f"worker holds {self.capacity}")
-        hit = min(self.cache.match(r.tokens), r.input_len - 1)
+        hit = min(self.cache.match(r.tokens), r.prompt_len - 1)
         if self.held() + self.need(r, hit) > self.capacity:
             return False
-        r.hit = hit
-        r.prefilled, r.admitted, r.phase = hit, True, "prefill"
+        self.tracker.admit(r, hit)
         self.admitted.add(r)
         self.cache.trim(self.cache_limit())
         return True
@@ -120,9 +122,9 @@ def admit_in_order(worker: Worker, reqs: list[SimRequest]) -> list[SimRequest]:
 def local_prefill_run(b: Backend, reqs: list[SimRequest], tp: int) -> Run:
     """Chunked prefill of ``reqs`` on one worker until the first prompt completes."""
     chunk = b.config.chunk_tokens
-    done = [r.prefilled for r in reqs]
-    k = min(-(-(r.input_len - d) // chunk) for r, d in zip(reqs, done))
-    chunks = [[min(chunk, r.input_len - d - j * chunk) for j in range(k)]
+    done = [r.prefilled for r in reqs]  # all admitted
+    k = min(-(-(r.prompt_len - d) // chunk) for r, d in zip(reqs, done))
+    chunks = [[min(chunk, r.prompt_len - d - j * chunk) for j in range(k)]
               for r, d in zip(reqs, done)]
     durations = [iteration_s(b.lat, [(c[j], d + j * chunk) for c, d in zip(chunks, done)], tp, 1.0)
                  for j in range(k)]
@@ -189,9 +191,9 @@ class RoutedBackend(Backend):
             raise ValueError(f"{setup.instances} GPUs do not split into TP={tp} workers")
         super().__init__(setup, system, range(n_workers))
         self.tp = tp
-        self.workers = [Worker(setup.cache_tokens_per_gpu * tp) for _ in range(n_workers)]
+        self.workers = [Worker(setup.cache_tokens_per_gpu * tp, self.tracker) for _ in range(n_workers)]
         self.router = router
-        self.policy = RoutedPolicy(router, lambda rid: self.live[rid].tokens, system,
+        self.policy = RoutedPolicy(router, lambda rid: self.tracker[rid].tokens, system,
                                    chunk_tokens=self.config.chunk_tokens)
         self._dirty = False  # something changed since the last decision
 
@@ -214,23 +216,21 @@ class RoutedBackend(Backend):
         if not self._dirty:  # only timers fired: nothing a router or worker would see
             return
         self._dirty = False
-        if not self.free_instances() and all(r.worker is not None for r in self.live.values()):
+        tracker = self.tracker
+        if not self.free_instances() and all(r.worker is not None for r in tracker.values()):
             return
-        views = tuple(self._view(r) for r in self.live.values())
+        # A request's hit is known only when its worker admits it: until then it shows
+        # its whole prompt (the tracker's view of a waiting request with hit 0).
+        views = tuple(tracker.view(r) for r in tracker.values())
         snap = Snapshot(self.now, (), views,
                         tuple(InstanceView(w, w in self.busy) for w in self.instance_ids),
                         0.0, self.lat)
         decision = self.policy.schedule(snap)
         self.scheduler_calls += 1
         for rid, w in self.policy.placement.items():
-            self.live[rid].worker = w
+            tracker[rid].worker = w
         for batch, w in zip(decision.batches, self.policy.batch_instances(decision)):
-            self._start(w, [self.live[rid] for rid in batch.request_ids], batch.phase)
-
-    def _view(self, r: SimRequest) -> RequestView:
-        if r.phase == "decode":
-            return RequestView(r.rid, "decode", r.context, 0, r.arrival_s, r.tbt_slo_s)
-        return RequestView(r.rid, "prefill", r.prefilled, r.input_len - r.prefilled, r.arrival_s)
+            self._start(w, [tracker[rid] for rid in batch.request_ids], batch.phase)
 
     def _start(self, w: int, reqs: list[SimRequest], phase: str) -> None:
         worker = self.workers[w]
@@ -240,7 +240,7 @@ class RoutedBackend(Backend):
             if ready:
                 self.start_run(local_prefill_run(self, ready, self.tp))
                 return
-            reqs = [r for r in self.live.values() if r.worker == w and r.phase == "decode"
+            reqs = [r for r in self.tracker.values() if r.worker == w and r.phase == "decode"
                     and r.run is None]
         if reqs:
             self.start_run(local_decode_run(self, reqs, self.tp))
@@ -252,17 +252,17 @@ class RoutedBackend(Backend):
         self._dirty = True
         worker = self.workers[run.group[0]]
         for r in run.reqs:
-            if run.phase == "prefill" and r.prefilled >= r.input_len:
+            if run.phase == "prefill" and r.prefilled >= r.prompt_len:
                 worker.cache.insert(r.tokens, self.now, worker.cache_limit())
                 if isinstance(self.router, FlowKVAdapter):
-                    self.router.prefill_done(r.rid)
+                    self.router.prefill_done(r.request_id)
 
     def on_finish(self, req: SimRequest) -> None:
         worker = self.workers[req.worker]
         worker.admitted.discard(req)
         worker.cache.insert(full_sequence(req), self.now, worker.cache_limit())
         req.tokens = None
-        for r in self.live.values():
+        for r in self.tracker.values():
             if r.blocked == "memory" and r.worker == req.worker:
                 r.blocked = None
 

@@ -123,11 +123,11 @@ class Recorder:
 
     def finish(self, req, ttft_slo_s: float, tbt_slo_s: float) -> None:
         ttft = req.first_token_s - req.arrival_s
-        self.rows.append((req.arrival_s, req.last_token_s, req.input_len, req.output_len,
+        self.rows.append((req.arrival_s, req.last_token_s, req.prompt_len, req.output_len,
                           ttft, req.tbt_sum, req.tbt_count,
                           ttft <= ttft_slo_s * (1 + 1e-9),
                           req.tbt_count == 0 or req.tbt_max <= tbt_slo_s * (1 + 1e-9)))
-        self.input_tokens += req.input_len
+        self.input_tokens += req.prompt_len
         self.hit_tokens += req.hit
         self.generated += req.output_len
 

@@ -78,7 +78,7 @@ class PoolPlanner:
         return failed
 
     def _plan_decodes(self, reqs: list[SimRequest]) -> None:
-        batch = Batch(tuple(BatchRequest(r.rid, decode_tokens(
+        batch = Batch(tuple(BatchRequest(r.request_id, decode_tokens(
             r.idx, r.generated, r.output_len - r.generated)) for r in reqs), "decode")
         plans = self.cp.gen_plans([batch], [1])
         self.b.plan_calls += 1
@@ -86,32 +86,31 @@ class PoolPlanner:
         reads = plan_reads(plans)
         for r in reqs:
             r.aux = "decoding"
-            self.reads[r.rid] = reads.get(r.rid, {})
-            self.grown.pop(r.rid, None)
+            self.reads[r.request_id] = reads.get(r.request_id, {})
+            self.grown.pop(r.request_id, None)
 
     # ----------------------------------------------------------- prefill
     def plan_prefill(self, reqs: list[SimRequest]) -> None:
         """One flight for the rest of these prompts (admitting new requests)."""
         batch, admits, c = [], [], self.c
         for r in reqs:
-            start = r.prefilled if r.admitted else r.hit
+            start = r.context  # prompt tokens cached: its hit if it waits
             if r.admitted:
-                batch.append(BatchRequest(r.rid, r.tokens[start:]))
+                batch.append(BatchRequest(r.request_id, r.tokens[start:]))
             else:
-                batch.append(BatchRequest(r.rid, r.tokens[start:], r.tokens[:r.hit]))
+                batch.append(BatchRequest(r.request_id, r.tokens[start:], r.tokens[:r.hit]))
                 admits.append(r)
         plans = self._gen(batch)
         for r in admits:
-            r.admitted, r.prefilled, r.phase = True, r.hit, "prefill"
-            self.b.reserve(r, 1)
+            self.b.admit(r)
         tree = self.tree
         keys = [k for r in reqs for k in r.keys[r.prefilled // c:] if not tree.is_ready(k)]
-        plan = PrefillPlan(plans, list(reqs), {r.rid: r.prefilled for r in reqs}, admits, keys)
+        plan = PrefillPlan(plans, list(reqs), {r.request_id: r.prefilled for r in reqs}, admits, keys)
         reads = plan_reads(plans)
         for r in reqs:
             r.aux = plan
-            self.reads[r.rid] = reads.get(r.rid, {})
-            self.grown[r.rid] = {}
+            self.reads[r.request_id] = reads.get(r.request_id, {})
+            self.grown[r.request_id] = {}
         for k in keys:
             self.pending[k] = plan
 
@@ -129,7 +128,7 @@ class PoolPlanner:
         members = [r for p in plans for r in p.members]
         for run in {id(r.run): r.run for r in members if r.run is not None}.values():
             self.b.checkpoint(run)  # progress up to now
-        if all(r.prefilled >= r.input_len for r in members) and not extra:
+        if all(r.prefilled >= r.prompt_len for r in members) and not extra:
             for p in plans:  # every prompt is complete: the plans ran as made
                 self.cp.complete(p.plans)
                 for k in p.keys:
@@ -147,24 +146,20 @@ class PoolPlanner:
                 for k in p.keys:
                     if self.pending.get(k) is p:
                         del self.pending[k]
-            for r in admits:
-                r.admitted = False
-            start = {r.rid: p.start[r.rid] for p in plans for r in p.members}
-            done = [r for r in members if r.prefilled > start[r.rid]]
+            unknown = {id(r) for r in admits}  # the control plane forgot them with the abort
+            start = {r.request_id: p.start[r.request_id] for p in plans for r in p.members}
+            done = [r for r in members if r.prefilled > start[r.request_id]]
             if done:
-                batch = [BatchRequest(r.rid, r.tokens[start[r.rid]:r.prefilled],
-                                      () if r.admitted else r.tokens[:r.hit]) for r in done]
+                batch = [BatchRequest(r.request_id, r.tokens[start[r.request_id]:r.prefilled],
+                                      r.tokens[:r.hit] if id(r) in unknown else ()) for r in done]
                 self.cp.complete(self._gen(batch))
-                for r in done:
-                    r.admitted = True
+                unknown.difference_update(id(r) for r in done)
             for r in members:
                 r.aux = None
-            rest = [r for r in members if r.prefilled < r.input_len and keep(r)]
+            rest = [r for r in members if r.prefilled < r.prompt_len and keep(r)]
             for r in admits:
-                if not r.admitted:  # plan_prefill reserves again if it is kept
-                    self.b.reserve(r, -1)
-                    if r not in rest:
-                        r.prefilled, r.phase = 0, "waiting"
+                if id(r) in unknown:  # computed nothing: plan_prefill admits it again if kept
+                    self.b.take_back(r)
             again = list({id(r): r for r in rest + list(extra)}.values())
             self.settles += 1
             if again:
@@ -172,11 +167,12 @@ class PoolPlanner:
         finally:
             self.tree.unlease(held)
 
-    def ready_hit(self, r: SimRequest) -> int:
+    def ready_hit(self, r: SimRequest, start: int = 0) -> int:
         """Prompt tokens the pool holds ready for ``r`` (whole segments, at least one
-        token left to compute), settling plans that already computed the next ones."""
-        cap = min((r.input_len - 1) // self.c, len(r.keys))
-        n, tree = 0, self.tree
+        token left to compute), settling plans that already computed the next ones.
+        ``start``: segments already known to be ready (the walk goes on from there)."""
+        cap = min((r.prompt_len - 1) // self.c, len(r.keys))
+        n, tree = start, self.tree
         while n < cap:
             key = r.keys[n]
             if key not in tree:
@@ -217,8 +213,7 @@ class PoolPlanner:
             return
         shared = {}
         for r in need:
-            start = r.prefilled if r.admitted else r.hit
-            for k in r.keys[start // self.c:]:
+            for k in r.keys[r.context // self.c:]:
                 p = self.pending.get(k)
                 if p is not None:
                     shared[id(p)] = p
@@ -236,14 +231,14 @@ class PoolPlanner:
         """
         for r, c in zip(run.reqs, run.chunks):
             plan = r.aux
-            if c is None or not isinstance(plan, PrefillPlan) or r.prefilled < r.input_len:
+            if c is None or not isinstance(plan, PrefillPlan) or r.prefilled < r.prompt_len:
                 continue
             self.cp.complete(plan.plans)
             for k in plan.keys:
                 if self.pending.get(k) is plan:
                     del self.pending[k]
             for m in plan.members:
-                m.aux = "committed" if m.prefilled < m.input_len else None
+                m.aux = "committed" if m.prefilled < m.prompt_len else None
 
     # -------------------------------------------------------------- reads
     def commit(self, run: Run, j0: int, j1: int) -> None:
@@ -251,12 +246,12 @@ class PoolPlanner:
         k = j1 - j0
         states = self.cp._requests  # read-only: the chains the plans resolved
         chains = [(st.keys, st.histogram) for r in run.reqs
-                  if (st := states.get(r.rid)) is not None and st.keys]
+                  if (st := states.get(r.request_id)) is not None and st.keys]
         if chains:
             self.cp.pool.window.record_many(chains, self.b.now, k)
         base: dict[int, int] = {}
         for r in run.reqs:
-            for vec in (self.reads.get(r.rid), self.grown.get(r.rid)):
+            for vec in (self.reads.get(r.request_id), self.grown.get(r.request_id)):
                 if vec:
                     for inst, n in vec.items():
                         base[inst] = base.get(inst, 0) + n
@@ -270,12 +265,12 @@ class PoolPlanner:
             for i, r in prefilling:  # segments completed by iteration m, read from m+1 on
                 before = r.prefilled + run.tokens_between(i, j0, m - 1)
                 after = before + run.chunks[i][m - 1]
-                grown = self.grown.setdefault(r.rid, {})
+                grown = self.grown.setdefault(r.request_id, {})
                 for q in range(before // c, min(after // c, len(r.keys))):
                     home = ring.home(r.keys[q])
                     base[home] = base.get(home, 0) + c * run.dop
                     grown[home] = grown.get(home, 0) + c
 
     def forget(self, r: SimRequest) -> None:
-        self.reads.pop(r.rid, None)
-        self.grown.pop(r.rid, None)
+        self.reads.pop(r.request_id, None)
+        self.grown.pop(r.request_id, None)

@@ -39,11 +39,10 @@ from evals.sim.timing import (
     pool_comm_s,
 )
 from evals.sim.trace import prompt_array
-from scheduler.api import BatchDecision, InstanceView, RequestView, Snapshot
+from scheduler.api import BatchDecision, InstanceView, Snapshot
 from scheduler.latency import slowdown
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.control import ControlPlane
-from tokenlake.core.cost_model import LoadRequest, get_cache_load
 from tokenlake.core.errors import CapacityError
 
 REBALANCE, REPLICATED, DECIDE = 10, 11, 12
@@ -55,7 +54,8 @@ class PooledBackend(Backend):
     cuts = False  # every run is stopped at each decision instead
 
     def __init__(self, setup, system: str, policy) -> None:
-        super().__init__(setup, system, range(setup.instances))
+        chunk = getattr(getattr(policy, "inner", policy), "chunk_tokens", setup.config.chunk_tokens)
+        super().__init__(setup, system, range(setup.instances), chunk_tokens=chunk)
         cfg = self.config
         pool = PoolConfig(setup.segment_tokens, f"{setup.model.name}/sim", setup.slots_per_instance,
                           seed=cfg.seed)
@@ -65,13 +65,11 @@ class PooledBackend(Backend):
         self.c = setup.segment_tokens
         self.policy = policy
         self.fixed = policy if hasattr(policy, "allowed_instances") else None
-        self.chunk = getattr(getattr(policy, "inner", policy), "chunk_tokens", cfg.chunk_tokens)
+        self.chunk = chunk
         self.cap = setup.instances * setup.slots_per_instance * self.c  # pool, KV tokens
         self.replicating = self._reserved = 0
         self._reservations = 0  # reserve() calls so far (admissions taken or given back)
         self._shared: dict[bytes, int] = {}  # reused prefix segments -> admitted users
-        self.queue: dict[str, SimRequest] = {}  # not admitted yet, in arrival order
-        self.adm: dict[str, SimRequest] = {}  # admitted and not finished
         self.blocked: set[SimRequest] = set()  # waiting for a request to finish (memory)
         self.free_at = dict.fromkeys(self.instance_ids, 0.0)
         self.planner = PoolPlanner(self)
@@ -85,14 +83,13 @@ class PooledBackend(Backend):
         self.push(self.config.rebalance_s, REBALANCE, None)
 
     def on_arrival(self, req: SimRequest) -> None:
-        if req.input_len + req.output_len + self.c > self.cap:
-            raise SimulationError(f"request {req.rid} needs {req.input_len + req.output_len} "
+        if req.prompt_len + req.output_len + self.c > self.cap:
+            raise SimulationError(f"request {req.request_id} needs {req.prompt_len + req.output_len} "
                                   f"KV tokens; the pool holds {self.cap}")
         req.tokens = prompt_array(req.source)
-        req.keys = self.tree.hasher.keys(req.tokens[: req.input_len // self.c * self.c])
-        if not self.queue:  # first in line: it may be admitted now
+        req.keys = self.tree.hasher.keys(req.tokens[: req.prompt_len // self.c * self.c])
+        if len(self.tracker.waiting()) == 1:  # first in line: it may be admitted now
             self._request_decision(self.now)
-        self.queue[req.rid] = req
 
     def _request_decision(self, t: float) -> None:
         if self._decide_at is None or t < self._decide_at:
@@ -106,10 +103,10 @@ class PooledBackend(Backend):
             self.cp.finish_replication(obj)
             self.replicating -= 1
             return
-        if not (self.live or self.pending_arrivals or self.replicating):
+        if not (self.tracker or self.pending_arrivals or self.replicating):
             return  # nothing left: let the loop end
-        if self.live and not (self.runs or self.pending_arrivals or self._decide_at is not None):
-            raise SimulationError(f"{len(self.live)} requests wait and nothing runs: the pool "
+        if self.tracker and not (self.runs or self.pending_arrivals or self._decide_at is not None):
+            raise SimulationError(f"{len(self.tracker)} requests wait and nothing runs: the pool "
                                   "is too small for them")
         hw, seg = self.setup.hardware, self.setup.model.segment_bytes(self.c)
         for rep in self.cp.rebalance():
@@ -118,7 +115,7 @@ class PooledBackend(Backend):
         self.push(self.now + self.config.rebalance_s, REBALANCE, None)
 
     def on_finish(self, req: SimRequest) -> None:
-        self.cp.finish_request(req.rid)
+        self.cp.finish_request(req.request_id)
         self.reserve(req, -1)
         self.planner.forget(req)
         req.tokens = req.keys = None
@@ -134,26 +131,24 @@ class PooledBackend(Backend):
         for run in list(self.runs):  # runs in (or done with) their last iteration
             if self.now >= run.sched.t0 and run.sched.first_end_at_or_after(self.now) >= run.k_end:
                 self._stop(run)
-        fresh = [r for r in self.adm.values() if r.phase == "decode" and r.aux != "decoding"
+        fresh = [r for r in self.tracker.running() if r.phase == "decode" and r.aux != "decoding"
                  and r.blocked is None]
         for r in self.planner.plan_decodes(fresh):
             self._block(r)
         while True:
             vis = self._admissible()
             if not vis:
-                if self.live and not self.pending_arrivals:
+                if self.tracker and not self.pending_arrivals:
                     raise SimulationError("every live request waits for pool capacity and "
                                           "nothing runs: the pool is too small for them")
                 return
-            load = self._cache_load(vis)
-            sig = tuple((r.rid, r.phase) for r in vis)
+            load = self.cache_load(vis)
+            sig = tuple((r.request_id, r.phase) for r in vis)
             if sig == self._last[0]:  # same requests, same phases: only lengths grew
                 batches = self._last[1]
                 self.reused_decisions += 1
             else:
-                snap = Snapshot(self.now, tuple(self._view(r) for r in vis if not r.admitted),
-                                tuple(self._view(r) for r in vis if r.admitted),
-                                tuple(InstanceView(i) for i in self.instance_ids), load, self.lat)
+                snap = self.snapshot(vis, load)
                 decision = self.policy.schedule(snap)
                 self.scheduler_calls += 1
                 decision.check(snap)
@@ -161,6 +156,18 @@ class PooledBackend(Backend):
                 self._last = (sig, batches)
             if self._launch(batches, slowdown(load) if self.config.pool_slowdown else 1.0):
                 return
+
+    def cache_load(self, vis: list[SimRequest]) -> float:
+        """The pool's cache load while ``vis`` run (the tracker's inputs, paper §6.1)."""
+        s = self.setup
+        return self.tracker.cache_load(vis, s.instances, s.model, s.hardware, self.lat)
+
+    def snapshot(self, vis: list[SimRequest], load: float) -> Snapshot:
+        """What the policy decides on: ``vis`` (waiting ones first), all instances."""
+        view = self.tracker.view
+        return Snapshot(self.now, tuple(view(r) for r in vis if not r.admitted),
+                        tuple(view(r) for r in vis if r.admitted),
+                        tuple(InstanceView(i) for i in self.instance_ids), load, self.lat)
 
     def _stop(self, run: Run) -> None:
         """Ends ``run`` after its current iteration (at once if it has not started)."""
@@ -214,13 +221,16 @@ class PooledBackend(Backend):
         while True:
             version = self._reservations
             held = self._reserved + len(self._shared) * self.c
-            out = [r for r in self.adm.values() if r.blocked is None]
-            for r in self.queue.values():  # no copy: a settle is caught before next()
+            out = [r for r in self.tracker.running() if r.blocked is None]
+            for r in self.tracker.waiting():  # no copy: a settle is caught before next()
                 if r.blocked is not None:
                     continue
-                if held + self._need(r, self._ready_prefix(r)) > self.cap:
+                ready = self._ready_prefix(r)
+                if held + self._need(r, ready) > self.cap:
                     return out
-                r.hit = self.planner.ready_hit(r)
+                # One walk of the prompt's segments: ready_hit goes on where _ready_prefix
+                # stopped. The hit is kept: its view, its load and its admission use it.
+                self.tracker.set_hit(r, self.planner.ready_hit(r, ready // self.c))
                 if self._reservations != version:
                     break  # a settle changed the admissions (and the queue): count again
                 held += self._need(r, r.hit)
@@ -230,51 +240,37 @@ class PooledBackend(Backend):
 
     def _need(self, r: SimRequest, hit: int) -> int:
         fresh = sum(1 for k in r.keys[: hit // self.c] if k not in self._shared)
-        return r.input_len - hit + r.output_len + self.c + fresh * self.c
+        return r.prompt_len - hit + r.output_len + self.c + fresh * self.c
 
     def _ready_prefix(self, r: SimRequest) -> int:
-        cap = min((r.input_len - 1) // self.c, len(r.keys))
+        cap = min((r.prompt_len - 1) // self.c, len(r.keys))
         n, tree = 0, self.tree
         while n < cap and r.keys[n] in tree and tree.is_ready(r.keys[n]):
             n += 1
         return n * self.c
 
+    def admit(self, r: SimRequest) -> None:
+        """Admits the waiting ``r`` with its kept hit and reserves its memory."""
+        self.tracker.admit(r)
+        self.reserve(r, 1)
+
+    def take_back(self, r: SimRequest) -> None:
+        """Takes back the admission of ``r``, which computed nothing since: it waits
+        again at its place in arrival order."""
+        self.reserve(r, -1)
+        self.tracker.requeue(r)
+
     def reserve(self, r: SimRequest, sign: int) -> None:
         """Adds (sign=1, at admission) or removes (-1, at finish, or when a settle takes
         an admission back) ``r``'s reservation."""
         self._reservations += 1
-        self._reserved += sign * (r.input_len - r.hit + r.output_len + self.c)
+        self._reserved += sign * (r.prompt_len - r.hit + r.output_len + self.c)
         for k in r.keys[: r.hit // self.c]:
             n = self._shared.get(k, 0) + sign
             if n:
                 self._shared[k] = n
             else:
                 del self._shared[k]
-        if sign > 0:
-            self.queue.pop(r.rid, None)
-            self.adm[r.rid] = r
-        else:
-            self.adm.pop(r.rid, None)
-            if r.phase != "done":  # back to the queue, at its place in arrival order
-                self.queue[r.rid] = r
-                self.queue = dict(sorted(self.queue.items(), key=lambda kv: kv[1].idx))
-
-    def _view(self, r: SimRequest) -> RequestView:
-        if r.phase == "decode":
-            return RequestView(r.rid, "decode", r.context, 0, r.arrival_s, r.tbt_slo_s)
-        ctx = r.prefilled if r.admitted else r.hit
-        return RequestView(r.rid, "prefill", ctx, r.input_len - ctx, r.arrival_s, r.tbt_slo_s)
-
-    def _cache_load(self, vis: list[SimRequest]) -> float:
-        loads = []
-        for r in vis:
-            if r.phase == "decode":
-                loads.append(LoadRequest(1, r.context))
-            else:
-                ctx = r.prefilled if r.admitted else r.hit
-                loads.append(LoadRequest(min(self.chunk, r.input_len - ctx), ctx))
-        s = self.setup
-        return get_cache_load(loads, s.instances, s.model, s.hardware, self.lat)
 
     # ---------------------------------------------------------------- runs
     def _launch(self, batches: tuple[BatchDecision, ...], slow: float) -> bool:
@@ -283,7 +279,7 @@ class PooledBackend(Backend):
         A running batch the decision gives again (same requests, phase, DoP) goes on
         undisturbed; every other running batch stops after its current iteration.
         """
-        running = {(tuple(r.rid for r in run.reqs), run.phase, run.dop): run for run in self.runs}
+        running = {(tuple(r.request_id for r in run.reqs), run.phase, run.dop): run for run in self.runs}
         kept, fresh = [], []
         for b in batches:
             run = running.get((b.request_ids, b.phase, b.dop))
@@ -294,16 +290,16 @@ class PooledBackend(Backend):
         # A stopped batch may have finished a prompt or an output in its last iteration:
         # such requests leave the new batches and are seen by the next decision.
         batches = tuple(b for b in batches if all(
-            (r := self.live.get(rid)) is not None and (r.phase == "decode") == (b.phase == "decode")
+            (r := self.tracker.get(rid)) is not None and (r.phase == "decode") == (b.phase == "decode")
             for rid in b.request_ids))
         changed = [r for b in fresh for rid in b.request_ids
-                   if (r := self.live.get(rid)) is None or r.phase == "decode" and b.phase != "decode"]
+                   if (r := self.tracker.get(rid)) is None or r.phase == "decode" and b.phase != "decode"]
         if changed:
             self._request_decision(self.now)
         groups = self._assign(batches, {i for run in kept for i in run.group})
         runs = []
         for b, group in zip(batches, groups):
-            reqs = [self.live[rid] for rid in b.request_ids]
+            reqs = [self.tracker[rid] for rid in b.request_ids]
             t0 = max([self.now] + [self.free_at[i] for i in group] + [r.ready_s for r in reqs])
             runs.append(self._decode_run(reqs, group, t0, slow) if b.phase == "decode"
                         else self._prefill_run(reqs, group, b.dop, t0, slow))
@@ -341,7 +337,7 @@ class PooledBackend(Backend):
         allowed = [tuple(self.fixed.allowed_instances(b)) if self.fixed else self.instance_ids
                    for b in batches]
         for n, b in enumerate(batches):
-            w = self.live[b.request_ids[0]].worker
+            w = self.tracker[b.request_ids[0]].worker
             if b.phase == "decode" and w is not None and w not in taken and w in allowed[n]:
                 out[n] = (w,)
                 taken.add(w)
@@ -364,9 +360,9 @@ class PooledBackend(Backend):
     def _prefill_run(self, reqs, group, dop: int, t0: float, slow: float) -> Run:
         """Chunks until the first prompt of the batch is complete."""
         s, chunk = self.setup, self.chunk
-        done = [r.prefilled if r.admitted else r.hit for r in reqs]
-        k = min(-(-(r.input_len - d) // chunk) for r, d in zip(reqs, done))
-        chunks = [[min(chunk, r.input_len - d - j * chunk) for j in range(k)]
+        done = [r.context for r in reqs]  # prompt tokens cached (hit while waiting)
+        k = min(-(-(r.prompt_len - d) // chunk) for r, d in zip(reqs, done))
+        chunks = [[min(chunk, r.prompt_len - d - j * chunk) for j in range(k)]
                   for r, d in zip(reqs, done)]
         def duration(j: int) -> float:
             items = [(c[j - 1], d + (j - 1) * chunk) for c, d in zip(chunks, done)]

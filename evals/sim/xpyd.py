@@ -46,7 +46,7 @@ class XPyDBackend(Backend):
                                        setup.model.kv_bytes_per_token,
                                        cache_capacity_tokens=cap, clock=lambda: self.now)
         prefill = set(self.router.prefill_instances)
-        self.workers = [Worker(cap, holds_output=w not in prefill, caches=w in prefill)
+        self.workers = [Worker(cap, self.tracker, holds_output=w not in prefill, caches=w in prefill)
                         for w in range(n)]
         self.queues = {d: deque() for d in self.router.decode_instances}
         self.transfers = 0
@@ -54,7 +54,7 @@ class XPyDBackend(Backend):
 
     def on_arrival(self, req: SimRequest) -> None:
         req.tokens = prompt_array(req.source)
-        req.worker = self.router.prefill(req.rid, req.tokens)
+        req.worker = self.router.prefill(req.request_id, req.tokens)
 
     def decide(self) -> None:
         for w in self.free_instances():
@@ -77,15 +77,16 @@ class XPyDBackend(Backend):
             return
         worker = self.workers[run.group[0]]
         for r in run.reqs:
-            if r.prefilled < r.input_len:
+            if r.prefilled < r.prompt_len:
                 continue
             worker.admitted.discard(r)
             worker.cache.insert(r.tokens, self.now, worker.cache_limit())
-            for other in self.live.values():
+            for other in self.tracker.values():
                 if other.blocked == "memory" and other.worker == run.group[0]:
                     other.blocked = None
-            t = self.router.complete_prefill(r.rid)
-            r.worker, r.phase, r.blocked = t.dst, "transfer", "transfer"
+            t = self.router.complete_prefill(r.request_id)
+            # Decoding (or done, for one output token) once its KV reaches the decode worker.
+            r.worker, r.blocked = t.dst, "transfer"
             r.aux = t.bytes
             self.queues[t.dst].append(r)
         self._start_transfers()
@@ -105,17 +106,11 @@ class XPyDBackend(Backend):
     def handle(self, kind: int, r: SimRequest) -> None:
         self.rec.first_token(r, self.now)  # the first token reaches the user with the KV
         r.blocked = None
-        if r.output_len == 1:
-            r.phase = "done"
-            del self.live[r.rid]
-            self.rec.finish(r, r.ttft_slo_s, r.tbt_slo_s)
-            self.on_finish(r)
-        else:
-            r.phase = "decode"
+        self.finish_done([r])  # a single output token: done now
 
     def on_finish(self, req: SimRequest) -> None:
         self.workers[req.worker].admitted.discard(req)
-        self.router.finish(req.rid)
+        self.router.finish(req.request_id)
         req.tokens = None
         self._start_transfers()
 

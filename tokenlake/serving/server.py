@@ -5,7 +5,11 @@ Each iteration a policy picks the batches: by default the goodput DP
 (e.g. :class:`scheduler.baselines.fcfs.FCFS`). The server builds its
 :class:`~scheduler.api.Snapshot` every iteration -- waiting and running requests with
 their phase, pooled context and remaining prompt, the instances, the pool's cache load
-and the latency model -- and runs exactly the batches, phases and DoPs it returns.
+and the latency model -- and runs exactly the batches, phases and DoPs it returns. The
+requests' progress, their views and their cache-load inputs come from a
+:class:`~tokenlake.serving.tracker.RequestTracker`, the same one the simulator uses; a
+waiting request's prompt is matched in the tree once per iteration, and that match is
+its view, its cache load and, if admitted, its reused prefix.
 
 New requests reuse whatever prefix the pool holds (whole segments, matched in the
 global tree); their sealed segments are published to the tree as they fill, so a later
@@ -16,7 +20,6 @@ what is new.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +28,7 @@ import torch
 from tokenlake.core.errors import TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.model.compute import ComputeEngine
+from tokenlake.serving.tracker import DECODE, WAITING, RequestTracker, TrackedRequest
 
 #: The measured latency model of the CPU compute engine (``tokenlake profile-latency``).
 DEFAULT_LATENCY = "cpu_smollm2-135m"
@@ -57,13 +61,15 @@ class RequestResult:
     done: bool = False
 
 
-@dataclass
-class _Live:
-    req: GenerationRequest
-    result: RequestResult
-    computed: int = 0  # prompt tokens whose KV is in the pool for this request
-    admitted: bool = False
-    arrival_s: float = 0.0
+class _Live(TrackedRequest):
+    """A request's progress (tracked) plus what the server keeps of it."""
+
+    __slots__ = ("req", "result")
+
+    def __init__(self, req: GenerationRequest, result: RequestResult, arrival_s: float,
+                 tbt_slo_s: float | None) -> None:
+        super().__init__(req.request_id, len(req.prompt_ids), arrival_s, tbt_slo_s)
+        self.req, self.result = req, result
 
 
 class Server:
@@ -132,8 +138,7 @@ class Server:
         self.chunk_tokens = chunk_tokens
         self.keep_logits = keep_logits
         self.on_token = on_token
-        self._waiting: deque[_Live] = deque()
-        self._running: dict[str, _Live] = {}
+        self.tracker = RequestTracker(chunk_tokens)
         self.results: dict[str, RequestResult] = {}
         self.iterations = 0
         self.rebalance_every = rebalance_every
@@ -145,7 +150,7 @@ class Server:
         self._check(req)
         result = RequestResult(req.request_id, req.prompt_ids)
         self.results[req.request_id] = result
-        self._waiting.append(_Live(req, result, arrival_s=self.clock()))
+        self.tracker.add(_Live(req, result, self.clock(), self.tbt_slo_s))
         return result
 
     def _check(self, req: GenerationRequest) -> None:
@@ -167,7 +172,7 @@ class Server:
         """Submits ``requests`` and iterates until every request is done."""
         for r in requests:
             self.submit(r)
-        while self._waiting or self._running:
+        while self.tracker:
             self.step()
         return self.results
 
@@ -189,58 +194,55 @@ class Server:
             reps = cp.rebalance()  # between iterations: no plan is in flight
             self.cluster.replicate(reps)
             self.replications += len(reps)
+        tracker = self.tracker
+        for rid, n in prefilling.items():
+            tracker.advance_prefill(tracker[rid], n)
         for rid, logits in out.logits.items():
-            live = self._running[rid]
-            if rid in prefilling and live.computed < len(live.req.prompt_ids):
+            live = tracker[rid]
+            if rid not in prefilling:
+                tracker.advance_decode(live)
+            elif live.phase != DECODE:
                 continue  # a prefill chunk that is not the prompt's last
             self._emit(live, logits)
 
     # ------------------------------------------------------------ policies
-    def _hit(self, prompt: tuple[int, ...]) -> int:
+    def _match(self, prompt: tuple[int, ...]) -> int:
         """Prompt tokens the pool can serve now (whole segments; the last token is always
         computed, so that its logits exist)."""
         tree = self.cluster.control.get_prefix_tree()
         return tree.match(prompt, max_tokens=len(prompt) - 1).hit_tokens
 
     def snapshot(self):
-        """The :class:`scheduler.api.Snapshot` the policy decides on this iteration."""
-        from scheduler.api import InstanceView, RequestView, Snapshot
+        """The :class:`scheduler.api.Snapshot` the policy decides on this iteration.
 
-        waiting, running, seqs = [], [], []
-        for live in self._waiting:
-            prompt = live.req.prompt_ids
-            hit = self._hit(prompt)
-            waiting.append(RequestView(live.req.request_id, "prefill", hit, len(prompt) - hit,
-                                       live.arrival_s, self.tbt_slo_s))
-            seqs.append(prompt)
-        for rid, live in self._running.items():
-            prompt, out = live.req.prompt_ids, live.result.output_ids
-            if live.computed < len(prompt):
-                view = RequestView(rid, "prefill", live.computed, len(prompt) - live.computed,
-                                   live.arrival_s, self.tbt_slo_s)
-            else:
-                view = RequestView(rid, "decode", len(prompt) + len(out) - 1, 0, live.arrival_s,
-                                   self.tbt_slo_s)
-            running.append(view)
-            seqs.append(prompt)
-        cp = self.cluster.control
-        load = cp.get_cache_load(seqs, self.hardware, self.latency) if seqs else 0.0
+        Every waiting request's prompt is matched here, once; the tracker keeps the hit
+        for its view, its cache load and its admission (nothing changes the tree until
+        the plans of this iteration are made).
+        """
+        from scheduler.api import InstanceView, Snapshot
+
+        tracker = self.tracker
+        for live in tracker.waiting():
+            tracker.set_hit(live, self._match(live.req.prompt_ids))
+        waiting, running = tracker.views()
+        load = tracker.cache_load(tracker.values(), self.cluster.n_instances,
+                                  self.cluster.control.model, self.hardware, self.latency)
         instances = tuple(InstanceView(i) for i in range(self.compute_slots))
-        return Snapshot(self.clock(), tuple(waiting), tuple(running), instances, min(load, 0.99),
-                        self.latency)
+        return Snapshot(self.clock(), waiting, running, instances, min(load, 0.99), self.latency)
 
-    def _ask_policy(self) -> tuple[list[Batch], list[int], set[str]]:
+    def _ask_policy(self) -> tuple[list[Batch], list[int], dict[str, int]]:
+        """The policy's batches for this iteration, trimmed to the buffers, and the
+        prompt tokens each prefilling request computes in them."""
         snap = self.snapshot()
         if not snap.requests:
-            return [], [], set()
+            return [], [], {}
         decision = self.policy.schedule(snap)
         decision.check(snap)
         if not decision.batches:
             raise RuntimeError(f"policy {self.policy.name!r} scheduled nothing for "
                                f"{len(snap.requests)} requests on free instances ({decision.note})")
         self.decisions.append(decision)
-        waiting = {live.req.request_id: live for live in self._waiting}
-        batches, dops, prefilling = [], [], set()
+        batches, dops, prefilling = [], [], {}
         for b in decision.batches:
             reqs: list[BatchRequest] = []
             rows = 0  # a sub-batch's rows must fit the instance buffers: keep the batch within
@@ -248,33 +250,29 @@ class Server:
                 n = min(n, self.cluster.max_rows - rows)
                 if n < 1:
                     continue  # the batch is full: this request waits for the next iteration
-                live = waiting.pop(rid, None)
-                if live is not None:  # admitted now
-                    self._waiting.remove(live)
-                    self._running[rid] = live
-                live = self._running[rid]
+                live = self.tracker[rid]
                 if b.phase == "decode":
                     reqs.append(BatchRequest(rid, (live.result.output_ids[-1],)))
                 else:
                     reqs.append(self._chunk(live, n))
-                    prefilling.add(rid)
+                    prefilling[rid] = len(reqs[-1].new_token_ids)
                 rows += len(reqs[-1].new_token_ids)
             if reqs:
                 batches.append(Batch(tuple(reqs), b.phase))
                 dops.append(b.dop)
         return batches, dops, prefilling
 
-    def _chunk(self, live: _Live, tokens: int | None = None) -> BatchRequest:
+    def _chunk(self, live: _Live, tokens: int) -> BatchRequest:
+        """The next ``tokens`` prompt tokens of ``live``, admitting it (with the hit kept
+        from this iteration's match) if it waits."""
         prompt = live.req.prompt_ids
         prefix: tuple[int, ...] = ()
-        if not live.admitted:
-            hit = self._hit(prompt)
-            prefix, live.computed, live.admitted = prompt[:hit], hit, True
+        if live.phase == WAITING:
+            hit = self.tracker.admit(live)
+            prefix = prompt[:hit]
             live.result.hit_tokens = hit
-        stop = min(len(prompt), live.computed + (tokens or self.chunk_tokens))
-        new = prompt[live.computed : stop]
+        new = prompt[live.prefilled : live.prefilled + tokens]
         live.result.prefill_tokens += len(new)
-        live.computed = stop
         return BatchRequest(live.req.request_id, new, prefix)
 
     def _emit(self, live: _Live, logits: torch.Tensor) -> None:
@@ -287,5 +285,6 @@ class Server:
             self.on_token(res.request_id, token)
         if token in live.req.stop_ids or len(res.output_ids) >= live.req.max_new_tokens:
             res.done = True
-            del self._running[res.request_id]
+            self.tracker.finish(live)
+            self.tracker.remove(live)
             self.cluster.control.finish_request(res.request_id)

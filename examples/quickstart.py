@@ -10,7 +10,8 @@ import torch
 
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_model
-from tokenlake.dataplane.attention import merge, partial_attention, partial_attention_ref
+from tokenlake.dataplane.attention import merge, partial_attention_ref
+from tokenlake.dataplane.attention_cpu import partial_attention
 from tokenlake.deploy.local import LocalCluster
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenlake.core.errors import PlanError
-from tokenlake.dataplane.attention import empty_partial, merge, merge_many, slab_partial_attention
+from tokenlake.dataplane.attention import empty_partial, merge, merge_many
+from tokenlake.dataplane.attention_slab import slab_partial_attention
 from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
 from tokenlake.dataplane.messages import (
     AttendItem,

@@ -1,4 +1,5 @@
-"""Partial attention and its exact log-sum-exp merge (tokenlake.dataplane.attention, DESIGN §4)."""
+"""Partial attention and its exact log-sum-exp merge (tokenlake.dataplane.attention and its
+CPU, slab and device-backend modules, DESIGN §4)."""
 
 import math
 
@@ -8,6 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenlake.dataplane import attention as A
+from tokenlake.dataplane import attention_backends as BACKENDS
+from tokenlake.dataplane import attention_cpu as CPU
+from tokenlake.dataplane import attention_slab as SLAB
 
 HEADS = [(9, 3), (32, 32), (32, 8)]  # (q_heads, kv_heads)
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
@@ -41,7 +45,7 @@ def assert_partial_close(got, want, atol):
        seed=st.integers(0, 2**16))
 def test_fast_path_matches_float64_reference(heads, head_dim, rows, tokens, causal, seed):
     q, k, v = _qkv(rows, tokens, *heads, head_dim, seed=seed)
-    got = A.partial_attention(q, k, v, causal=causal)
+    got = CPU.partial_attention(q, k, v, causal=causal)
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     assert_partial_close(got, A.partial_attention_ref(q, k, v, causal=causal), atol=1e-5)
 
@@ -50,29 +54,45 @@ def test_fast_path_matches_float64_reference(heads, head_dim, rows, tokens, caus
 @pytest.mark.parametrize("causal", [False, True])
 def test_empty_rows_or_tokens(rows, tokens, causal):
     q, k, v = _qkv(rows, tokens, 9, 3, 16)
-    o, lse = A.partial_attention(q, k, v, causal=causal)
+    o, lse = CPU.partial_attention(q, k, v, causal=causal)
     assert o.shape == (rows, 9, 16) and lse.shape == (rows, 9)
     assert torch.all(o == 0) and torch.all(torch.isneginf(lse))
     assert_partial_close((o, lse), A.partial_attention_ref(q, k, v, causal=causal), atol=0)
 
 
+def test_every_entry_point_returns_a_named_partial():
+    """One ``Partial`` type (fields ``o``, ``lse``) from every function, still a pair."""
+    q, k, v = _qkv(3, 20, 9, 3, 16)
+    slab = _slab(2, 1, 3, 16, 16)
+    got = [A.partial_attention_ref(q, k, v), CPU.partial_attention(q, k, v, causal=True),
+           CPU.partial_attention(q, k, v), CPU.single_token_attention(q, k[:3], v[:3]),
+           A.empty_partial(3, 9, 16), SLAB.slab_partial_attention(q, slab, 0, [0, 1], [16, 4])]
+    got.append(A.merge(*got[1], *got[2]))
+    got.append(A.merge_many(torch.stack([got[1].o, got[2].o]), torch.stack([got[1].lse, got[2].lse])))
+    for part in got:
+        assert isinstance(part, A.Partial)
+        o, lse = part
+        assert o is part.o and lse is part.lse
+        assert o.shape == (3, 9, 16) and lse.shape == (3, 9)
+
+
 def test_causal_rows_beyond_tokens_see_nothing():
     q, k, v = _qkv(7, 3, 32, 8, 64)
-    o, lse = A.partial_attention(q, k, v, causal=True)
+    o, lse = CPU.partial_attention(q, k, v, causal=True)
     assert torch.all(torch.isneginf(lse[:4])) and torch.all(o[:4] == 0)
     assert torch.isfinite(lse[4:]).all()
 
 
 def test_explicit_scale_and_float64_inputs():
     q, k, v = _qkv(5, 40, 32, 8, 64, dtype=torch.float64)
-    got = A.partial_attention(q, k, v, scale=0.3, causal=True)
+    got = CPU.partial_attention(q, k, v, scale=0.3, causal=True)
     assert got[0].dtype == torch.float32
     assert_partial_close(got, A.partial_attention_ref(q, k, v, scale=0.3, causal=True), atol=1e-5)
 
 
 def test_bfloat16_kv_is_close():
     q, k, v = _qkv(6, 50, 32, 8, 64)
-    got = A.partial_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
+    got = CPU.partial_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
     want = A.partial_attention_ref(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
     assert got[0].dtype == torch.float32
     assert_partial_close(got, want, atol=2e-2)
@@ -80,26 +100,40 @@ def test_bfloat16_kv_is_close():
 
 @pytest.mark.parametrize("broken", ["missing", "raises"])
 def test_matmul_fallback_matches_reference(monkeypatch, broken):
+    calls = {"kernel": 0, "matmul": 0}
+    matmul = CPU._attend_matmul
+
     def raising(*args, **kwargs):
+        calls["kernel"] += 1
         raise RuntimeError("unsupported")
 
-    monkeypatch.setattr(A, "_FLASH_CPU", None if broken == "missing" else raising)
+    def counting_matmul(*args, **kwargs):
+        calls["matmul"] += 1
+        return matmul(*args, **kwargs)
+
+    monkeypatch.setattr(CPU, "_FLASH_CPU", None if broken == "missing" else raising)
+    monkeypatch.setattr(CPU, "_attend_matmul", counting_matmul)
     for causal in (False, True):
-        q, k, v = _qkv(9, 30, 9, 3, 64)
-        got = A.partial_attention(q, k, v, causal=causal)
+        # Big enough for the kernel (more than TINY_SCORES scores per head, also in the
+        # causal diagonal block), so the fallback is what computes it.
+        q, k, v = _qkv(70, 100, 9, 3, 64)
+        assert 70 * 70 > CPU.TINY_SCORES
+        got = CPU.partial_attention(q, k, v, causal=causal)
         assert_partial_close(got, A.partial_attention_ref(q, k, v, causal=causal), atol=1e-5)
+    assert calls["matmul"] == 3  # non-causal: one call; causal: prefix and diagonal
+    assert calls["kernel"] == (0 if broken == "missing" else 3)
 
 
-@pytest.mark.skipif(A._FLASH_CPU is None, reason="torch has no CPU flash-attention op")
+@pytest.mark.skipif(CPU._FLASH_CPU is None, reason="torch has no CPU flash-attention op")
 def test_torch_cpu_flash_op_facts():
     """What the fast path relies on: natural-log LSE, native h // group GQA, top-left causal."""
     q, k, v = _qkv(5, 7, 6, 2, 16)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    o, lse = A._FLASH_CPU(qh, kh, vh, scale=0.25)
+    o, lse = CPU._FLASH_CPU(qh, kh, vh, scale=0.25)
     assert o.shape == (1, 6, 5, 16) and lse.shape == (1, 6, 5) and lse.dtype == torch.float32
     want = A.partial_attention_ref(q, k, v, scale=0.25)
     torch.testing.assert_close(lse[0].T.double(), want[1], atol=1e-5, rtol=0)
-    _, lse_c = A._FLASH_CPU(qh, kh, vh, is_causal=True, scale=0.25)
+    _, lse_c = CPU._FLASH_CPU(qh, kh, vh, is_causal=True, scale=0.25)
     top_left = A.partial_attention_ref(q, k[:5], v[:5], scale=0.25, causal=True)  # sees 0..r
     torch.testing.assert_close(lse_c[0].T.double(), top_left[1], atol=1e-5, rtol=0)
 
@@ -126,7 +160,7 @@ def test_merge_of_pieces_equals_monolithic(heads, rows, tokens, cuts, causal, se
     bounds = [0, *sorted(min(c, seen_by_all) for c in cuts), tokens]
     pieces = list(zip(bounds[:-1], bounds[1:]))
     whole = A.partial_attention_ref(q, k, v, causal=causal)
-    for fn, atol in ((A.partial_attention_ref, 1e-12), (A.partial_attention, 1e-5)):
+    for fn, atol in ((A.partial_attention_ref, 1e-12), (CPU.partial_attention, 1e-5)):
         parts = [fn(q, k[a:b], v[a:b], causal=causal and i == len(pieces) - 1)
                  for i, (a, b) in enumerate(pieces)]
         assert_partial_close(_fold(parts), whole, atol)
@@ -136,8 +170,8 @@ def test_merge_of_pieces_equals_monolithic(heads, rows, tokens, cuts, causal, se
 
 def test_merge_with_empty_partial_is_identity_and_merge_commutes():
     q, k, v = _qkv(4, 30, 9, 3, 64)
-    a = A.partial_attention(q, k[:10], v[:10])
-    b = A.partial_attention(q, k[10:], v[10:])
+    a = CPU.partial_attention(q, k[:10], v[:10])
+    b = CPU.partial_attention(q, k[10:], v[10:])
     e = A.empty_partial(4, 9, 64)
     for got in (A.merge(*a, *e), A.merge(*e, *a),
                 A.merge_many(torch.stack([e[0], a[0]]), torch.stack([e[1], a[1]]))):
@@ -206,26 +240,26 @@ def test_slab_matches_reference_over_concatenated_tokens(heads, rows, data):
     layer = data.draw(st.integers(0, 2))
     q = torch.randn(rows, q_heads, 64)
     k, v = _slab_kv(slab, layer, slots, tokens)
-    got = A.slab_partial_attention(q, slab, layer, slots, tokens)
+    got = SLAB.slab_partial_attention(q, slab, layer, slots, tokens)
     assert_partial_close(got, A.partial_attention_ref(q, k, v), atol=1e-5)
-    assert_partial_close(A._slab_gather(q, slab, layer, slots, tokens), A.partial_attention_ref(q, k, v), atol=1e-5)
+    assert_partial_close(SLAB._slab_gather(q, slab, layer, slots, tokens), A.partial_attention_ref(q, k, v), atol=1e-5)
 
 
 def test_slab_edge_cases():
     slab = _slab(4, 2, 3, 8, 32)
     q = torch.randn(5, 9, 32)
     for slots, tokens in (([], []), ([2, 1], [0, 0])):
-        o, lse = A.slab_partial_attention(q, slab, 1, slots, tokens)
+        o, lse = SLAB.slab_partial_attention(q, slab, 1, slots, tokens)
         assert o.shape == (5, 9, 32) and torch.all(o == 0) and torch.all(torch.isneginf(lse))
     k, v = _slab_kv(slab, 0, [3, 0], [5, 8])
-    got = A.slab_partial_attention(q, slab, 0, [3, 2, 0], [5, 0, 8], scale=0.2)
+    got = SLAB.slab_partial_attention(q, slab, 0, [3, 2, 0], [5, 0, 8], scale=0.2)
     assert_partial_close(got, A.partial_attention_ref(q, k, v, scale=0.2), atol=1e-5)
     with pytest.raises(ValueError):
-        A.slab_partial_attention(q, slab, 0, [0], [9])
+        SLAB.slab_partial_attention(q, slab, 0, [0], [9])
     with pytest.raises(ValueError):
-        A.slab_partial_attention(q, slab, 2, [0], [1])
+        SLAB.slab_partial_attention(q, slab, 2, [0], [1])
     with pytest.raises(ValueError):
-        A.slab_partial_attention(torch.randn(5, 8, 32), slab, 0, [0], [1])
+        SLAB.slab_partial_attention(torch.randn(5, 8, 32), slab, 0, [0], [1])
 
 
 @pytest.mark.parametrize("heads", HEADS)
@@ -237,8 +271,8 @@ def test_pool_prefix_merged_with_causal_self_attention_equals_full_causal(heads,
     slots, tokens = [4, 0, 5, 2], [16, 16, 16, 9]
     prefix_k, prefix_v = _slab_kv(slab, 1, slots, tokens)
     q, new_k, new_v = _qkv(new, new, q_heads, kv_heads, 64, seed=new)
-    prefix = A.slab_partial_attention(q, slab, 1, slots, tokens)
-    own = A.partial_attention(q, new_k, new_v, causal=True)
+    prefix = SLAB.slab_partial_attention(q, slab, 1, slots, tokens)
+    own = CPU.partial_attention(q, new_k, new_v, causal=True)
     full = A.partial_attention_ref(q, torch.cat([prefix_k, new_k]), torch.cat([prefix_v, new_v]), causal=True)
     assert_partial_close(A.merge(*prefix, *own), full, atol=1e-5)
 
@@ -247,17 +281,17 @@ def test_pool_prefix_merged_with_causal_self_attention_equals_full_causal(heads,
 
 
 def test_backend_for():
-    assert A.backend_for("cpu") is A.partial_attention
-    assert A.backend_for(torch.device("cpu")) is A.partial_attention
-    assert A.backend_for("cuda:0") is A.flashinfer_partial_attention
+    assert BACKENDS.backend_for("cpu") is CPU.partial_attention
+    assert BACKENDS.backend_for(torch.device("cpu")) is CPU.partial_attention
+    assert BACKENDS.backend_for("cuda:0") is BACKENDS.flashinfer_partial_attention
     with pytest.raises(ValueError):
-        A.backend_for("meta")
+        BACKENDS.backend_for("meta")
 
 
 def test_flashinfer_path_refuses_cpu_tensors():
     q, k, v = _qkv(2, 3, 4, 2, 8)
     with pytest.raises(RuntimeError):
-        A.flashinfer_partial_attention(q, k, v)
+        BACKENDS.flashinfer_partial_attention(q, k, v)
 
 
 @pytest.mark.gpu
@@ -266,11 +300,11 @@ def test_flashinfer_path_refuses_cpu_tensors():
 def test_flashinfer_matches_reference(causal):
     pytest.importorskip("flashinfer")
     q, k, v = (x.cuda().bfloat16() for x in _qkv(33, 200, 32, 8, 128))
-    got = A.backend_for("cuda")(q, k, v, causal=causal)
+    got = BACKENDS.backend_for("cuda")(q, k, v, causal=causal)
     want = A.partial_attention_ref(q.cpu(), k.cpu(), v.cpu(), causal=causal)
     assert_partial_close((got[0].cpu(), got[1].cpu()), want, atol=2e-2)
     slab = torch.stack([k[:100], v[:100]]).transpose(1, 2).unsqueeze(1).unsqueeze(0).contiguous()  # [1,1,2,8,100,128]
-    got = A.slab_partial_attention(q, slab, 0, [0], [100])
+    got = SLAB.slab_partial_attention(q, slab, 0, [0], [100])
     want = A.partial_attention_ref(q.cpu(), k[:100].cpu(), v[:100].cpu())
     assert_partial_close((got[0].cpu(), got[1].cpu()), want, atol=2e-2)
 
@@ -280,10 +314,10 @@ def test_single_token_attention_equals_causal_attention_row_by_row(q_heads, kv_h
     g = torch.Generator().manual_seed(q_heads * 10 + kv_heads)
     n, e = 5, 16
     q, k, v = (torch.randn(n, h, e, generator=g) for h in (q_heads, kv_heads, kv_heads))
-    o, lse = A.single_token_attention(q, k, v)
+    o, lse = CPU.single_token_attention(q, k, v)
     for i in range(n):
         ro, rlse = A.partial_attention_ref(q[i : i + 1], k[i : i + 1], v[i : i + 1], causal=True)
         assert torch.allclose(o[i].double(), ro[0], atol=1e-6)
         assert torch.allclose(lse[i].double(), rlse[0], atol=1e-5)
     with pytest.raises(ValueError):
-        A.single_token_attention(q, k[:-1], v[:-1])
+        CPU.single_token_attention(q, k[:-1], v[:-1])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -28,6 +27,7 @@ import zmq
 from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.core.plans import QueryPlan, TransferPlan
 from tokenlake.dataplane import wire
+from tokenlake.dataplane.attention import Partial
 from tokenlake.dataplane.messages import (
     PlanAck,
     Put,
@@ -41,16 +41,6 @@ from tokenlake.dataplane.messages import (
     expect,
 )
 from tokenlake.dataplane.sockets import send_frames
-
-
-@dataclass(frozen=True)
-class Partial:
-    """A merged prefix-attention result: ``o`` [rows, q_heads, head_dim] float32,
-    normalised; ``lse`` [rows, q_heads] float32, natural-log log-sum-exp. Views of the
-    shared ``out`` buffer: consume them before the next :meth:`InstanceClient.query`."""
-
-    o: torch.Tensor
-    lse: torch.Tensor
 
 
 class PutHandle:
@@ -73,7 +63,9 @@ class PutHandle:
 
 
 class QueryHandle:
-    """A query in flight; :meth:`wait` returns its :class:`Partial`."""
+    """A query in flight; :meth:`wait` returns its merged
+    :class:`~tokenlake.dataplane.attention.Partial`: float32 views of the shared ``out``
+    buffer, to consume before the next :meth:`InstanceClient.query`."""
 
     def __init__(self, client: InstanceClient, msg_id: int, rows: int) -> None:
         self._client, self._id, self._rows = client, msg_id, rows

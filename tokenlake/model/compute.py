@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenlake.core.plans import Batch, Plans
-from tokenlake.dataplane.attention import merge, partial_attention, single_token_attention
+from tokenlake.dataplane.attention import merge
+from tokenlake.dataplane.attention_cpu import partial_attention, single_token_attention
 from tokenlake.model.llama import model as llama
 from tokenlake.model.llama.weights import LlamaWeights
 

@@ -22,7 +22,9 @@ import zmq
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
-from tokenlake.dataplane.attention import merge, partial_attention, slab_partial_attention
+from tokenlake.dataplane.attention import merge
+from tokenlake.dataplane.attention_cpu import partial_attention
+from tokenlake.dataplane.attention_slab import slab_partial_attention
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.tools.bench_plans import timed_ms
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol, get_args
 
 from tokenlake.core.cost_model import LatencyModel
-from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.core.plans import Batch, BatchRequest, Phase
 
-Phase = Literal["prefill", "decode"]
-PHASES: tuple[str, ...] = ("prefill", "decode")
+PHASES: tuple[str, ...] = get_args(Phase)  # ("prefill", "decode")
 
 
 class DecisionError(ValueError):

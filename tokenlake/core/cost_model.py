@@ -89,7 +89,7 @@ def default_segment_tokens(model: ModelSpec, hw: HardwareProfile, multiple: int 
 
 # --------------------------------------------------------------------------- latency
 
-Batch = Sequence[tuple[int, int]]  # (new_tokens, prefix_tokens) per request
+BatchTokens = Sequence[tuple[int, int]]  # (new_tokens, prefix_tokens) per request
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _check_k(k: int) -> None:
         raise ConfigError(f"k (instances) must be an int >= 1, got {k!r}")
 
 
-def batch_features(requests: Batch, k: int = 1) -> tuple[float, ...]:
+def batch_features(requests: BatchTokens, k: int = 1) -> tuple[float, ...]:
     """Features of a batch, in the order of :class:`LatencyModel`'s coefficients.
 
     ``(1, S_new/k, S_new*prefix/k, S_new^2/k, S_prefix/k, num_requests)``: the
@@ -154,7 +154,7 @@ class LatencyModel:
         return (self.c_const, self.c_new, self.c_new_prefix, self.c_new_sq, self.c_prefix,
                 self.c_request)
 
-    def predict(self, requests: Batch, k: int = 1) -> float:
+    def predict(self, requests: BatchTokens, k: int = 1) -> float:
         """Iteration time in seconds of ``requests`` ((new, prefix) token pairs) on k instances."""
         return sum(c * x for c, x in zip(self.coefficients, batch_features(requests, k), strict=True))
 
@@ -220,7 +220,7 @@ def fit_report(model: LatencyModel, samples: Iterable[LatencySample]) -> dict[st
 # --------------------------------------------------------------------------- roofline
 
 
-def roofline_seconds(model: ModelSpec, hw: HardwareProfile, requests: Batch, k: int = 1,
+def roofline_seconds(model: ModelSpec, hw: HardwareProfile, requests: BatchTokens, k: int = 1,
                      overhead_s: float = 1e-3) -> float:
     """Roofline iteration time (seconds) of a batch split over ``k`` instances.
 

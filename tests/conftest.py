@@ -14,19 +14,19 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/dataplane_util.py
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
-    from tokenlake.dataplane.shm import list_segments
+    from tokenlake.dataplane.shm import list_buffers
 
-    before = set(list_segments())
+    before = set(list_buffers())
     yield
     children = [p for p in multiprocessing.active_children() if p.name.startswith("tokenlake-")]
-    leaked = sorted(name for name in set(list_segments()) - before if _ours_or_orphaned(name))
+    leaked = sorted(name for name in set(list_buffers()) - before if _ours_or_orphaned(name))
     assert not children, f"engine processes still running after the tests: {children}"
     assert not leaked, f"shared memory left behind: {leaked}"
 
 
 def _ours_or_orphaned(name: str) -> bool:
-    """A segment ``tokenlake-<creator pid>-...`` is this session's leak if this process
-    created it, or if its creator is gone (a Ray host actor, a crashed engine). Segments
+    """A buffer ``tokenlake-<creator pid>-...`` is this session's leak if this process
+    created it, or if its creator is gone (a Ray host actor, a crashed engine). Buffers
     of another live process (a second test run on the same machine) are not ours."""
     try:
         pid = int(name.split("-")[1])

@@ -39,7 +39,7 @@ from test_dataplane import (  # noqa: E402
 
 from tokenlake.core.errors import EngineUnavailable, PlanError  # noqa: E402
 from tokenlake.core.plans import Batch, BatchRequest  # noqa: E402
-from tokenlake.dataplane.shm import list_segments  # noqa: E402
+from tokenlake.dataplane.shm import list_buffers  # noqa: E402
 from tokenlake.deploy.local import LocalCluster  # noqa: E402
 from tokenlake.deploy.ray import RayCluster, RayComputeEngine, RayOptions  # noqa: E402
 from tokenlake.serving import GenerationRequest, Server  # noqa: E402
@@ -140,7 +140,7 @@ def test_killed_actor_is_engine_unavailable_and_the_instance_restarts(ray_pool):
     lost = cluster.remove_failed()  # data plane down, segments out of the tree
     assert set(lost) == {victim} and "r" in lost[victim]
     assert victim not in cp.pool.instances and cluster.instances == (qp.home,)
-    assert list_segments(old_prefix) == [] and not any(p.alive() for p in old_procs)
+    assert list_buffers(old_prefix) == [] and not any(p.alive() for p in old_procs)
     cp.finish_request("r")
 
     tokens["s"] = [rng.randrange(3, 900) for _ in range(3 * C + 2)]  # the survivor alone
@@ -170,15 +170,15 @@ def test_close_leaves_no_shared_memory_and_no_processes(ray_pool):
     procs = cluster.processes()
     prefixes = [cluster.buffer_prefix(i) for i in cluster.instances]
     pg = cluster.placement_group
-    assert all(len(list_segments(p)) == 5 for p in prefixes) and all(p.alive() for p in procs.values())
+    assert all(len(list_buffers(p)) == 5 for p in prefixes) and all(p.alive() for p in procs.values())
     tokens = {"x": list(range(3, 3 + 2 * C + 2))}
     run_iteration(cluster, tokens, {"x": 2 * C + 1})
     cluster.kill("host", 0)  # the owner of instance 0's buffers crashes: its files stay for now,
-    assert len(list_segments(prefixes[0])) == 5
+    assert len(list_buffers(prefixes[0])) == 5
     run_iteration(cluster, tokens, {"x": 1})  # and the engines keep serving
     cluster.control.finish_request("x")
     cluster.close()
-    assert not any(list_segments(p) for p in prefixes)
+    assert not any(list_buffers(p) for p in prefixes)
     assert not any(p.alive() for p in procs.values())
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
     assert cluster.placement_group is None
@@ -352,6 +352,6 @@ def test_serve_command_reports_a_crash_and_stops_cleanly_on_ctrl_c(ray_session, 
     while not out.events.empty():
         events.append(out.events.get()["event"])
     assert events == ["stopping", "stopped"]
-    assert not set(inst["buffers"]) & set(list_segments())
+    assert not set(inst["buffers"]) & set(list_buffers())
     node = ray.get_runtime_context().get_node_id()
     assert not any(ProcessRef(node, pid).alive() for pid in inst["pids"].values())

@@ -18,15 +18,15 @@ import torch
 from tokenlake.core.errors import TokenLakeError
 from tokenlake.dataplane import shm
 from tokenlake.dataplane.shm import (
+    BufferExists,
+    BufferMissing,
     BufferRegistry,
+    BufferSizeMismatch,
     BufferSpec,
-    SegmentExists,
-    SegmentMismatch,
-    SegmentMissing,
     SharedMemoryError,
     SharedTensor,
     cluster_prefix,
-    list_segments,
+    list_buffers,
     new_cluster_id,
     sweep_stale,
 )
@@ -40,9 +40,9 @@ def prefix():
     """A fresh cluster prefix; whatever a test leaves under it is removed (and reported)."""
     p = cluster_prefix(new_cluster_id())
     yield p
-    leftovers = list_segments(p)
+    leftovers = list_buffers(p)
     for name in leftovers:
-        shm.unlink_segment(name)
+        shm.unlink_buffer(name)
     assert leftovers == [], f"test leaked shared buffers: {leftovers}"
 
 
@@ -174,10 +174,10 @@ def test_child_and_parent_see_each_others_writes_without_copies(prefix):
     finally:
         assert _join(proc) == 0
 
-    assert list_segments(prefix) == [spec.name]  # a peer's exit does not remove it
+    assert list_buffers(prefix) == [spec.name]  # a peer's exit does not remove it
     owner.unlink()
-    assert list_segments(prefix) == []
-    t.add_(1)  # an unlinked segment stays mapped for whoever still holds it
+    assert list_buffers(prefix) == []
+    t.add_(1)  # an unlinked buffer stays mapped for whoever still holds it
     assert float(t[0, 0]) == 3.0
     owner.close()
     owner.close()
@@ -189,13 +189,13 @@ def test_child_and_parent_see_each_others_writes_without_copies(prefix):
 def test_create_twice_and_bad_attaches_raise_clear_errors(prefix):
     spec = BufferSpec(prefix + "kv", (4, 8), "float32")
     with SharedTensor.create(spec) as owner:
-        with pytest.raises(SegmentExists) as e:
+        with pytest.raises(BufferExists) as e:
             SharedTensor.create(spec)
         assert isinstance(e.value, FileExistsError) and isinstance(e.value, TokenLakeError)
         for bigger in ((4, 9), (4, 8, 2)):
-            with pytest.raises(SegmentMismatch, match="needs"):
+            with pytest.raises(BufferSizeMismatch, match="needs"):
                 SharedTensor.attach(BufferSpec(spec.name, bigger, "float32"))
-        with pytest.raises(SegmentMismatch):
+        with pytest.raises(BufferSizeMismatch):
             SharedTensor.attach(BufferSpec(spec.name, (4, 8), "float64"))
         assert os.path.getsize(os.path.join(shm.shm_dir(), spec.name)) == 128  # not grown
         with SharedTensor.attach(spec) as peer:
@@ -203,8 +203,8 @@ def test_create_twice_and_bad_attaches_raise_clear_errors(prefix):
             assert float(owner.tensor[1, 2]) == 5.0
             with pytest.raises(SharedMemoryError, match="owner"):
                 peer.unlink()
-    assert list_segments(prefix) == []  # the owner's context manager unlinked it
-    with pytest.raises(SegmentMissing) as e:
+    assert list_buffers(prefix) == []  # the owner's context manager unlinked it
+    with pytest.raises(BufferMissing) as e:
         SharedTensor.attach(spec)
     assert isinstance(e.value, FileNotFoundError)
 
@@ -241,11 +241,11 @@ def test_registry_cleanup_after_a_child_was_sigkilled(prefix):
     finally:
         assert _join(proc) == -signal.SIGKILL
     assert all(float(b.tensor.sum()) == 7 * 128 for b in bufs)  # its writes landed
-    assert len(list_segments(prefix)) == 4
+    assert len(list_buffers(prefix)) == 4
 
     removed = registry.cleanup()
     assert sorted(removed) == sorted([s.name for s in specs] + [child_own])
-    assert list_segments(prefix) == []
+    assert list_buffers(prefix) == []
     assert all(b.closed for b in bufs)
     assert registry.cleanup() == [] and registry.names == []  # idempotent
 
@@ -263,7 +263,7 @@ def test_registry_cleans_up_at_interpreter_exit(prefix):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "created"
-    assert list_segments(prefix) == []
+    assert list_buffers(prefix) == []
 
 
 def test_sweep_stale_removes_dead_creators_only(prefix):
@@ -279,12 +279,12 @@ def test_sweep_stale_removes_dead_creators_only(prefix):
         assert sweep_stale(dead_prefix) == [dead_prefix + "a", dead_prefix + "b"]
         assert sweep_stale(live_prefix) == []
         assert sweep_stale(opaque) == []
-        assert list_segments(dead_prefix) == []
-        assert list_segments(live_prefix) == [live_prefix + "a"]
-        assert list_segments(opaque) == [opaque]
+        assert list_buffers(dead_prefix) == []
+        assert list_buffers(live_prefix) == [live_prefix + "a"]
+        assert list_buffers(opaque) == [opaque]
     finally:
         for name in names:
-            shm.unlink_segment(name)
+            shm.unlink_buffer(name)
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -6,10 +6,14 @@ and hands the spec (plain data, msgpack-friendly via :meth:`BufferSpec.to_dict`)
 peers, which :meth:`SharedTensor.attach`. ``SharedTensor.tensor`` is a writable view of the
 shared memory itself in every process.
 
-Naming and cleanup. Segment names start with :func:`cluster_prefix` of a cluster id that
+Vocabulary: a *buffer* is one named block of shared memory (a file in ``/dev/shm`` on
+CPU); "segment" in this project always means a KV segment of the pool
+(:class:`~tokenlake.core.errors.SegmentNotFound`), never a shared-memory object.
+
+Naming and cleanup. Buffer names start with :func:`cluster_prefix` of a cluster id that
 carries the launcher's pid (:func:`new_cluster_id`). The launcher creates buffers through a
 :class:`BufferRegistry`, whose ``cleanup()`` (also run at exit) unlinks them, plus everything
-else under the cluster prefix, so a crashed child leaves nothing behind. Segments of a
+else under the cluster prefix, so a crashed child leaves nothing behind. Buffers of a
 launcher that itself died (SIGKILL: no atexit) are removed by :func:`sweep_stale`.
 
 Copy accounting lives in :class:`tokenlake.dataplane.wire.CopyStats`: sharing a buffer copies
@@ -55,16 +59,16 @@ class SharedMemoryError(TokenLakeError):
     """A shared buffer cannot be created, attached or used."""
 
 
-class SegmentExists(SharedMemoryError, FileExistsError):
-    """``create`` named a segment that already exists (never silently reused)."""
+class BufferExists(SharedMemoryError, FileExistsError):
+    """``create`` named a buffer that already exists (never silently reused)."""
 
 
-class SegmentMissing(SharedMemoryError, FileNotFoundError):
-    """``attach`` named a segment that does not exist (never created, or already unlinked)."""
+class BufferMissing(SharedMemoryError, FileNotFoundError):
+    """``attach`` named a buffer that does not exist (never created, or already unlinked)."""
 
 
-class SegmentMismatch(SharedMemoryError, ValueError):
-    """The segment's size differs from what the spec's shape and dtype need."""
+class BufferSizeMismatch(SharedMemoryError, ValueError):
+    """The buffer's size in bytes differs from what the spec's shape and dtype need."""
 
 
 # --------------------------------------------------------------------------- specs, names
@@ -75,7 +79,7 @@ class BufferSpec:
     """Everything a peer process needs to attach a shared buffer.
 
     Attributes:
-        name: segment name, ``[A-Za-z0-9_.-]``, at most 200 characters, no leading dot;
+        name: buffer name, ``[A-Za-z0-9_.-]``, at most 200 characters, no leading dot;
             normally ``cluster_prefix(cluster_id) + role``, e.g. ``"tokenlake-4242-9f3a0c1e-i0-q"``.
         shape: tensor shape (elements); every dimension > 0.
         dtype: a key of the dtype table, as ``torch.<dtype>`` is named: ``"float32"``, ...
@@ -151,7 +155,7 @@ def cluster_prefix(cluster_id: str) -> str:
 
 
 def shm_dir() -> str:
-    """Where segments live: ``/dev/shm`` (the POSIX shm namespace, tmpfs, RAM-backed).
+    """Where buffers live: ``/dev/shm`` (the POSIX shm namespace, tmpfs, RAM-backed).
 
     Without ``/dev/shm`` (macOS, some sandboxes) a private temp directory is used instead:
     still shared between processes through ``mmap(MAP_SHARED)``, but possibly disk-backed.
@@ -165,13 +169,13 @@ def shm_dir() -> str:
     return d
 
 
-def list_segments(prefix: str = PREFIX) -> list[str]:
-    """Names of the existing segments that start with ``prefix``, sorted."""
+def list_buffers(prefix: str = PREFIX) -> list[str]:
+    """Names of the existing CPU buffers that start with ``prefix``, sorted."""
     return sorted(n for n in os.listdir(shm_dir()) if n.startswith(prefix))
 
 
-def unlink_segment(name: str) -> bool:
-    """Remove a segment's name (mappings stay valid until unmapped). False if already gone."""
+def unlink_buffer(name: str) -> bool:
+    """Remove a CPU buffer's name (mappings stay valid until unmapped). False if already gone."""
     try:
         os.unlink(os.path.join(shm_dir(), name))
     except FileNotFoundError:
@@ -194,7 +198,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale(prefix: str = PREFIX) -> list[str]:
-    """Unlink segments under ``prefix`` whose creator pid (``tokenlake-<pid>-...``) is dead.
+    """Unlink buffers under ``prefix`` whose creator pid (``tokenlake-<pid>-...``) is dead.
 
     Names without a parsable pid are kept. Conservative by design: a recycled pid keeps its
     orphans alive until the next sweep. Caveat: pids are read in *this* pid namespace, so
@@ -202,9 +206,9 @@ def sweep_stale(prefix: str = PREFIX) -> list[str]:
     Returns the names removed.
     """
     removed = []
-    for name in list_segments(prefix):
+    for name in list_buffers(prefix):
         m = _CREATOR_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))) and unlink_segment(name):
+        if m and not _pid_alive(int(m.group(1))) and unlink_buffer(name):
             removed.append(name)
     if removed:
         log.info("swept %d stale shared buffers: %s", len(removed), removed)
@@ -236,7 +240,7 @@ class SharedTensor:
 
     @classmethod
     def create(cls, spec: BufferSpec) -> SharedTensor:
-        """Create a new zero-filled buffer. Raises :class:`SegmentExists` if the name is taken."""
+        """Create a new zero-filled buffer. Raises :class:`BufferExists` if the name is taken."""
         if spec.is_cuda:
             spec, tensor = _cuda_create(spec)
         else:
@@ -245,7 +249,7 @@ class SharedTensor:
 
     @classmethod
     def attach(cls, spec: BufferSpec) -> SharedTensor:
-        """Map an existing buffer. Raises :class:`SegmentMissing` or :class:`SegmentMismatch`."""
+        """Map an existing buffer. Raises :class:`BufferMissing` or :class:`BufferSizeMismatch`."""
         tensor = _cuda_attach(spec) if spec.is_cuda else _cpu_attach(spec)
         return cls(spec, tensor, owner=False)
 
@@ -268,7 +272,7 @@ class SharedTensor:
         if not self._unlinked:
             self._unlinked = True
             if not self.spec.is_cuda:  # a CUDA allocation has no name; close() releases it
-                unlink_segment(self.spec.name)
+                unlink_buffer(self.spec.name)
 
     def __enter__(self) -> SharedTensor:
         return self
@@ -306,12 +310,12 @@ def _map(path: str, spec: BufferSpec, ino: int) -> torch.Tensor:
     except FileNotFoundError:
         st = None
     if st is None or st.st_ino != ino:
-        raise SegmentMissing(f"shared buffer {spec.name!r} was unlinked while being mapped")
+        raise BufferMissing(f"shared buffer {spec.name!r} was unlinked while being mapped")
     return t.view(spec.shape)
 
 
 # We do not use multiprocessing.shared_memory: in Python 3.11 every SharedMemory, attached
-# ones included, registers with multiprocessing's resource_tracker, which unlinks the segment
+# ones included, registers with multiprocessing's resource_tracker, which unlinks the buffer
 # (with a "leaked shared_memory" warning) when the *attaching* process exits: a peer would
 # destroy the owner's buffer. Plain files in /dev/shm plus torch.from_file avoid the tracker;
 # lifetime is ours (BufferRegistry, sweep_stale).
@@ -320,7 +324,7 @@ def _cpu_create(spec: BufferSpec) -> torch.Tensor:
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except FileExistsError as e:
-        raise SegmentExists(f"shared buffer {spec.name!r} already exists at {path}") from e
+        raise BufferExists(f"shared buffer {spec.name!r} already exists at {path}") from e
     try:
         try:
             # Reserve the pages now: a sparse tmpfs file that later cannot get its pages
@@ -349,11 +353,11 @@ def _cpu_attach(spec: BufferSpec) -> torch.Tensor:
     try:
         st = os.stat(path)
     except FileNotFoundError as e:
-        raise SegmentMissing(f"no shared buffer {spec.name!r} at {path}") from e
+        raise BufferMissing(f"no shared buffer {spec.name!r} at {path}") from e
     if st.st_size != spec.nbytes:
         # No header in the file (data starts at offset 0 for from_file), so only the byte
         # size can be checked: pass the owner's spec on verbatim.
-        raise SegmentMismatch(
+        raise BufferSizeMismatch(
             f"shared buffer {spec.name!r} has {st.st_size} bytes, spec {spec.shape} "
             f"{spec.dtype} needs {spec.nbytes}"
         )
@@ -394,7 +398,7 @@ def _cuda_attach(spec: BufferSpec) -> torch.Tensor:
 
     _require_cuda(spec)
     if spec.ipc_handle is None:
-        raise SegmentMissing(f"CUDA buffer {spec.name!r}: spec has no ipc_handle (use owner.spec)")
+        raise BufferMissing(f"CUDA buffer {spec.name!r}: spec has no ipc_handle (use owner.spec)")
     try:
         version, offset, stride, dev, h, size_b, off_b, rc_h, rc_off, ev_h, sync = msgpack.unpackb(
             spec.ipc_handle
@@ -406,7 +410,7 @@ def _cuda_attach(spec: BufferSpec) -> torch.Tensor:
     dtype = _torch_dtype(spec.dtype)
     need = (offset + spec.numel) * dtype.itemsize
     if size_b < need:
-        raise SegmentMismatch(f"CUDA buffer {spec.name!r} has {size_b} bytes, spec needs {need}")
+        raise BufferSizeMismatch(f"CUDA buffer {spec.name!r} has {size_b} bytes, spec needs {need}")
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(spec.shape), tuple(stride), offset, torch.UntypedStorage,
         dtype, dev, h, size_b, off_b, False, rc_h, rc_off, ev_h, sync,
@@ -420,7 +424,7 @@ class BufferRegistry:
     """Owner-side lifetime of a cluster's shared buffers (used by the cluster launcher).
 
     ``create(spec)`` creates and tracks a buffer. ``cleanup()`` closes and unlinks every
-    buffer it created and, when the registry has a ``prefix``, every other segment under it
+    buffer it created and, when the registry has a ``prefix``, every other buffer under it
     too (e.g. one a child engine created before it crashed). It is idempotent and runs at
     interpreter exit (atexit; only in the process that made the registry, not in a fork).
     A SIGKILLed launcher runs nothing: :func:`sweep_stale` covers that.
@@ -461,10 +465,10 @@ class BufferRegistry:
             st.close()
             if st.spec.is_cuda:
                 st.unlink()
-            elif unlink_segment(name):
+            elif unlink_buffer(name):
                 removed.append(name)
         if self.prefix is not None:
-            removed += [n for n in list_segments(self.prefix) if unlink_segment(n)]
+            removed += [n for n in list_buffers(self.prefix) if unlink_buffer(n)]
         return removed
 
     def _cleanup_at_exit(self) -> None:

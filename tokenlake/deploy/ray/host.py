@@ -21,14 +21,14 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokenlake.dataplane.shm import (
+    BufferExists,
     BufferSpec,
-    SegmentExists,
     SharedMemoryError,
     cluster_prefix,
-    list_segments,
+    list_buffers,
     new_cluster_id,
     shm_dir,
-    unlink_segment,
+    unlink_buffer,
 )
 from tokenlake.deploy.base import BufferLayout
 from tokenlake.deploy.ray.liveness import ProcessRef
@@ -44,14 +44,14 @@ def create_unmapped(spec: BufferSpec) -> None:
     directory, mode 0600, pages reserved) and leaves mapping to the engines.
 
     Raises:
-        SegmentExists: the name is taken (never silently reused).
+        BufferExists: the name is taken (never silently reused).
         SharedMemoryError: the pages cannot be reserved (``/dev/shm`` too small).
     """
     path = os.path.join(shm_dir(), spec.name)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except FileExistsError as e:
-        raise SegmentExists(f"shared buffer {spec.name!r} already exists") from e
+        raise BufferExists(f"shared buffer {spec.name!r} already exists") from e
     try:
         try:
             os.posix_fallocate(fd, 0, spec.nbytes)  # reserve the pages now (no SIGBUS later)
@@ -59,7 +59,7 @@ def create_unmapped(spec: BufferSpec) -> None:
             os.ftruncate(fd, spec.nbytes)
     except BaseException as e:
         os.close(fd)
-        unlink_segment(spec.name)
+        unlink_buffer(spec.name)
         if isinstance(e, OSError):
             raise SharedMemoryError(f"cannot allocate {spec.nbytes} bytes for {spec.name!r}: {e}") from e
         raise
@@ -68,7 +68,7 @@ def create_unmapped(spec: BufferSpec) -> None:
 
 def unlink_prefix(prefix: str) -> list[str]:
     """Unlinks every buffer of this node whose name starts with ``prefix``; their names."""
-    return [name for name in list_segments(prefix) if unlink_segment(name)]
+    return [name for name in list_buffers(prefix) if unlink_buffer(name)]
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class InstanceHost:
     def close(self) -> int:
         """Unlinks every buffer of this host (idempotent); returns how many it removed."""
         names, self._names = self._names, []
-        removed = [n for n in names if unlink_segment(n)]
+        removed = [n for n in names if unlink_buffer(n)]
         return len(removed) + len(unlink_prefix(self.prefix))
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this

@@ -14,6 +14,7 @@ import os
 import queue
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -92,6 +93,28 @@ def test_replication_migration_and_engine_stats(cluster):
     replication_scenario(cluster)
     migration_scenario(cluster)
     no_copy_scenario(cluster)
+
+
+def test_both_launchers_share_one_buffer_layout(ray_pool, local_pool):
+    """Built with the same arguments, both launchers give an instance the same buffers:
+    the Ray hosts create exactly what the shared layout names, of the shapes it gives."""
+    assert ray_pool.layout == local_pool.layout
+    shapes = local_pool.layout.shapes()
+    for i in ray_pool.instances:
+        prefix = ray_pool.buffer_prefix(i)
+        assert list_buffers(prefix) == sorted(f"{prefix}{name}-{i}" for name in shapes)
+        for name, spec in ray_pool.client_info(i)["buffers"].items():
+            assert tuple(spec["shape"]) == shapes[name] == tuple(getattr(local_pool.client(i), name).shape)
+        assert ray_pool.slab(i).shape == local_pool.slab(i).shape == shapes["slab"]
+
+
+def test_the_ray_package_imports_without_torch():
+    """The host actors import ``tokenlake.deploy.ray`` and never map a buffer: importing it
+    loads neither torch nor the wire (which imports torch)."""
+    code = ("import sys, tokenlake.deploy.ray; "
+            "print([m for m in ('torch', 'tokenlake.dataplane.wire') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_a_malformed_peers_message_is_refused_and_the_engine_keeps_serving(ray_pool):

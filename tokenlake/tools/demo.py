@@ -53,80 +53,101 @@ def _ask(history: list[dict], question: str, doc: str, first: bool) -> list[dict
 
 def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
     """Serves the workload, checks it against the reference engine, returns the report."""
-    from tokenlake.model.llama.reference import ReferenceEngine
+    # Imported here: loading the model pulls torch, which `tokenlake --help` must not.
     from tokenlake.model.llama.tokenizer import load_tokenizer
     from tokenlake.model.llama.weights import load_weights
 
     t0 = time.monotonic()
     weights, tok = load_weights(), load_tokenizer()
     spec = weights.config.to_model_spec("smollm2-135m")
-    doc = _document()
-    system = [{"role": "system", "content": SYSTEM}]
-    results, prompts = {}, {}
     with LocalCluster(config.instances, spec, config.pool_mib_per_instance << 20,
                       segment_tokens=config.segment_tokens) as cluster:
         server = Server(cluster, weights)
-
-        def serve(wave: dict[str, list[dict]]) -> None:
-            reqs = []
-            for rid, messages in wave.items():
-                prompts[rid] = tuple(tok.apply_chat_template(messages))
-                reqs.append(GenerationRequest(rid, prompts[rid], config.max_new_tokens, (tok.eos_id,)))
-            server.run(reqs)
-
-        # Wave 1: the first question puts the system prompt and the document into the pool.
-        serve({"q0": _ask(system, QUESTIONS[0], doc, True)})
-        # Wave 2: the other questions and the session's first turn reuse them.
-        wave = {f"q{i}": _ask(system, q, doc, True) for i, q in enumerate(QUESTIONS[1:], 1)}
-        wave["s0"] = _ask(system, SESSION[0], doc, True)
-        serve(wave)
-        # Wave 3: the session's second turn reuses its whole history.
-        answer = tok.decode([t for t in server.results["s0"].output_ids if t != tok.eos_id])
-        turn2 = _ask(wave["s0"] + [{"role": "assistant", "content": answer}], SESSION[1], doc, False)
-        serve({"s1": turn2})
+        prompts = _serve_workload(server, tok, config)
         stats = cluster.control.stats()
-        pool = stats.pool
         results = server.results
-        batches = [b for d in server.decisions for b in d.batches]
-        schedule = {
-            "policy": server.policy.name,
-            "iterations": server.iterations,
-            "prefill_batches_by_dop": {str(k): sum(1 for b in batches if b.phase == "prefill" and b.dop == k)
-                                       for k in sorted({b.dop for b in batches if b.phase == "prefill"})},
-            "decode_batches": sum(1 for b in batches if b.phase == "decode"),
-        }
+        schedule = _schedule_summary(server)
     progress(f"served {len(results)} requests through {config.instances} instances "
              f"in {time.monotonic() - t0:.1f} s; checking against the reference engine ...")
+    report_requests = _check_against_reference(weights, tok, results, prompts, config)
+    pool = stats.pool
+    return {
+        "reference_match": all(r["matches_reference"] for r in report_requests),
+        "requests": report_requests,
+        "instances": [{"instance": i, "segments": pool.slots_used[i], "accesses": pool.reads[i]}
+                      for i in sorted(pool.slots_used)],
+        "cv": access_cv([pool.reads[i] for i in sorted(pool.reads)]),
+        "hit_rate": stats.hit_rate,
+        "segment_tokens": config.segment_tokens,
+        "scheduler": schedule,
+        "wall_s": time.monotonic() - t0,
+    }
+
+
+def _serve_workload(server: Server, tok, config: DemoConfig) -> dict[str, tuple[int, ...]]:
+    """Runs the three waves of the demo; returns each request's prompt token ids."""
+    doc = _document()
+    system = [{"role": "system", "content": SYSTEM}]
+    prompts: dict[str, tuple[int, ...]] = {}
+
+    def serve(wave: dict[str, list[dict]]) -> None:
+        reqs = []
+        for rid, messages in wave.items():
+            prompts[rid] = tuple(tok.apply_chat_template(messages))
+            reqs.append(GenerationRequest(rid, prompts[rid], config.max_new_tokens, (tok.eos_id,)))
+        server.run(reqs)
+
+    # Wave 1: the first question puts the system prompt and the document into the pool.
+    serve({"q0": _ask(system, QUESTIONS[0], doc, True)})
+    # Wave 2: the other questions and the session's first turn reuse them.
+    wave = {f"q{i}": _ask(system, q, doc, True) for i, q in enumerate(QUESTIONS[1:], 1)}
+    wave["s0"] = _ask(system, SESSION[0], doc, True)
+    serve(wave)
+    # Wave 3: the session's second turn reuses its whole history.
+    answer = tok.decode([t for t in server.results["s0"].output_ids if t != tok.eos_id])
+    serve({"s1": _ask(wave["s0"] + [{"role": "assistant", "content": answer}], SESSION[1], doc, False)})
+    return prompts
+
+
+def _schedule_summary(server: Server) -> dict:
+    """What the policy decided: iterations, prefill batches per DoP, decode batches."""
+    batches = [b for d in server.decisions for b in d.batches]
+    prefill_dops = sorted({b.dop for b in batches if b.phase == "prefill"})
+    return {
+        "policy": server.policy.name,
+        "iterations": server.iterations,
+        "prefill_batches_by_dop": {str(k): sum(1 for b in batches if b.phase == "prefill" and b.dop == k)
+                                   for k in prefill_dops},
+        "decode_batches": sum(1 for b in batches if b.phase == "decode"),
+    }
+
+
+def _check_against_reference(weights, tok, results, prompts, config: DemoConfig) -> list[dict]:
+    """One report row per request, with whether its output equals the plain engine's."""
+    # Imported here for the same reason as the model above (torch).
+    from tokenlake.model.llama.reference import ReferenceEngine
+
     ref = ReferenceEngine(weights)
-    match = True
-    report_requests = []
+    rows = []
     for rid, res in results.items():
         expected = ref.generate(list(prompts[rid]), config.max_new_tokens, stop_ids=(tok.eos_id,)).output_ids
-        ok = list(expected) == res.output_ids
-        match &= ok
-        report_requests.append({
+        rows.append({
             "request_id": rid,
             "prompt_token_ids": list(prompts[rid]),
             "output_token_ids": res.output_ids,
             "hit_tokens": res.hit_tokens,
             "prompt_tokens": len(prompts[rid]),
             "answer": tok.decode([t for t in res.output_ids if t != tok.eos_id]).strip(),
-            "matches_reference": ok,
+            "matches_reference": list(expected) == res.output_ids,
         })
-    reads = [pool.reads[i] for i in sorted(pool.reads)]
+    return rows
+
+
+def access_cv(reads: list[int]) -> float:
+    """Coefficient of variation (population) of the per-instance cache accesses; 0 when
+    there were none."""
     mean = statistics.fmean(reads) if reads else 0.0
-    cv = statistics.pstdev(reads) / mean if mean else 0.0
-    return {
-        "reference_match": match,
-        "requests": report_requests,
-        "instances": [{"instance": i, "segments": pool.slots_used[i], "accesses": pool.reads[i]}
-                      for i in sorted(pool.slots_used)],
-        "cv": cv,
-        "hit_rate": stats.hit_rate,
-        "segment_tokens": config.segment_tokens,
-        "scheduler": schedule,
-        "wall_s": time.monotonic() - t0,
-    }
+    return statistics.pstdev(reads) / mean if mean else 0.0
 
 
 def print_report(report: dict) -> None:

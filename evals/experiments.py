@@ -32,7 +32,7 @@ import multiprocessing
 import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from evals.sim.config import SimConfig
@@ -338,7 +338,6 @@ EXPERIMENTS: dict[str, Callable[..., ExperimentResult]] = {
 
 
 def _config(config: SimConfig, scale: float, seed: int) -> dict[str, Any]:
-    from dataclasses import asdict
 
     return {"sim": asdict(config), "scale": scale, "seed": seed}
 

@@ -53,6 +53,8 @@ def _json_safe(x: Any) -> Any:
 
 
 def _plots(res: ExperimentResult, out: Path) -> list[str]:
+    # Imported here: matplotlib is the `eval` extra's, and the Agg backend must be chosen
+    # before pyplot loads.
     import matplotlib
 
     matplotlib.use("Agg")

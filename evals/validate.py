@@ -24,7 +24,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from evals.sim.config import SimConfig
+from evals.sim.systems import simulate
 from evals.workloads.base import Request
+from scheduler.goodput import GoodputScheduler
+from tokenlake.deploy.local import LocalCluster
+from tokenlake.model.llama.weights import load_weights
+from tokenlake.serving import GenerationRequest, Server
 
 VOCAB = 49152
 
@@ -55,10 +61,6 @@ class RealRun:
 def run_real(trace: list[Request], instances: int, segment_tokens: int, chunk_tokens: int,
              pool_bytes: int) -> RealRun:
     """The trace through the real engines, one request at a time (its arrival order)."""
-    from scheduler.goodput import GoodputScheduler
-    from tokenlake.deploy.local import LocalCluster
-    from tokenlake.model.llama.weights import load_weights
-    from tokenlake.serving import GenerationRequest, Server
 
     weights = load_weights()
     spec = weights.config.to_model_spec("smollm2-135m")
@@ -83,8 +85,6 @@ def run_real(trace: list[Request], instances: int, segment_tokens: int, chunk_to
 def validate(documents: int = 3, questions: int = 4, doc_tokens: int = 600, instances: int = 2,
              segment_tokens: int = 64, chunk_tokens: int = 256, seed: int = 0) -> dict[str, Any]:
     """Runs both and returns the comparison (see the module docstring)."""
-    from evals.sim.config import SimConfig
-    from evals.sim.systems import simulate
 
     trace = validation_trace(documents, questions, doc_tokens, seed=seed)
     pool_bytes = 64 << 20  # per instance: room for every segment of the trace

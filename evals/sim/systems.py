@@ -15,8 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from evals.sim.config import SimConfig
+from evals.sim.local import FlowKVAdapter, RoutedBackend
 from evals.sim.metrics import SimResult
+from evals.sim.pooled import PooledBackend
+from evals.sim.xpyd import XPyDBackend
 from evals.workloads.base import Request
+from scheduler.baselines.cache_aware_router import CacheAwareRouter
+from scheduler.baselines.fixed_pd import FixedPD
+from scheduler.baselines.round_robin import RoundRobinRouter
+from scheduler.goodput import GoodputScheduler
 
 SYSTEMS = ("tokenlake", "tokenlake-1p3d", "tokenlake-3p1d", "sglang-router", "round-robin",
            "flowkv", "mooncake-1p3d", "mooncake-3p1d")
@@ -26,13 +33,10 @@ def make_backend(system: str, config: SimConfig):
     """The backend simulating ``system`` on ``config`` (``ValueError`` for unknown names)."""
     setup = config.resolve()
     if system in ("tokenlake", "tokenlake-1p3d", "tokenlake-3p1d"):
-        from evals.sim.pooled import PooledBackend
-        from scheduler.goodput import GoodputScheduler
 
         policy = GoodputScheduler(chunk_tokens=config.chunk_tokens,
                                   max_prefill_dop=config.max_prefill_dop)
         if system != "tokenlake":
-            from scheduler.baselines.fixed_pd import FixedPD
 
             n = config.instances
             if n < 2:
@@ -42,11 +46,9 @@ def make_backend(system: str, config: SimConfig):
             policy = FixedPD.split(list(range(n)), f"{p}P{n - p}D", policy)
         return PooledBackend(setup, system, policy)
     if system in ("sglang-router", "round-robin", "flowkv"):
-        from evals.sim.local import FlowKVAdapter, RoutedBackend
 
         workers = list(range(config.instances // config.tp))
         if system == "sglang-router":
-            from scheduler.baselines.cache_aware_router import CacheAwareRouter
 
             holder: list = []
             router = CacheAwareRouter(workers, clock=lambda: holder[0].now)
@@ -54,13 +56,11 @@ def make_backend(system: str, config: SimConfig):
             holder.append(backend)
             return backend
         if system == "round-robin":
-            from scheduler.baselines.round_robin import RoundRobinRouter
 
             return RoutedBackend(setup, system, RoundRobinRouter(workers))
         return RoutedBackend(setup, system,
                              FlowKVAdapter(workers, setup.cache_tokens_per_gpu * config.tp))
     if system in ("mooncake-1p3d", "mooncake-3p1d"):
-        from evals.sim.xpyd import XPyDBackend
 
         return XPyDBackend(setup, system, system.split("-")[1])
     raise ValueError(f"unknown system {system!r}; valid: {', '.join(SYSTEMS)}")

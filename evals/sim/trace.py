@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from evals.workloads.arrivals import retime, with_poisson_arrivals
 from evals.workloads.base import Request
+from evals.workloads.mooncake import load_mooncake, repeat_trace
 
 _MOD = 2**31
 
@@ -31,7 +33,6 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
     :func:`evals.workloads.mooncake.load_mooncake`, which validates every record and
     raises ``ValueError`` naming the line of a malformed one.
     """
-    from evals.workloads.mooncake import load_mooncake
 
     return list(load_mooncake(path, n=limit, name="r").items)
 
@@ -49,8 +50,6 @@ def arrange(requests: Sequence[Request], rate: float | None = None,
     ones cached (:func:`~evals.workloads.mooncake.repeat_trace` with
     ``remap_blocks=False``).
     """
-    from evals.workloads.arrivals import retime, with_poisson_arrivals
-    from evals.workloads.mooncake import repeat_trace
 
     if rate is not None and speedup is not None:
         raise ValueError("give a rate or a speedup, not both")

@@ -8,8 +8,10 @@ that equal blocks give equal tokens and the real prefix tree sees the same shari
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 
@@ -130,8 +132,6 @@ def jsonl_objects(path) -> Iterator[tuple[str, int, dict]]:
     """``(where, lineno, object)`` for every non-blank line of a JSON-lines file, where
     ``where`` is ``"file:line"`` for error messages. A line that is not a JSON object
     raises ``ValueError`` naming it."""
-    import json
-    from pathlib import Path
 
     path = Path(path)
     with path.open(encoding="utf-8") as f:

@@ -56,6 +56,7 @@ def resolve_tokenizer(tokenizer: Any = None, cache_size: int = 65536) -> Encode:
     """The memoised encode function (text -> tuple of ids) of a tokenizer option (see
     the module docstring); texts seen before are not encoded again."""
     if tokenizer is None or tokenizer == "smollm2":
+        # Imported here: only this tokenizer needs the `tokenizers` library and the model file.
         from tokenlake.model.llama.tokenizer import load_tokenizer
 
         fn = load_tokenizer().encode

@@ -165,6 +165,8 @@ class LatencyModel:
         Columns are scaled to unit max before solving so that features spanning ten
         orders of magnitude stay well conditioned.
         """
+        # Imported here: the core loads without numpy and scipy (tests/test_pure_import.py);
+        # only fitting a model needs them.
         import numpy as np
         from scipy.optimize import nnls
 

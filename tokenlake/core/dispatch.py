@@ -177,6 +177,7 @@ def dispatch(nodes: Sequence[DispatchNode], instances: Sequence[int]) -> tuple[i
     if not nodes:
         return ()
     cost = _cost_matrix(nodes, ids)
+    # Imported here: the core loads without scipy (tests/test_pure_import.py).
     from scipy.optimize import linear_sum_assignment
 
     _, cols = linear_sum_assignment(cost)  # row indices are 0..n-1 in order as n <= m
@@ -194,7 +195,7 @@ def _cost_matrix(nodes: list[DispatchNode], ids: list[int]):
     Built in one vectorised scatter from the nodes' packed ``(instance, bytes)``
     pairs; pairs naming instances outside ``ids`` are dropped (remote anyway).
     """
-    import numpy as np
+    import numpy as np  # here, not at module level: see linear_sum_assignment above
 
     n, m = len(nodes), len(ids)
     packed = np.dtype(f"i{_ITEMSIZE}")  # native byte order, as array.array wrote it

@@ -31,6 +31,7 @@ def engine_entry(role: str) -> Callable[[bytes, Any], None]:
 
 def engine_class(role: str) -> type:
     """The engine class of a role (built in-process by the Ray engine actors)."""
+    # Imported here for the same reason as in engine_entry (torch).
     if role == "query":
         from query_engine.engine import QueryEngine
 

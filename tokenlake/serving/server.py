@@ -25,8 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler.api import InstanceView, Snapshot
+from scheduler.goodput import GoodputScheduler
+from tokenlake.core.cost_model import LatencyModel
 from tokenlake.core.errors import TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.core.specs import load_hardware
 from tokenlake.model.compute import ComputeEngine
 from tokenlake.serving.tracker import DECODE, WAITING, RequestTracker, TrackedRequest
 
@@ -112,9 +116,6 @@ class Server:
                  engine=None, compute_slots: int | None = None) -> None:
         if chunk_tokens > cluster.max_rows:
             raise ValueError(f"chunk_tokens={chunk_tokens} exceeds the cluster's max_rows={cluster.max_rows}")
-        from scheduler.goodput import GoodputScheduler
-        from tokenlake.core.cost_model import LatencyModel
-        from tokenlake.core.specs import load_hardware
 
         # One compute engine computes every batch of a local cluster: spreading a prefill
         # over k instances adds messages and saves nothing (tokenlake.tools.latency_profile).
@@ -219,7 +220,6 @@ class Server:
         for its view, its cache load and its admission (nothing changes the tree until
         the plans of this iteration are made).
         """
-        from scheduler.api import InstanceView, Snapshot
 
         tracker = self.tracker
         for live in tracker.waiting():

@@ -16,6 +16,9 @@ import time
 from tokenlake.core.cost_model import default_segment_tokens
 from tokenlake.core.specs import load_hardware
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.model.llama.reference import ReferenceEngine
+from tokenlake.model.llama.tokenizer import load_tokenizer
+from tokenlake.model.llama.weights import load_weights
 from tokenlake.serving import GenerationRequest, Server
 from tokenlake.tools.demo import _document
 
@@ -59,9 +62,6 @@ def _reference_decode(ref, prompts: list[tuple[int, ...]], steps: int) -> float:
 
 def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int = 1024,
               instances: int = 4, segment_tokens: int | None = None, decode_batches: tuple[int, ...] = (1, 8)) -> dict:
-    from tokenlake.model.llama.reference import ReferenceEngine
-    from tokenlake.model.llama.tokenizer import load_tokenizer
-    from tokenlake.model.llama.weights import load_weights
 
     weights, tok = load_weights(), load_tokenizer()
     spec = weights.config.to_model_spec("smollm2-135m")

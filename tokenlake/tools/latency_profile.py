@@ -68,6 +68,8 @@ def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
 
     Returns the JSON document to commit (coefficients, fit report, setup, samples).
     """
+    # Imported here: the command line reads this module's defaults, and must not load
+    # torch to print its help.
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.model.compute import ComputeEngine
     from tokenlake.model.llama.weights import load_weights

@@ -39,8 +39,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from gguf import quants
 
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import ModelSpec
@@ -77,7 +79,6 @@ def open_reader(path: Path | str | None = None):
     """A ``gguf.GGUFReader`` of ``path`` (default :func:`find_smollm2_gguf`). Parsing the
     metadata takes ~4 s and ~160 MB, so the reader is not kept: the weights and the
     tokenizer each cache what they derive from it on disk."""
-    import gguf  # local: only this module and the tokenizer need it
 
     return gguf.GGUFReader(str(find_smollm2_gguf() if path is None else path))
 
@@ -209,7 +210,6 @@ class LlamaWeights:
 
 def _dequantise(tensor, expected: tuple[int, ...]) -> torch.Tensor:
     """One GGUF tensor as a fresh float32 torch tensor of shape ``expected`` ([out, in])."""
-    from gguf import quants
 
     array = np.ascontiguousarray(quants.dequantize(tensor.data, tensor.tensor_type),
                                  dtype=np.float32)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/dataplane_util.py
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
-    from tokenlake.dataplane.shm import list_buffers
+    from tokenlake.dataplane.shm_files import list_buffers
 
     before = set(list_buffers())
     yield

@@ -40,7 +40,7 @@ from test_dataplane import (  # noqa: E402
 
 from tokenlake.core.errors import EngineUnavailable, PlanError  # noqa: E402
 from tokenlake.core.plans import Batch, BatchRequest  # noqa: E402
-from tokenlake.dataplane.shm import list_buffers  # noqa: E402
+from tokenlake.dataplane.shm_files import list_buffers  # noqa: E402
 from tokenlake.deploy.local import LocalCluster  # noqa: E402
 from tokenlake.deploy.ray import RayCluster, RayComputeEngine, RayOptions  # noqa: E402
 from tokenlake.serving import GenerationRequest, Server  # noqa: E402

@@ -16,15 +16,13 @@ import pytest
 import torch
 
 from tokenlake.core.errors import TokenLakeError
-from tokenlake.dataplane import shm
-from tokenlake.dataplane.shm import (
+from tokenlake.dataplane import shm_files
+from tokenlake.dataplane.shm import BufferRegistry, BufferSpec, SharedTensor
+from tokenlake.dataplane.shm_files import (
     BufferExists,
     BufferMissing,
-    BufferRegistry,
     BufferSizeMismatch,
-    BufferSpec,
     SharedMemoryError,
-    SharedTensor,
     cluster_prefix,
     list_buffers,
     new_cluster_id,
@@ -42,7 +40,7 @@ def prefix():
     yield p
     leftovers = list_buffers(p)
     for name in leftovers:
-        shm.unlink_buffer(name)
+        shm_files.unlink_buffer(name)
     assert leftovers == [], f"test leaked shared buffers: {leftovers}"
 
 
@@ -159,7 +157,7 @@ def test_child_and_parent_see_each_others_writes_without_copies(prefix):
     ptr = t.data_ptr()
     assert t.shape == (64, 32) and t.dtype == torch.float32 and not t.any()
     if os.path.exists("/proc/self/maps"):  # the tensor *is* the shm file's mapping
-        assert os.path.join(shm.shm_dir(), spec.name) in _mapped_paths(t)
+        assert os.path.join(shm_files.shm_dir(), spec.name) in _mapped_paths(t)
 
     parent, child = CTX.Pipe()
     proc = CTX.Process(target=_child_roundtrip, args=(spec.to_dict(), child))
@@ -197,7 +195,7 @@ def test_create_twice_and_bad_attaches_raise_clear_errors(prefix):
                 SharedTensor.attach(BufferSpec(spec.name, bigger, "float32"))
         with pytest.raises(BufferSizeMismatch):
             SharedTensor.attach(BufferSpec(spec.name, (4, 8), "float64"))
-        assert os.path.getsize(os.path.join(shm.shm_dir(), spec.name)) == 128  # not grown
+        assert os.path.getsize(os.path.join(shm_files.shm_dir(), spec.name)) == 128  # not grown
         with SharedTensor.attach(spec) as peer:
             peer.tensor[1, 2] = 5.0
             assert float(owner.tensor[1, 2]) == 5.0
@@ -210,14 +208,91 @@ def test_create_twice_and_bad_attaches_raise_clear_errors(prefix):
 
 
 def test_fallback_directory_without_dev_shm(monkeypatch, tmp_path):
-    monkeypatch.setattr(shm, "_DEV_SHM", str(tmp_path / "no-such-dir"))
-    monkeypatch.setattr(shm.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(shm_files, "_DEV_SHM", str(tmp_path / "no-such-dir"))
+    monkeypatch.setattr(shm_files.tempfile, "gettempdir", lambda: str(tmp_path))
     spec = BufferSpec(cluster_prefix(new_cluster_id()) + "o", (3,), "int32")
     with SharedTensor.create(spec) as st, SharedTensor.attach(spec) as peer:
         st.tensor[:] = torch.tensor([1, 2, 3], dtype=torch.int32)
         assert peer.tensor.tolist() == [1, 2, 3]
         assert (tmp_path / "tokenlake-shm" / spec.name).exists()
     assert list(os.listdir(tmp_path / "tokenlake-shm")) == []
+
+
+# --------------------------------------------------------------------------- buffers without a tensor
+
+
+def test_create_buffer_makes_exactly_the_size_unmapped_and_attachable(prefix):
+    name = prefix + "host-q"
+    file = shm_files.create_buffer(name, 24)
+    path = os.path.join(shm_files.shm_dir(), name)
+    st = os.stat(path)
+    assert file == shm_files.BufferFile(name, path, 24, st.st_ino)
+    assert st.st_size == 24 and (st.st_mode & 0o777) == 0o600
+    if hasattr(os, "posix_fallocate"):  # the pages are reserved now, not at the first write
+        assert st.st_blocks * 512 >= 24
+    with open(path, "rb") as f:
+        assert f.read() == bytes(24)
+    assert file.is_current() and shm_files.stat_buffer(name) == file
+    with SharedTensor.attach(BufferSpec(name, (2, 3), "float32")) as peer:  # 2*3*4 bytes
+        peer.tensor.fill_(1.5)
+    with open(path, "rb") as f:
+        assert torch.frombuffer(bytearray(f.read()), dtype=torch.float32).tolist() == [1.5] * 6
+    assert shm_files.unlink_prefix(prefix) == [name]
+    assert not file.is_current() and list_buffers(prefix) == []
+
+
+def test_create_buffer_refuses_a_taken_name_and_leaves_it_alone(prefix):
+    name = prefix + "taken"
+    with SharedTensor.create(BufferSpec(name, (4,), "uint8")) as owner:
+        owner.tensor.fill_(9)
+        with pytest.raises(BufferExists) as e:
+            shm_files.create_buffer(name, 1024)
+        assert isinstance(e.value, FileExistsError) and isinstance(e.value, TokenLakeError)
+        assert os.path.getsize(os.path.join(shm_files.shm_dir(), name)) == 4
+        assert owner.tensor.tolist() == [9, 9, 9, 9]
+    assert list_buffers(prefix) == []
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_create_buffer_unlinks_what_it_made_when_reserving_fails(prefix, monkeypatch, error):
+    def fail(fd, offset, length):
+        raise error
+
+    monkeypatch.setattr(shm_files.os, "posix_fallocate", fail, raising=False)
+    expected = SharedMemoryError if isinstance(error, OSError) else KeyboardInterrupt
+    with pytest.raises(expected):
+        shm_files.create_buffer(prefix + "big", 1 << 20)
+    assert list_buffers(prefix) == []
+
+
+def test_create_buffer_rejects_bad_names_and_sizes_without_creating(prefix):
+    for bad_size in (0, -1, 1.5, True):
+        with pytest.raises(SharedMemoryError, match="size"):
+            shm_files.create_buffer(prefix + "x", bad_size)
+    for bad_name in ("a/b", "..", "-x", ""):
+        with pytest.raises(SharedMemoryError, match="invalid buffer name"):
+            shm_files.create_buffer(bad_name, 8)
+    assert list_buffers(prefix) == []
+
+
+def test_the_file_layer_and_the_specs_import_without_torch():
+    """The Ray host actor creates buffers through shm_files and builds specs: neither may
+    load torch (nor msgpack, which only the CUDA handle needs)."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"  # any attempt to import torch now fails
+        "from tokenlake.dataplane import shm, shm_files\n"
+        "p = shm_files.cluster_prefix(shm_files.new_cluster_id())\n"
+        "spec = shm.BufferSpec(p + 'q', (2, 3), 'float32')\n"
+        "print(shm_files.create_buffer(spec.name, spec.nbytes).nbytes)\n"
+        "print(shm_files.unlink_prefix(p) == [spec.name])\n"
+        "print(sorted(m for m in ('torch', 'msgpack') if sys.modules.get(m)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["24", "True", "[]"]
 
 
 # --------------------------------------------------------------------------- cleanup
@@ -284,7 +359,7 @@ def test_sweep_stale_removes_dead_creators_only(prefix):
         assert list_buffers(opaque) == [opaque]
     finally:
         for name in names:
-            shm.unlink_buffer(name)
+            shm_files.unlink_buffer(name)
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -6,47 +6,52 @@ and hands the spec (plain data, msgpack-friendly via :meth:`BufferSpec.to_dict`)
 peers, which :meth:`SharedTensor.attach`. ``SharedTensor.tensor`` is a writable view of the
 shared memory itself in every process.
 
-Vocabulary: a *buffer* is one named block of shared memory (a file in ``/dev/shm`` on
-CPU); "segment" in this project always means a KV segment of the pool
-(:class:`~tokenlake.core.errors.SegmentNotFound`), never a shared-memory object.
+Three modules, one per concern:
 
-Naming and cleanup. Buffer names start with :func:`cluster_prefix` of a cluster id that
-carries the launcher's pid (:func:`new_cluster_id`). The launcher creates buffers through a
-:class:`BufferRegistry`, whose ``cleanup()`` (also run at exit) unlinks them, plus everything
-else under the cluster prefix, so a crashed child leaves nothing behind. Buffers of a
-launcher that itself died (SIGKILL: no atexit) are removed by :func:`sweep_stale`.
+* :mod:`tokenlake.dataplane.shm_files`: the POSIX layer (a CPU buffer is a file in
+  ``/dev/shm``): names, errors, creating a buffer without mapping it, listing, unlinking,
+  sweeping the buffers of dead creators. Pure standard library.
+* :mod:`tokenlake.dataplane.shm_cuda`: CUDA buffers shared by IPC handle (loads torch).
+* this module: :class:`BufferSpec`, :class:`SharedTensor` (a buffer mapped as a tensor)
+  and :class:`BufferRegistry` (the owner's bookkeeping and cleanup).
 
-Copy accounting lives in :class:`tokenlake.dataplane.wire.CopyStats`: sharing a buffer copies
-nothing, so the only copies on the CPU data path are the wire's, counted there.
+Cleanup. The launcher creates buffers through a :class:`BufferRegistry`, whose
+``cleanup()`` (also run at exit) unlinks them, plus everything else under the cluster
+prefix, so a crashed child leaves nothing behind. Buffers of a launcher that itself died
+(SIGKILL: no atexit) are removed by :func:`~tokenlake.dataplane.shm_files.sweep_stale`.
 
-torch is imported lazily: naming, sweeping and specs work without it.
+Copy accounting lives in :class:`tokenlake.dataplane.tensor_frames.CopyStats`: sharing a
+buffer copies nothing, so the only copies on the CPU data path are the wire's, counted there.
+
+torch is imported lazily (only to map a buffer): specs and the registry's bookkeeping load
+without it, so the Ray launcher and its host actors stay torch-free.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import logging
 import math
 import os
 import re
-import secrets
-import tempfile
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenlake.core.errors import TokenLakeError
+from tokenlake.dataplane.shm_files import (
+    BufferFile,
+    BufferMissing,
+    BufferSizeMismatch,
+    SharedMemoryError,
+    check_name,
+    create_buffer,
+    stat_buffer,
+    unlink_buffer,
+    unlink_prefix,
+)
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger(__name__)
-
-PREFIX = "tokenlake-"
-_DEV_SHM = "/dev/shm"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
-_CREATOR_RE = re.compile(r"^tokenlake-(\d+)-")
 # Bytes per element of the dtypes a buffer may have (names as in ``torch.<name>``).
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -55,23 +60,7 @@ _ITEMSIZE = {
 }  # fmt: skip
 
 
-class SharedMemoryError(TokenLakeError):
-    """A shared buffer cannot be created, attached or used."""
-
-
-class BufferExists(SharedMemoryError, FileExistsError):
-    """``create`` named a buffer that already exists (never silently reused)."""
-
-
-class BufferMissing(SharedMemoryError, FileNotFoundError):
-    """``attach`` named a buffer that does not exist (never created, or already unlinked)."""
-
-
-class BufferSizeMismatch(SharedMemoryError, ValueError):
-    """The buffer's size in bytes differs from what the spec's shape and dtype need."""
-
-
-# --------------------------------------------------------------------------- specs, names
+# --------------------------------------------------------------------------- specs
 
 
 @dataclass(frozen=True)
@@ -79,13 +68,14 @@ class BufferSpec:
     """Everything a peer process needs to attach a shared buffer.
 
     Attributes:
-        name: buffer name, ``[A-Za-z0-9_.-]``, at most 200 characters, no leading dot;
+        name: buffer name, ``[A-Za-z0-9_.-]``, at most 200 characters, no leading dot or
+            dash (:func:`~tokenlake.dataplane.shm_files.check_name`);
             normally ``cluster_prefix(cluster_id) + role``, e.g. ``"tokenlake-4242-9f3a0c1e-i0-q"``.
         shape: tensor shape (elements); every dimension > 0.
         dtype: a key of the dtype table, as ``torch.<dtype>`` is named: ``"float32"``, ...
         device: ``"cpu"`` (POSIX shm) or ``"cuda"`` / ``"cuda:N"`` (CUDA IPC).
-        ipc_handle: CUDA only: the opaque IPC handle, filled in by ``create``
-            (read it from ``SharedTensor.spec``); ``None`` on CPU.
+        ipc_handle: CUDA only: the opaque IPC handle (:mod:`tokenlake.dataplane.shm_cuda`),
+            filled in by ``create`` (read it from ``SharedTensor.spec``); ``None`` on CPU.
     """
 
     name: str
@@ -96,8 +86,7 @@ class BufferSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))  # msgpack gives lists
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise SharedMemoryError(f"invalid buffer name {self.name!r} (want {_NAME_RE.pattern})")
+        check_name(self.name)
         if not self.shape or any(
             not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in self.shape
         ):
@@ -142,79 +131,6 @@ class BufferSpec:
             raise SharedMemoryError(f"malformed buffer spec {d!r}: {e}") from e
 
 
-def new_cluster_id() -> str:
-    """A fresh cluster id ``"<pid>-<8 hex>"``; the pid lets :func:`sweep_stale` find orphans."""
-    return f"{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def cluster_prefix(cluster_id: str) -> str:
-    """``"tokenlake-<cluster_id>-"``: the name prefix of every buffer of one cluster."""
-    if not re.fullmatch(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*", cluster_id or ""):
-        raise SharedMemoryError(f"invalid cluster id {cluster_id!r}")
-    return f"{PREFIX}{cluster_id}-"
-
-
-def shm_dir() -> str:
-    """Where buffers live: ``/dev/shm`` (the POSIX shm namespace, tmpfs, RAM-backed).
-
-    Without ``/dev/shm`` (macOS, some sandboxes) a private temp directory is used instead:
-    still shared between processes through ``mmap(MAP_SHARED)``, but possibly disk-backed.
-    """
-    if os.path.isdir(_DEV_SHM):
-        return _DEV_SHM
-    d = os.path.join(tempfile.gettempdir(), "tokenlake-shm")
-    if not os.path.isdir(d):
-        log.warning("%s does not exist; shared buffers fall back to %s", _DEV_SHM, d)
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    return d
-
-
-def list_buffers(prefix: str = PREFIX) -> list[str]:
-    """Names of the existing CPU buffers that start with ``prefix``, sorted."""
-    return sorted(n for n in os.listdir(shm_dir()) if n.startswith(prefix))
-
-
-def unlink_buffer(name: str) -> bool:
-    """Remove a CPU buffer's name (mappings stay valid until unmapped). False if already gone."""
-    try:
-        os.unlink(os.path.join(shm_dir(), name))
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:  # an unreaped zombie answers kill(0) but will never clean up
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
-def sweep_stale(prefix: str = PREFIX) -> list[str]:
-    """Unlink buffers under ``prefix`` whose creator pid (``tokenlake-<pid>-...``) is dead.
-
-    Names without a parsable pid are kept. Conservative by design: a recycled pid keeps its
-    orphans alive until the next sweep. Caveat: pids are read in *this* pid namespace, so
-    do not share /dev/shm between containers with separate pid namespaces and sweep there.
-    Returns the names removed.
-    """
-    removed = []
-    for name in list_buffers(prefix):
-        m = _CREATOR_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))) and unlink_buffer(name):
-            removed.append(name)
-    if removed:
-        log.info("swept %d stale shared buffers: %s", len(removed), removed)
-    return removed
-
-
 # --------------------------------------------------------------------------- shared tensors
 
 
@@ -242,7 +158,9 @@ class SharedTensor:
     def create(cls, spec: BufferSpec) -> SharedTensor:
         """Create a new zero-filled buffer. Raises :class:`BufferExists` if the name is taken."""
         if spec.is_cuda:
-            spec, tensor = _cuda_create(spec)
+            from tokenlake.dataplane import shm_cuda  # loads torch: only for CUDA specs
+
+            spec, tensor = shm_cuda.cuda_create(spec)
         else:
             tensor = _cpu_create(spec)
         return cls(spec, tensor, owner=True)
@@ -250,7 +168,12 @@ class SharedTensor:
     @classmethod
     def attach(cls, spec: BufferSpec) -> SharedTensor:
         """Map an existing buffer. Raises :class:`BufferMissing` or :class:`BufferSizeMismatch`."""
-        tensor = _cuda_attach(spec) if spec.is_cuda else _cpu_attach(spec)
+        if spec.is_cuda:
+            from tokenlake.dataplane import shm_cuda  # loads torch: only for CUDA specs
+
+            tensor = shm_cuda.cuda_attach(spec)
+        else:
+            tensor = _cpu_attach(spec)
         return cls(spec, tensor, owner=False)
 
     @property
@@ -289,132 +212,43 @@ class SharedTensor:
         return f"SharedTensor({s.name!r}, {s.shape}, {s.dtype}, {s.device}, {role}, {state})"
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    return getattr(torch, name)
+# --------------------------------------------------------------------------- CPU mapping
 
 
-def _map(path: str, spec: BufferSpec, ino: int) -> torch.Tensor:
-    """mmap(MAP_SHARED) the file as a tensor, no copy.
+def _map(file: BufferFile, spec: BufferSpec) -> torch.Tensor:
+    """mmap(MAP_SHARED) the buffer's file as a tensor of ``spec.shape`` / ``spec.dtype``, no copy.
 
     ``torch.from_file(shared=True)`` opens by path with O_CREAT and *grows* a short file,
     so callers check the size first, and we re-check the inode afterwards: a name that was
     unlinked (and possibly recreated by from_file itself) in between must not be used.
     """
-    import torch
+    import torch  # lazily: importing this module must not load torch (see the module doc)
 
-    t = torch.from_file(path, shared=True, size=spec.numel, dtype=_torch_dtype(spec.dtype))
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        st = None
-    if st is None or st.st_ino != ino:
+    t = torch.from_file(file.path, shared=True, size=spec.numel, dtype=getattr(torch, spec.dtype))
+    if not file.is_current():
         raise BufferMissing(f"shared buffer {spec.name!r} was unlinked while being mapped")
     return t.view(spec.shape)
 
 
-# We do not use multiprocessing.shared_memory: in Python 3.11 every SharedMemory, attached
-# ones included, registers with multiprocessing's resource_tracker, which unlinks the buffer
-# (with a "leaked shared_memory" warning) when the *attaching* process exits: a peer would
-# destroy the owner's buffer. Plain files in /dev/shm plus torch.from_file avoid the tracker;
-# lifetime is ours (BufferRegistry, sweep_stale).
 def _cpu_create(spec: BufferSpec) -> torch.Tensor:
-    path = os.path.join(shm_dir(), spec.name)
+    file = create_buffer(spec.name, spec.nbytes)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except FileExistsError as e:
-        raise BufferExists(f"shared buffer {spec.name!r} already exists at {path}") from e
-    try:
-        try:
-            # Reserve the pages now: a sparse tmpfs file that later cannot get its pages
-            # (a small /dev/shm, e.g. Docker's 64 MiB default) kills the writer with SIGBUS.
-            os.posix_fallocate(fd, 0, spec.nbytes)
-        except AttributeError:  # no posix_fallocate (macOS): sparse, still zero-filled
-            os.ftruncate(fd, spec.nbytes)
-        except OSError as e:
-            raise SharedMemoryError(
-                f"cannot allocate {spec.nbytes} bytes for {spec.name!r} in {shm_dir()}: {e}"
-            ) from e
-        ino = os.fstat(fd).st_ino
-        os.close(fd)
-        fd = -1
-        return _map(path, spec, ino)
+        return _map(file, spec)
     except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        unlink_buffer(spec.name)
         raise
 
 
 def _cpu_attach(spec: BufferSpec) -> torch.Tensor:
-    path = os.path.join(shm_dir(), spec.name)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError as e:
-        raise BufferMissing(f"no shared buffer {spec.name!r} at {path}") from e
-    if st.st_size != spec.nbytes:
+    file = stat_buffer(spec.name)
+    if file.nbytes != spec.nbytes:
         # No header in the file (data starts at offset 0 for from_file), so only the byte
         # size can be checked: pass the owner's spec on verbatim.
         raise BufferSizeMismatch(
-            f"shared buffer {spec.name!r} has {st.st_size} bytes, spec {spec.shape} "
+            f"shared buffer {spec.name!r} has {file.nbytes} bytes, spec {spec.shape} "
             f"{spec.dtype} needs {spec.nbytes}"
         )
-    return _map(path, spec, st.st_ino)
-
-
-# --------------------------------------------------------------------------- CUDA IPC
-# The handle is torch's own (Storage._share_cuda_ via reduce_tensor) minus the Python classes,
-# packed with msgpack. The owner must keep its buffer until its peers have closed theirs:
-# torch counts one consumer per share, and all peers attach from the same share.
-
-
-def _require_cuda(spec: BufferSpec) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SharedMemoryError(f"{spec.name!r} is a {spec.device} buffer but CUDA is unavailable")
-
-
-def _cuda_create(spec: BufferSpec) -> tuple[BufferSpec, torch.Tensor]:
-    import msgpack
-    import torch
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _require_cuda(spec)
-    t = torch.zeros(spec.shape, dtype=_torch_dtype(spec.dtype), device=spec.device)
-    _, args = reduce_tensor(t)
-    # args: cls, size, stride, offset, storage_cls, dtype, device, handle, size_bytes,
-    # offset_bytes, requires_grad, ref_counter_handle, ref_counter_offset, event_handle, sync
-    handle = msgpack.packb([1, args[3], list(args[2]), *args[6:10], *args[11:15]])
-    return replace(spec, ipc_handle=handle), t
-
-
-def _cuda_attach(spec: BufferSpec) -> torch.Tensor:
-    import msgpack
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    _require_cuda(spec)
-    if spec.ipc_handle is None:
-        raise BufferMissing(f"CUDA buffer {spec.name!r}: spec has no ipc_handle (use owner.spec)")
-    try:
-        version, offset, stride, dev, h, size_b, off_b, rc_h, rc_off, ev_h, sync = msgpack.unpackb(
-            spec.ipc_handle
-        )
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise SharedMemoryError(f"CUDA buffer {spec.name!r}: malformed ipc_handle") from e
-    if version != 1:
-        raise SharedMemoryError(f"CUDA buffer {spec.name!r}: ipc_handle version {version}")
-    dtype = _torch_dtype(spec.dtype)
-    need = (offset + spec.numel) * dtype.itemsize
-    if size_b < need:
-        raise BufferSizeMismatch(f"CUDA buffer {spec.name!r} has {size_b} bytes, spec needs {need}")
-    return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(spec.shape), tuple(stride), offset, torch.UntypedStorage,
-        dtype, dev, h, size_b, off_b, False, rc_h, rc_off, ev_h, sync,
-    )  # fmt: skip
+    return _map(file, spec)
 
 
 # --------------------------------------------------------------------------- registry
@@ -468,7 +302,7 @@ class BufferRegistry:
             elif unlink_buffer(name):
                 removed.append(name)
         if self.prefix is not None:
-            removed += [n for n in list_buffers(self.prefix) if unlink_buffer(n)]
+            removed += unlink_prefix(self.prefix)
         return removed
 
     def _cleanup_at_exit(self) -> None:
@@ -480,4 +314,3 @@ class BufferRegistry:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
-

@@ -77,7 +77,7 @@ class BufferLayout:
 
     def specs(self, prefix: str, instance: int) -> dict[str, BufferSpec]:
         """``{name: spec}`` of ``instance``'s buffers, named ``<prefix><name>-<instance>``
-        (``prefix`` is a cluster prefix of :func:`tokenlake.dataplane.shm.cluster_prefix`)."""
+        (``prefix`` is a cluster prefix of :func:`tokenlake.dataplane.shm_files.cluster_prefix`)."""
         return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, BUFFER_DTYPE)
                 for name, shape in self.shapes().items()}
 

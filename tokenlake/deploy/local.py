@@ -26,7 +26,8 @@ from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
-from tokenlake.dataplane.shm import BufferRegistry, cluster_prefix, new_cluster_id
+from tokenlake.dataplane.shm import BufferRegistry
+from tokenlake.dataplane.shm_files import cluster_prefix, new_cluster_id
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry

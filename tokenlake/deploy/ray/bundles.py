@@ -20,10 +20,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable
+from tokenlake.dataplane.shm_files import unlink_prefix
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, BufferLayout
 from tokenlake.deploy.ray.actors import EngineActorRemote
 from tokenlake.deploy.ray.compute import ComputeActors
-from tokenlake.deploy.ray.host import HostActor, HostBuffers, unlink_on, unlink_prefix
+from tokenlake.deploy.ray.host import HostActor, HostBuffers, unlink_on
 from tokenlake.deploy.ray.options import RayOptions
 from tokenlake.deploy.ray.relay import ActorTable, gather
 from tokenlake.deploy.roles import ENGINE_ROLES

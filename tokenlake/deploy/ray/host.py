@@ -3,16 +3,16 @@
 The driver cannot create ``/dev/shm`` files on another machine, so each instance's host
 actor creates them where the instance runs and unlinks them when it is closed. Names
 carry the host's pid (``tokenlake-<pid>-<hex>-<buffer>-<instance>``), so
-``tokenlake.dataplane.shm.sweep_stale()`` run on a node removes what a killed host left
-there. The host never maps its buffers (engines and clients attach by name), so it stays
-a small process without torch.
+``tokenlake.dataplane.shm_files.sweep_stale()`` run on a node removes what a killed host left
+there. The host never maps its buffers (engines and clients attach by name): it creates
+them with the torch-free ``tokenlake.dataplane.shm_files.create_buffer``, so it stays a
+small process without torch.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,55 +20,17 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokenlake.dataplane.shm import (
-    BufferExists,
-    BufferSpec,
-    SharedMemoryError,
+from tokenlake.dataplane.shm_files import (
     cluster_prefix,
-    list_buffers,
+    create_buffer,
     new_cluster_id,
-    shm_dir,
     unlink_buffer,
+    unlink_prefix,
 )
 from tokenlake.deploy.base import BufferLayout
 from tokenlake.deploy.ray.liveness import ProcessRef
 
 log = logging.getLogger(__name__)
-
-
-def create_unmapped(spec: BufferSpec) -> None:
-    """Creates one zero-filled shared-memory file of ``spec.nbytes`` without mapping it.
-
-    ``tokenlake.dataplane.shm`` creates a buffer and maps it as a torch tensor in one
-    step; the host must not load torch, so it creates the file the same way (same
-    directory, mode 0600, pages reserved) and leaves mapping to the engines.
-
-    Raises:
-        BufferExists: the name is taken (never silently reused).
-        SharedMemoryError: the pages cannot be reserved (``/dev/shm`` too small).
-    """
-    path = os.path.join(shm_dir(), spec.name)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except FileExistsError as e:
-        raise BufferExists(f"shared buffer {spec.name!r} already exists") from e
-    try:
-        try:
-            os.posix_fallocate(fd, 0, spec.nbytes)  # reserve the pages now (no SIGBUS later)
-        except AttributeError:  # no posix_fallocate (macOS): sparse, still zero-filled
-            os.ftruncate(fd, spec.nbytes)
-    except BaseException as e:
-        os.close(fd)
-        unlink_buffer(spec.name)
-        if isinstance(e, OSError):
-            raise SharedMemoryError(f"cannot allocate {spec.nbytes} bytes for {spec.name!r}: {e}") from e
-        raise
-    os.close(fd)
-
-
-def unlink_prefix(prefix: str) -> list[str]:
-    """Unlinks every buffer of this node whose name starts with ``prefix``; their names."""
-    return [name for name in list_buffers(prefix) if unlink_buffer(name)]
 
 
 @dataclass(frozen=True)
@@ -104,7 +66,7 @@ class InstanceHost:
         specs = {}
         try:
             for name, spec in layout.specs(self.prefix, self.instance).items():
-                create_unmapped(spec)
+                create_buffer(spec.name, spec.nbytes)  # not mapped: the host loads no torch
                 self._names.append(spec.name)
                 specs[name] = spec.to_dict()
         except BaseException:
@@ -140,5 +102,5 @@ def unlink_on(node: str, prefix: str, here: str) -> None:
         strategy = NodeAffinitySchedulingStrategy(node, soft=False)
         ray.get(_unlink_task.options(scheduling_strategy=strategy).remote(prefix), timeout=30.0)
     except RayError as exc:
-        log.warning("could not unlink %s* on node %s (%s); run tokenlake.dataplane.shm.sweep_stale() there",
+        log.warning("could not unlink %s* on node %s (%s); run tokenlake.dataplane.shm_files.sweep_stale() there",
                     prefix, node, exc)

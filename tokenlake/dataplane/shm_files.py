@@ -1,0 +1,234 @@
+"""Named shared-memory buffers as files: create, list, unlink, sweep (DESIGN §4 "Shared buffers").
+
+The POSIX layer under :mod:`tokenlake.dataplane.shm`. A CPU buffer is one file in the
+shared-memory directory (:func:`shm_dir`, normally ``/dev/shm``), named by its buffer name
+and holding exactly the buffer's bytes from offset 0 (no header). This module creates such a
+file without mapping it (:func:`create_buffer`), so a process that only owns buffers (the
+Ray host actor) needs no torch; :class:`~tokenlake.dataplane.shm.SharedTensor` maps the
+file as a tensor on top of it. Pure standard library: importing it loads neither torch nor
+msgpack.
+
+Vocabulary: a *buffer* is one named block of shared memory; "segment" in this project
+always means a KV segment of the pool (:class:`~tokenlake.core.errors.SegmentNotFound`),
+never a shared-memory object.
+
+Naming and cleanup. Buffer names start with :func:`cluster_prefix` of a cluster id that
+carries the creating process's pid (:func:`new_cluster_id`), so :func:`sweep_stale` can
+remove the buffers of a creator that died without cleaning up (SIGKILL runs no atexit).
+
+We do not use ``multiprocessing.shared_memory``: in Python 3.11 every ``SharedMemory``,
+attached ones included, registers with multiprocessing's resource tracker, which unlinks
+the buffer (with a "leaked shared_memory" warning) when the *attaching* process exits: a
+peer would destroy the owner's buffer. Plain files avoid the tracker; lifetime is ours
+(``BufferRegistry``, the Ray host actor, :func:`sweep_stale`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import tempfile
+from dataclasses import dataclass
+
+from tokenlake.core.errors import TokenLakeError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "tokenlake-"
+_DEV_SHM = "/dev/shm"
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
+_CREATOR_RE = re.compile(r"^tokenlake-(\d+)-")
+
+
+class SharedMemoryError(TokenLakeError):
+    """A shared buffer cannot be created, attached or used."""
+
+
+class BufferExists(SharedMemoryError, FileExistsError):
+    """``create`` named a buffer that already exists (never silently reused)."""
+
+
+class BufferMissing(SharedMemoryError, FileNotFoundError):
+    """``attach`` named a buffer that does not exist (never created, or already unlinked)."""
+
+
+class BufferSizeMismatch(SharedMemoryError, ValueError):
+    """The buffer's size in bytes differs from what the spec's shape and dtype need."""
+
+
+# --------------------------------------------------------------------------- names
+
+
+def check_name(name: object) -> str:
+    """``name`` if it is a valid buffer name (``[A-Za-z0-9_.-]``, at most 200 characters,
+    no leading dot or dash: a plain file name, never a path), else :class:`SharedMemoryError`."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise SharedMemoryError(f"invalid buffer name {name!r} (want {NAME_RE.pattern})")
+    return name
+
+
+def new_cluster_id() -> str:
+    """A fresh cluster id ``"<pid>-<8 hex>"``; the pid lets :func:`sweep_stale` find orphans."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def cluster_prefix(cluster_id: str) -> str:
+    """``"tokenlake-<cluster_id>-"``: the name prefix of every buffer of one cluster."""
+    if not re.fullmatch(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*", cluster_id or ""):
+        raise SharedMemoryError(f"invalid cluster id {cluster_id!r}")
+    return f"{PREFIX}{cluster_id}-"
+
+
+def shm_dir() -> str:
+    """Where buffers live: ``/dev/shm`` (the POSIX shm namespace, tmpfs, RAM-backed).
+
+    Without ``/dev/shm`` (macOS, some sandboxes) a private temp directory is used instead:
+    still shared between processes through ``mmap(MAP_SHARED)``, but possibly disk-backed.
+    """
+    if os.path.isdir(_DEV_SHM):
+        return _DEV_SHM
+    d = os.path.join(tempfile.gettempdir(), "tokenlake-shm")
+    if not os.path.isdir(d):
+        log.warning("%s does not exist; shared buffers fall back to %s", _DEV_SHM, d)
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+# --------------------------------------------------------------------------- files
+
+
+@dataclass(frozen=True)
+class BufferFile:
+    """One buffer's file as found (or made) at one moment.
+
+    Attributes:
+        name: the buffer name (a file name in :func:`shm_dir`).
+        path: the file's absolute path.
+        nbytes: the file's size in bytes (the buffer's size: there is no header).
+        inode: the file's inode number, to tell this file from one that later took its name.
+    """
+
+    name: str
+    path: str
+    nbytes: int
+    inode: int
+
+    def is_current(self) -> bool:
+        """True if ``path`` still names this very file (not unlinked, not replaced)."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+
+def create_buffer(name: str, nbytes: int) -> BufferFile:
+    """Create the zero-filled buffer ``name`` of exactly ``nbytes`` bytes, without mapping it.
+
+    The file is made with ``O_CREAT | O_EXCL`` and mode 0600, and its pages are reserved
+    at once (``posix_fallocate``): a sparse tmpfs file whose pages cannot be had later (a
+    small ``/dev/shm``, e.g. Docker's 64 MiB default) would kill its first writer with
+    SIGBUS. Where ``posix_fallocate`` does not exist (macOS) the file is sparse, still
+    zero-filled. On any failure after the file was made, it is unlinked again.
+
+    Args:
+        name: buffer name (see :func:`check_name`); normally ``cluster_prefix(id) + role``.
+        nbytes: size in bytes, >= 1.
+
+    Returns:
+        The new file (its inode lets a mapper check that it maps this very file).
+
+    Raises:
+        BufferExists: the name is taken (never silently reused).
+        SharedMemoryError: invalid name or size, or the pages cannot be reserved.
+    """
+    check_name(name)
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+        raise SharedMemoryError(
+            f"buffer {name!r}: size must be a positive int of bytes, got {nbytes!r}"
+        )
+    path = os.path.join(shm_dir(), name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError as e:
+        raise BufferExists(f"shared buffer {name!r} already exists at {path}") from e
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except AttributeError:  # no posix_fallocate (macOS)
+            os.ftruncate(fd, nbytes)
+        return BufferFile(name, path, nbytes, os.fstat(fd).st_ino)
+    except BaseException as e:
+        unlink_buffer(name)
+        if isinstance(e, OSError):
+            raise SharedMemoryError(
+                f"cannot allocate {nbytes} bytes for {name!r} in {shm_dir()}: {e}"
+            ) from e
+        raise
+    finally:
+        os.close(fd)
+
+
+def stat_buffer(name: str) -> BufferFile:
+    """The existing buffer ``name``; :class:`BufferMissing` if there is none."""
+    path = os.path.join(shm_dir(), check_name(name))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as e:
+        raise BufferMissing(f"no shared buffer {name!r} at {path}") from e
+    return BufferFile(name, path, st.st_size, st.st_ino)
+
+
+def list_buffers(prefix: str = PREFIX) -> list[str]:
+    """Names of the existing CPU buffers that start with ``prefix``, sorted."""
+    return sorted(n for n in os.listdir(shm_dir()) if n.startswith(prefix))
+
+
+def unlink_buffer(name: str) -> bool:
+    """Remove a CPU buffer's name (mappings stay valid until unmapped). False if already gone."""
+    try:
+        os.unlink(os.path.join(shm_dir(), name))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def unlink_prefix(prefix: str) -> list[str]:
+    """Unlink every buffer whose name starts with ``prefix``; returns the names removed."""
+    return [name for name in list_buffers(prefix) if unlink_buffer(name)]
+
+
+# --------------------------------------------------------------------------- stale buffers
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    try:  # an unreaped zombie answers kill(0) but will never clean up
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_stale(prefix: str = PREFIX) -> list[str]:
+    """Unlink buffers under ``prefix`` whose creator pid (``tokenlake-<pid>-...``) is dead.
+
+    Names without a parsable pid are kept. Conservative by design: a recycled pid keeps its
+    orphans alive until the next sweep. Caveat: pids are read in *this* pid namespace, so
+    do not share /dev/shm between containers with separate pid namespaces and sweep there.
+    Returns the names removed.
+    """
+    removed = []
+    for name in list_buffers(prefix):
+        m = _CREATOR_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))) and unlink_buffer(name):
+            removed.append(name)
+    if removed:
+        log.info("swept %d stale shared buffers: %s", len(removed), removed)
+    return removed

@@ -244,11 +244,11 @@ class PoolPlanner:
     def commit(self, run: Run, j0: int, j1: int) -> None:
         """Counts the reads of iterations ``j0+1 .. j1`` (before the requests advance)."""
         k = j1 - j0
-        states = self.cp._requests  # read-only: the chains the plans resolved
+        states = self.cp.requests  # the chains the plans resolved
         chains = [(st.keys, st.histogram) for r in run.reqs
                   if (st := states.get(r.request_id)) is not None and st.keys]
         if chains:
-            self.cp.pool.window.record_many(chains, self.b.now, k)
+            self.cp.record_reads(chains, k)  # at the control plane's clock: the simulator's now
         base: dict[int, int] = {}
         for r in run.reqs:
             for vec in (self.reads.get(r.request_id), self.grown.get(r.request_id)):
@@ -259,7 +259,7 @@ class PoolPlanner:
         if not prefilling:
             self.b.rec.run_reads(run.sched, j0, j1, base)
             return
-        ring, c, rec = self.cp.pool.ring, self.c, self.b.rec
+        cp, c, rec = self.cp, self.c, self.b.rec
         for m in range(j0 + 1, j1 + 1):
             rec.reads(run.sched.end(m), base)
             for i, r in prefilling:  # segments completed by iteration m, read from m+1 on
@@ -267,7 +267,7 @@ class PoolPlanner:
                 after = before + run.chunks[i][m - 1]
                 grown = self.grown.setdefault(r.request_id, {})
                 for q in range(before // c, min(after // c, len(r.keys))):
-                    home = ring.home(r.keys[q])
+                    home = cp.home(r.keys[q])
                     base[home] = base.get(home, 0) + c * run.dop
                     grown[home] = grown.get(home, 0) + c
 

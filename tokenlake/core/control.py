@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenlake.core.assembly import PartAssembler
@@ -173,6 +173,11 @@ class ControlPlane:
         self.pool.finish_replication(rep)
         self._requests.invalidate_reads()
 
+    def abort_replication(self, rep: Replication) -> None:
+        """The copy ``rep`` failed: its pending target replica (and slot) and its lease on
+        the source go; the source replica stays as it was."""
+        self.pool.abort_replication(rep)
+
     def remove_instance(self, instance: int) -> tuple[str, ...]:
         """Takes a failed instance out of the pool. Returns the ids of requests that lost
         part of their prefix: they must be finished and recomputed (planning them again
@@ -199,6 +204,25 @@ class ControlPlane:
             c.admitted, c.hit_tokens, c.prefill_tokens, c.dedup_segments * seg_bytes,
             self.pool.stats(),
         )
+
+    @property
+    def instances(self) -> tuple[int, ...]:
+        """The ids of the instances in the pool now (read-only)."""
+        return self.pool.instances
+
+    def home(self, key: bytes) -> int:
+        """The instance segment ``key`` hashes to on the ring: where a new segment is
+        placed first (read-only)."""
+        return self.pool.ring.home(key)
+
+    def record_reads(self, chains: Sequence[tuple[tuple[bytes, ...], Mapping[int, int]]],
+                     iterations: int = 1) -> None:
+        """Counts ``iterations`` reads of every segment of each ``(keys, per_instance)``
+        chain in the access window at the clock's now (``per_instance``: how many of
+        those segment reads each instance served; see ``AccessWindow.record``).
+        ``gen_plans`` counts one read per call; a caller that runs several iterations on
+        one plan (the simulator) counts the others here."""
+        self.pool.window.record_many(chains, self.pool.clock(), iterations)
 
     @property
     def live_requests(self) -> tuple[str, ...]:

@@ -17,11 +17,16 @@ from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.messages import (
     AttendItem,
+    ErrorReply,
     InstanceItems,
     PeerQuery,
     Ping,
+    Pong,
+    Put,
     Query,
     RegisterQueryPlan,
+    expect,
+    parse,
 )
 from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 from tokenlake.deploy.local import LocalCluster
@@ -176,8 +181,8 @@ def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
     sock.connect(ep)
     try:
         sock.send_multipart([b"\xff\x00garbage", b"x"])  # malformed header
-        reply = wire.recv(sock, 5.0)
-        assert reply.kind == wire.Kind.ERROR
+        reply = parse(wire.recv(sock, 5.0))
+        assert isinstance(reply, ErrorReply) and reply.type == "WireError"
         bad_slot = InstanceItems(inst, (AttendItem(0, 1, (10_000,), (C,)),))
         sock.send_multipart(RegisterQueryPlan(99, 1, (bad_slot,)).encode(2))
         reply = wire.recv(sock, 5.0)
@@ -200,11 +205,11 @@ def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
         with pytest.raises(PlanError, match="unknown plan"):
             wire.raise_if_error(wire.recv(sock, 5.0))
         # a transfer engine's kind sent to a query engine is refused by name
-        sock.send_multipart(wire.encode(wire.Kind.PUT, 6, {"plan": 1, "layer": 0}))
+        sock.send_multipart(Put(1, 0).encode(6))
         with pytest.raises(WireError, match="query engine cannot handle PUT"):
             wire.raise_if_error(wire.recv(sock, 5.0))
         sock.send_multipart(Ping().encode(4))
-        assert wire.recv(sock, 5.0).kind == wire.Kind.PONG
+        assert expect(wire.recv(sock, 5.0), Pong).instance == inst
     finally:
         sock.close(0)
 
@@ -279,6 +284,7 @@ def test_the_compute_engine_side_copies_nothing(cluster):
     assert CopyStats.bytes_copied == 0
     stats = cluster.engine_stats()
     assert {k for k in stats} == {(r, i) for r in ("query", "transfer") for i in range(cluster.n_instances)}
+    assert all((pong.role, pong.instance) == key for key, pong in stats.items())
     cluster.control.finish_request("z")
 
 
@@ -302,7 +308,7 @@ def test_killed_remote_query_engine_fails_the_query_within_seconds():
             client.query(0)
         assert time.monotonic() - t0 < 5.0
         assert cluster.alive("query", qp.home)  # the home engine survived and still answers
-        assert cluster.engine_stats()[("query", qp.home)]["instance"] == qp.home
+        assert cluster.engine_stats()[("query", qp.home)].instance == qp.home
         cp.abort(plans)
         lost = cp.remove_instance(remote[0])
         assert "r" in lost

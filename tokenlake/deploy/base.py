@@ -8,7 +8,7 @@ which shape, how a replication or a migration runs and how the control plane fol
 it, are written here once.
 
 Importing this module loads no torch (the Ray driver and its host actors import it):
-the wire, which does, is imported where a message is built.
+the wire messages, which do, are imported where a message is built.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import abc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenlake.core.control import pool_control
 from tokenlake.core.errors import ConfigError
@@ -27,8 +27,11 @@ from tokenlake.dataplane.shm import BufferSpec
 if TYPE_CHECKING:
     from typing import Self
 
-    from tokenlake.core.pool import Replication
-    from tokenlake.dataplane import wire
+    from tokenlake.core.replication import Replication
+    from tokenlake.dataplane.messages import Pong, WireMessage
+
+#: The reply class a request expects (a :class:`~tokenlake.dataplane.messages.WireMessage`).
+Reply = TypeVar("Reply", bound="WireMessage")
 
 #: dtype of every shared buffer: the CPU engines compute in float32.
 BUFFER_DTYPE = "float32"
@@ -162,16 +165,17 @@ class ClusterBase(abc.ABC):
         """``(role, instance)`` of every engine that is running now."""
 
     @abc.abstractmethod
-    def _request(self, key: tuple[str, int], kind: wire.Kind, body: dict | None = None) -> wire.Message:
-        """One request to the engine ``key``; its reply, typed errors raised
-        (:func:`tokenlake.dataplane.wire.raise_if_error`); ``EngineUnavailable`` when it
-        does not answer within ``timeout_s``."""
+    def _request(self, key: tuple[str, int], message: WireMessage, reply: type[Reply]) -> Reply:
+        """Sends ``message`` to the engine ``key`` and returns its answer as a ``reply``
+        (:func:`tokenlake.dataplane.messages.expect`: an ``ERROR`` raises its typed
+        exception, another kind ``WireError``); ``EngineUnavailable`` when it does not
+        answer within ``timeout_s``."""
 
-    def _request_all(self, keys: list[tuple[str, int]], kind: wire.Kind,
-                     body: dict | None = None) -> dict[tuple[str, int], wire.Message]:
+    def _request_all(self, keys: list[tuple[str, int]], message: WireMessage,
+                     reply: type[Reply]) -> dict[tuple[str, int], Reply]:
         """The same request to several engines: ``{key: reply}``. Here one after the
         other, the first failure raised; a launcher may send them at once."""
-        return {key: self._request(key, kind, body) for key in keys}
+        return {key: self._request(key, message, reply) for key in keys}
 
     def _check_started(self) -> None:
         """Raises ``ConfigError`` unless :meth:`start` has run and :meth:`close` has not."""
@@ -179,12 +183,12 @@ class ClusterBase(abc.ABC):
             raise ConfigError("the cluster is not running; use it as a context manager")
 
     # ------------------------------------------------------------ the driver's requests
-    def engine_stats(self) -> dict[tuple[str, int], dict]:
-        """Pings every live engine; returns its stats (see ``EngineLoop.stats``)."""
-        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
+    def engine_stats(self) -> dict[tuple[str, int], Pong]:
+        """Pings every live engine; returns its answer (``EngineLoop.stats``: role,
+        instance, bytes copied, requests served, busy seconds)."""
+        from tokenlake.dataplane.messages import Ping, Pong  # imports torch: only once asked
 
-        replies = self._request_all(self._live_engines(), wire.Kind.PING)
-        return {key: msg.body for key, msg in replies.items()}
+        return self._request_all(self._live_engines(), Ping(), Pong)
 
     def migrate(self, key: bytes, target: int) -> None:
         """Moves a segment to ``target``: one contiguous copy, then the source replica is
@@ -197,13 +201,13 @@ class ClusterBase(abc.ABC):
         """Copies each replication's segment (one contiguous slab block, transfer engine
         to transfer engine) and commits it; a failed copy is rolled back in the control
         plane and re-raised."""
-        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
+        from tokenlake.dataplane.messages import CopyDone, CopySegment  # imports torch (see above)
 
         for rep in reps:
-            body = {"slot": rep.source.slot, "target": rep.target.instance, "target_slot": rep.target.slot}
+            copy = CopySegment(rep.source.slot, rep.target.instance, rep.target.slot)
             try:
-                self._request(("transfer", rep.source.instance), wire.Kind.COPY_SEGMENT, body)
+                self._request(("transfer", rep.source.instance), copy, CopyDone)
             except BaseException:
-                self.control.pool.abort_replication(rep)
+                self.control.abort_replication(rep)
                 raise
             self.control.finish_replication(rep)

@@ -26,9 +26,11 @@ from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
+from tokenlake.dataplane.messages import Shutdown, WireMessage, expect
 from tokenlake.dataplane.shm import BufferRegistry
 from tokenlake.dataplane.shm_files import cluster_prefix, new_cluster_id
-from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase
+from tokenlake.dataplane.sockets import send, send_frames
+from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
 
@@ -153,7 +155,7 @@ class LocalCluster(ClusterBase):
             if not self._procs[key].is_alive():
                 continue
             sock = self._dealer(key)
-            wire.send_frames(sock, wire.encode(wire.Kind.SHUTDOWN, 0))
+            send_frames(sock, Shutdown().encode(0))
             socks.append(sock)
         deadline = time.monotonic() + 2.0
         for sock in socks:
@@ -198,12 +200,12 @@ class LocalCluster(ClusterBase):
         sock.connect(self._endpoints[key])
         return sock
 
-    def _request(self, key: tuple[str, int], kind: wire.Kind, body: dict | None = None) -> wire.Message:
-        """One request to one engine and its (typed-error-checked) reply."""
+    def _request(self, key: tuple[str, int], message: WireMessage, reply: type[Reply]) -> Reply:
+        """One request to one engine on a fresh socket, and its reply as a ``reply``."""
         sock = self._dealer(key)
         try:
-            wire.send(sock, wire.encode(kind, 1, body))
-            return wire.raise_if_error(wire.recv(sock, self.timeout_s))
+            send(sock, message.encode(1))
+            return expect(wire.recv(sock, self.timeout_s), reply)
         finally:
             sock.close(0)
 

@@ -25,6 +25,8 @@ from tokenlake.dataplane import wire
 from tokenlake.dataplane.attention import merge
 from tokenlake.dataplane.attention_cpu import partial_attention
 from tokenlake.dataplane.attention_slab import slab_partial_attention
+from tokenlake.dataplane.messages import ReadSegment, SegmentData, expect
+from tokenlake.dataplane.sockets import send
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.tools.bench_plans import timed_ms
 
@@ -62,13 +64,13 @@ def _fetch_and_attend(cluster, ctx, qp, q: torch.Tensor) -> tuple[int, torch.Ten
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(cluster._endpoints[("transfer", task.instance)])
-        sock.send_multipart(wire.encode(wire.Kind.READ_SEGMENT, 1, {"layer": 0, "slots": slots}))
+        send(sock, ReadSegment(0, tuple(slots)).encode(1))
         socks.append((sock, tokens))
     for sock, tokens in socks:
-        msg = wire.recv(sock, 120.0)
+        data = expect(wire.recv(sock, 120.0), SegmentData)
         sock.close(0)
-        blocks = [t[:, :, :n] for t, n in zip(msg.tensors, tokens)]  # [2, kv_heads, n, d]
-        fetched += sum(t.numel() * t.element_size() for t in msg.tensors)
+        blocks = [t[:, :, :n] for t, n in zip(data.blocks, tokens)]  # [2, kv_heads, n, d]
+        fetched += sum(t.numel() * t.element_size() for t in data.blocks)
         kv = torch.cat(blocks, dim=2)  # the fetched prefix, now local: [2, kv_heads, S_i, d]
         parts.append(partial_attention(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1)))
     o, lse = parts[0]

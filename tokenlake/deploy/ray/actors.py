@@ -27,6 +27,7 @@ import ray
 import zmq
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable, PlanError
+from tokenlake.dataplane.sockets import send
 from tokenlake.deploy.ray.client import open_client
 from tokenlake.deploy.ray.liveness import ProcessRef
 from tokenlake.deploy.roles import engine_class
@@ -104,17 +105,17 @@ class EngineActor:
         return self._thread is not None and self._thread.is_alive()
 
     def request(self, frames: list[bytes], timeout_s: float) -> list[bytes] | None:
-        """Relays one wire message to this engine over a local socket; returns the reply
-        frames, or None when there was none within ``timeout_s``."""
-        from tokenlake.dataplane import wire  # imports torch, as the engine already did
-
+        """Relays one wire message (its frames, as the driver encoded it) to this engine
+        over a local socket; returns the reply frames, or None when there was none
+        within ``timeout_s``. The frames are passed on unread: the driver decodes the
+        reply."""
         if self._ctl is None:
             self._ctl = zmq.Context()
         sock = self._ctl.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         try:
-            wire.send(sock, frames, timeout_s=timeout_s)
+            send(sock, frames, timeout_s=timeout_s)
             if not sock.poll(int(timeout_s * 1000)):
                 return None
             return [bytes(f) for f in sock.recv_multipart()]
@@ -123,12 +124,12 @@ class EngineActor:
 
     def stop(self, timeout_s: float = 2.0) -> bool:
         """Ends the engine loop (SHUTDOWN) and waits for it; True when it ended."""
-        from tokenlake.dataplane import wire  # imports torch, as the engine already did
+        from tokenlake.dataplane.messages import Shutdown  # imports torch, as the engine did
 
         self._stopping = True
         if self.alive():
             with contextlib.suppress(Exception):
-                self.request(wire.encode(wire.Kind.SHUTDOWN, 1), timeout_s)
+                self.request(Shutdown().encode(1), timeout_s)
             self._thread.join(timeout_s)
         if self._ctl is not None:
             self._ctl.term()

@@ -128,14 +128,14 @@ class Bundles:
     def _connect(self, engines: dict[tuple[str, int], Any], instances: list[int], others: list[int]) -> None:
         """Gives the new engines the endpoints of every running peer (they start serving),
         and the engines of ``others`` those of the new ones."""
-        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
+        from tokenlake.dataplane.messages import Ack, Peers  # imports torch: only once asked
 
         table = {role: {j: self.table.endpoints[(role, j)] for j in self.running} for role in ENGINE_ROLES}
         gather({k: a.connect.remote(table[k[0]]) for k, a in engines.items()}, "engine connect",
                self.start_timeout_s)
         for role in ENGINE_ROLES:
-            body = {"peers": [[i, table[role][i]] for i in instances]}
-            self.table.request_all([(role, j) for j in others], wire.Kind.PEERS, body, strict=True)
+            peers = Peers(tuple((i, table[role][i]) for i in instances))
+            self.table.request_all([(role, j) for j in others], peers, Ack, strict=True)
 
     def client_info(self, instance: int) -> dict[str, Any]:
         """See :meth:`RayCluster.client_info` (``instance`` must be running)."""
@@ -154,15 +154,15 @@ class Bundles:
         """Stops and removes the actors of ``instances``; unlinks their buffers.
         ``tell_peers``: the running engines forget them first (drop their sockets and
         what those queued)."""
-        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
+        from tokenlake.dataplane.messages import Ack, Peers  # imports torch: only once asked
 
         gone = set(instances)
         self.running -= gone
         if tell_peers and self.running:
+            forget = Peers(tuple((i, None) for i in instances))
             for role in ENGINE_ROLES:
-                body = {"peers": [[i, None] for i in instances]}
                 keys = [(role, j) for j in sorted(self.running)]
-                self.table.request_all(keys, wire.Kind.PEERS, body, strict=False)
+                self.table.request_all(keys, forget, Ack, strict=False)
         keys = [k for k in self.table.actors if k[1] in gone]
         self.table.stop([k for k in keys if k[0] != "host"])
         unlinked = self._close_hosts(instances)

@@ -256,7 +256,7 @@ class RayCluster(ClusterBase):
         that were in flight)."""
         self._check_running(instance)
         self._teardown([instance], tell_peers=True)
-        if instance in self.control.pool.instances:  # unless the caller removed it already
+        if instance in self.control.instances:  # unless the caller removed it already
             return self.control.remove_instance(instance)
         return ()
 
@@ -274,7 +274,7 @@ class RayCluster(ClusterBase):
         if self._bundles.pg is None:
             raise ConfigError("the cluster is not running")
         lost = self.remove_instance(instance) if instance in self._bundles.running else ()
-        if instance in self.control.pool.instances:
+        if instance in self.control.instances:
             lost += self.control.remove_instance(instance)
         try:
             self._bundles.start([instance], self._compute)
@@ -348,9 +348,9 @@ class RayCluster(ClusterBase):
     def _live_engines(self) -> list[tuple[str, int]]:
         return [(r, i) for i in self.instances for r in ENGINE_ROLES if self.alive(r, i)]
 
-    def _request(self, key, kind, body=None):
-        return self._bundles.table.request(key, kind, body)
+    def _request(self, key, message, reply):
+        return self._bundles.table.request(key, message, reply)
 
-    def _request_all(self, keys, kind, body=None):
+    def _request_all(self, keys, message, reply):
         """All at once through the actors; an engine that fails is logged and left out."""
-        return self._bundles.table.request_all(keys, kind, {} if body is None else body, strict=False)
+        return self._bundles.table.request_all(keys, message, reply, strict=False)

@@ -20,7 +20,8 @@ from tokenlake.core.errors import EngineUnavailable, TokenLakeError
 from tokenlake.deploy.ray.liveness import ProcessRef, wait_gone
 
 if TYPE_CHECKING:
-    from tokenlake.dataplane import wire
+    from tokenlake.dataplane.messages import WireMessage
+    from tokenlake.deploy.base import Reply
 
 log = logging.getLogger(__name__)
 
@@ -66,45 +67,44 @@ class ActorTable:
         self.endpoints: dict[Key, str] = {}
         self.timeout_s = timeout_s
 
-    def request(self, key: Key, kind: wire.Kind, body: dict | None = None) -> wire.Message:
-        """One request to one engine through its actor, and the typed-checked reply.
+    def request(self, key: Key, message: WireMessage, reply: type[Reply]) -> Reply:
+        """Sends ``message`` to one engine through its actor; returns the answer as a
+        ``reply`` (:func:`~tokenlake.dataplane.messages.expect`: an ``ERROR`` raises its
+        typed exception, another kind ``WireError``).
 
         Raises:
             EngineUnavailable: the actor is gone, or the engine did not answer within
                 ``timeout_s`` (its actor within 10 s more).
         """
-        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
-
         actor = self.actors.get(key)
         if actor is None:
             raise EngineUnavailable(f"the {key[0]} engine of instance {key[1]} is not running")
-        frames = [bytes(f) for f in wire.encode(kind, 1, body)]
+        frames = _frames(message)
         try:
-            reply = ray.get(actor.request.remote(frames, self.timeout_s), timeout=self.timeout_s + 10.0)
+            answer = ray.get(actor.request.remote(frames, self.timeout_s), timeout=self.timeout_s + 10.0)
         except RayActorError:
             raise EngineUnavailable(f"the {key[0]} engine of instance {key[1]} is not running") from None
         except GetTimeoutError:
             raise EngineUnavailable(f"the {key[0]} actor of instance {key[1]} did not answer") from None
-        if reply is None:
+        if answer is None:
             raise EngineUnavailable(f"the {key[0]} engine of instance {key[1]} did not answer "
                                     f"within {self.timeout_s:.1f} s")
-        return wire.raise_if_error(wire.decode(reply))
+        return _expect(answer, reply)
 
-    def request_all(self, keys: list[Key], kind: wire.Kind, body: dict | None,
-                    strict: bool) -> dict[Key, wire.Message]:
-        """The same request to several engines at once: ``{key: reply}``. ``strict``:
-        any failure raises ``EngineUnavailable``; else it is logged and the key left out."""
-        from tokenlake.dataplane import wire  # imports torch: loaded when engines are asked
-
-        frames = [bytes(f) for f in wire.encode(kind, 1, body)]
+    def request_all(self, keys: list[Key], message: WireMessage, reply: type[Reply],
+                    strict: bool) -> dict[Key, Reply]:
+        """The same request to several engines at once: ``{key: answer as a reply}``.
+        ``strict``: any failure raises ``EngineUnavailable``; else it is logged and the
+        key left out."""
+        frames = _frames(message)
         refs = {k: self.actors[k].request.remote(frames, self.timeout_s) for k in keys if k in self.actors}
         out = {}
         for key, ref in refs.items():
             try:
-                reply = ray.get(ref, timeout=self.timeout_s + 10.0)
-                if reply is None:
+                answer = ray.get(ref, timeout=self.timeout_s + 10.0)
+                if answer is None:
                     raise EngineUnavailable(f"the {key[0]} engine of instance {key[1]} did not answer")
-                out[key] = wire.raise_if_error(wire.decode(reply))
+                out[key] = _expect(answer, reply)
             except (RayError, EngineUnavailable) as exc:
                 if strict:
                     raise EngineUnavailable(f"the {key[0]} engine of instance {key[1]}: {exc}") from exc
@@ -138,3 +138,16 @@ class ActorTable:
             self.actors.pop(k, None)
             self.procs.pop(k, None)
             self.endpoints.pop(k, None)
+
+
+def _frames(message: WireMessage) -> list[bytes]:
+    """``message``'s frames as bytes (what a Ray call carries); msg id 1, as the actor
+    waits for one reply only."""
+    return [bytes(f) for f in message.encode(1)]
+
+
+def _expect(frames: list[bytes], reply: type[Reply]) -> Reply:
+    """The engine's answer ``frames`` as a ``reply`` (typed errors raised)."""
+    from tokenlake.dataplane import messages, wire  # import torch: loaded once engines answer
+
+    return messages.expect(wire.decode(frames), reply)

@@ -35,10 +35,7 @@ import zmq
 
 from tokenlake.core import errors
 from tokenlake.core.errors import TokenLakeError
-
-# send and send_frames are re-exported because tokenlake/deploy calls them as
-# wire.send / wire.send_frames; new code imports them from sockets.
-from tokenlake.dataplane.sockets import recv_frames, send, send_frames
+from tokenlake.dataplane.sockets import recv_frames
 from tokenlake.dataplane.tensor_frames import (
     CopyStats,
     TensorMeta,
@@ -51,7 +48,7 @@ from tokenlake.dataplane.tensor_frames import (
 
 __all__ = [
     "PROTOCOL_VERSION", "Kind", "Message", "RemoteError", "WireError", "decode", "encode",
-    "error_message", "raise_if_error", "recv", "recv_routed", "send", "send_frames",
+    "error_message", "raise_if_error", "recv", "recv_routed",
 ]
 
 #: 2: peer traffic got its own kinds and every body a fixed schema (docs/protocol.md).

@@ -122,6 +122,7 @@ def test_a_malformed_peers_message_is_refused_and_the_engine_keeps_serving(ray_p
 
     from tokenlake.dataplane import wire
     from tokenlake.dataplane.messages import Ping, Pong, expect
+    from tokenlake.dataplane.tensor_frames import WireError
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -129,7 +130,7 @@ def test_a_malformed_peers_message_is_refused_and_the_engine_keeps_serving(ray_p
     try:
         for i, body in enumerate([{}, {"peers": [[1, "ipc:///tmp/x"]]}, {"peers": [["1", None]]}]):
             sock.send_multipart(wire.encode(wire.Kind.PEERS, i + 1, body))
-            with pytest.raises(wire.WireError, match="PEERS"):
+            with pytest.raises(WireError, match="PEERS"):
                 wire.raise_if_error(wire.recv(sock, 5.0))
         sock.send_multipart(Ping().encode(9))
         assert expect(wire.recv(sock, 5.0), Pong).instance == 0

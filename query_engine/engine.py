@@ -1,4 +1,4 @@
-"""The query engine of one instance (paper §3.3, DESIGN §4).
+"""The query engine of one instance (paper §3.3, docs/design.md §4).
 
 It maps its instance's slab and the compute engine's ``q``/``out`` buffers from shared
 memory and answers two kinds of work:

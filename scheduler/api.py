@@ -1,4 +1,4 @@
-"""The one interface every scheduling policy implements (DESIGN §6).
+"""The one interface every scheduling policy implements (docs/design.md §6).
 
 A policy is pure: it reads a :class:`Snapshot` (the time, the requests, the instances,
 the pool's cache load and a latency model are all passed in; no clock, no RNG, no I/O)

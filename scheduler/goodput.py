@@ -1,4 +1,4 @@
-"""Goodput-optimized stateless elastic scheduling: the DP of paper §6.2 (DESIGN §6).
+"""Goodput-optimized stateless elastic scheduling: the DP of paper §6.2 (docs/design.md §6).
 
 Every iteration the scheduler decides, from scratch, how to batch all waiting and
 running requests and how many instances (DoP) each batch gets. It minimises the total

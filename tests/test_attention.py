@@ -1,5 +1,5 @@
 """Partial attention and its exact log-sum-exp merge (tokenlake.dataplane.attention and its
-CPU, slab and device-backend modules, DESIGN §4)."""
+CPU, slab and device-backend modules, docs/design.md §4)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Baseline policies (DESIGN §6): scripted decisions checked against sgl-router's rules."""
+"""Baseline policies (docs/design.md §6): scripted decisions checked against sgl-router's rules."""
 
 import pytest
 from hypothesis import given, settings

@@ -1,4 +1,4 @@
-"""Tests of the control plane (tokenlake/core/control.py, DESIGN §3-§5).
+"""Tests of the control plane (tokenlake/core/control.py, docs/design.md §3-§5).
 
 The central property test replays random iterations against a small shadow model of
 what the pool must hold (every request's token sequence and its open tail) and checks

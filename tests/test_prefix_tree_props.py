@@ -2,7 +2,7 @@
 
 * :class:`TreeMachine` drives :class:`tokenlake.core.prefix_tree.PrefixTree` directly with
   random inserts, replicas, commits, touches, pins, leases, evictions and subtree removals
-  and compares it after every step with a reference model made of plain dicts (DESIGN §4:
+  and compares it after every step with a reference model made of plain dicts (docs/design.md §4:
   whole-segment matches of ready segments only, leaf-only eviction, global LRU).
 * Segment keys are compared with an independent blake2b implementation and across two
   interpreters with different ``PYTHONHASHSEED``.
@@ -45,7 +45,7 @@ INSTANCES = (0, 1, 2)
 
 
 def reference_keys(tokens: list[int], c: int, namespace: str) -> list[bytes]:
-    """DESIGN §4 written out again: h_-1 = blake2b(ns), h_i = blake2b(h_{i-1} || le-int32)."""
+    """docs/design.md §4 written out again: h_-1 = blake2b(ns), h_i = blake2b(h_{i-1} || le-int32)."""
     h = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
     out = []
     for i in range(len(tokens) // c):

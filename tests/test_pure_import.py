@@ -1,5 +1,5 @@
 """The control plane is pure Python: importing it pulls in no torch, zmq, numpy or scipy
-(DESIGN §2, STYLE 12)."""
+(docs/design.md §2)."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Tests of the scheduler interface and the goodput DP (scheduler/, DESIGN §6, paper §6.2).
+"""Tests of the scheduler interface and the goodput DP (scheduler/, docs/design.md §6, paper §6.2).
 
 The central test compares the DP with a brute force over every contiguous partition of
 each phase's sorted requests and every DoP assignment on small random cases.

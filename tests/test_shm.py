@@ -1,4 +1,4 @@
-"""Shared buffers across real processes (DESIGN §4 "Shared buffers", "Failure").
+"""Shared buffers across real processes (docs/design.md §4 "Shared buffers", "Failure").
 
 Children are started with the "spawn" context (a fresh interpreter, as engines are) and
 synchronise through pipes with timeouts: no sleeps, no hangs.

@@ -1,4 +1,4 @@
-"""Tests of the wire format (tokenlake/dataplane/wire.py, docs/protocol.md, DESIGN §4 Wire/Failure).
+"""Tests of the wire format (tokenlake/dataplane/wire.py, docs/protocol.md, docs/design.md §4 Wire/Failure).
 
 Round trips of every allowlisted dtype, the zero-copy claim on the send path (frames
 alias the tensors, CopyStats stays 0), a malformed message never raising anything but
@@ -158,7 +158,7 @@ def test_encode_frames_alias_the_tensor_storage(name):
 
 def test_encode_of_views_and_numpy_is_zero_copy():
     slab = torch.randn(4, 3, 2, 2, 8, 4)  # [slots, layers, 2, kv_heads, C, head_dim]
-    seg = slab[2]  # one slot: contiguous across all layers (DESIGN §4 pool layout)
+    seg = slab[2]  # one slot: contiguous across all layers (docs/design.md §4 pool layout)
     frames = encode(Kind.SEGMENT_DATA, 1, {}, [seg])
     assert storage_address(frames[1]) == seg.data_ptr() == slab[2].data_ptr()
     arr = np.ones((5, 6), dtype=np.float32)

@@ -1,6 +1,6 @@
 """Typed configuration of one simulated cluster, and the figures derived from it.
 
-:class:`SimConfig` is what a user sets (STYLE 7: frozen, validated at construction);
+:class:`SimConfig` is what a user sets (frozen, validated at construction);
 :meth:`SimConfig.resolve` loads the model, hardware profile and latency model it names
 and derives the sizes every backend needs (:class:`Setup`). Units: bytes, tokens,
 seconds; ``cache_gb`` is decimal gigabytes (1e9 bytes) per GPU.

@@ -9,7 +9,7 @@ Per request: time to first token (TTFT), every time between tokens (TBT), hit to
   request's chunked prefill alone on one instance without a cache hit
   (:func:`~evals.sim.timing.prefill_bs1_s`), and every TBT <= 10 x one decode step of
   the request alone (:func:`~evals.sim.timing.decode_bs1_s`); absolute per-token SLOs can
-  replace both (DESIGN §7: "every token latency under 10x its batch-size-1 time").
+  replace both (docs/design.md §7: "every token latency under 10x its batch-size-1 time").
 * **P90 goodput** = the highest request rate at which >= 90% of requests meet the SLO
   (a sweep over rates: :func:`evals.sim.systems.p90_goodput`).
 * **Hit rate** = prefix-hit input tokens / input tokens.

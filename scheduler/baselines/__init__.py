@@ -1,4 +1,4 @@
-"""Baseline policies the paper compares against (DESIGN §6), each pure and self-contained.
+"""Baseline policies the paper compares against (docs/design.md §6), each pure and self-contained.
 
 - :mod:`.cache_aware_router` -- SGLang-Router cache-aware routing.
 - :mod:`.round_robin` -- round robin.

@@ -1,4 +1,4 @@
-"""SGLang-Router cache-aware routing (the paper's "SGLang-Router" baseline, DESIGN §6).
+"""SGLang-Router cache-aware routing (the paper's "SGLang-Router" baseline, docs/design.md §6).
 
 Decision rule, read from sgl-router's ``src/policies/cache_aware.rs`` and
 ``src/tree.rs`` (sgl-project/sglang, ``sgl-router/``, commits 026f853 and b6f2064) and

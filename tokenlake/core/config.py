@@ -1,4 +1,4 @@
-"""Typed, validated configuration of the control plane (STYLE 7)."""
+"""Typed, validated configuration of the control plane: frozen, validated at construction."""
 
 from __future__ import annotations
 

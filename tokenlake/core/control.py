@@ -1,4 +1,4 @@
-"""The control plane: ``get_prefix_tree``, ``get_cache_load`` and ``gen_plans`` (DESIGN §3).
+"""The control plane: ``get_prefix_tree``, ``get_cache_load`` and ``gen_plans`` (docs/design.md §3).
 
 :class:`ControlPlane` is a facade over the parts that turn the scheduler's batches and
 degrees of parallelism into query plans, transfer plans and instance groups:

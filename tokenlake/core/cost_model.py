@@ -1,6 +1,6 @@
 """The cost model: segment-size threshold, iteration latency, and TokenLake's cache load.
 
-Three parts (paper §4.2 and §6.1, DESIGN §5):
+Three parts (paper §4.2 and §6.1, docs/design.md §5):
 
 * :func:`segment_threshold` -- the smallest segment size C (tokens) for which querying a
   remote segment saves at least as much compute time as the communication costs.

@@ -1,6 +1,6 @@
 """Typed failures of TokenLake.
 
-Every failure a caller can act on has its own type (STYLE 8): a full pool is a
+Every failure a caller can act on has its own type: a full pool is a
 :class:`CapacityError`, a prefix that is not in the pool is :class:`PrefixNotCached`,
 a dead engine is :class:`EngineUnavailable`. All derive from :class:`TokenLakeError`.
 """

@@ -1,4 +1,4 @@
-"""Placement policies (DESIGN §4, paper §4.3-§4.4), as pure functions and small structures.
+"""Placement policies (docs/design.md §4, paper §4.3-§4.4), as pure functions and small structures.
 
 * :class:`HashRing` gives every segment a stable home instance (consistent hashing with
   virtual nodes: adding or removing one of N instances moves about 1/N of the homes).

@@ -1,11 +1,11 @@
-"""What the scheduler hands to the control plane, and the plans it gets back (DESIGN §3).
+"""What the scheduler hands to the control plane, and the plans it gets back (docs/design.md §3).
 
-Everything here is a small frozen dataclass (STYLE 2). Units: rows are token rows of a
+Everything here is a small frozen dataclass. Units: rows are token rows of a
 sub-batch's buffers (``q_buf`` and ``kv_buf`` share row numbering: row ``r`` is the
 ``r``-th new token of the sub-batch); ``tokens`` are token counts; ``offset`` is a token
 offset inside a segment slot; instances and slots are integer ids.
 
-Plans are built once per iteration and reused for every layer (STYLE 3).
+Plans are built once per iteration and reused for every layer.
 """
 
 from __future__ import annotations

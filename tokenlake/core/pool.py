@@ -1,6 +1,6 @@
 """The cache manager of the global pool: slots, placement, eviction, replication.
 
-:class:`CachePool` is the single writer of cache metadata (DESIGN §2): every change to
+:class:`CachePool` is the single writer of cache metadata (docs/design.md §2): every change to
 the prefix tree and the slots goes through it. It applies the policies of
 :mod:`tokenlake.core.placement` to the mechanism (:class:`~tokenlake.core.slots.SlotPool`,
 :class:`~tokenlake.core.prefix_tree.PrefixTree`):

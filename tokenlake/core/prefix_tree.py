@@ -1,4 +1,4 @@
-"""The global prefix tree of segments (DESIGN §4, paper §3.2).
+"""The global prefix tree of segments (docs/design.md §4, paper §3.2).
 
 Nodes are full segments, keyed by their chained key (see :mod:`tokenlake.core.segments`), so
 a key names a whole prefix and the tree is a dict plus parent/children links. Each node

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # the pool owns its replicator; only annotations name the poo
 
 @dataclass(frozen=True)
 class Replication:
-    """A started copy of one whole segment (one contiguous slab copy, DESIGN §4).
+    """A started copy of one whole segment (one contiguous slab copy, docs/design.md §4).
 
     The target replica is pending until :meth:`Replicator.finish`.
     """

@@ -2,7 +2,7 @@
 
 A live request holds a *chain* of sealed segments (leased for its lifetime, so a
 running request never loses its prefix) and at most one private *open tail*: a slot
-with fewer than ``C`` tokens that becomes a shared segment when it fills (DESIGN §4).
+with fewer than ``C`` tokens that becomes a shared segment when it fills (docs/design.md §4).
 The query side of a request (which replica of each segment to read) is resolved once
 and reused every iteration until the chain grows or replicas change (the table's
 *epoch* moves).

@@ -1,4 +1,4 @@
-"""Segments and their keys (DESIGN §4).
+"""Segments and their keys (docs/design.md §4).
 
 Token ids are split into segments of ``C`` tokens. Segment ``i`` of a sequence has the
 chained 128-bit key ``h_i = blake2b(h_{i-1} || tokens_i)`` where ``tokens_i`` are the

@@ -1,6 +1,6 @@
-"""Slot pool: the mechanism that owns each instance's segment slots (STYLE 1).
+"""Slot pool: the mechanism that owns each instance's segment slots (mechanism apart from policy).
 
-Each instance owns one slab of ``capacity`` slots (DESIGN §4); a slot holds one segment
+Each instance owns one slab of ``capacity`` slots (docs/design.md §4); a slot holds one segment
 across all layers. This module only hands out and takes back slot numbers; which
 segment goes where is decided by placement, what to evict by the cache manager.
 """

@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenlake.core.errors import ConfigError
 
-_FLOAT32_BYTES = 4  # partial results (o, lse) are float32 on the wire (DESIGN §4)
+_FLOAT32_BYTES = 4  # partial results (o, lse) are float32 on the wire (docs/design.md §4)
 _INT_FIELDS = ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim",
                "intermediate_size", "vocab_size", "dtype_bytes", "max_context")
 

@@ -1,4 +1,4 @@
-"""Partial attention ``(o, lse)``, its exact merge and its float64 reference (DESIGN §4
+"""Partial attention ``(o, lse)``, its exact merge and its float64 reference (docs/design.md §4
 "Attention math").
 
 A *partial* (:class:`Partial`) over a set of KV tokens is a pair
@@ -11,7 +11,7 @@ Partials over disjoint token sets merge exactly (:func:`merge`, :func:`merge_man
 is how the pool answers a query whose prefix segments live on several instances. GQA:
 query head ``h`` reads kv head ``h // (q_heads // kv_heads)``.
 
-Backends (DESIGN §4 "Attention backends") all return a :class:`Partial` and are checked
+Backends (docs/design.md §4 "Attention backends") all return a :class:`Partial` and are checked
 against :func:`partial_attention_ref` (float64 torch, here, for tests):
 
 * :mod:`tokenlake.dataplane.attention_cpu`: :func:`partial_attention` (torch's CPU
@@ -90,7 +90,7 @@ def _normalise(weighted_o: Tensor, den: Tensor, m: Tensor) -> Partial:
 
 
 def merge(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Partial:
-    """Exact merge of two partials over disjoint token sets (DESIGN §4).
+    """Exact merge of two partials over disjoint token sets (docs/design.md §4).
 
     ``o_x``: ``[..., head_dim]``, ``lse_x``: ``[...]`` (natural log). With
     ``m = max(lse_a, lse_b)``, ``w_x = exp(lse_x - m)``:

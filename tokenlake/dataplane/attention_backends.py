@@ -1,5 +1,5 @@
 """Partial attention by device: the CUDA backend (FlashInfer) and :func:`backend_for`,
-which names each device's backend (DESIGN §4 "Attention backends").
+which names each device's backend (docs/design.md §4 "Attention backends").
 
 Every backend takes ``(q, k, v, scale=None, causal=False)`` and returns a natural-log
 :class:`~tokenlake.dataplane.attention.Partial`. The CPU one is

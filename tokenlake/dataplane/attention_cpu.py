@@ -1,4 +1,4 @@
-"""The CPU backend of partial attention: torch's flash-attention kernel (DESIGN §4
+"""The CPU backend of partial attention: torch's flash-attention kernel (docs/design.md §4
 "Attention backends").
 
 :func:`partial_attention` has the contract of

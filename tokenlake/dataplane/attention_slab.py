@@ -1,5 +1,5 @@
 """Partial attention over the slots of a segment slab: what a query engine computes for
-the segments its instance holds (DESIGN §4, slab layout in "Shared buffers").
+the segments its instance holds (docs/design.md §4, slab layout in "Shared buffers").
 
 A slab is ``[num_slots, layers, 2, kv_heads, C, head_dim]`` (index 0 = K, 1 = V, ``C``
 tokens per slot); a slot holds ``tokens <= C`` valid tokens at its front.
@@ -35,7 +35,7 @@ def _slot_kv(slab: Tensor, layer: int, slot: int, n: int) -> tuple[Tensor, Tenso
 
 
 def _check_slab(q: Tensor, slab: Tensor, layer: int, slots: Sequence[int], tokens: Sequence[int]) -> None:
-    """Validates the slab call (layout DESIGN §4, ``0 <= tokens[i] <= C``)."""
+    """Validates the slab call (layout docs/design.md §4, ``0 <= tokens[i] <= C``)."""
     if slab.dim() != 6 or slab.shape[2] != 2:
         raise ValueError(f"slab must be [slots, layers, 2, kv_heads, C, E], got {tuple(slab.shape)}")
     if len(slots) != len(tokens):

@@ -5,7 +5,7 @@ An engine is one process per instance and role. It binds one ROUTER socket (clie
 and peer engines connect to it with DEALER sockets), maps its instance's slab from
 shared memory, and serves messages until told to stop or until its parent dies. The
 loop never blocks on one peer: requests it sends to peers are answered on their DEALER
-sockets and matched by message id, with a deadline each (DESIGN §4 "Failure").
+sockets and matched by message id, with a deadline each (docs/design.md §4 "Failure").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Named shared tensors: POSIX shared memory on CPU, CUDA IPC on GPU (DESIGN §4 "Shared buffers").
+"""Named shared tensors: POSIX shared memory on CPU, CUDA IPC on GPU (docs/design.md §4 "Shared buffers").
 
 A compute engine and its query/transfer engines share ``q_buf``, ``kv_buf`` and ``out_buf``
 without copies. The owner :meth:`SharedTensor.create` s a buffer from a :class:`BufferSpec`

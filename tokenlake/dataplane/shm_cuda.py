@@ -1,4 +1,4 @@
-"""CUDA buffers shared between processes by CUDA IPC handle (DESIGN §4 "Shared buffers").
+"""CUDA buffers shared between processes by CUDA IPC handle (docs/design.md §4 "Shared buffers").
 
 The CUDA half of :class:`tokenlake.dataplane.shm.SharedTensor`, which imports this module
 only for a ``cuda`` spec (it loads torch and msgpack). A CUDA buffer has no file and no

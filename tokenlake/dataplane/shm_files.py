@@ -1,4 +1,4 @@
-"""Named shared-memory buffers as files: create, list, unlink, sweep (DESIGN §4 "Shared buffers").
+"""Named shared-memory buffers as files: create, list, unlink, sweep (docs/design.md §4 "Shared buffers").
 
 The POSIX layer under :mod:`tokenlake.dataplane.shm`. A CPU buffer is one file in the
 shared-memory directory (:func:`shm_dir`, normally ``/dev/shm``), named by its buffer name

@@ -88,7 +88,7 @@ def recv_frames(sock: zmq.Socket, timeout_s: float, peer: str | None = None) -> 
 def bind_address(host: str = "127.0.0.1", port: int | None = None) -> str:
     """A zmq TCP endpoint to bind: ``tcp://127.0.0.1:*`` (any free port) by default.
 
-    Loopback is the default (DESIGN §4); other hosts only when configured, and the
+    Loopback is the default (docs/design.md §4); other hosts only when configured, and the
     protocol has no authentication, so a non-loopback host is logged as a warning.
     Find the port actually bound with ``sock.getsockopt_string(zmq.LAST_ENDPOINT)``.
     """

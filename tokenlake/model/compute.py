@@ -1,4 +1,4 @@
-"""The stateless compute engine (paper §3, DESIGN §1): it holds weights only.
+"""The stateless compute engine (paper §3, docs/design.md §1): it holds weights only.
 
 Per iteration it receives the batches and their plans and, for every layer, computes
 q, k, v for the new tokens, puts the new k, v into the pool (asynchronously), queries

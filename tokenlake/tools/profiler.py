@@ -30,7 +30,7 @@ from tokenlake.core.specs import HardwareProfile
 FALLBACK_LATENCY_S = 30e-6  # typical one-way zmq TCP loopback latency; used without pyzmq
 _MIB = 1 << 20
 _ECHO_LIMIT = 64  # the echo peer returns messages up to this many bytes, else a 1-byte ack
-_TIMEOUT_MS = 10_000  # every receive from the peer times out (DESIGN §4, Failure)
+_TIMEOUT_MS = 10_000  # every receive from the peer times out (docs/design.md §4, Failure)
 
 
 def _best_time(fn: Callable[[], object], repeats: int) -> float:

@@ -2,7 +2,7 @@
 home query engine and its peers (4x).
 
 A sub-batch's query plan is registered once per iteration and reused for every layer
-(STYLE 3): the client sends :class:`RegisterQueryPlan` with every instance's
+(plan once, run many): the client sends :class:`RegisterQueryPlan` with every instance's
 :class:`AttendItem`\\ s; the home query engine keeps its own and sends each peer its share
 (:class:`PeerRegisterPlan`, rows renumbered from the peer's first row). Per layer the
 client sends :class:`Query` (ids only: q is in the shared ``q`` buffer); the home sends

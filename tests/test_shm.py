@@ -17,11 +17,12 @@ import torch
 
 from tokenlake.core.errors import TokenLakeError
 from tokenlake.dataplane import shm_files
-from tokenlake.dataplane.shm import BufferRegistry, BufferSpec, SharedTensor
+from tokenlake.dataplane.shm import BufferRegistry, SharedTensor
 from tokenlake.dataplane.shm_files import (
     BufferExists,
     BufferMissing,
     BufferSizeMismatch,
+    BufferSpec,
     SharedMemoryError,
     cluster_prefix,
     list_buffers,
@@ -328,7 +329,8 @@ def test_registry_cleanup_after_a_child_was_sigkilled(prefix):
 def test_registry_cleans_up_at_interpreter_exit(prefix):
     code = (
         "import sys\n"
-        "from tokenlake.dataplane.shm import BufferRegistry, BufferSpec\n"
+        "from tokenlake.dataplane.shm import BufferRegistry\n"
+        "from tokenlake.dataplane.shm_files import BufferSpec\n"
         "r = BufferRegistry(sys.argv[1])\n"
         "r.create(BufferSpec(sys.argv[1] + 'a', (4,), 'float32'))\n"
         "print('created', flush=True)\n"

@@ -17,22 +17,42 @@ Invariants (checked by :meth:`Replicator.check`):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from tokenlake.core.config import PoolConfig
 from tokenlake.core.errors import CapacityError, ConfigError, SegmentNotFound
 from tokenlake.core.placement import (
+    AccessWindow,
     ReplicationDecision,
     expected_load,
     find_heavy_hitters,
     heavy_hitter_budget,
     plan_replication,
 )
-from tokenlake.core.prefix_tree import SegmentLocation
+from tokenlake.core.prefix_tree import PrefixTree, SegmentLocation
 from tokenlake.core.segments import SegmentKey
+from tokenlake.core.slots import SlotPool
 
-if TYPE_CHECKING:  # the pool owns its replicator; only annotations name the pool here
-    from tokenlake.core.pool import CachePool
+
+class ReplicaStore(Protocol):
+    """What a :class:`Replicator` works on (:class:`~tokenlake.core.pool.CachePool` is
+    one; the pool owns its replicator, so this module cannot import the pool)."""
+
+    config: PoolConfig
+    clock: Callable[[], float]
+    tree: PrefixTree
+    window: AccessWindow
+    slots: SlotPool
+
+    @property
+    def instances(self) -> tuple[int, ...]:
+        """The pool's instance ids."""
+
+    def abort(self, key: SegmentKey, instance: int) -> None:
+        """Drops the pending replica of ``key`` on ``instance`` (and the node if it was
+        the only one) and frees its slot."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +74,7 @@ class Replicator:
         pool: the pool whose tree, slots, clock and access window the copies use.
     """
 
-    def __init__(self, pool: CachePool) -> None:
+    def __init__(self, pool: ReplicaStore) -> None:
         self._pool = pool
         self._in_flight: dict[tuple[SegmentKey, int], Replication] = {}
         self.finished = 0  # copies completed since creation

@@ -26,15 +26,26 @@ instance it is stored to.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tokenlake.core.pool import CachePool, Eviction, Placement
 from tokenlake.core.prefix_tree import SegmentLocation
 from tokenlake.core.segments import SegmentKey
 
-if TYPE_CHECKING:  # annotations only: the request table imports this module's users
-    from tokenlake.core.requests import RequestSnapshot, RequestTable
+
+class RequestLedger(Protocol):
+    """What a transaction needs of the request table
+    (:class:`~tokenlake.core.requests.RequestTable` is one). Snapshots are the table's
+    own values, opaque here: the transaction only keeps them and hands them back."""
+
+    def set_idle(self, request_ids: Iterable[str]) -> None:
+        """The requests' plans are finished (committed or aborted)."""
+
+    def restore(self, snapshots: Mapping[str, object | None]) -> None:
+        """Puts each request back as its snapshot says (``None``: it was admitted by the
+        transaction and leaves the table)."""
 
 
 @dataclass
@@ -106,7 +117,7 @@ class Transaction:
     def __init__(self, iteration: int) -> None:
         self.iteration = iteration
         self.requests: list[str] = []  # requests taking part, in planning order
-        self.snapshots: dict[str, RequestSnapshot | None] = {}  # None: admitted by it
+        self.snapshots: dict[str, object | None] = {}  # None: admitted by it
         self.commits: list[tuple[SegmentKey, int]] = []  # (segment, instance) it stores
         self.release_on_commit: list[tuple[SegmentLocation, str]] = []  # (open tail, owner)
         self.evictions: list[Eviction] = []  # oldest first
@@ -120,7 +131,7 @@ class Transaction:
         """The request takes part in this iteration."""
         self.requests.append(request_id)
 
-    def remember(self, request_id: str, snapshot: RequestSnapshot | None) -> None:
+    def remember(self, request_id: str, snapshot: object | None) -> None:
         """The request's state before the iteration (``None``: admitted by it)."""
         self.snapshots[request_id] = snapshot
 
@@ -165,7 +176,7 @@ class Transaction:
             self.evictions.append(evicted)
 
     # -------------------------------------------------------------- outcomes
-    def commit(self, pool: CachePool, requests: RequestTable) -> None:
+    def commit(self, pool: CachePool, requests: RequestLedger) -> None:
         """Every put is stored in all layers: new segments become visible."""
         for key, inst in self.commits:
             if key in pool.tree and key not in self._gone:
@@ -174,18 +185,18 @@ class Transaction:
             pool.release_private(tail, owner)
         requests.set_idle(self.requests)
 
-    def rollback(self, pool: CachePool, requests: RequestTable) -> None:
+    def rollback(self, pool: CachePool, requests: RequestLedger) -> None:
         """Planning failed before any data moved: the pool and the requests are left
         exactly as before, evicted replicas included."""
         self._undo_all(pool, requests)
         pool.restore_evicted(self.evictions)
 
-    def abort(self, pool: CachePool, requests: RequestTable) -> None:
+    def abort(self, pool: CachePool, requests: RequestLedger) -> None:
         """The data plane failed to run the plans: undone; requests keep their old state."""
         self._undo_all(pool, requests)
         requests.set_idle(self.requests)
 
-    def _undo_all(self, pool: CachePool, requests: RequestTable) -> None:
+    def _undo_all(self, pool: CachePool, requests: RequestLedger) -> None:
         for entry in reversed(self._undo):
             entry.undo(pool, self._gone)
         self._undo.clear()

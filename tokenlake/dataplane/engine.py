@@ -24,6 +24,8 @@ import zmq
 from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
 from tokenlake.dataplane import messages, wire
 from tokenlake.dataplane.messages import Ack, ErrorReply, Peers, Ping, Pong, Shutdown, WireMessage
+from tokenlake.dataplane.shm import SharedTensor
+from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.dataplane.sockets import send_frames
 from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 
@@ -170,8 +172,6 @@ class EngineLoop:
 
     def map_buffers(self) -> dict[str, torch.Tensor]:
         """Maps the shared buffers named in the spec (closed again by :meth:`close`)."""
-        from tokenlake.dataplane.shm import BufferSpec, SharedTensor
-
         self._maps = {n: SharedTensor.attach(BufferSpec.from_dict(d)) for n, d in self.spec.buffers.items()}
         return {n: m.tensor for n, m in self._maps.items()}
 

@@ -17,16 +17,17 @@ peers attach from the same share.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import msgpack
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from tokenlake.dataplane.shm_files import BufferMissing, BufferSizeMismatch, SharedMemoryError
-
-if TYPE_CHECKING:
-    from tokenlake.dataplane.shm import BufferSpec
+from tokenlake.dataplane.shm_files import (
+    BufferMissing,
+    BufferSizeMismatch,
+    BufferSpec,
+    SharedMemoryError,
+)
 
 HANDLE_VERSION = 1
 

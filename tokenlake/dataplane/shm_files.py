@@ -26,11 +26,13 @@ peer would destroy the owner's buffer. Plain files avoid the tracker; lifetime i
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import secrets
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 from tokenlake.core.errors import TokenLakeError
 
@@ -232,3 +234,79 @@ def sweep_stale(prefix: str = PREFIX) -> list[str]:
     if removed:
         log.info("swept %d stale shared buffers: %s", len(removed), removed)
     return removed
+
+
+# Bytes per element of the dtypes a buffer may have (names as in ``torch.<name>``).
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """Everything a peer process needs to attach a shared buffer.
+
+    Attributes:
+        name: buffer name, ``[A-Za-z0-9_.-]``, at most 200 characters, no leading dot or
+            dash (:func:`~tokenlake.dataplane.shm_files.check_name`);
+            normally ``cluster_prefix(cluster_id) + role``, e.g. ``"tokenlake-4242-9f3a0c1e-i0-q"``.
+        shape: tensor shape (elements); every dimension > 0.
+        dtype: a key of the dtype table, as ``torch.<dtype>`` is named: ``"float32"``, ...
+        device: ``"cpu"`` (POSIX shm) or ``"cuda"`` / ``"cuda:N"`` (CUDA IPC).
+        ipc_handle: CUDA only: the opaque IPC handle (:mod:`tokenlake.dataplane.shm_cuda`),
+            filled in by ``create`` (read it from ``SharedTensor.spec``); ``None`` on CPU.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str = "cpu"
+    ipc_handle: bytes | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))  # msgpack gives lists
+        check_name(self.name)
+        if not self.shape or any(
+            not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in self.shape
+        ):
+            raise SharedMemoryError(f"shape must be positive ints, got {self.shape!r}")
+        if self.dtype not in _ITEMSIZE:
+            raise SharedMemoryError(f"dtype {self.dtype!r} not one of {sorted(_ITEMSIZE)}")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise SharedMemoryError(
+                f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        if self.ipc_handle is not None and not self.is_cuda:
+            raise SharedMemoryError("ipc_handle is for CUDA buffers only")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _ITEMSIZE[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str, list of int, bytes/None) for a msgpack header."""
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "device": self.device,
+            "ipc_handle": self.ipc_handle,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BufferSpec:
+        try:
+            shape = tuple(d["shape"])
+            return cls(d["name"], shape, d["dtype"], d.get("device", "cpu"), d.get("ipc_handle"))
+        except (KeyError, TypeError) as e:
+            raise SharedMemoryError(f"malformed buffer spec {d!r}: {e}") from e

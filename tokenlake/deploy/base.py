@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tokenlake.core.control import pool_control
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import ModelSpec
-from tokenlake.dataplane.shm import BufferSpec
+from tokenlake.dataplane.shm_files import BufferSpec
 
 if TYPE_CHECKING:
     from typing import Self

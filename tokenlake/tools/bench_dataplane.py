@@ -29,6 +29,7 @@ from tokenlake.dataplane.messages import ReadSegment, SegmentData, expect
 from tokenlake.dataplane.sockets import send
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.tools.bench_plans import timed_ms
+from tokenlake.tools.profiler import measure_mem_bw
 
 LAYER = ModelSpec(
     name="llama-2-7b-one-layer", num_layers=1, hidden_size=4096, num_q_heads=32, num_kv_heads=32,
@@ -135,7 +136,6 @@ def bench_query_vs_fetch(
 def _attention_throughput(tokens: int, segment_tokens: int) -> dict:
     """Local partial attention over a slab, as GB/s of KV read, against this machine's
     measured memory read bandwidth."""
-    from tokenlake.tools.profiler import measure_mem_bw
 
     m = LAYER
     n = tokens // segment_tokens

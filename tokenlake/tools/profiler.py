@@ -11,7 +11,9 @@ Three measurements, best of a few repeats each, about 10-20 s in all at default 
   estimate :data:`FALLBACK_LATENCY_S`.
 
 Run ``tokenlake profile-cpu --out tokenlake/data/hardware.json --merge`` to
-re-measure the shipped ``cpu`` profile. numpy, torch and zmq are imported lazily.
+re-measure the shipped ``cpu`` profile. numpy, torch and zmq are imported by the measurement
+that uses them: torch and zmq are optional here, and the command line imports this module
+for its defaults without loading any of them.
 """
 
 from __future__ import annotations

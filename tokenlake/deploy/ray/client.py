@@ -13,7 +13,8 @@ import ray
 import zmq
 
 from tokenlake.core.errors import ConfigError
-from tokenlake.dataplane.shm import BufferSpec, SharedTensor
+from tokenlake.dataplane.shm import SharedTensor
+from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.deploy.ray.liveness import ProcessRef
 from tokenlake.deploy.roles import ENGINE_ROLES
 

@@ -41,7 +41,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
-from tokenlake.dataplane.shm import BufferSpec, SharedTensor
+from tokenlake.dataplane.shm import SharedTensor
+from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.deploy.base import ClusterBase
 from tokenlake.deploy.ray.bundles import Bundles
 from tokenlake.deploy.ray.client import open_client

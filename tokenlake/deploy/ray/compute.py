@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -19,8 +19,14 @@ from tokenlake.deploy.ray.options import COMPUTE_ROLE, RayOptions
 from tokenlake.deploy.ray.relay import ActorTable, actor_error
 
 if TYPE_CHECKING:
-    from tokenlake.deploy.ray.cluster import RayCluster
     from tokenlake.model.compute import IterationOutput
+
+
+class ComputeActorSource(Protocol):
+    """What :class:`RayComputeEngine` needs of a cluster (``RayCluster`` is one)."""
+
+    def compute_actor(self, instance: int) -> Any:
+        """The handle of ``instance``'s compute actor (``EngineUnavailable`` if none)."""
 
 
 def _batches_by_home(plans: Plans, n_batches: int) -> dict[int, list[int]]:
@@ -77,7 +83,7 @@ class RayComputeEngine:
 
     parallel = True
 
-    def __init__(self, cluster: RayCluster, timeout_s: float | None = 300.0) -> None:
+    def __init__(self, cluster: ComputeActorSource, timeout_s: float | None = 300.0) -> None:
         self.cluster = cluster
         self.timeout_s = timeout_s
         self.batches_run: dict[int, int] = {}

@@ -64,7 +64,7 @@ def test_version_is_the_installed_package_version(capsys):
 def test_the_tree_has_every_command():
     assert set(LEAVES) == {
         ("demo",), ("walkthrough",), ("serve",), ("threshold",), ("fit-roofline",),
-        ("profile-cpu",), ("profile-latency",), ("eval",), ("sim",),
+        ("profile-cpu",), ("profile-latency",), ("eval",), ("sim",), ("config", "show"),
         *(("bench", b) for b in ("plans", "query-vs-fetch", "e2e", "scheduler", "sim")),
     }
 

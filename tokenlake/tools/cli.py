@@ -3,6 +3,7 @@
 ``tokenlake demo``               SmolLM2-135M through a 4-instance pool, checked against a plain engine
 ``tokenlake walkthrough``        control-plane walk-through (LooGLE-like workload, 8 instances)
 ``tokenlake serve --ray ADDR``   the pool on a Ray cluster, up until Ctrl-C (docs/deploy-ray.md)
+``tokenlake config show``        the effective settings of ``serve`` and where each came from
 ``tokenlake bench WHAT``         benchmarks: plans, query-vs-fetch, e2e, scheduler, sim
 ``tokenlake threshold``          the paper's segment-size threshold for a model and hardware
 ``tokenlake fit-roofline``       fit the scheduler's latency model to roofline samples
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 
 import tokenlake
 from tokenlake.core.errors import ConfigError
-from tokenlake.tools import cli_bench, cli_eval, cli_model, cli_pool
+from tokenlake.tools import cli_bench, cli_config, cli_eval, cli_model, cli_pool
 from tokenlake.tools.cli_args import PROG, Parser, UsageError, report
 
 
@@ -45,6 +46,7 @@ def build_parser() -> Parser:
     cli_bench.register(sub)
     cli_model.register(sub)
     cli_eval.register(sub)
+    cli_config.register(sub)
     return parser
 
 

@@ -10,16 +10,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import signal
 from dataclasses import replace
 
 from tokenlake.core.errors import TokenLakeError
-from tokenlake.core.specs import list_models
-from tokenlake.tools import walkthrough
-from tokenlake.tools.cli_args import UsageError, at_least, port_range, positive, share
-
-RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+from tokenlake.tools import cli_config, walkthrough
+from tokenlake.tools.cli_args import UsageError, positive
+from tokenlake.tools.config import configure_logging
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_serve(sub.add_parser(
         "serve", help="run the pool on a Ray cluster until Ctrl-C (docs/deploy-ray.md)",
         description="Starts the pool on a Ray cluster, prints its addresses and watches it "
-                    "until Ctrl-C or SIGTERM (exit 0; 130 for Ctrl-C during start-up)."))
+                    "until Ctrl-C or SIGTERM (exit 0; 130 for Ctrl-C during start-up). "
+                    "Settings: defaults < --config FILE < TOKENLAKE_* environment < flags "
+                    "('tokenlake config show' prints them)."))
 
 
 # --------------------------------------------------------------------------- demo
@@ -88,36 +87,19 @@ def run_walkthrough(args: argparse.Namespace) -> int:
 
 
 def add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ray", required=True, metavar="ADDRESS",
-                   help="Ray cluster to join: 'auto', the head's HOST:PORT, or 'local' "
-                        "(ray.init() without an address: this machine's Ray, or a new one)")
-    p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
-    p.add_argument("--pool-mb", type=positive(int), default=256, help="slab MiB per instance")
-    p.add_argument("--model", default="smollm2-135m", choices=list_models(),
-                   help="model whose KV the pool holds")
-    p.add_argument("--segment-tokens", type=positive(int), default=64, help="tokens per segment")
-    p.add_argument("--max-rows", type=positive(int), default=1024,
-                   help="rows of each q/out/kv buffer")
-    p.add_argument("--bind", default=os.environ.get("TOKENLAKE_BIND", "127.0.0.1"),
-                   help="engine address: IP, interface name or 'node' (env TOKENLAKE_BIND)")
-    p.add_argument("--ports", type=port_range, default=os.environ.get("TOKENLAKE_PORTS"),
-                   metavar="FIRST-LAST",
-                   help="engine port range (env TOKENLAKE_PORTS; unset: any free port)")
-    p.add_argument("--strategy", default="PACK", choices=RAY_STRATEGIES,
-                   help="placement-group strategy of the per-instance bundles")
-    p.add_argument("--cpus-per-instance", type=positive(float), default=1.0,
-                   help="CPUs of each instance's bundle")
-    p.add_argument("--gpus-per-instance", type=at_least(int, 0), default=0,
-                   help="GPUs of each instance's bundle")
-    p.add_argument("--engine-share", type=share, default=1.0,
-                   help="share of each bundle for the pool's actors (rest: compute engine)")
-    p.add_argument("--no-restart", action="store_true", help="remove failed instances only")
+    # the settings' flags (model, sizes, ports, Ray, log level): tokenlake/tools/config.py
+    cli_config.add_settings_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object per event")
     p.set_defaults(run=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Runs until Ctrl-C or SIGTERM; a cluster that cannot start is a one-line error (2)."""
+    cfg = cli_config.settings_from_args(args).settings
+    configure_logging(cfg.log_level)
+    if cfg.ray_address is None:
+        raise UsageError("serve: no Ray cluster given: --ray ADDRESS, TOKENLAKE_RAY_ADDRESS or "
+                         "[ray] address in the config file ('local': this machine's Ray)")
     if importlib.util.find_spec("ray") is None:
         raise UsageError("serve needs Ray: pip install 'tokenlake[ray]'")
     # Ray is an optional extra, and heavy: only this command imports it
@@ -128,13 +110,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_term)  # a service manager's stop: shut down cleanly too
     options = RayOptions(
-        strategy=args.strategy, cpus_per_instance=args.cpus_per_instance,
-        gpus_per_instance=args.gpus_per_instance, engine_share=args.engine_share,
-        host=args.bind, port_range=args.ports, address=None if args.ray == "local" else args.ray,
+        strategy=cfg.ray_strategy, cpus_per_instance=cfg.ray_cpus_per_instance,
+        gpus_per_instance=cfg.ray_gpus_per_instance, engine_share=cfg.ray_engine_share,
+        host=cfg.bind, port_range=cfg.ports,
+        address=None if cfg.ray_address == "local" else cfg.ray_address,
     )
     try:
-        return serve(args.instances, args.model, args.pool_mb << 20, options, args.segment_tokens,
-                     args.max_rows, restart=not args.no_restart, json_lines=args.json,
+        return serve(cfg.instances, cfg.model, cfg.pool_mb << 20, options, cfg.segment_tokens,
+                     cfg.max_rows, restart=cfg.restart, json_lines=args.json,
                      out=lambda line: print(line, flush=True))
     except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

@@ -1,0 +1,321 @@
+"""Settings of ``tokenlake serve``: one TOML file, ``TOKENLAKE_*`` environment variables
+over it, command-line flags over both (docs/design.md §4 "Configuration").
+
+:class:`ServeSettings` is the one typed, frozen settings object; :func:`load_settings`
+merges the four sources (default < file < env < flag) and remembers where each value
+came from. Each setting has one name and three spellings:
+
+* in the file, its name (``instances = 4``); a ``ray_`` setting lives in the ``[ray]``
+  table without the prefix (``[ray] strategy = "SPREAD"``);
+* in the environment, ``TOKENLAKE_`` + its name in capitals (``TOKENLAKE_RAY_STRATEGY``);
+* on the command line, its flag (:func:`flag_of`: ``--pool-mb``, ``--ray``, ``--no-restart``).
+
+This module reads no environment and no file by itself: the command line (the entry
+point) passes ``os.environ`` and the file's path in. Errors are
+:class:`~tokenlake.core.errors.ConfigError`, one line naming the setting and its source.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from types import MappingProxyType
+
+from tokenlake.core.errors import ConfigError
+from tokenlake.core.specs import list_models
+
+try:  # the standard library's TOML reader is Python 3.11+; 3.10 runs without --config
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    tomllib = None
+
+ENV_PREFIX = "TOKENLAKE_"
+CONFIG_ENV = "TOKENLAKE_CONFIG"  # the file, when --config is not given
+SOURCES = ("default", "file", "env", "flag")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+RAY_TABLE = "ray"
+
+Check = Callable[[object], "str | None"]  # a value's fault in words, or None when fine
+
+
+def _positive(value) -> str | None:
+    return None if value > 0 else f"must be > 0, got {value!r}"
+
+
+def _at_least_zero(value) -> str | None:
+    return None if value >= 0 else f"must be >= 0, got {value!r}"
+
+
+def _port(value) -> str | None:
+    return None if 1 <= value <= 65535 else f"must be a port in 1..65535, got {value!r}"
+
+
+def _share(value) -> str | None:
+    return None if 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
+
+
+def _address(value) -> str | None:
+    if value and not any(c.isspace() or c == "/" for c in value):
+        return None
+    return f"must be an address or an interface name, got {value!r}"
+
+
+def _port_pair(value) -> str | None:
+    if value is None or 1 <= value[0] <= value[1] <= 65535:
+        return None
+    return f"must be FIRST-LAST with 1 <= FIRST <= LAST <= 65535, got {value[0]}-{value[1]}"
+
+
+def _one_of(names: tuple[str, ...]) -> Check:
+    return lambda value: None if value in names else f"must be one of {', '.join(names)}; got {value!r}"
+
+
+def _setting(default, kind: str, help: str, check: Check | None = None, flag: str = "",
+             metavar: str = "", choices: tuple[str, ...] = ()):
+    """A field of :class:`ServeSettings`. ``kind``: ``int``, ``float``, ``str``, ``bool``
+    or ``ports`` (a ``(first, last)`` range; ``FIRST-LAST`` as text); ``choices``: the
+    valid names, when only those are valid."""
+    return field(default=default, metadata={
+        "kind": kind, "help": help, "check": _one_of(choices) if choices else check,
+        "flag": flag, "metavar": metavar, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything ``tokenlake serve`` needs, validated at construction (:class:`ConfigError`).
+
+    The defaults are those of ``tokenlake serve`` before a file existed. Units: MiB for
+    ``pool_mb``, tokens for ``segment_tokens``, rows for ``max_rows``, CPUs and GPUs (Ray
+    resources) for ``ray_*_per_instance``.
+    """
+
+    model: str = _setting("smollm2-135m", "str", "model whose KV the pool holds",
+                          choices=tuple(list_models()), metavar="NAME")
+    instances: int = _setting(4, "int", "pool instances", _positive, metavar="N")
+    pool_mb: int = _setting(256, "int", "slab MiB per instance", _positive, metavar="MIB")
+    segment_tokens: int = _setting(64, "int", "tokens per segment", _positive, metavar="TOKENS")
+    max_rows: int = _setting(1024, "int", "rows of each q/out/kv buffer", _positive,
+                          metavar="ROWS")
+    host: str = _setting("127.0.0.1", "str", "address of the control and HTTP ports",
+                         _address, metavar="ADDRESS")
+    control_port: int = _setting(7400, "int", "control port (typed wire messages)", _port,
+                            metavar="PORT")
+    http_port: int = _setting(8000, "int", "HTTP port (OpenAI-compatible API, metrics)",
+                         _port, metavar="PORT")
+    bind: str = _setting("127.0.0.1", "str", "engine address: IP, interface name or 'node'",
+                         _address, metavar="WHAT")
+    ports: tuple[int, int] | None = _setting(None, "ports", "engine port range (unset: any "
+                                             "free port)", _port_pair, metavar="FIRST-LAST")
+    restart: bool = _setting(True, "bool", "restart failed instances (--no-restart or false: remove "
+                             "them only)",
+                             flag="--no-restart")
+    log_level: str = _setting("WARNING", "str", "logging level of the service",
+                              choices=LOG_LEVELS, metavar="LEVEL")
+    ray_address: str | None = _setting(None, "str", "Ray cluster to join: 'auto', the head's "
+                                       "HOST:PORT, or 'local' (this machine's Ray, or a new one)",
+                                       flag="--ray", metavar="ADDRESS")
+    ray_strategy: str = _setting("PACK", "str", "placement-group strategy of the per-instance "
+                                 "bundles", choices=RAY_STRATEGIES, flag="--strategy",
+                                 metavar="NAME")
+    ray_cpus_per_instance: float = _setting(1.0, "float", "CPUs of each instance's bundle",
+                                            _positive, flag="--cpus-per-instance",
+                                            metavar="CPUS")
+    ray_gpus_per_instance: int = _setting(0, "int", "GPUs of each instance's bundle",
+                                          _at_least_zero, flag="--gpus-per-instance",
+                                          metavar="GPUS")
+    ray_engine_share: float = _setting(1.0, "float", "share of each bundle for the pool's "
+                                       "actors (rest: compute engine)", _share,
+                                       flag="--engine-share", metavar="SHARE")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            _check_type(f.name, f.metadata["kind"], value, f.default is None)
+            fault = value is not None and f.metadata["check"] and f.metadata["check"](value)
+            if fault:
+                raise ConfigError(f"{file_key(f.name)} {fault}")
+        if self.control_port == self.http_port:
+            raise ConfigError(f"control_port and http_port must differ, both are {self.http_port}")
+
+    def to_dict(self) -> dict[str, object]:
+        """The settings as JSON-ready values, keyed by setting name (ports as a list)."""
+        out = asdict(self)
+        if self.ports is not None:
+            out["ports"] = list(self.ports)
+        return out
+
+
+def _check_type(name: str, kind: str, value, optional: bool) -> None:
+    if value is None and optional:
+        return
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, float),
+          "str": lambda v: isinstance(v, str),
+          "bool": lambda v: isinstance(v, bool),
+          "ports": lambda v: isinstance(v, tuple) and len(v) == 2
+          and all(isinstance(p, int) and not isinstance(p, bool) for p in v)}[kind]
+    if not ok(value):
+        raise ConfigError(f"{file_key(name)} must be {_KIND_WORDS[kind]}, got {value!r}")
+
+
+_KIND_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "true or false", "ports": "a port range FIRST-LAST"}
+SETTINGS = {f.name: f for f in fields(ServeSettings)}
+DEFAULTS = ServeSettings()
+
+
+def file_key(name: str) -> str:
+    """A setting's key in the file: ``instances``, or ``ray.strategy`` for ``ray_strategy``."""
+    return f"{RAY_TABLE}.{name.removeprefix('ray_')}" if name.startswith("ray_") else name
+
+
+def env_var(name: str) -> str:
+    """A setting's environment variable: ``TOKENLAKE_`` + the name in capitals."""
+    return ENV_PREFIX + name.upper()
+
+
+def flag_of(name: str) -> str:
+    """A setting's command-line flag: its own (``--ray``), else ``--`` + the name in kebab case."""
+    return SETTINGS[name].metadata["flag"] or "--" + name.replace("_", "-")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _from_text(kind: str, text: str):
+    """A value of ``kind`` from an environment variable or a flag; ``ValueError`` if none."""
+    if kind == "int":
+        return int(text)
+    if kind == "float":
+        return float(text)
+    if kind == "bool":
+        words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+        return words[text.strip().lower()] if text.strip().lower() in words else _bad()
+    if kind == "ports":
+        first, _, last = text.partition("-")
+        return int(first), int(last or first)
+    return text
+
+
+def _bad():
+    raise ValueError
+
+
+def _from_toml(kind: str, value):
+    """A value of ``kind`` from the file; TOML's own types must match (``ValueError``)."""
+    if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind == "ports":
+        if isinstance(value, str):
+            return _from_text("ports", value)
+        if isinstance(value, list) and len(value) == 2:
+            return tuple(value)
+        return _bad()
+    return value  # checked by ServeSettings._check_type
+
+
+def _parse(name: str, raw, where: str, from_text: bool):
+    """One value of setting ``name`` from a source; a :class:`ConfigError` naming both."""
+    f = SETTINGS[name]
+    kind = f.metadata["kind"]
+    try:
+        value = _from_text(kind, raw) if from_text else _from_toml(kind, raw)
+        _check_type(name, kind, value, optional=False)
+    except (ValueError, ConfigError):
+        raise ConfigError(f"{file_key(name)} must be {_KIND_WORDS[kind]}, got {raw!r} "
+                          f"({where})") from None
+    fault = f.metadata["check"] and f.metadata["check"](value)
+    if fault:
+        raise ConfigError(f"{file_key(name)} {fault} ({where})")
+    return value
+
+
+def read_config_file(path: str) -> dict[str, object]:
+    """The raw values of a TOML file by setting name; unknown keys and bad TOML refused."""
+    if tomllib is None:  # pragma: no cover - Python 3.10
+        raise ConfigError("a config file needs Python 3.11 or newer (tomllib)")
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} not found") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path!r}: {exc}") from None
+    flat: dict[str, object] = {}
+    unknown: list[str] = []
+    for key, value in data.items():
+        if key == RAY_TABLE:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file {path!r}: {RAY_TABLE!r} must be a table ([ray])")
+            for sub, sub_value in value.items():
+                flat[f"ray_{sub}"] = sub_value
+                if f"ray_{sub}" not in SETTINGS:
+                    unknown.append(f"{RAY_TABLE}.{sub}")
+        else:  # a ray_ setting is known in the [ray] table only
+            flat[key] = value
+            if key not in SETTINGS or key.startswith("ray_"):
+                unknown.append(key)
+    if unknown:
+        known = ", ".join(file_key(n) for n in SETTINGS)
+        raise ConfigError(f"config file {path!r}: unknown key {unknown[0]!r} (known: {known})")
+    return flat
+
+
+@dataclass(frozen=True)
+class LoadedSettings:
+    """The effective settings and where each came from.
+
+    Attributes:
+        settings: the merged, validated settings.
+        sources: setting name -> ``default``, ``file``, ``env`` or ``flag``.
+        config_file: the file read, or ``None``.
+    """
+
+    settings: ServeSettings
+    sources: Mapping[str, str]
+    config_file: str | None = None
+
+    def rows(self) -> list[tuple[str, object, str]]:
+        """``(file key, value, source)`` of every setting, in declaration order."""
+        values = self.settings.to_dict()
+        return [(file_key(n), values[n], self.sources[n]) for n in SETTINGS]
+
+
+def load_settings(config_file: str | None = None, environ: Mapping[str, str] | None = None,
+                  flags: Mapping[str, str] | None = None) -> LoadedSettings:
+    """Merges default < ``config_file`` < ``environ`` (``TOKENLAKE_*``) < ``flags``.
+
+    ``flags`` maps setting names to the text given on the command line (absent: not
+    given); an empty environment variable counts as unset. Raises :class:`ConfigError`,
+    one line naming the setting and its source, for an unreadable file, an unknown key,
+    a wrong type or a bad value.
+    """
+    values: dict[str, object] = {}
+    sources = dict.fromkeys(SETTINGS, "default")
+    if config_file is not None:
+        for name, raw in read_config_file(config_file).items():
+            values[name] = _parse(name, raw, f"file {config_file}", from_text=False)
+            sources[name] = "file"
+    for name in SETTINGS:
+        text = (environ or {}).get(env_var(name), "")
+        if text:
+            values[name] = _parse(name, text, f"env {env_var(name)}", from_text=True)
+            sources[name] = "env"
+    for name, text in (flags or {}).items():
+        values[name] = _parse(name, text, f"flag {flag_of(name)}", from_text=True)
+        sources[name] = "flag"
+    try:
+        settings = ServeSettings(**values)
+    except ConfigError as exc:  # a rule over several settings
+        where = ", ".join(sorted({sources[n] for n in ("control_port", "http_port")}))
+        raise ConfigError(f"{exc} ({where})") from None
+    return LoadedSettings(settings, MappingProxyType(sources), config_file)
+
+
+def configure_logging(level: str) -> None:
+    """Sends the service's ``logging`` records at ``level`` and above to stderr."""
+    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,8 @@ from tokenlake.tools.config import (
     flag_of,
     load_settings,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EXAMPLE = """\
 model = "smollm2-135m"
@@ -266,3 +269,28 @@ def test_serve_passes_the_same_values_as_before(monkeypatch, capsys):
     assert kwargs["restart"] is True and kwargs["json_lines"] is False
     assert run(["serve", "--ray", "local", "--no-restart"], capsys)[0] == 0
     assert calls[1][0][3] == RayOptions(address=None) and calls[1][1]["restart"] is False
+
+
+# --------------------------------------------------------------------------- docs and layering
+
+
+def test_the_readme_example_is_a_valid_file(tmp_path):
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    example = text.split("```toml\n# tokenlake.toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "tokenlake.toml"
+    path.write_text(example)
+    loaded = load_settings(str(path))
+    assert all(loaded.sources[n] == "file" for n in SETTINGS if n not in ("max_rows", "restart"))
+    assert loaded.settings.ports == (47000, 47019) and loaded.settings.ray_address == "auto"
+
+
+def test_no_library_module_reads_a_setting_from_the_environment():
+    names = [env_var(n) for n in SETTINGS] + ["TOKENLAKE_CONFIG"]
+    readers = []
+    for pkg in ("tokenlake", "query_engine", "transfer_engine", "scheduler", "evals"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path.parent.name == "tools" and path.parent.parent.name == "tokenlake":
+                continue  # the command line: the entry point that reads them
+            text = path.read_text(encoding="utf-8")
+            readers += [f"{path.relative_to(ROOT)}: {n}" for n in names if n in text]
+    assert not readers, readers

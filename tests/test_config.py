@@ -172,6 +172,7 @@ def test_the_settings_object_validates_itself():
         ServeSettings(instances=0)
     with pytest.raises(ConfigError, match="pool_mb must be an integer"):
         ServeSettings(pool_mb="256")
+    assert ServeSettings(ray_cpus_per_instance=2).ray_cpus_per_instance == 2.0  # int for float
 
 
 # --------------------------------------------------------------------------- command line

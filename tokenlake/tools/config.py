@@ -133,6 +133,9 @@ class ServeSettings:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.metadata["kind"] == "float" and _is_int(value):  # 2 CPUs: 2.0
+                value = float(value)
+                object.__setattr__(self, f.name, value)
             _check_type(f.name, f.metadata["kind"], value, f.default is None)
             fault = value is not None and f.metadata["check"] and f.metadata["check"](value)
             if fault:
@@ -148,16 +151,22 @@ class ServeSettings:
         return out
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_IS_KIND: dict[str, Callable[[object], bool]] = {
+    "int": _is_int,
+    "float": lambda v: isinstance(v, float),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "ports": lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(_is_int, v)),
+}
+
+
 def _check_type(name: str, kind: str, value, optional: bool) -> None:
-    if value is None and optional:
-        return
-    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-          "float": lambda v: isinstance(v, float),
-          "str": lambda v: isinstance(v, str),
-          "bool": lambda v: isinstance(v, bool),
-          "ports": lambda v: isinstance(v, tuple) and len(v) == 2
-          and all(isinstance(p, int) and not isinstance(p, bool) for p in v)}[kind]
-    if not ok(value):
+    """Raises :class:`ConfigError` unless ``value`` is of ``kind`` (or ``None``, when optional)."""
+    if not (value is None and optional) and not _IS_KIND[kind](value):
         raise ConfigError(f"{file_key(name)} must be {_KIND_WORDS[kind]}, got {value!r}")
 
 
@@ -192,29 +201,30 @@ def _from_text(kind: str, text: str):
     if kind == "float":
         return float(text)
     if kind == "bool":
-        words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-        return words[text.strip().lower()] if text.strip().lower() in words else _bad()
+        word = text.strip().lower()
+        if word not in _BOOL_WORDS:
+            raise ValueError(text)
+        return _BOOL_WORDS[word]
     if kind == "ports":
         first, _, last = text.partition("-")
         return int(first), int(last or first)
     return text
 
 
-def _bad():
-    raise ValueError
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def _from_toml(kind: str, value):
     """A value of ``kind`` from the file; TOML's own types must match (``ValueError``)."""
-    if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+    if kind == "float" and _is_int(value):
         return float(value)
     if kind == "ports":
         if isinstance(value, str):
             return _from_text("ports", value)
-        if isinstance(value, list) and len(value) == 2:
-            return tuple(value)
-        return _bad()
-    return value  # checked by ServeSettings._check_type
+        if not (isinstance(value, list) and len(value) == 2):
+            raise ValueError(value)
+        return tuple(value)
+    return value  # its type is checked by _parse
 
 
 def _parse(name: str, raw, where: str, from_text: bool):

@@ -33,7 +33,6 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 ENV_PREFIX = "TOKENLAKE_"
 CONFIG_ENV = "TOKENLAKE_CONFIG"  # the file, when --config is not given
-SOURCES = ("default", "file", "env", "flag")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_TABLE = "ray"

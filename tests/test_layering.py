@@ -32,15 +32,19 @@ PACKAGES = ("tokenlake", "query_engine", "transfer_engine", "scheduler", "evals"
 
 #: (layer, module prefixes), lowest first; the longest matching prefix decides.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "core": ("tokenlake", "tokenlake.core"),
+    "core": ("tokenlake.core",),
     "dataplane": ("tokenlake.dataplane",),
     "engines": ("query_engine", "transfer_engine"),
     "model": ("tokenlake.model",),
     "scheduler": ("scheduler",),
     "serving": ("tokenlake.serving",),
     "deploy": ("tokenlake.deploy",),
+    "service": ("tokenlake.service",),
     "evals": ("evals",),
     "tools": ("tokenlake.tools",),
+    # The package itself (tokenlake/__init__.py): the version, and tokenlake.connect
+    # loaded from the service on first use.
+    "package": ("tokenlake",),
 }
 
 #: The layers each layer may import besides itself.
@@ -52,8 +56,11 @@ ALLOWED: dict[str, set[str]] = {
     "scheduler": {"core"},
     "serving": {"core", "dataplane", "model", "scheduler"},
     "deploy": {"core", "dataplane", "engines", "model", "scheduler", "serving"},
-    "evals": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy"},
-    "tools": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy", "evals"},
+    "service": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy"},
+    "evals": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy", "service"},
+    "tools": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy", "service",
+              "evals", "package"},
+    "package": {"core", "service"},
 }
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from service_util import SERVICE_EXAMPLES
 
 from tokenlake.core.errors import CapacityError, PlanError
 from tokenlake.core.plans import PutItem, QueryItem, QueryPlan, QueryTask, TransferPlan
@@ -57,6 +58,7 @@ EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.PEER_QUERY_RESULT: m.PeerQueryResult(1, Q, LSE),
     Kind.PEER_PUT: m.PeerPut(0, 2, (m.SlotWrite(9, 5, 2),), (KV[0], KV[1])),
     Kind.PEER_SEGMENT: m.PeerSegment(11, SEG),
+    **SERVICE_EXAMPLES,  # the control-plane server's kinds (CP_*)
 }
 
 PEER_KINDS = {k for k in Kind if k.name.startswith("PEER_")}

@@ -63,8 +63,8 @@ _MAX_MSG_ID = (1 << 64) - 1
 class Kind(enum.IntEnum):
     """Message kinds, grouped by tens: 0x every engine, 1x a query engine's clients,
     2x a transfer engine's clients, 3x the driver, 4x query engine to query engine, 5x
-    transfer engine to transfer engine. :mod:`tokenlake.dataplane.messages` has the
-    body of each."""
+    transfer engine to transfer engine, 6x a control-plane server's clients, 7x that
+    server's answers. :mod:`tokenlake.dataplane.messages` has the body of each."""
 
     PING = 1
     PONG = 2
@@ -90,6 +90,19 @@ class Kind(enum.IntEnum):
     PEER_QUERY_RESULT = 43
     PEER_PUT = 50
     PEER_SEGMENT = 51
+    CP_MATCH = 60
+    CP_CACHE_LOAD = 61
+    CP_GEN_PLANS = 62
+    CP_COMPLETE = 63
+    CP_ABORT = 64
+    CP_FINISH_REQUEST = 65
+    CP_STATS = 66
+    CP_CLIENT_INFO = 67
+    CP_MATCHED = 70
+    CP_LOAD = 71
+    CP_PLANS = 72
+    CP_STATS_RESULT = 76
+    CP_CLIENT_INFO_RESULT = 77
 
 
 class RemoteError(TokenLakeError):

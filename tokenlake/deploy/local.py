@@ -16,12 +16,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import torch
 import zmq
 
-from tokenlake.core.errors import EngineUnavailable
+from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.client import InstanceClient
@@ -173,6 +174,20 @@ class LocalCluster(ClusterBase):
             client.start(self._ctx)
             self._clients[instance] = client
         return self._clients[instance]
+
+    def client_info(self, instance: int) -> dict[str, Any]:
+        """What another process of this machine needs to open ``instance``'s client
+        (``ControlServer``, ``tokenlake.connect``), as plain data: ``{"instance",
+        "endpoints": {role: endpoint}, "buffers": {name: BufferSpec dict}, "timeout_s"}``
+        (the client buffers are POSIX shared memory, attachable by name)."""
+        self._check_started()
+        if not 0 <= instance < self.n_instances:
+            raise ConfigError(f"no instance {instance} (the cluster has {self.n_instances})")
+        specs = self.layout.specs(self._registry.prefix, instance)
+        return {"instance": instance,
+                "endpoints": {role: self._endpoints[(role, instance)] for role in ROLES},
+                "buffers": {n: specs[n].to_dict() for n in CLIENT_BUFFERS},
+                "timeout_s": self.timeout_s}
 
     def slab(self, instance: int) -> torch.Tensor:
         """The driver's view of an instance's slab (tests and benchmarks read it)."""

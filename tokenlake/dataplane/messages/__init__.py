@@ -7,8 +7,9 @@
 Each class validates its own body when read (:func:`parse`): a malformed one raises
 :class:`~tokenlake.dataplane.tensor_frames.WireError` whose text starts with the kind and
 names the field, and whose ``field`` is the field's path. Peer traffic between engines
-has its own kinds (``PEER_*``), so nothing is told apart by which keys a body has, and
-plan items travel as typed objects (:class:`AttendItem`, :class:`PutTarget`,
+has its own kinds (``PEER_*``), and so has a control-plane server's traffic (``CP_*``,
+:mod:`~tokenlake.dataplane.messages.service`), so nothing is told apart by which keys a
+body has, and plan items travel as typed objects (:class:`AttendItem`, :class:`PutTarget`,
 :class:`SlotWrite`) from the client's plan to the peer that attends or stores.
 ``docs/protocol.md`` is the spec of every kind.
 """
@@ -41,6 +42,21 @@ from tokenlake.dataplane.messages.query import (
     QueryDone,
     RegisterQueryPlan,
 )
+from tokenlake.dataplane.messages.service import (
+    CpAbort,
+    CpCacheLoad,
+    CpClientInfo,
+    CpClientInfoResult,
+    CpComplete,
+    CpFinishRequest,
+    CpGenPlans,
+    CpLoad,
+    CpMatch,
+    CpMatched,
+    CpPlans,
+    CpStats,
+    CpStatsResult,
+)
 from tokenlake.dataplane.messages.transfer import (
     CopyDone,
     CopySegment,
@@ -57,7 +73,9 @@ from tokenlake.dataplane.messages.transfer import (
 from tokenlake.dataplane.tensor_frames import WireError
 
 __all__ = [
-    "TYPES", "Ack", "AttendItem", "CopyDone", "CopySegment", "ErrorReply", "Fields",
+    "TYPES", "Ack", "AttendItem", "CopyDone", "CopySegment", "CpAbort", "CpCacheLoad",
+    "CpClientInfo", "CpClientInfoResult", "CpComplete", "CpFinishRequest", "CpGenPlans",
+    "CpLoad", "CpMatch", "CpMatched", "CpPlans", "CpStats", "CpStatsResult", "ErrorReply", "Fields",
     "InstanceItems", "PeerPut", "PeerQuery", "PeerQueryResult", "PeerRegisterPlan",
     "PeerReleasePlan", "PeerSegment", "Peers", "Ping", "PlanAck", "Pong", "Put", "PutDone",
     "PutTarget", "Query", "QueryDone", "ReadSegment", "RegisterQueryPlan",

@@ -1,0 +1,65 @@
+"""One message of every control-plane server kind (``CP_*``), with the core's nested
+dataclasses filled in, for the message tests (tests/test_messages.py) and the server's."""
+
+from __future__ import annotations
+
+from tokenlake.core.control import ControlStats
+from tokenlake.core.cost_model import LatencyModel
+from tokenlake.core.plans import (
+    Batch,
+    BatchRequest,
+    Plans,
+    PutItem,
+    QueryItem,
+    QueryPlan,
+    QueryTask,
+    RowSpan,
+    TransferPlan,
+)
+from tokenlake.core.pool import PoolStats
+from tokenlake.core.prefix_tree import MatchResult, SegmentLocation
+from tokenlake.core.specs import HardwareProfile
+from tokenlake.dataplane import messages as m
+from tokenlake.dataplane.shm_files import BufferSpec
+from tokenlake.dataplane.wire import Kind
+
+HARDWARE = HardwareProfile("test-cpu", 1e11, 2e10, 1e9, 1e-5, 8e9, notes="made up")
+LATENCY = LatencyModel(0.01, 1e-4, 1e-9, 0.0, 2e-6, 1e-3)
+
+PLANS = Plans(
+    iteration=3,
+    query_plans=(
+        QueryPlan(0, 0, 1, 5, (RowSpan("a", 0, 3, 16, 16), RowSpan("b", 3, 5, 0, 0)),
+                  (QueryTask(0, (QueryItem("a", 0, 3, (4, 9), (8, 8)),)),),
+                  (QueryTask(1, (QueryItem("a", 0, 3, (2,), (5,)),)),)),
+    ),
+    transfer_plans=(
+        TransferPlan(0, 0, 1, 5, (PutItem(1, 2, 5, 0, 3, b"\x01" * 16), PutItem(0, 7, 0, 3, 5, None)), 2),
+    ),
+    groups=((1,), (0, 1)),
+)
+
+STATS = ControlStats(4, 128, 512, 4096, PoolStats(
+    segments=10, replicas=12, pinned=1, slots_used={0: 6, 1: 7}, slots_capacity={0: 64, 1: 64},
+    private_slots=1, dedup_segments=2, evictions=0, replications=2, reads={0: 30, 1: 12}))
+
+SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
+    Kind.CP_MATCH: m.CpMatch((5, 6, 7, 8), 3),
+    Kind.CP_MATCHED: m.CpMatched(MatchResult(
+        (b"k" * 16, b"j" * 16), ((SegmentLocation(0, 3),), (SegmentLocation(1, 2), SegmentLocation(0, 9))), 16)),
+    Kind.CP_CACHE_LOAD: m.CpCacheLoad(((1, 2, 3), ()), HARDWARE, LATENCY),
+    Kind.CP_LOAD: m.CpLoad(0.25),
+    Kind.CP_GEN_PLANS: m.CpGenPlans(
+        (Batch((BatchRequest("a", (1, 2, 3), tuple(range(16))), BatchRequest("b", (9,)))),
+         Batch((BatchRequest("c", (4,)),), "decode")), (2, 1)),
+    Kind.CP_PLANS: m.CpPlans(PLANS),
+    Kind.CP_COMPLETE: m.CpComplete(3),
+    Kind.CP_ABORT: m.CpAbort(4),
+    Kind.CP_FINISH_REQUEST: m.CpFinishRequest("a"),
+    Kind.CP_STATS: m.CpStats(),
+    Kind.CP_STATS_RESULT: m.CpStatsResult(STATS, (0, 1)),
+    Kind.CP_CLIENT_INFO: m.CpClientInfo(1),
+    Kind.CP_CLIENT_INFO_RESULT: m.CpClientInfoResult(
+        1, {"query": "tcp://127.0.0.1:5001", "transfer": "tcp://127.0.0.1:5002"},
+        {"q": BufferSpec("tokenlake-1-ab-q-1", (8, 4, 2), "float32")}, 5.0),
+}

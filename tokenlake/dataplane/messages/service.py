@@ -1,0 +1,168 @@
+"""Messages between a control-plane server and its remote clients (6x asks, 7x answers).
+
+A process that is not the pool's driver (a serving framework's worker, a status tool)
+reaches the one control plane through ``tokenlake serve``'s control port
+(:mod:`tokenlake.service`). Each call of the in-process
+:class:`~tokenlake.core.control.ControlPlane` has one request kind; its arguments and
+results are the core's own frozen dataclasses, carried exactly by
+:mod:`tokenlake.dataplane.messages.codec`. ``COMPLETE``, ``ABORT`` and
+``FINISH_REQUEST`` are answered with ``ACK``; any failure with ``ERROR`` (the caller gets
+the typed exception). ``docs/protocol.md`` is the spec of each body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokenlake.core.control import ControlStats
+from tokenlake.core.cost_model import LatencyModel
+from tokenlake.core.plans import Batch, Plans
+from tokenlake.core.prefix_tree import MatchResult
+from tokenlake.core.specs import HardwareProfile
+from tokenlake.dataplane.messages.base import Fields, WireMessage
+from tokenlake.dataplane.messages.codec import from_plain, to_plain
+from tokenlake.dataplane.shm_files import BufferSpec
+from tokenlake.dataplane.wire import Kind
+
+
+class _PlainBody:
+    """Mixin: the body is the dataclass's fields through the codec, read back by their
+    annotations (no tensors). Put it before :class:`WireMessage` in the bases."""
+
+    def body(self) -> dict:
+        return {f.name: to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_wire(cls, f: Fields) -> Any:
+        f.tensors(0)
+        hints, kwargs = typing.get_type_hints(cls), {}
+        for field in dataclasses.fields(cls):
+            if field.name in f.body or field.default is dataclasses.MISSING:
+                kwargs[field.name] = from_plain(hints[field.name], f.get(field.name), f, field.name)
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class CpMatch(_PlainBody, WireMessage):
+    """``CP_MATCH`` ``{"tokens": [int], "max_tokens": int | None}``:
+    ``get_prefix_tree().match(tokens, max_tokens)``; answered with :class:`CpMatched`."""
+
+    KIND = Kind.CP_MATCH
+    tokens: tuple[int, ...]
+    max_tokens: int | None
+
+
+@dataclass(frozen=True)
+class CpMatched(_PlainBody, WireMessage):
+    """``CP_MATCHED`` ``{"match": MatchResult}``: keys, ready replicas, hit tokens."""
+
+    KIND = Kind.CP_MATCHED
+    match: MatchResult
+
+
+@dataclass(frozen=True)
+class CpCacheLoad(_PlainBody, WireMessage):
+    """``CP_CACHE_LOAD`` ``{"reqs": [[int]], "hardware": HardwareProfile, "latency":
+    LatencyModel}``: ``get_cache_load``; answered with :class:`CpLoad`."""
+
+    KIND = Kind.CP_CACHE_LOAD
+    reqs: tuple[tuple[int, ...], ...]
+    hardware: HardwareProfile
+    latency: LatencyModel
+
+
+@dataclass(frozen=True)
+class CpLoad(_PlainBody, WireMessage):
+    """``CP_LOAD`` ``{"load": float}``: the share of the cluster the pool uses."""
+
+    KIND = Kind.CP_LOAD
+    load: float
+
+
+@dataclass(frozen=True)
+class CpGenPlans(_PlainBody, WireMessage):
+    """``CP_GEN_PLANS`` ``{"batches": [Batch], "dops": [int]}``: ``gen_plans``;
+    answered with :class:`CpPlans`."""
+
+    KIND = Kind.CP_GEN_PLANS
+    batches: tuple[Batch, ...]
+    dops: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CpPlans(_PlainBody, WireMessage):
+    """``CP_PLANS`` ``{"plans": Plans}``: one iteration's plans, in flight until
+    ``CP_COMPLETE`` or ``CP_ABORT`` names their iteration."""
+
+    KIND = Kind.CP_PLANS
+    plans: Plans
+
+
+@dataclass(frozen=True)
+class CpComplete(_PlainBody, WireMessage):
+    """``CP_COMPLETE`` ``{"iteration": int}``: every put of that iteration's plans is
+    stored (``complete``); answered with ``ACK``."""
+
+    KIND = Kind.CP_COMPLETE
+    iteration: int
+
+
+@dataclass(frozen=True)
+class CpAbort(_PlainBody, WireMessage):
+    """``CP_ABORT`` ``{"iteration": int}``: undo that iteration's plans (``abort``);
+    answered with ``ACK``."""
+
+    KIND = Kind.CP_ABORT
+    iteration: int
+
+
+@dataclass(frozen=True)
+class CpFinishRequest(_PlainBody, WireMessage):
+    """``CP_FINISH_REQUEST`` ``{"request_id": str}``: ``finish_request``; answered with ``ACK``."""
+
+    KIND = Kind.CP_FINISH_REQUEST
+    request_id: str
+
+
+@dataclass(frozen=True)
+class CpStats(_PlainBody, WireMessage):
+    """``CP_STATS`` ``{}``: ``stats``; answered with :class:`CpStatsResult`."""
+
+    KIND = Kind.CP_STATS
+
+
+@dataclass(frozen=True)
+class CpStatsResult(_PlainBody, WireMessage):
+    """``CP_STATS_RESULT`` ``{"stats": ControlStats, "instances": [int]}``."""
+
+    KIND = Kind.CP_STATS_RESULT
+    stats: ControlStats
+    instances: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CpClientInfo(_PlainBody, WireMessage):
+    """``CP_CLIENT_INFO`` ``{"instance": int}``: what opening that instance's data-plane
+    client needs; answered with :class:`CpClientInfoResult`."""
+
+    KIND = Kind.CP_CLIENT_INFO
+    instance: int
+
+
+@dataclass(frozen=True)
+class CpClientInfoResult(_PlainBody, WireMessage):
+    """``CP_CLIENT_INFO_RESULT`` ``{"instance": int, "endpoints": [[role, endpoint]],
+    "buffers": [[name, BufferSpec]], "timeout_s": float}``: the instance's query and
+    transfer engine endpoints and its client buffers (``q``, ``out_o``, ``out_lse``,
+    ``kv``), attachable on the engines' machine; ``timeout_s`` is the cluster's wait
+    limit for an engine's answer (seconds)."""
+
+    KIND = Kind.CP_CLIENT_INFO_RESULT
+    instance: int
+    endpoints: Mapping[str, str]
+    buffers: Mapping[str, BufferSpec]
+    timeout_s: float

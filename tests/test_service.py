@@ -23,13 +23,14 @@ from service_util import HARDWARE, LATENCY, SERVICE_EXAMPLES
 from test_layering import GRAPH, layer_of
 
 import tokenlake
-from tokenlake.core.errors import EngineUnavailable, PlanError
+from tokenlake.core.errors import ConfigError, EngineUnavailable, PlanError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane import messages as m
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers
 from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.service.local import serve_local
 from tokenlake.service.server import ControlServer
 
 C = 8
@@ -214,3 +215,49 @@ def test_the_server_stops_and_a_client_then_times_out(served):
     with tokenlake.connect(address, timeout_s=0.3) as cp:
         with pytest.raises(EngineUnavailable):
             cp.stats()
+
+
+# ---------------------------------------------------------------- serve_local
+
+
+def test_serve_local_serves_until_stopped_and_cleans_up():
+    stop, ready, prefixes = threading.Event(), threading.Event(), []
+    addresses = []
+
+    def on_ready(server):
+        prefixes.append(cluster_prefix(server.cluster.cluster_id))
+        addresses.append(server.address)
+        ready.set()
+
+    errors = []
+
+    def run() -> None:
+        try:
+            serve_local(TINY, 2, POOL_BYTES, C, 64, control_port=0, stop=stop, on_ready=on_ready)
+        except Exception as e:  # reported below
+            errors.append(e)
+            ready.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert ready.wait(120) and not errors, errors
+        assert list_buffers(prefixes[0])  # the buffers exist while it serves
+        with tokenlake.connect(addresses[0]) as cp:
+            assert cp.instances == (0, 1)
+            client = cp.client(1)
+            assert client.instance == 1 and client.q.shape[0] == 64
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive() and not errors, errors
+    assert list_buffers(prefixes[0]) == []
+
+
+def test_serve_local_on_a_taken_port_fails_and_leaves_nothing(served):
+    _, server = served
+    port = int(server.address.rsplit(":", 1)[1])
+    before = set(list_buffers())
+    with pytest.raises(ConfigError, match="cannot bind the control port"):
+        serve_local(TINY, 1, POOL_BYTES, C, 64, control_port=port)
+    assert set(list_buffers()) <= before

@@ -14,7 +14,8 @@ names, arguments and return types (the core's frozen dataclasses, carried exactl
 worker imports it without the launchers. Every wait has a timeout: a server that does
 not answer raises :class:`~tokenlake.core.errors.EngineUnavailable`, a refused call the
 typed exception the server raised (``PlanError``, ``CapacityError``, ``WireError``, ...).
-One object is for one thread at a time (calls are serialised by a lock).
+Threads may share one object: its calls are serialised by a lock (the data-plane
+clients it opens are for one thread each, as in-process ones are).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class RemoteControlPlane:
         mapped from shared memory, so this process must run on the instance's machine.
         A dead engine shows as ``EngineUnavailable`` after the client's timeout."""
         if instance not in self._clients:
-            info = self._call(CpClientInfo(instance), CpClientInfoResult)
+            info = self.client_info(instance)
             buffers = {}
             for name, spec in info.buffers.items():
                 shared = SharedTensor.attach(spec)
@@ -168,6 +169,11 @@ class RemoteControlPlane:
             client.start(self._ctx)
             self._clients[instance] = client
         return self._clients[instance]
+
+    def client_info(self, instance: int) -> CpClientInfoResult:
+        """What opening ``instance``'s data-plane client needs: its engines' endpoints,
+        its client buffers' specs and the cluster's wait limit (seconds)."""
+        return self._call(CpClientInfo(instance), CpClientInfoResult)
 
     # ------------------------------------------------------------ internals
     def _call(self, request: WireMessage, reply: type[M]) -> M:

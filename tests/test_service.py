@@ -136,6 +136,15 @@ def test_remote_calls_match_the_in_process_ones(served):
         cluster.control.check()
 
 
+def test_closing_a_client_aborts_the_plans_it_left_in_flight(served):
+    cluster, server = served
+    with tokenlake.connect(server.address) as cp:
+        cp.gen_plans([Batch((BatchRequest("left", (1, 2, 3, 4)),))], [1])
+        assert "left" in cluster.control.live_requests
+    assert cluster.control.live_requests == ()
+    cluster.control.check()
+
+
 def test_concurrent_clients_are_serialised(served):
     cluster, server = served
     errors = []

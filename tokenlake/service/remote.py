@@ -29,7 +29,7 @@ import zmq
 
 from tokenlake.core.control import ControlStats
 from tokenlake.core.cost_model import LatencyModel
-from tokenlake.core.errors import EngineUnavailable
+from tokenlake.core.errors import EngineUnavailable, TokenLakeError
 from tokenlake.core.plans import Batch, Plans
 from tokenlake.core.prefix_tree import MatchResult
 from tokenlake.core.specs import HardwareProfile
@@ -91,6 +91,7 @@ class RemoteControlPlane:
         self._lock = threading.Lock()
         self._clients: dict[int, InstanceClient] = {}
         self._attached: list[SharedTensor] = []
+        self._in_flight: set[int] = set()  # iterations planned here, not yet completed or aborted
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> RemoteControlPlane:
@@ -103,7 +104,10 @@ class RemoteControlPlane:
         return self
 
     def close(self) -> None:
-        """Closes the data-plane clients, unmaps their buffers and closes the socket."""
+        """Aborts the plans this object got and did not complete or abort (best effort:
+        a server that does not answer is given up after one timeout), closes the data-plane
+        clients, unmaps their buffers and closes the socket."""
+        self._abort_in_flight()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -133,13 +137,17 @@ class RemoteControlPlane:
         return self._call(request, CpLoad).load
 
     def gen_plans(self, batches: Sequence[Batch], dops: Sequence[int]) -> Plans:
-        return self._call(CpGenPlans(tuple(batches), tuple(dops)), CpPlans).plans
+        plans = self._call(CpGenPlans(tuple(batches), tuple(dops)), CpPlans).plans
+        self._in_flight.add(plans.iteration)
+        return plans
 
     def complete(self, plans: Plans) -> None:
         self._call(CpComplete(plans.iteration), Ack)
+        self._in_flight.discard(plans.iteration)
 
     def abort(self, plans: Plans) -> None:
         self._call(CpAbort(plans.iteration), Ack)
+        self._in_flight.discard(plans.iteration)
 
     def finish_request(self, request_id: str) -> None:
         self._call(CpFinishRequest(request_id), Ack)
@@ -176,6 +184,16 @@ class RemoteControlPlane:
         return self._call(CpClientInfo(instance), CpClientInfoResult)
 
     # ------------------------------------------------------------ internals
+    def _abort_in_flight(self) -> None:
+        while self._in_flight and self._sock is not None:
+            iteration = self._in_flight.pop()
+            try:
+                self._call(CpAbort(iteration), Ack)
+            except EngineUnavailable:  # no server to tell: it keeps them until it stops
+                self._in_flight.clear()
+            except TokenLakeError:  # completed or aborted meanwhile by someone else
+                pass
+
     def _call(self, request: WireMessage, reply: type[M]) -> M:
         """Sends ``request`` and returns the answer to it as a ``reply`` (answers to
         earlier calls that timed out are skipped)."""

@@ -127,7 +127,7 @@ def test_the_named_mistakes_end_in_one_line_and_exit_2(argv):
     ["bench", "sim", "--rate", "1", "--speedup", "2"],
     ["threshold", "--hardware", "tpu"],
     ["walkthrough", "--requests", "-1"],
-    ["serve", "--instances", "2"],
+    ["serve", "--control-port", "70000"],
     ["serve", "--ray", "auto", "--ports", "9000-8000"],
     ["serve", "--ray", "auto", "--engine-share", "0"],
     ["serve", "--ray", "auto", "--model", "gpt-5"],

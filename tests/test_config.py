@@ -219,10 +219,10 @@ def test_a_missing_file_is_one_line_and_exit_2(tmp_path, capsys):
     assert "not found" in err
 
 
-def test_serve_without_a_ray_address_is_one_line_and_exit_2(capsys):
-    code, _, err = run(["serve", "--instances", "2"], capsys)
+def test_serve_with_clashing_ports_is_one_line_and_exit_2(capsys):
+    code, _, err = run(["serve", "--control-port", "8000", "--http-port", "8000"], capsys)
     assert_one_line_error(code, err)
-    assert "--ray ADDRESS" in err
+    assert "must differ" in err
 
 
 def test_log_level_configures_logging():

@@ -11,9 +11,11 @@ import argparse
 import importlib.util
 import json
 import signal
+import threading
 from dataclasses import replace
 
 from tokenlake.core.errors import TokenLakeError
+from tokenlake.core.specs import load_model
 from tokenlake.tools import cli_config, walkthrough
 from tokenlake.tools.cli_args import UsageError, positive
 from tokenlake.tools.config import configure_logging
@@ -31,9 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="A LooGLE-like workload through the control plane alone, with and without "
                     "heavy-hitter replication: hit rate, deduplication, per-instance reads."))
     add_serve(sub.add_parser(
-        "serve", help="run the pool on a Ray cluster until Ctrl-C (docs/deploy-ray.md)",
-        description="Starts the pool on a Ray cluster, prints its addresses and watches it "
-                    "until Ctrl-C or SIGTERM (exit 0; 130 for Ctrl-C during start-up). "
+        "serve", help="serve the pool on this machine, or on a Ray cluster with --ray, until Ctrl-C",
+        description="Starts the pool (on this machine; on a Ray cluster with --ray, "
+                    "docs/deploy-ray.md), prints the control-plane address that "
+                    "tokenlake.connect() takes and serves until Ctrl-C or SIGTERM (exit 0; "
+                    "130 for Ctrl-C during start-up). "
                     "Settings: defaults < --config FILE < TOKENLAKE_* environment < flags "
                     "('tokenlake config show' prints them)."))
 
@@ -98,8 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
     cfg = cli_config.settings_from_args(args).settings
     configure_logging(cfg.log_level)
     if cfg.ray_address is None:
-        raise UsageError("serve: no Ray cluster given: --ray ADDRESS, TOKENLAKE_RAY_ADDRESS or "
-                         "[ray] address in the config file ('local': this machine's Ray)")
+        return _serve_local(cfg, args.json)
     if importlib.util.find_spec("ray") is None:
         raise UsageError("serve needs Ray: pip install 'tokenlake[ray]'")
     # Ray is an optional extra, and heavy: only this command imports it
@@ -123,3 +126,33 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None
     except KeyboardInterrupt:  # during start-up: the cluster has cleaned up already
         return 130
+
+
+def _serve_local(cfg, json_lines: bool) -> int:
+    """The pool on this machine with its control plane on ``cfg.host:cfg.control_port``
+    (0: any free port), until Ctrl-C or SIGTERM; everything is stopped and unlinked."""
+    # The local pool starts engines and maps tensors (torch): only this command loads it.
+    from tokenlake.service.local import serve_local
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop
+
+    def emit(event: str, text: str, **data) -> None:
+        print(json.dumps({"event": event, **data}) if json_lines else text, flush=True)
+
+    def ready(server) -> None:
+        emit("ready", f"serving {cfg.instances} instances of {cfg.model} "
+                      f"({cfg.pool_mb} MiB slab each, C = {cfg.segment_tokens}); control plane "
+                      f"at {server.address} (tokenlake.connect); Ctrl-C or SIGTERM stops",
+             address=server.address, instances=cfg.instances, model=cfg.model)
+
+    try:
+        serve_local(load_model(cfg.model), cfg.instances, cfg.pool_mb << 20, cfg.segment_tokens,
+                    cfg.max_rows, host=cfg.host, control_port=cfg.control_port,
+                    engine_host=cfg.bind, stop=stop, on_ready=ready)
+    except TokenLakeError as exc:  # sizes that do not fit, a port in use, an engine that fails
+        raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:  # during start-up: the pool has cleaned up already
+        return 130
+    emit("stopped", "stopped: engines gone, shared memory unlinked")
+    return 0

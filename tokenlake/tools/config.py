@@ -52,6 +52,10 @@ def _port(value) -> str | None:
     return None if 1 <= value <= 65535 else f"must be a port in 1..65535, got {value!r}"
 
 
+def _port_or_any(value) -> str | None:
+    return None if 0 <= value <= 65535 else f"must be a port in 0..65535, got {value!r}"
+
+
 def _share(value) -> str | None:
     return None if 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
 
@@ -100,8 +104,8 @@ class ServeSettings:
                           metavar="ROWS")
     host: str = _setting("127.0.0.1", "str", "address of the control and HTTP ports",
                          _address, metavar="ADDRESS")
-    control_port: int = _setting(7400, "int", "control port (typed wire messages)", _port,
-                            metavar="PORT")
+    control_port: int = _setting(7400, "int", "control port (typed wire messages; 0: any "
+                                 "free port, printed at start)", _port_or_any, metavar="PORT")
     http_port: int = _setting(8000, "int", "HTTP port (OpenAI-compatible API, metrics)",
                          _port, metavar="PORT")
     bind: str = _setting("127.0.0.1", "str", "engine address: IP, interface name or 'node'",

@@ -65,6 +65,7 @@ def test_the_tree_has_every_command():
     assert set(LEAVES) == {
         ("demo",), ("walkthrough",), ("serve",), ("threshold",), ("fit-roofline",),
         ("profile-cpu",), ("profile-latency",), ("eval",), ("sim",), ("config", "show"),
+        ("status",),
         *(("bench", b) for b in ("plans", "query-vs-fetch", "e2e", "scheduler", "sim")),
     }
 

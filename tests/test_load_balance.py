@@ -10,9 +10,10 @@ import pytest
 
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.placement import choose_replica
+from tokenlake.core.placement import coefficient_of_variation as cv
 from tokenlake.core.pool import CachePool
 from tokenlake.core.prefix_tree import SegmentLocation
-from tokenlake.tools.walkthrough import WorkloadConfig, cv, run
+from tokenlake.tools.walkthrough import WorkloadConfig, run
 
 WORKLOAD = replace(
     WorkloadConfig(), num_documents=30, document_tokens=12_000, num_requests=240, concurrency=16

@@ -68,9 +68,47 @@ def test_serve_answers_connect_and_stops_cleanly_on_sigterm(serve_process):
     with tokenlake.connect(ready["address"]) as cp:
         prompt = tuple(range(1, 200))
         assert cp.get_prefix_tree().match(prompt).hit_tokens == 0  # a new pool holds nothing
-        assert cp.stats().admitted_requests == 0
+        stats = cp.stats()
+        assert stats.admitted_requests == 0
+
+    status = subprocess.run(
+        [sys.executable, "-m", "tokenlake.tools.cli", "status", "--address", ready["address"],
+         "--json"], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    shown = json.loads(status.stdout)
+    assert [row["instance"] for row in shown["instances"]] == [0, 1]
+    assert [row["slots_capacity"] for row in shown["instances"]] == [
+        stats.pool.slots_capacity[i] for i in (0, 1)]
+    assert shown["hit_rate"] == 0.0 and shown["segments"] == 0
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, proc.stderr.read()
     assert _next_event(events, 5)["event"] == "stopped"
     assert set(list_buffers()) - before == set(), "shared memory left behind"
+
+
+def test_status_summarises_the_pool_stats():
+    """The figures of `tokenlake status`, from stats with known values."""
+    from tokenlake.core.control import ControlStats
+    from tokenlake.core.pool import PoolStats
+    from tokenlake.tools.cli_status import status_summary
+
+    pool = PoolStats(segments=5, replicas=7, pinned=0, slots_used={0: 3, 1: 4},
+                     slots_capacity={0: 10, 1: 10}, reads={0: 10, 1: 30}, evictions=2)
+    s = status_summary(ControlStats(admitted_requests=4, hit_tokens=300, prefill_tokens=100,
+                                    dedup_bytes=0, pool=pool))
+    assert s["instances"] == [
+        {"instance": 0, "slots_used": 3, "slots_capacity": 10, "reads": 10},
+        {"instance": 1, "slots_used": 4, "slots_capacity": 10, "reads": 30},
+    ]
+    assert s["hit_rate"] == 0.75  # 300 reused of 400 input tokens
+    assert s["access_cv"] == pytest.approx(0.5)  # mean 20, population std 10
+    assert (s["segments"], s["replicas"], s["evictions"]) == (5, 7, 2)
+
+
+def test_status_without_a_pool_is_one_line_and_exit_2():
+    out = subprocess.run([sys.executable, "-m", "tokenlake.tools.cli", "status", "--address",
+                          "tcp://127.0.0.1:1", "--timeout", "0.3"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("tokenlake: error: status:")

@@ -334,3 +334,14 @@ def choose_replica(
         return candidates[0]
     a, b = rng.sample(list(candidates), 2)
     return a if load.get(a, 0) <= load.get(b, 0) else b
+
+
+def coefficient_of_variation(values: Sequence[float]) -> float:
+    """Population standard deviation over mean of ``values`` (0 when empty or all zero):
+    the paper's measure of access-load balance across instances (§7)."""
+    if not values:
+        return 0.0
+    mean = sum(values) / len(values)
+    if mean == 0:
+        return 0.0
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean

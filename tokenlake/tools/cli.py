@@ -2,8 +2,9 @@
 
 ``tokenlake demo``               SmolLM2-135M through a 4-instance pool, checked against a plain engine
 ``tokenlake walkthrough``        control-plane walk-through (LooGLE-like workload, 8 instances)
-``tokenlake serve --ray ADDR``   the pool on a Ray cluster, up until Ctrl-C (docs/deploy-ray.md)
+``tokenlake serve``              a local pool (or one on Ray: --ray ADDR) served until Ctrl-C
 ``tokenlake config show``        the effective settings of ``serve`` and where each came from
+``tokenlake status``             instances, slots, hit rate and access CV of a served pool
 ``tokenlake bench WHAT``         benchmarks: plans, query-vs-fetch, e2e, scheduler, sim
 ``tokenlake threshold``          the paper's segment-size threshold for a model and hardware
 ``tokenlake fit-roofline``       fit the scheduler's latency model to roofline samples
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 
 import tokenlake
 from tokenlake.core.errors import ConfigError
-from tokenlake.tools import cli_bench, cli_config, cli_eval, cli_model, cli_pool
+from tokenlake.tools import cli_bench, cli_config, cli_eval, cli_model, cli_pool, cli_status
 from tokenlake.tools.cli_args import PROG, Parser, UsageError, report
 
 
@@ -47,6 +48,7 @@ def build_parser() -> Parser:
     cli_model.register(sub)
     cli_eval.register(sub)
     cli_config.register(sub)
+    cli_status.register(sub)
     return parser
 
 

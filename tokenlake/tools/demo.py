@@ -8,7 +8,6 @@ is checked token for token against a plain engine with a local KV cache.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -76,7 +75,7 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
         "requests": report_requests,
         "instances": [{"instance": i, "segments": pool.slots_used[i], "accesses": pool.reads[i]}
                       for i in sorted(pool.slots_used)],
-        "cv": access_cv([pool.reads[i] for i in sorted(pool.reads)]),
+        "cv": pool.read_cv,
         "hit_rate": stats.hit_rate,
         "segment_tokens": config.segment_tokens,
         "scheduler": schedule,
@@ -141,13 +140,6 @@ def _check_against_reference(weights, tok, results, prompts, config: DemoConfig)
             "matches_reference": list(expected) == res.output_ids,
         })
     return rows
-
-
-def access_cv(reads: list[int]) -> float:
-    """Coefficient of variation (population) of the per-instance cache accesses; 0 when
-    there were none."""
-    mean = statistics.fmean(reads) if reads else 0.0
-    return statistics.pstdev(reads) / mean if mean else 0.0
 
 
 def print_report(report: dict) -> None:

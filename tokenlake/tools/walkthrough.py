@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.control import ControlPlane
+from tokenlake.core.placement import coefficient_of_variation
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import ModelSpec, load_model
 
@@ -69,12 +70,6 @@ class WalkthroughResult:
             "dedup_bytes": self.dedup_bytes,
             "reads_per_instance": {str(k): v for k, v in self.reads.items()},
         }
-
-
-def cv(values: list[float]) -> float:
-    """Coefficient of variation (population std / mean); 0 for an all-zero list."""
-    mean = statistics.fmean(values)
-    return statistics.pstdev(values) / mean if mean else 0.0
 
 
 def _make_prompts(w: WorkloadConfig, rng: random.Random, vocab: int) -> list[list[tuple[int, ...]]]:
@@ -141,7 +136,7 @@ def run(
             delta = [reads[i] - last_reads[i] for i in range(n_instances)]
             last_reads = dict(reads)
             if sum(delta):
-                cvs.append(cv(delta))
+                cvs.append(coefficient_of_variation(delta))
     stats = cp.stats()
     return WalkthroughResult(
         replication, next_id, stats.hit_rate, stats.dedup_bytes, dict(stats.pool.reads), cvs,

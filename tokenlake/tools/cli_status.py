@@ -1,0 +1,85 @@
+"""``tokenlake status``: what a served pool holds, asked over its control port.
+
+Prints each instance's slots in use (of its capacity) and segment reads, the pool's
+hit rate and the access-load CV across instances (docs/design.md §7), from one
+``stats`` call of :func:`tokenlake.connect`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from tokenlake.core.control import ControlStats
+from tokenlake.core.errors import EngineUnavailable
+from tokenlake.tools.cli_args import Parser, UsageError, positive
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7400"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``status`` to the command tree."""
+    p: Parser = sub.add_parser(
+        "status", help="instances, slots, hit rate and access CV of a served pool",
+        description="Asks a pool served by 'tokenlake serve' for its statistics: per "
+                    "instance the slots in use and the segment reads, then the hit rate and "
+                    "the access-load CV.")
+    p.add_argument("--address", default=DEFAULT_ADDRESS,
+                   help="the control plane's address, as 'tokenlake serve' prints it")
+    p.add_argument("--timeout", type=positive(float), default=5.0, metavar="S",
+                   help="seconds to wait for the pool")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    # tokenlake.connect loads the data plane (zmq, msgpack): only this command needs it.
+    from tokenlake.service.remote import connect
+
+    if not args.address.startswith("tcp://"):
+        raise UsageError(f"status: --address must look like tcp://HOST:PORT, got {args.address!r}")
+    try:
+        with connect(args.address, timeout_s=args.timeout) as cp:
+            stats = cp.stats()
+    except EngineUnavailable:
+        raise UsageError(f"status: no pool answered at {args.address} within "
+                         f"{args.timeout:g} s (is 'tokenlake serve' running there?)") from None
+    summary = status_summary(stats)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print_status(summary, args.address)
+    return 0
+
+
+def status_summary(stats: ControlStats) -> dict[str, Any]:
+    """The figures ``status`` prints, as plain data."""
+    pool = stats.pool
+    return {
+        "instances": [
+            {"instance": i, "slots_used": pool.slots_used.get(i, 0),
+             "slots_capacity": pool.slots_capacity.get(i, 0), "reads": pool.reads.get(i, 0)}
+            for i in sorted(pool.slots_capacity)
+        ],
+        "segments": pool.segments,
+        "replicas": pool.replicas,
+        "admitted_requests": stats.admitted_requests,
+        "hit_tokens": stats.hit_tokens,
+        "hit_rate": stats.hit_rate,
+        "access_cv": pool.read_cv,
+        "evictions": pool.evictions,
+        "replications": pool.replications,
+    }
+
+
+def print_status(s: dict[str, Any], address: str) -> None:
+    print(f"pool at {address}: {len(s['instances'])} instances, {s['segments']} segments "
+          f"({s['replicas']} replicas)")
+    print("instance  slots used  segment reads")
+    for row in s["instances"]:
+        used = f"{row['slots_used']}/{row['slots_capacity']}"
+        print(f"{row['instance']:>8}  {used:>10}  {row['reads']:>13}")
+    print(f"hit rate {s['hit_rate']:.1%} ({s['hit_tokens']} tokens, {s['admitted_requests']} "
+          f"requests)   access CV {s['access_cv']:.1%}   evictions {s['evictions']}   "
+          f"replications {s['replications']}")

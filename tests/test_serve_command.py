@@ -60,6 +60,7 @@ def serve_process():
 def test_serve_answers_connect_and_stops_cleanly_on_sigterm(serve_process):
     proc, before = serve_process
     events = _lines(proc)
+    assert _next_event(events, START_TIMEOUT_S)["event"] == "starting"  # progress first
     ready = _next_event(events, START_TIMEOUT_S)
     assert ready["event"] == "ready" and ready["instances"] == 2
     assert ready["address"].startswith("tcp://127.0.0.1:")

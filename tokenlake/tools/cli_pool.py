@@ -146,6 +146,8 @@ def _serve_local(cfg, json_lines: bool) -> int:
                       f"at {server.address} (tokenlake.connect); Ctrl-C or SIGTERM stops",
              address=server.address, instances=cfg.instances, model=cfg.model)
 
+    emit("starting", f"starting {cfg.instances} instances (a query and a transfer engine "
+                     f"each) ...", instances=cfg.instances)
     try:
         serve_local(load_model(cfg.model), cfg.instances, cfg.pool_mb << 20, cfg.segment_tokens,
                     cfg.max_rows, host=cfg.host, control_port=cfg.control_port,

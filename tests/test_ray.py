@@ -10,6 +10,7 @@ so that all of them fit at once."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import random
@@ -38,11 +39,12 @@ from test_dataplane import (  # noqa: E402
     test_the_compute_engine_side_copies_nothing as no_copy_scenario,
 )
 
-from tokenlake.core.errors import EngineUnavailable, PlanError  # noqa: E402
+from tokenlake.core.errors import ConfigError, EngineUnavailable, PlanError  # noqa: E402
 from tokenlake.core.plans import Batch, BatchRequest  # noqa: E402
 from tokenlake.dataplane.shm_files import list_buffers  # noqa: E402
 from tokenlake.deploy.local import LocalCluster  # noqa: E402
 from tokenlake.deploy.ray import RayCluster, RayComputeEngine, RayOptions  # noqa: E402
+from tokenlake.deploy.ray.fit import NodeResources, check_fit  # noqa: E402
 from tokenlake.serving import GenerationRequest, Server  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -106,6 +108,107 @@ def test_both_launchers_share_one_buffer_layout(ray_pool, local_pool):
         for name, spec in ray_pool.client_info(i)["buffers"].items():
             assert tuple(spec["shape"]) == shapes[name] == tuple(getattr(local_pool.client(i), name).shape)
         assert ray_pool.slab(i).shape == local_pool.slab(i).shape == shapes["slab"]
+
+
+# ------------------------------------------------------------- fitting the cluster
+
+def _nodes(*cpus: float, gpus: float = 0.0) -> list[NodeResources]:
+    res = [{"CPU": c, "GPU": gpus} if gpus else {"CPU": c} for c in cpus]
+    return [NodeResources(f"10.0.0.{k + 1}", r) for k, r in enumerate(res)]
+
+
+def _total(nodes: list[NodeResources]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for node in nodes:
+        for r, v in node.resources.items():
+            out[r] = out.get(r, 0.0) + v
+    return out
+
+
+@pytest.mark.parametrize("n, bundle, strategy, cpus, match", [
+    (4, {"CPU": 3.0}, "PACK", (2.0,),
+     r"4 bundles of \{CPU: 3\} need 12 CPU; the Ray cluster has 2 CPU in all \(1 node: 10.0.0.1 has \{CPU: 2\}\)"),
+    (1, {"CPU": 3.0}, "PACK", (2.0, 2.0),
+     r"no node of the Ray cluster can hold one bundle of \{CPU: 3\} \(2 nodes: 10.0.0.1 has \{CPU: 2\}, "),
+    (3, {"CPU": 1.0}, "STRICT_SPREAD", (4.0, 0.5),
+     r"STRICT_SPREAD puts each of the 3 bundles of \{CPU: 1\} on a node of its own, but only 1 of the Ray "
+     r"cluster's 2 nodes can hold one"),
+    (3, {"CPU": 1.0}, "STRICT_PACK", (2.0, 2.0),
+     r"STRICT_PACK puts all 3 bundles of \{CPU: 1\} on one node, but a node holds at most 2"),
+    (3, {"CPU": 1.5}, "SPREAD", (2.0, 2.0, 0.5),
+     r"3 bundles of \{CPU: 1.5\} do not fit the Ray cluster's nodes, which hold 2 of them in all"),
+    (2, {"CPU": 1.0, "GPU": 1.0}, "PACK", (4.0,),
+     r"2 bundles of \{CPU: 1, GPU: 1\} need 2 GPU; the Ray cluster has 0 GPU in all"),
+])
+def test_check_fit_names_what_was_asked_and_what_the_cluster_has(n, bundle, strategy, cpus, match):
+    nodes = _nodes(*cpus)
+    with pytest.raises(ConfigError, match=match):
+        check_fit(n, bundle, strategy, _total(nodes), nodes)
+
+
+@pytest.mark.parametrize("n, bundle, strategy, cpus, gpus", [
+    (4, {"CPU": 0.25}, "STRICT_PACK", (1.0,), 0.0),  # exactly full
+    (3, {"CPU": 0.1}, "PACK", (0.3,), 0.0),  # 3 * 0.1 is 0.30000000000000004 in floats
+    (3, {"CPU": 1.0}, "PACK", (2.0, 2.0), 0.0),
+    (2, {"CPU": 2.0, "GPU": 1.0}, "STRICT_SPREAD", (2.0, 2.0, 1.0), 1.0),
+])
+def test_check_fit_accepts_bundles_that_fit(n, bundle, strategy, cpus, gpus):
+    nodes = _nodes(*cpus, gpus=gpus)
+    check_fit(n, bundle, strategy, _total(nodes), nodes)
+
+
+@pytest.mark.parametrize("options, match", [
+    (RayOptions(cpus_per_instance=3), r"2 bundles of \{CPU: 3\} need 6 CPU; the Ray cluster has 2 CPU in all"),
+    (RayOptions(cpus_per_instance=0.25, gpus_per_instance=1), r"need 2 GPU; the Ray cluster has 0 GPU in all"),
+    (RayOptions(cpus_per_instance=0.25, strategy="STRICT_SPREAD"),
+     r"STRICT_SPREAD puts each of the 2 bundles .* only 1 of the Ray cluster's 1 nodes can hold one"),
+])
+def test_a_request_the_ray_cluster_cannot_hold_fails_at_once(ray_session, options, match):
+    """More than the local Ray (one node, 2 CPUs, no GPU) has: a ConfigError naming the
+    resources, in well under 10 s although the start-up timeout is 120 s; nothing is
+    left placed."""
+    before = ray.util.placement_group_table()
+    cluster = RayCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, start_timeout_s=120.0,
+                         options=options)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=match):
+        cluster.start()
+    assert time.monotonic() - t0 < 5.0
+    assert cluster.placement_group is None and ray.util.placement_group_table() == before
+
+
+def test_busy_resources_wait_place_timeout_and_say_so(ray_pool):
+    """Two bundles of 1 CPU fit the 2-CPU Ray, but the shared pool holds one of them:
+    after ``place_timeout_s`` (not the start-up timeout) an EngineUnavailable says the
+    resources are busy, and the pending placement group is removed."""
+    options = RayOptions(cpus_per_instance=1.0, place_timeout_s=1.0)
+    cluster = RayCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, start_timeout_s=120.0,
+                         options=options)
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailable, match=r"2 bundles of \{CPU: 1\} \(PACK\) within 1 s: the cluster "
+                                                r"has the resources, but they are busy \([0-9.]+ of 2 CPU free"):
+        cluster.start()
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    assert cluster.placement_group is None
+    assert all(pg["state"] != "PENDING" for pg in ray.util.placement_group_table().values())
+    assert ray_pool.instances == (0, 1) and not ray_pool.failed_instances()
+
+
+def test_start_up_progress_is_logged(ray_session, caplog):
+    """A request that fits starts, and says so at INFO as it goes: placing the bundles,
+    starting each instance's engines, each instance ready, the pool ready."""
+    caplog.set_level(logging.INFO, logger="tokenlake.deploy.ray")
+    with RayCluster(1, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, start_timeout_s=60.0,
+                    options=RayOptions(cpus_per_instance=0.25)) as cluster:
+        assert cluster.instances == (0,) and cluster.alive("query", 0) and cluster.alive("transfer", 0)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("tokenlake.deploy.ray")]
+    expected = ["placing 1 bundle of {CPU: 0.25} (PACK) on the Ray cluster's 1 alive node(s)",
+                "placed 1 bundle of {CPU: 0.25}", "starting instance 0's host and engines",
+                "instance 0's query engine bound", "instance 0's transfer engine bound",
+                "instance 0 ready on node", "pool ready: 1 instances on Ray"]
+    found = [next((k for k, line in enumerate(lines) if line.startswith(e)), None) for e in expected]
+    assert None not in found, (expected, lines)
+    assert found.index(max(found)) == len(found) - 1 and found[0] == 0 and found[1] < found[2]
 
 
 def test_the_ray_package_imports_without_torch():

@@ -12,6 +12,8 @@ does it for a dead host), the actors are killed.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from typing import Any
 
 import ray
@@ -24,10 +26,13 @@ from tokenlake.dataplane.shm_files import unlink_prefix
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, BufferLayout
 from tokenlake.deploy.ray.actors import EngineActorRemote
 from tokenlake.deploy.ray.compute import ComputeActors
+from tokenlake.deploy.ray.fit import bundles_text, busy_reason, check_fit, cluster_nodes
 from tokenlake.deploy.ray.host import HostActor, HostBuffers, unlink_on
 from tokenlake.deploy.ray.options import RayOptions
 from tokenlake.deploy.ray.relay import ActorTable, gather
 from tokenlake.deploy.roles import ENGINE_ROLES
+
+log = logging.getLogger(__name__)
 
 
 class Bundles:
@@ -52,17 +57,24 @@ class Bundles:
         self.hosts: dict[int, HostBuffers] = {}
 
     def place(self, n_instances: int) -> None:
-        """Places ``n_instances`` bundles; ``EngineUnavailable`` when Ray cannot within
-        ``start_timeout_s``."""
+        """Places ``n_instances`` bundles of ``options.bundle()``. ``ConfigError`` at once
+        when the cluster can never hold them (:func:`~tokenlake.deploy.ray.fit.check_fit`);
+        ``EngineUnavailable`` when they fit but Ray could not place them within
+        ``options.place_timeout_s`` (others hold the resources)."""
+        bundle, strategy = self.options.bundle(), self.options.strategy
         self.node = ray.get_runtime_context().get_node_id()
-        self.pg = placement_group([self.options.bundle() for _ in range(n_instances)],
-                                  strategy=self.options.strategy)
-        ready, _ = ray.wait([self.pg.ready()], timeout=self.start_timeout_s)
-        if not ready:
-            raise EngineUnavailable(
-                f"Ray could not place {n_instances} bundles of {self.options.bundle()} "
-                f"({self.options.strategy}) within {self.start_timeout_s:.0f} s: not enough "
-                "resources or nodes (see `ray status`)")
+        nodes = cluster_nodes()
+        log.info("placing %s (%s) on the Ray cluster's %d alive node(s)",
+                 bundles_text(n_instances, bundle), strategy, len(nodes))
+        check_fit(n_instances, bundle, strategy, ray.cluster_resources(), nodes)
+        t0 = time.monotonic()
+        self.pg = placement_group([dict(bundle) for _ in range(n_instances)], strategy=strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.options.place_timeout_s)
+        if not ready:  # a node may have left since the check: that reason first
+            check_fit(n_instances, bundle, strategy, ray.cluster_resources(), cluster_nodes())
+            raise EngineUnavailable(busy_reason(n_instances, bundle, strategy, self.options.place_timeout_s,
+                                                ray.available_resources(), ray.cluster_resources()))
+        log.info("placed %s in %.1f s", bundles_text(n_instances, bundle), time.monotonic() - t0)
 
     def in_bundle(self, instance: int) -> PlacementGroupSchedulingStrategy:
         """The scheduling strategy of ``instance``'s bundle."""
@@ -86,6 +98,7 @@ class Bundles:
     def _create_actors(self, instances: list[int]) -> tuple[dict[int, Any], dict[tuple[str, int], Any]]:
         hosts, engines = {}, {}
         for i in instances:
+            log.info("starting instance %d's host and engines", i)
             hosts[i] = HostActor.options(scheduling_strategy=self.in_bundle(i),
                                          **self.options.resources("host")).remote(i)
             self.table.actors[("host", i)] = hosts[i]
@@ -124,6 +137,8 @@ class Bundles:
         for key, started in gather(starts, "engine start-up", self.start_timeout_s).items():
             self.table.endpoints[key] = started.endpoint
             self.table.procs[key] = started.proc
+            log.info("instance %d's %s engine bound %s (pid %d)", key[1], key[0], started.endpoint,
+                     started.proc.pid)
 
     def _connect(self, engines: dict[tuple[str, int], Any], instances: list[int], others: list[int]) -> None:
         """Gives the new engines the endpoints of every running peer (they start serving),
@@ -136,6 +151,8 @@ class Bundles:
         for role in ENGINE_ROLES:
             peers = Peers(tuple((i, table[role][i]) for i in instances))
             self.table.request_all([(role, j) for j in others], peers, Ack, strict=True)
+        for i in instances:
+            log.info("instance %d ready on node %s", i, self.table.procs[("host", i)].ip)
 
     def client_info(self, instance: int) -> dict[str, Any]:
         """See :meth:`RayCluster.client_info` (``instance`` must be running)."""

@@ -30,6 +30,7 @@ again in the same bundle with an empty slab.
 from __future__ import annotations
 
 import atexit
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,8 @@ from tokenlake.deploy.ray.liveness import ProcessRef
 from tokenlake.deploy.ray.options import ALL_ROLES, COMPUTE_ROLE, RayOptions
 from tokenlake.deploy.roles import ENGINE_ROLES
 
+log = logging.getLogger(__name__)
+
 
 class RayCluster(ClusterBase):
     """N instances' query and transfer engines as Ray actors, plus the control plane.
@@ -70,10 +73,10 @@ class RayCluster(ClusterBase):
     with it.
 
     Args: as ``LocalCluster`` (``host`` is in ``options``), plus ``options``
-    (:class:`RayOptions`). ``start_timeout_s`` bounds placing the bundles and starting
-    the actors (worker start-up and the torch import included). ``compute``: start the
-    compute actors in :meth:`start` (``True``: with the default weights; a callable:
-    their weights loader, see :meth:`start_compute`).
+    (:class:`RayOptions`). ``start_timeout_s`` bounds starting the actors (worker
+    start-up and the torch import included); ``options.place_timeout_s`` placing the
+    bundles. ``compute``: start the compute actors in :meth:`start` (``True``: with the
+    default weights; a callable: their weights loader, see :meth:`start_compute`).
     """
 
     def __init__(
@@ -104,8 +107,13 @@ class RayCluster(ClusterBase):
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Places the bundles, starts 3N actors, exchanges addresses; waits until ready."""
+        """Places the bundles, starts 3N actors, exchanges addresses; waits until ready.
+        Bundles the Ray cluster can never hold are a ``ConfigError`` before anything is
+        placed; bundles that fit but stay unplaced for ``options.place_timeout_s`` (the
+        resources are busy) an ``EngineUnavailable``. Progress is logged at INFO."""
+        t0 = time.monotonic()
         if not ray.is_initialized():
+            log.info("connecting to Ray (address %s)", self.options.address or "local")
             ray.init(address=self.options.address)
             self._owns_ray = True
         atexit.register(self.close)
@@ -119,6 +127,7 @@ class RayCluster(ClusterBase):
             self.close()
             raise
         self._ctx = zmq.Context()
+        log.info("pool ready: %d instances on Ray in %.1f s", self.n_instances, time.monotonic() - t0)
 
     def close(self) -> None:
         """Stops every engine, unlinks every shared buffer on every node, kills every

@@ -5,6 +5,7 @@ opens and stops those actors for a :class:`~tokenlake.deploy.ray.RayCluster`."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -20,6 +21,8 @@ from tokenlake.deploy.ray.relay import ActorTable, actor_error
 
 if TYPE_CHECKING:
     from tokenlake.model.compute import IterationOutput
+
+log = logging.getLogger(__name__)
 
 
 class ComputeActorSource(Protocol):
@@ -150,6 +153,7 @@ class ComputeActors:
         """Creates the actors of ``{instance: its bundle}`` (each loads torch and the
         weights now, asynchronously)."""
         for i, bundle in bundles.items():
+            log.info("starting instance %d's compute actor (it loads the weights)", i)
             self.table.actors[(COMPUTE_ROLE, i)] = ComputeActorRemote.options(
                 scheduling_strategy=bundle, **self.resources
             ).remote(i, self.loader, self.threads)
@@ -172,6 +176,7 @@ class ComputeActors:
             raise actor_error(exc) from exc
         for i, proc in zip(refs, procs):
             self.table.procs[(COMPUTE_ROLE, i)] = proc
+            log.info("instance %d's compute actor ready (pid %d)", i, proc.pid)
 
     def stop(self, instances: list[int], node: str) -> None:
         """Closes the clients of the instances' actors, kills the actors and waits until

@@ -46,6 +46,9 @@ class RayOptions:
         address: passed to ``ray.init`` when Ray is not initialised yet (``"auto"``, a
             ``host:port`` of the head, or ``None`` for a local Ray); the cluster then
             shuts Ray down again in :meth:`RayCluster.close`.
+        place_timeout_s: seconds to wait for Ray to place the bundles once they are known
+            to fit the cluster (they wait while other work holds the resources). Bundles
+            that can never fit fail at once, whatever this is.
     """
 
     strategy: str = "PACK"
@@ -55,6 +58,7 @@ class RayOptions:
     host: str = "127.0.0.1"
     port_range: tuple[int, int] | None = None
     address: str | None = None
+    place_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -63,6 +67,8 @@ class RayOptions:
             raise ConfigError(f"cpus_per_instance must be > 0, got {self.cpus_per_instance!r}")
         if not isinstance(self.gpus_per_instance, int) or self.gpus_per_instance < 0:
             raise ConfigError(f"gpus_per_instance must be an int >= 0, got {self.gpus_per_instance!r}")
+        if not self.place_timeout_s > 0:
+            raise ConfigError(f"place_timeout_s must be > 0, got {self.place_timeout_s!r}")
         if not 0 < self.engine_share <= 1:
             raise ConfigError(f"engine_share must be in (0, 1], got {self.engine_share!r}")
         if self.cpus_per_instance * self.engine_share * min(_CPU_SHARE.values()) < 0.001:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokenlake.core.specs import load_model
@@ -27,8 +29,9 @@ def serve(
 ) -> int:
     """``tokenlake serve --ray``: starts the pool, prints its addresses, watches it
     every ``poll_s`` seconds (failed instances are removed and, with ``restart``, started
-    again) until Ctrl-C (KeyboardInterrupt) or ``stop`` is set, then shuts everything
-    down. ``json_lines``: one JSON object per event (``ready``, ``serving``, ``failed``,
+    again) until Ctrl-C or SIGTERM (handled when called in the main thread) or ``stop``
+    is set, then shuts everything down (a KeyboardInterrupt during start-up stops the
+    cluster and propagates). ``json_lines``: one JSON object per event (``ready``, ``serving``, ``failed``,
     ``restarted``, ``stopping``, ``stopped``) instead of text. Returns the exit code."""
 
     def emit(event: str, text: str, **data: Any) -> None:
@@ -45,13 +48,34 @@ def serve(
         emit("ready", "\n".join(lines), instances=desc)
         emit("serving", "serving; Ctrl-C to stop")
         try:
-            while not stop.wait(poll_s):
-                _recover(cluster, restart, emit)
-        except KeyboardInterrupt:
+            with _signals_set(stop):
+                while not stop.wait(poll_s):
+                    _recover(cluster, restart, emit)
+        except KeyboardInterrupt:  # raised some other way (_thread.interrupt_main, say)
             pass
         emit("stopping", "stopping")
     emit("stopped", "stopped: actors gone, shared memory unlinked")
     return 0
+
+
+@contextlib.contextmanager
+def _signals_set(stop: threading.Event) -> Iterator[None]:
+    """While serving, SIGINT and SIGTERM set ``stop`` instead of raising: a
+    KeyboardInterrupt raised inside ``Event.wait`` can leave the event's lock released
+    and end the command with "RuntimeError: release unlocked lock" instead of a clean
+    stop. The previous handlers come back afterwards. Outside the main thread (where
+    handlers cannot be set) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _recover(cluster: RayCluster, restart: bool, emit: Callable[..., None]) -> None:

@@ -9,6 +9,7 @@ Modules, by concern:
 * :mod:`~tokenlake.deploy.ray.actors`: the engine actor and :class:`ComputeActor`;
 * :mod:`~tokenlake.deploy.ray.client`: :func:`open_client`, an instance's client on its node;
 * :mod:`~tokenlake.deploy.ray.relay`: the driver's actor table and the requests it relays to engines;
+* :mod:`~tokenlake.deploy.ray.fit`: whether the bundles can fit the cluster, checked before placing them;
 * :mod:`~tokenlake.deploy.ray.bundles`: the placement group, and starting and tearing down instances;
 * :mod:`~tokenlake.deploy.ray.compute`: :class:`RayComputeEngine` and the compute actors' start and stop;
 * :mod:`~tokenlake.deploy.ray.cluster`: :class:`RayCluster`, the public API;

@@ -115,6 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = RayOptions(
         strategy=cfg.ray_strategy, cpus_per_instance=cfg.ray_cpus_per_instance,
         gpus_per_instance=cfg.ray_gpus_per_instance, engine_share=cfg.ray_engine_share,
+        place_timeout_s=cfg.ray_place_timeout_s,
         host=cfg.bind, port_range=cfg.ports,
         address=None if cfg.ray_address == "local" else cfg.ray_address,
     )

@@ -132,6 +132,9 @@ class ServeSettings:
     ray_engine_share: float = _setting(1.0, "float", "share of each bundle for the pool's "
                                        "actors (rest: compute engine)", _share,
                                        flag="--engine-share", metavar="SHARE")
+    ray_place_timeout_s: float = _setting(10.0, "float", "seconds to wait for Ray to place bundles "
+                                          "that fit but whose resources are busy", _positive,
+                                          flag="--place-timeout", metavar="S")
 
     def __post_init__(self) -> None:
         for f in fields(self):

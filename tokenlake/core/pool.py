@@ -32,12 +32,7 @@ from dataclasses import dataclass, field
 
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.errors import CapacityError, ConfigError, PrefixNotCached, SegmentNotFound
-from tokenlake.core.placement import (
-    AccessWindow,
-    HashRing,
-    choose_replica,
-    coefficient_of_variation,
-)
+from tokenlake.core.placement import AccessWindow, HashRing, choose_replica
 from tokenlake.core.prefix_tree import MatchResult, PrefixTree, SegmentLocation
 from tokenlake.core.replication import Replication, Replicator
 from tokenlake.core.segments import SegmentHasher, SegmentKey
@@ -88,11 +83,6 @@ class PoolStats:
     evictions: int = 0  # replicas evicted to make room
     replications: int = 0  # replicas created by rebalancing
     reads: Mapping[int, int] = field(default_factory=dict)  # cumulative segment reads per instance
-
-    @property
-    def read_cv(self) -> float:
-        """Coefficient of variation of the per-instance reads (access-load balance)."""
-        return coefficient_of_variation([self.reads[i] for i in sorted(self.reads)])
 
 
 class CachePool:

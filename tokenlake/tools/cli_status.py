@@ -13,6 +13,7 @@ from typing import Any
 
 from tokenlake.core.control import ControlStats
 from tokenlake.core.errors import EngineUnavailable
+from tokenlake.core.placement import coefficient_of_variation
 from tokenlake.tools.cli_args import Parser, UsageError, positive
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7400"
@@ -67,7 +68,7 @@ def status_summary(stats: ControlStats) -> dict[str, Any]:
         "admitted_requests": stats.admitted_requests,
         "hit_tokens": stats.hit_tokens,
         "hit_rate": stats.hit_rate,
-        "access_cv": pool.read_cv,
+        "access_cv": coefficient_of_variation([pool.reads[i] for i in sorted(pool.reads)]),
         "evictions": pool.evictions,
         "replications": pool.replications,
     }

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 
+from tokenlake.core.placement import coefficient_of_variation
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.serving import GenerationRequest, Server
 
@@ -75,7 +76,7 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
         "requests": report_requests,
         "instances": [{"instance": i, "segments": pool.slots_used[i], "accesses": pool.reads[i]}
                       for i in sorted(pool.slots_used)],
-        "cv": pool.read_cv,
+        "cv": coefficient_of_variation([pool.reads[i] for i in sorted(pool.reads)]),
         "hit_rate": stats.hit_rate,
         "segment_tokens": config.segment_tokens,
         "scheduler": schedule,

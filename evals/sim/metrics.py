@@ -20,10 +20,11 @@ Per request: time to first token (TTFT), every time between tokens (TBT), hit to
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from tokenlake.core.placement import coefficient_of_variation
 
 
 @dataclass(frozen=True)
@@ -152,13 +153,9 @@ class Recorder:
             j = jn
 
     def cv_series(self) -> list[float]:
-        out = []
-        for k in sorted(self.windows):
-            row = self.windows[k]
-            mean = sum(row) / len(row)
-            if mean > 0:
-                out.append(math.sqrt(sum((x - mean) ** 2 for x in row) / len(row)) / mean)
-        return out
+        """Access CV of every window with reads, in time order."""
+        return [coefficient_of_variation(self.windows[k]) for k in sorted(self.windows)
+                if sum(self.windows[k]) > 0]
 
     # -------------------------------------------------------------- summary
     def tbt_samples(self) -> tuple[np.ndarray, np.ndarray]:

@@ -220,7 +220,6 @@ class Server:
         for its view, its cache load and its admission (nothing changes the tree until
         the plans of this iteration are made).
         """
-
         tracker = self.tracker
         for live in tracker.waiting():
             tracker.set_hit(live, self._match(live.req.prompt_ids))

@@ -96,10 +96,7 @@ class Fields:
         return self.as_int(self.get(name), name)
 
     def float(self, name: str) -> float:
-        value = self.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(name, f"must be a number, got {short(value)}")
-        return float(value)
+        return self.as_float(self.get(name), name)
 
     def str(self, name: str) -> str:
         value = self.get(name)
@@ -114,6 +111,12 @@ class Fields:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(path, f"must be an int, got {short(value)}")
         return value
+
+    def as_float(self, value: Any, path: str) -> float:
+        """A number (an int or a float, never a bool), as a float."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(path, f"must be a number, got {short(value)}")
+        return float(value)
 
     def as_ints(self, value: Any, path: str) -> tuple[int, ...]:
         """A list of ints, as a tuple."""

@@ -82,9 +82,7 @@ def _leaf(tp: Any, value: Any, f: Fields, path: str) -> Any:
     if tp is int:
         return f.as_int(value, path)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise f.error(path, f"must be a number, got {short(value)}")
-        return float(value)
+        return f.as_float(value, path)
     if tp in (str, bytes, bool):
         if type(value) is not tp:
             raise f.error(path, f"must be a {tp.__name__}, got {short(value)}")

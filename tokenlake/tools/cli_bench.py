@@ -1,9 +1,11 @@
-"""``tokenlake bench {plans,query-vs-fetch,e2e,scheduler,sim}``: benchmarks that print
-figures (they assert nothing; README.md quotes them).
+"""``tokenlake bench {plans,query-vs-fetch,e2e,scheduler,sim,serve}``: benchmarks that
+print figures (they assert nothing; README.md quotes them).
 
 Each benchmark's work lives beside what it measures (``tokenlake/tools/bench_*.py``,
 ``scheduler/bench.py``, ``evals/sim/bench.py``); this module parses the arguments and
-prints the result, as JSON with ``--json``.
+prints the result, as JSON with ``--json``. ``serve`` is a load generator for a served
+pool's OpenAI-compatible HTTP API (``tokenlake/tools/bench_serve.py``), optionally
+against a baseline server or with both launched by ``--launch``.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 
 from tokenlake.tools.bench_plans import bench_plans
-from tokenlake.tools.cli_args import UsageError, fraction, positive
+from tokenlake.tools.cli_args import UsageError, at_least, fraction, positive
 from tokenlake.tools.cli_eval import SYSTEM_NAMES
+
+WORKLOADS = ("loogle", "sharegpt", "mooncake")  # tokenlake/tools/bench_serve_load.py
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Adds ``bench`` and its five benchmarks to the command tree."""
+    """Adds ``bench`` and its six benchmarks to the command tree."""
     bench = sub.add_parser("bench", help="benchmarks (print figures; not tests)",
                            description="Benchmarks: they print figures and assert nothing.")
     what = bench.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
@@ -31,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "scheduler", help="decision time of the goodput DP scheduler (JSON)"))
     add_sim(what.add_parser(
         "sim", help="simulator speed on a repeated Mooncake trace (JSON)"))
+    add_serve(what.add_parser(
+        "serve", help="load generator for a served pool's HTTP API (TTFT, TBT, throughput)",
+        description="Streams completions to an OpenAI-compatible server (the pool) and "
+                    "optionally a baseline; reports TTFT, time between tokens, end-to-end "
+                    "latency, throughput and the pool's hit rate."))
 
 
 def _json_flag(p: argparse.ArgumentParser, always: bool = False) -> None:
@@ -168,4 +179,108 @@ def run_sim(args: argparse.Namespace) -> int:
         raise UsageError(f"bench sim: trace file not found: {trace}")
     print(json.dumps(bench(trace, args.system, args.repeat, args.instances, args.speedup,
                            args.rate, args.limit, args.seed), indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def add_serve(p: argparse.ArgumentParser) -> None:
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--base-url", default=None,
+                        help="the pool's server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--launch", action="store_true",
+                        help="start 'tokenlake serve --engine pool' and '--engine reference' "
+                             "(the baseline), benchmark both, stop them")
+    p.add_argument("--baseline-url", default=None,
+                   help="a baseline server to compare with (not with --launch)")
+    p.add_argument("--instances", type=positive(int), default=2,
+                   help="instances of each launched server (--launch)")
+    p.add_argument("--launch-args", default="",
+                   help="more arguments for both launched 'tokenlake serve', one string")
+    p.add_argument("--launch-timeout", type=positive(float), default=300.0,
+                   help="seconds to wait for a launched server to be ready")
+    p.add_argument("--model", default=None, help="model name (default: the first one the "
+                                                 "server's /v1/models lists)")
+    p.add_argument("--workload", choices=WORKLOADS, default="loogle",
+                   help="prompts: LooGLE-like shared documents, ShareGPT chats, or a "
+                        "Mooncake trace (--trace)")
+    p.add_argument("--trace", default=None,
+                   help="Mooncake-format JSONL trace for --workload mooncake (default: "
+                        "shared/data/mooncake_synthetic_trace.jsonl beside the checkout)")
+    p.add_argument("--block-tokens", type=positive(int), default=16,
+                   help="mooncake: tokens sent for each 512-token block of the trace")
+    p.add_argument("--max-prompt-tokens", type=positive(int), default=2048,
+                   help="prompts are cut to this many tokens")
+    p.add_argument("--doc-tokens", type=positive(int), default=1500,
+                   help="loogle: mean document length, tokens")
+    p.add_argument("--questions-per-doc", type=positive(int), default=4,
+                   help="loogle: questions sharing each document")
+    p.add_argument("--system-prompt-tokens", type=at_least(int, 0), default=500,
+                   help="sharegpt: length of the shared system prompt, tokens")
+    p.add_argument("--num-requests", type=positive(int), default=32,
+                   help="measured requests per server and round")
+    p.add_argument("--max-tokens", type=positive(int), default=16,
+                   help="output tokens per request at most (the workload's length, capped)")
+    p.add_argument("--concurrency", type=positive(int), default=None,
+                   help="requests in flight at most (default: 4 without --rate, no cap with it)")
+    p.add_argument("--rate", type=positive(float), default=None,
+                   help="Poisson arrivals at this many requests/s (default: a closed loop)")
+    p.add_argument("--warmup", type=at_least(int, 0), default=1,
+                   help="unmeasured warm-up requests per server and round (unrelated prompts)")
+    p.add_argument("--rounds", type=positive(int), default=1,
+                   help="rounds, each with a fresh workload seed (pool, then baseline)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
+    p.add_argument("--timeout", type=positive(float), default=300.0,
+                   help="seconds one request may take before it counts as an error")
+    _json_flag(p)
+    p.set_defaults(run=run_serve)
+
+
+def serve_config(args: argparse.Namespace):
+    """The :class:`~tokenlake.tools.bench_serve.BenchConfig` of parsed arguments."""
+    from tokenlake.tools.bench_serve import BenchConfig, Load
+    from tokenlake.tools.bench_serve_load import WorkloadSpec
+
+    trace = None
+    if args.workload == "mooncake":
+        from evals.sim.bench import DEFAULT_TRACE
+
+        trace = args.trace or str(DEFAULT_TRACE)
+        if not os.path.isfile(trace):
+            raise UsageError(f"bench serve: trace file not found: {trace}")
+    elif args.trace is not None:
+        raise UsageError("bench serve: --trace is for --workload mooncake")
+    spec = WorkloadSpec(args.workload, args.num_requests, args.max_tokens,
+                        args.max_prompt_tokens, doc_tokens=args.doc_tokens,
+                        questions_per_doc=args.questions_per_doc,
+                        system_prompt_tokens=args.system_prompt_tokens, trace=trace,
+                        block_tokens=args.block_tokens)
+    concurrency = args.concurrency if args.concurrency or args.rate else 4
+    return BenchConfig(spec, Load(concurrency, args.rate, args.seed, args.timeout),
+                       warmup=args.warmup, rounds=args.rounds, model=args.model,
+                       progress=not args.json)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    # httpx, evals and the tokenizer: only when this benchmark runs
+    from tokenlake.tools.bench_serve import run_bench
+    from tokenlake.tools.bench_serve_stats import format_report
+
+    if args.launch and args.baseline_url:
+        raise UsageError("bench serve: --launch starts its own baseline; drop --baseline-url")
+    try:
+        extra = shlex.split(args.launch_args)
+    except ValueError as exc:
+        raise UsageError(f"bench serve: --launch-args: {exc}") from None
+    config = serve_config(args)
+    launch = (args.instances, extra, args.launch_timeout) if args.launch else None
+    try:
+        result = run_bench(config, args.base_url, args.baseline_url, launch)
+    except (ValueError, FileNotFoundError) as exc:  # options the workload cannot meet
+        raise UsageError(f"bench serve: {exc}") from None
+    except RuntimeError as exc:  # a server that cannot be reached or started
+        print(f"tokenlake: error: bench serve: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0

@@ -32,10 +32,16 @@ def _lines(proc: subprocess.Popen) -> queue.Queue:
     return q
 
 
-def _next_event(q: queue.Queue, timeout_s: float) -> dict:
-    line = q.get(timeout=timeout_s)
-    assert line is not None, "serve ended without printing an event"
-    return json.loads(line)
+def _next_event(q: queue.Queue, timeout_s: float, progress: list | None = None) -> dict:
+    """The next event that is not a progress report (those go to ``progress``)."""
+    while True:
+        line = q.get(timeout=timeout_s)
+        assert line is not None, "serve ended without printing an event"
+        event = json.loads(line)
+        if event["event"] != "progress":
+            return event
+        if progress is not None:
+            progress.append(event["message"])
 
 
 @pytest.fixture
@@ -43,7 +49,7 @@ def serve_process():
     before = set(list_buffers())
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenlake.tools.cli", "serve", "--instances", "2",
-         "--pool-mb", "8", "--control-port", "0", "--json"],
+         "--pool-mb", "8", "--control-port", "0", "--http-port", "0", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("TOKENLAKE_")},
     )
@@ -61,9 +67,12 @@ def test_serve_answers_connect_and_stops_cleanly_on_sigterm(serve_process):
     proc, before = serve_process
     events = _lines(proc)
     assert _next_event(events, START_TIMEOUT_S)["event"] == "starting"  # progress first
-    ready = _next_event(events, START_TIMEOUT_S)
+    progress: list[str] = []
+    ready = _next_event(events, START_TIMEOUT_S, progress)
     assert ready["event"] == "ready" and ready["instances"] == 2
+    assert any("weights" in p for p in progress) and any("instances" in p for p in progress)
     assert ready["address"].startswith("tcp://127.0.0.1:")
+    assert ready["http_url"].startswith("http://127.0.0.1:")
     assert set(list_buffers()) - before, "a served pool holds shared buffers"
 
     with tokenlake.connect(ready["address"]) as cp:
@@ -81,6 +90,16 @@ def test_serve_answers_connect_and_stops_cleanly_on_sigterm(serve_process):
     assert [row["slots_capacity"] for row in shown["instances"]] == [
         stats.pool.slots_capacity[i] for i in (0, 1)]
     assert shown["hit_rate"] == 0.0 and shown["segments"] == 0
+
+    # the OpenAI-compatible API of the same process, with the official client
+    import openai
+
+    with openai.OpenAI(base_url=ready["http_url"] + "/v1", api_key="unused",
+                       max_retries=0, timeout=120) as client:
+        answer = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "Say hi."}],
+            max_tokens=4, temperature=0)
+    assert answer.usage.completion_tokens >= 1 and answer.choices[0].message.content
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, proc.stderr.read()

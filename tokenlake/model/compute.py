@@ -14,7 +14,8 @@ group of those instances computes together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +46,16 @@ class IterationOutput:
 
 
 class ComputeEngine:
-    """Runs iterations of a Llama model whose prefix attention is served by the pool."""
+    """Runs iterations of a Llama model whose prefix attention is served by the pool.
+
+    ``on_query``, when set, is called with the seconds each layer's pool queries took,
+    from sending the first to receiving the last partial (a service's metrics)."""
 
     def __init__(self, weights: LlamaWeights, cluster) -> None:
         self.w = weights
         self.cfg = weights.config
         self.cluster = cluster
+        self.on_query: Callable[[float], None] | None = None
 
     def run(self, plans: Plans, batches: Sequence[Batch]) -> IterationOutput:
         """Computes one iteration; returns when every put of it is stored."""
@@ -116,6 +121,7 @@ class ComputeEngine:
             if put:
                 client.put(layer)
         handles = []
+        sent = time.perf_counter()
         for client, q_buf, _, lo, rows in bufs:  # queries out; self-attention meanwhile
             q_buf.copy_(q[lo : lo + rows])
             handles.append((client.query_async(layer), lo, rows))
@@ -128,6 +134,8 @@ class ComputeEngine:
             part = handle.wait()
             pre_o[lo : lo + rows] = part.o
             pre_lse[lo : lo + rows] = part.lse
+        if self.on_query is not None and handles:
+            self.on_query(time.perf_counter() - sent)
         out = torch.empty_like(q)
         for start, stop, (so, slse) in own:
             out[start:stop], _ = merge(pre_o[start:stop], pre_lse[start:stop], so, slse)

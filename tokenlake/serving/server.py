@@ -1,4 +1,4 @@
-"""The serving loop: requests in, iterations scheduled, tokens out (greedy).
+"""The serving loop: requests in, iterations scheduled, tokens out (greedy or sampled).
 
 Each iteration a policy picks the batches: by default the goodput DP
 (:class:`scheduler.goodput.GoodputScheduler`), or any :class:`scheduler.api.Policy`
@@ -20,6 +20,7 @@ what is new.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from tokenlake.core.errors import TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_hardware
 from tokenlake.model.compute import ComputeEngine
+from tokenlake.serving.sampling import GREEDY, SamplingParams, next_token
 from tokenlake.serving.tracker import DECODE, WAITING, RequestTracker, TrackedRequest
 
 #: The measured latency model of the CPU compute engine (``tokenlake profile-latency``).
@@ -44,12 +46,14 @@ class BadRequest(TokenLakeError, ValueError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """``prompt_ids`` to continue greedily for at most ``max_new_tokens``."""
+    """``prompt_ids`` to continue for at most ``max_new_tokens``, greedily unless
+    ``sampling`` says otherwise; a token in ``stop_ids`` ends it (and is output)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int = 32
     stop_ids: tuple[int, ...] = (2,)
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass
@@ -63,28 +67,31 @@ class RequestResult:
     prefill_tokens: int = 0  # prompt tokens computed
     logits: list[torch.Tensor] = field(default_factory=list)  # last-row logits per output token
     done: bool = False
+    finish_reason: str | None = None  # "stop" (a stop id), "length" or "abort" once done
 
 
 class _Live(TrackedRequest):
     """A request's progress (tracked) plus what the server keeps of it."""
 
-    __slots__ = ("req", "result")
+    __slots__ = ("req", "result", "generator")
 
     def __init__(self, req: GenerationRequest, result: RequestResult, arrival_s: float,
                  tbt_slo_s: float | None) -> None:
         super().__init__(req.request_id, len(req.prompt_ids), arrival_s, tbt_slo_s)
         self.req, self.result = req, result
+        self.generator = req.sampling.generator()
 
 
 class Server:
-    """Greedy generation through the pool with FCFS chunked prefill.
+    """Generation through the pool, scheduled every iteration (continuous batching).
 
     Args:
         cluster: a running :class:`~tokenlake.deploy.local.LocalCluster`.
         weights: model weights (the compute engine is stateless).
         chunk_tokens: most prompt tokens one request prefills per iteration.
         keep_logits: keep every step's logits in the results (tests compare them).
-        on_token: called as ``on_token(request_id, token_id)`` for streaming.
+        on_token: called as ``on_token(request_id, token_id)`` for streaming, after the
+            request's result is updated (``done`` and ``finish_reason`` set on its last).
         rebalance_every: run heavy-hitter replication every this many iterations
             (0: never).
         policy: a :class:`scheduler.api.Policy` deciding every iteration's batches,
@@ -107,13 +114,18 @@ class Server:
             IterationOutput`` (default: ``cluster.compute_engine()`` when the cluster
             has one that is not None, e.g. a ``RayCluster`` with compute actors, else a
             :class:`~tokenlake.model.compute.ComputeEngine` in this process).
+        control: the control plane to call (default ``cluster.control``; a service
+            passes one that serialises its calls with remote clients').
+        keep_decisions: how many policy decisions :attr:`decisions` keeps (None: all;
+            a long-running service bounds it).
     """
 
     def __init__(self, cluster, weights, chunk_tokens: int = 512, keep_logits: bool = False,
                  on_token: Callable[[str, int], None] | None = None, rebalance_every: int = 4,
                  policy=None, latency=None, hardware: str = "cpu",
                  tbt_slo_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 engine=None, compute_slots: int | None = None) -> None:
+                 engine=None, compute_slots: int | None = None, control=None,
+                 keep_decisions: int | None = None) -> None:
         if chunk_tokens > cluster.max_rows:
             raise ValueError(f"chunk_tokens={chunk_tokens} exceeds the cluster's max_rows={cluster.max_rows}")
 
@@ -124,8 +136,9 @@ class Server:
         self.hardware = load_hardware(hardware)
         self.tbt_slo_s = tbt_slo_s
         self.clock = clock
-        self.decisions: list = []  # every policy decision, in order
+        self.decisions: deque = deque(maxlen=keep_decisions)  # policy decisions, in order
         self.cluster = cluster
+        self.control = control if control is not None else cluster.control
         if engine is None and hasattr(cluster, "compute_engine"):
             engine = cluster.compute_engine()
         self.engine = engine if engine is not None else ComputeEngine(weights, cluster)
@@ -162,6 +175,8 @@ class Server:
         bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise BadRequest(f"request {req.request_id!r}: token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if not isinstance(req.sampling, SamplingParams):
+            raise BadRequest(f"request {req.request_id!r}: sampling must be SamplingParams")
         if req.max_new_tokens < 1:
             raise BadRequest(f"request {req.request_id!r}: max_new_tokens must be >= 1")
         total = len(req.prompt_ids) + req.max_new_tokens
@@ -182,7 +197,7 @@ class Server:
         batches, dops, prefilling = self._ask_policy()
         if not batches:
             return
-        cp = self.cluster.control
+        cp = self.control
         plans = cp.gen_plans(batches, dops)
         try:
             out = self.engine.run(plans, batches)
@@ -210,7 +225,7 @@ class Server:
     def _match(self, prompt: tuple[int, ...]) -> int:
         """Prompt tokens the pool can serve now (whole segments; the last token is always
         computed, so that its logits exist)."""
-        tree = self.cluster.control.get_prefix_tree()
+        tree = self.control.get_prefix_tree()
         return tree.match(prompt, max_tokens=len(prompt) - 1).hit_tokens
 
     def snapshot(self):
@@ -225,7 +240,7 @@ class Server:
             tracker.set_hit(live, self._match(live.req.prompt_ids))
         waiting, running = tracker.views()
         load = tracker.cache_load(tracker.values(), self.cluster.n_instances,
-                                  self.cluster.control.model, self.hardware, self.latency)
+                                  self.control.model, self.hardware, self.latency)
         instances = tuple(InstanceView(i) for i in range(self.compute_slots))
         return Snapshot(self.clock(), waiting, running, instances, min(load, 0.99), self.latency)
 
@@ -275,15 +290,50 @@ class Server:
         return BatchRequest(live.req.request_id, new, prefix)
 
     def _emit(self, live: _Live, logits: torch.Tensor) -> None:
-        token = int(torch.argmax(logits))
-        res = live.result
+        req, res = live.req, live.result
+        token = next_token(logits, req.sampling, live.generator)
         res.output_ids.append(token)
         if self.keep_logits:
             res.logits.append(logits.clone())
+        if token in req.stop_ids or len(res.output_ids) >= req.max_new_tokens:
+            self._retire(live, "stop" if token in req.stop_ids else "length")
         if self.on_token is not None:
             self.on_token(res.request_id, token)
-        if token in live.req.stop_ids or len(res.output_ids) >= live.req.max_new_tokens:
-            res.done = True
+
+    def _retire(self, live: _Live, reason: str) -> None:
+        """``live`` is done: out of the tracker, its leases and tail back to the pool."""
+        live.result.done, live.result.finish_reason = True, reason
+        admitted = live.phase != WAITING  # the control plane knows it once admitted
+        if live.phase == DECODE:
             self.tracker.finish(live)
-            self.tracker.remove(live)
-            self.cluster.control.finish_request(res.request_id)
+        self.tracker.remove(live)
+        if admitted:
+            self.control.finish_request(live.req.request_id)
+
+    # ------------------------------------------------------------ service
+    @property
+    def busy(self) -> bool:
+        """True while a request is live (``step`` has work)."""
+        return bool(self.tracker)
+
+    def counts(self) -> tuple[int, int]:
+        """``(waiting, running)`` requests: not admitted yet, and admitted."""
+        waiting = sum(1 for _ in self.tracker.waiting())
+        return waiting, len(self.tracker) - waiting
+
+    def cancel(self, request_id: str) -> bool:
+        """Stops a live request between iterations (its client went away): its prefix
+        leases and open tail go back to the pool at once, ``finish_reason`` is
+        ``"abort"``. Returns False if it is not live (unknown or already done)."""
+        live = self.tracker.get(request_id)
+        if live is None:
+            return False
+        self._retire(live, "abort")
+        return True
+
+    def pop_result(self, request_id: str) -> RequestResult | None:
+        """Forgets a done request's result (a long-running service keeps none)."""
+        res = self.results.get(request_id)
+        if res is None or not res.done:
+            return None
+        return self.results.pop(request_id)

@@ -130,8 +130,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_local(cfg, json_lines: bool) -> int:
-    """The pool on this machine with its control plane on ``cfg.host:cfg.control_port``
-    (0: any free port), until Ctrl-C or SIGTERM; everything is stopped and unlinked."""
+    """The pool on this machine (or the baseline engine, ``--engine reference``) with its
+    control port and HTTP API on ``cfg.host`` (port 0: any free port), until Ctrl-C or
+    SIGTERM; everything is stopped and unlinked."""
     # The local pool starts engines and maps tensors (torch): only this command loads it.
     from tokenlake.service.local import serve_local
 
@@ -141,21 +142,28 @@ def _serve_local(cfg, json_lines: bool) -> int:
     def emit(event: str, text: str, **data) -> None:
         print(json.dumps({"event": event, **data}) if json_lines else text, flush=True)
 
-    def ready(server) -> None:
-        emit("ready", f"serving {cfg.instances} instances of {cfg.model} "
-                      f"({cfg.pool_mb} MiB slab each, C = {cfg.segment_tokens}); control plane "
-                      f"at {server.address} (tokenlake.connect); Ctrl-C or SIGTERM stops",
-             address=server.address, instances=cfg.instances, model=cfg.model)
+    def ready(served) -> None:
+        info = served.info()
+        where = [f"control plane at {info['address']} (tokenlake.connect)"] if info["address"] else []
+        where += [f"OpenAI-compatible API at {info['http_url']}/v1 (metrics: "
+                  f"{info['http_url']}/metrics)"] if info["http_url"] else []
+        what = (f"{cfg.instances} instances of {cfg.model} ({cfg.pool_mb} MiB slab each, "
+                f"C = {cfg.segment_tokens})" if cfg.engine == "pool"
+                else f"{cfg.model} on the reference engine (no pool, no prefix cache)")
+        emit("ready", f"serving {what}; " + "; ".join(where) + "; Ctrl-C or SIGTERM stops",
+             **info, instances=cfg.instances, model=cfg.model, engine=cfg.engine)
 
-    emit("starting", f"starting {cfg.instances} instances (a query and a transfer engine "
-                     f"each) ...", instances=cfg.instances)
+    emit("starting", f"starting ({cfg.engine}) ...", instances=cfg.instances, engine=cfg.engine)
     try:
         serve_local(load_model(cfg.model), cfg.instances, cfg.pool_mb << 20, cfg.segment_tokens,
                     cfg.max_rows, host=cfg.host, control_port=cfg.control_port,
-                    engine_host=cfg.bind, stop=stop, on_ready=ready)
-    except TokenLakeError as exc:  # sizes that do not fit, a port in use, an engine that fails
+                    http_port=cfg.http_port, engine=cfg.engine, engine_host=cfg.bind,
+                    stop=stop, on_ready=ready,
+                    progress=lambda line: emit("progress", line, message=line))
+    except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None
     except KeyboardInterrupt:  # during start-up: the pool has cleaned up already
         return 130
-    emit("stopped", "stopped: engines gone, shared memory unlinked")
+    emit("stopped", "stopped: HTTP and control servers closed, engines gone, shared memory "
+                    "unlinked")
     return 0

@@ -36,6 +36,7 @@ CONFIG_ENV = "TOKENLAKE_CONFIG"  # the file, when --config is not given
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_TABLE = "ray"
+ENGINES = ("pool", "reference")
 
 Check = Callable[[object], "str | None"]  # a value's fault in words, or None when fine
 
@@ -106,8 +107,11 @@ class ServeSettings:
                          _address, metavar="ADDRESS")
     control_port: int = _setting(7400, "int", "control port (typed wire messages; 0: any "
                                  "free port, printed at start)", _port_or_any, metavar="PORT")
-    http_port: int = _setting(8000, "int", "HTTP port (OpenAI-compatible API, metrics)",
-                         _port, metavar="PORT")
+    http_port: int = _setting(8000, "int", "HTTP port (OpenAI-compatible API, metrics; 0: any "
+                              "free port, printed at start)", _port_or_any, metavar="PORT")
+    engine: str = _setting("pool", "str", "what serves the HTTP API: 'pool' (the model through the "
+                           "pool) or 'reference' (the same model, no pool, no prefix cache: the "
+                           "baseline)", choices=ENGINES, metavar="NAME")
     bind: str = _setting("127.0.0.1", "str", "engine address: IP, interface name or 'node'",
                          _address, metavar="WHAT")
     ports: tuple[int, int] | None = _setting(None, "ports", "engine port range (unset: any "
@@ -146,7 +150,7 @@ class ServeSettings:
             fault = value is not None and f.metadata["check"] and f.metadata["check"](value)
             if fault:
                 raise ConfigError(f"{file_key(f.name)} {fault}")
-        if self.control_port == self.http_port:
+        if self.control_port == self.http_port != 0:
             raise ConfigError(f"control_port and http_port must differ, both are {self.http_port}")
 
     def to_dict(self) -> dict[str, object]:

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible HTTP API of a served pool, driven by the official ``openai``
+client and by raw HTTP: answers equal the reference engine's, streams, metrics, a
+cancelled stream frees its request at once, bad input gets 4xx and changes nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenlake.deploy.local import LocalCluster
+from tokenlake.service.local import SERVED_MODEL, pool_service, reference_service
+
+C = 16
+DOC = ("The river Lumen runs 212 kilometres from the Grey Hills to the sea at Kestrel Bay. "
+       "Its delta holds three towns: Arden, Mirefield and Salt Reach. ") * 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    from tokenlake.model.llama.reference import ReferenceEngine
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
+
+    weights = load_weights()
+    return weights, load_tokenizer(), ReferenceEngine(weights)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    weights, tok, _ = model
+    spec = weights.config.to_model_spec(SERVED_MODEL)
+    with LocalCluster(2, spec, 32 << 20, segment_tokens=C, max_rows=512) as cluster, \
+            pool_service(cluster, control_port=0, http_port=0, model=(weights, tok),
+                         chunk_tokens=128) as svc:
+        yield svc
+
+
+@pytest.fixture
+def client(served):
+    with openai.OpenAI(base_url=served.http.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+def _reference_text(model, prompt_ids, max_tokens) -> tuple[str, int]:
+    _, tok, ref = model
+    out = ref.generate(list(prompt_ids), max_tokens, stop_ids=(tok.eos_id,))
+    return tok.decode(out.output_ids, skip_special_tokens=True), len(out.output_ids)
+
+
+def _chat(question: str) -> list[dict]:
+    return [{"role": "system", "content": "Answer in a few words."},
+            {"role": "user", "content": f"{DOC}\n{question}"}]
+
+
+def _metrics(served) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(served.http.url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_models_and_health(served, client):
+    assert [m.id for m in client.models.list()] == [SERVED_MODEL]
+    assert httpx.get(served.http.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_greedy_equals_reference_and_reuses_the_document(model, served, client):
+    _, tok, _ = model
+    before = _metrics(served)
+    answers = []
+    for q in ("How long is the river Lumen?", "Name the towns of its delta."):
+        msgs = _chat(q)
+        r = client.chat.completions.create(model=SERVED_MODEL, messages=msgs, max_tokens=12,
+                                           temperature=0)
+        want, n = _reference_text(model, tok.apply_chat_template(msgs), 12)
+        assert r.choices[0].message.content == want
+        assert r.usage.completion_tokens == n
+        assert r.choices[0].finish_reason == ("stop" if n < 12 else "length")
+        answers.append(r)
+    cached = answers[1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= C and cached % C == 0, "the second question reuses the shared document"
+    after = _metrics(served)
+    hit = ("tokenlake_hit_tokens_total", ())
+    gen = ("tokenlake_generated_tokens_total", ())
+    assert after[hit] - before[hit] == sum(a.usage.prompt_tokens_details.cached_tokens
+                                           for a in answers)
+    assert after[gen] - before[gen] == sum(a.usage.completion_tokens for a in answers)
+    assert after[("tokenlake_ttft_seconds_count", ())] - before[("tokenlake_ttft_seconds_count", ())] == 2
+    assert after[("tokenlake_query_latency_seconds_count", ())] > 0
+    assert after[("tokenlake_instance_up", (("instance", "0"),))] == 1
+    assert after[("tokenlake_slots_used", (("instance", "0"),))] + \
+        after[("tokenlake_slots_used", (("instance", "1"),))] > 0, "the document is stored"
+
+
+def test_streaming_equals_non_streaming_and_token_prompts_work(model, served, client):
+    _, tok, _ = model
+    msgs = _chat("Where does the river end?")
+    whole = client.chat.completions.create(model=SERVED_MODEL, messages=msgs, max_tokens=10,
+                                           temperature=0)
+    stream = client.chat.completions.create(model=SERVED_MODEL, messages=msgs, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    ids = tok.apply_chat_template(msgs)  # the same prompt as token ids, on /v1/completions
+    comp = client.completions.create(model=SERVED_MODEL, prompt=ids, max_tokens=10,
+                                     temperature=0)
+    assert comp.choices[0].text == whole.choices[0].message.content
+
+
+def test_sampling_is_reproducible_with_a_seed(served, client):
+    kw = dict(model=SERVED_MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.9,
+              top_p=0.9)
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    assert a == b
+    texts = {client.completions.create(seed=s, **kw).choices[0].text for s in range(1, 5)}
+    assert len(texts) > 1, "different seeds draw different continuations"
+
+
+def test_stop_string_cuts_the_answer(model, served, client):
+    full = client.completions.create(model=SERVED_MODEL, prompt="One, two, three, four,",
+                                     max_tokens=12, temperature=0).choices[0].text
+    stop = full.strip()[2:5]
+    assert stop and stop in full
+    cut = client.completions.create(model=SERVED_MODEL, prompt="One, two, three, four,",
+                                    max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def _live(served) -> tuple[tuple[str, ...], int]:
+    cp = served.control.shared_control()
+    return cp.live_requests, cp.stats().pool.private_slots
+
+
+def test_cancelled_stream_frees_its_request_within_a_second(served):
+    body = {"model": SERVED_MODEL, "prompt": DOC + " Tell me a long story.", "max_tokens": 400,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", served.http.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data:")
+            if got == 3:  # three tokens out: leave mid-stream
+                break
+        assert _live(served)[0], "the request holds the pool while it streams"
+    closed = time.monotonic()  # the client went away mid-stream
+    while _live(served) != ((), 0):
+        assert time.monotonic() - closed < 1.0, f"still held: {_live(served)}"
+        time.sleep(0.01)
+    m = _metrics(served)
+    assert m[("tokenlake_requests_total", (("outcome", "abort"),))] >= 1
+
+
+def test_concurrent_requests_are_batched(model, served):
+    server = served.http.loop.server
+    seen = len(server.decisions)
+    results = {}
+
+    def ask(i: int) -> None:
+        body = {"model": SERVED_MODEL, "prompt": f"Count to ten in language {i}:",
+                "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        results[i] = httpx.post(served.http.url + "/v1/completions", json=body, timeout=120)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r.status_code == 200 for r in results.values())
+    decisions = list(server.decisions)[seen - len(server.decisions):] if seen else list(server.decisions)
+    widest = max(len(b.request_ids) for d in decisions for b in d.batches)
+    assert widest >= 2, "requests that are live together share iterations"
+
+
+BAD = [
+    ({"model": "nope", "prompt": "hi"}, 404, "model_not_found"),
+    ({"model": SERVED_MODEL, "prompt": "hi", "max_tokens": 0}, 400, None),
+    ({"model": SERVED_MODEL, "prompt": "hi", "max_tokens": "many"}, 400, None),
+    ({"model": SERVED_MODEL, "prompt": [1, 2, 10**9]}, 400, None),
+    ({"model": SERVED_MODEL, "prompt": [7] * 8000, "max_tokens": 500}, 400,
+     "context_length_exceeded"),
+    ({"model": SERVED_MODEL, "prompt": "hi", "temperature": -1}, 400, None),
+    ({"model": SERVED_MODEL, "prompt": "hi", "n": 3}, 400, None),
+    ({"prompt": "hi"}, 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,code", BAD)
+def test_bad_input_gets_an_openai_error_and_changes_nothing(served, body, status, code):
+    before = _live(served)
+    r = httpx.post(served.http.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if code:
+        assert err["code"] == code
+    assert _live(served) == before == ((), 0)
+
+
+def test_malformed_json_and_the_server_keeps_serving(served, client):
+    r = httpx.post(served.http.url + "/v1/chat/completions", content=b'{"model": ',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    ok = client.completions.create(model=SERVED_MODEL, prompt="Hello", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_pool_too_small_for_a_request_is_refused(model):
+    weights, tok, _ = model
+    spec = weights.config.to_model_spec(SERVED_MODEL)
+    with LocalCluster(1, spec, 2 << 20, segment_tokens=C, max_rows=256) as cluster, \
+            pool_service(cluster, control_port=0, http_port=0, model=(weights, tok)) as svc:
+        room = svc.http.app  # the limit is computed from the pool's slots
+        body = {"model": SERVED_MODEL, "prompt": [5] * 1500, "max_tokens": 10}
+        r = httpx.post(svc.http.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        assert "pool" in r.json()["error"]["message"] and room is not None
+
+
+def test_the_reference_baseline_answers_the_same(model, client):
+    weights, tok, _ = model
+    msgs = _chat("How long is the river Lumen?")
+    pooled = client.chat.completions.create(model=SERVED_MODEL, messages=msgs, max_tokens=8,
+                                            temperature=0)
+    with reference_service((weights, tok), http_port=0) as ref, \
+            openai.OpenAI(base_url=ref.http.url + "/v1", api_key="unused", max_retries=0) as rc:
+        plain = rc.chat.completions.create(model=SERVED_MODEL, messages=msgs, max_tokens=8,
+                                           temperature=0)
+        assert plain.choices[0].message.content == pooled.choices[0].message.content
+        assert plain.usage.prompt_tokens_details.cached_tokens == 0
+        assert ref.control is None

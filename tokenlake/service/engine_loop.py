@@ -1,0 +1,273 @@
+"""One thread runs the serving iterations; asyncio callers submit requests and stream
+their tokens (continuous batching behind an async API).
+
+:class:`EngineLoop` owns a server -- :class:`~tokenlake.serving.server.Server` on the
+pool or the baseline :class:`~tokenlake.serving.reference_server.ReferenceServer` --
+and calls it from its own thread only: requests and cancellations are posted to an
+inbox and applied between iterations, every iteration batches whatever is live at that
+moment, and each new token is handed to the asyncio loop of the caller that submitted
+the request (``call_soon_threadsafe``). A caller that stops listening (its HTTP client
+went away) cancels its request, which frees the request's leases and slots before the
+next iteration.
+
+    loop = EngineLoop(server).start()
+    stream = await loop.submit(GenerationRequest("r1", prompt_ids, 16))  # BadRequest: refused
+    async for event in stream:  # TokenEvent ... the last one has .done
+        ...
+    loop.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenlake.core.errors import TokenLakeError
+from tokenlake.serving.server import BadRequest, GenerationRequest, RequestResult
+
+log = logging.getLogger(__name__)
+
+
+class ServingBackend(Protocol):
+    """What the loop needs of a server (``Server``, ``ReferenceServer``)."""
+
+    on_token: Callable[[str, int], None] | None
+    results: dict[str, RequestResult]
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, req: GenerationRequest) -> RequestResult: ...
+
+    def step(self) -> None: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def pop_result(self, request_id: str) -> RequestResult | None: ...
+
+    def counts(self) -> tuple[int, int]: ...
+
+
+class EngineFailed(TokenLakeError, RuntimeError):
+    """An iteration failed; the requests it was serving were ended."""
+
+
+class LoopClosed(TokenLakeError, RuntimeError):
+    """The loop is stopping or stopped: no new requests."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of a request; the last one has ``done`` and ``finish_reason``
+    (``"stop"``, ``"length"``). ``hit_tokens``: prompt tokens the pool served it."""
+
+    token_id: int
+    index: int
+    done: bool
+    finish_reason: str | None
+    hit_tokens: int
+    prompt_tokens: int
+
+
+@dataclass
+class LoopObserver:
+    """Callbacks a service's metrics hang on the loop (all optional; seconds)."""
+
+    first_token: Callable[[float], None] = lambda s: None
+    between_tokens: Callable[[float], None] = lambda s: None
+    iteration: Callable[[float], None] = lambda s: None
+    finished: Callable[[RequestResult], None] = lambda r: None
+
+
+class RequestStream:
+    """The events of one request, in order; iterate with ``async for``. Leaving the
+    iteration early (or closing the stream) cancels the request."""
+
+    def __init__(self, owner: EngineLoop, request_id: str, prompt_tokens: int,
+                 aloop: asyncio.AbstractEventLoop) -> None:
+        self.request_id, self.prompt_tokens = request_id, prompt_tokens
+        self._owner, self._aloop = owner, aloop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.accepted: asyncio.Future = aloop.create_future()
+        self.finished = False
+        self.submitted_s = time.perf_counter()
+        self.last_s: float | None = None
+        self.hit_tokens = 0  # prompt tokens the pool served (known with the first token)
+
+    def _deliver(self, item) -> None:  # engine thread -> the caller's loop
+        self._aloop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _settle(self, error: BaseException | None) -> None:
+        def settle() -> None:
+            if not self.accepted.done():
+                if error is None:
+                    self.accepted.set_result(True)
+                else:
+                    self.accepted.set_exception(error)
+        self._aloop.call_soon_threadsafe(settle)
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished, self.hit_tokens = item.done, item.hit_tokens
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancels the request unless it finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._owner.cancel(self.request_id)
+
+
+class EngineLoop:
+    """Runs ``server``'s iterations on a thread (see the module docstring).
+
+    Args:
+        server: the backend; the loop installs its ``on_token``.
+        observer: timing callbacks (metrics).
+    """
+
+    def __init__(self, server: ServingBackend, observer: LoopObserver | None = None) -> None:
+        self.server = server
+        self.observer = observer or LoopObserver()
+        server.on_token = self._on_token
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.posted = 0  # requests posted, not yet applied
+        self.queue_length = 0  # requests waiting for admission (metrics read it)
+        self.running = 0  # requests admitted and not done
+
+    def start(self) -> EngineLoop:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tokenlake-engine",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Ends every live request (``LoopClosed``) and stops the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------ callers' side
+    async def submit(self, req: GenerationRequest) -> RequestStream:
+        """Queues ``req``; returns its stream once the server accepted it. Raises
+        :class:`BadRequest` (refused: nothing else changed) or :class:`LoopClosed`."""
+        stream = RequestStream(self, req.request_id, len(req.prompt_ids),
+                               asyncio.get_running_loop())
+        self._post("submit", (req, stream))
+        await stream.accepted
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Ends a live request before the next iteration (no-op once it is done)."""
+        self._post("cancel", request_id)
+
+    def _post(self, what: str, item: object) -> None:
+        with self._cv:
+            if self._closing:
+                if what == "submit":
+                    raise LoopClosed("the server is shutting down")
+                return
+            self._inbox.append((what, item))
+            self.posted += what == "submit"
+            self._cv.notify()
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._closing or self.server.busy):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                closing = self._closing
+            for what, item in inbox:
+                self._apply(what, item)
+            if closing:
+                self._end_all(LoopClosed("the server is shutting down"))
+                return
+            if self.server.busy:
+                self._iterate()
+            waiting, self.running = self.server.counts()
+            self.queue_length = waiting + self.posted
+
+    def _apply(self, what: str, item) -> None:
+        if what == "cancel":
+            stream = self._streams.pop(item, None)
+            if stream is not None and self.server.cancel(item):
+                self._finished(item)
+            return
+        req, stream = item
+        with self._cv:
+            self.posted -= 1
+        try:
+            self.server.submit(req)
+        except BadRequest as e:
+            stream._settle(e)
+            return
+        self._streams[req.request_id] = stream
+        stream._settle(None)
+
+    def _iterate(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.server.step()
+        except Exception as e:  # the iteration's plans were aborted by the server
+            log.error("iteration failed, ending %d requests: %s: %s",
+                      len(self._streams), type(e).__name__, e)
+            self._end_all(EngineFailed(f"iteration failed: {type(e).__name__}: {e}"))
+            return
+        self.observer.iteration(time.perf_counter() - start)
+
+    def _end_all(self, error: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.server.cancel(rid)
+            self._finished(rid)
+            stream._settle(error)
+            stream._deliver(error)
+        self._streams.clear()
+
+    def _on_token(self, request_id: str, token: int) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        res = self.server.results[request_id]
+        now = time.perf_counter()
+        if stream.last_s is None:
+            self.observer.first_token(now - stream.submitted_s)
+        else:
+            self.observer.between_tokens(now - stream.last_s)
+        stream.last_s = now
+        stream._deliver(TokenEvent(token, len(res.output_ids) - 1, res.done,
+                                   res.finish_reason, res.hit_tokens, stream.prompt_tokens))
+        if res.done:
+            del self._streams[request_id]
+            self._finished(request_id)
+
+    def _finished(self, request_id: str) -> None:
+        res = self.server.pop_result(request_id)
+        if res is not None:
+            self.observer.finished(res)
+
+    # ------------------------------------------------------------ metrics
+    @property
+    def live(self) -> int:
+        return len(self._streams)

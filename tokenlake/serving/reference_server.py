@@ -1,0 +1,129 @@
+"""The baseline server: the same model and requests, no pool and no prefix cache.
+
+:class:`ReferenceServer` has the :class:`~tokenlake.serving.server.Server`'s service
+interface (``submit``, ``step``, ``cancel``, ``pop_result``, ``busy``) over the plain
+:class:`~tokenlake.model.llama.reference.ReferenceEngine`: every request keeps its own
+KV cache in this process and prefills its whole prompt, however much of it an earlier
+request shared. Iterations batch like a serving engine does (continuous batching): each
+one decodes every running request in one batched step and prefills one chunk of at
+most ``chunk_tokens`` prompt tokens of the oldest request still prefilling.
+
+``tokenlake serve --engine reference`` puts it behind the same HTTP layer as the pool,
+so ``tokenlake bench serve`` compares the two with everything else equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tokenlake.model.llama.reference import KVCache, ReferenceEngine
+from tokenlake.serving.sampling import next_token
+from tokenlake.serving.server import BadRequest, GenerationRequest, RequestResult
+
+
+class _Seq:
+    __slots__ = ("req", "result", "cache", "prefilled", "generator")
+
+    def __init__(self, req: GenerationRequest, result: RequestResult, config) -> None:
+        self.req, self.result = req, result
+        self.cache = KVCache.empty(config, min(len(req.prompt_ids) + req.max_new_tokens,
+                                               config.max_context))
+        self.prefilled = 0
+        self.generator = req.sampling.generator()
+
+
+class ReferenceServer:
+    """Continuous batching on the reference engine (see the module docstring).
+
+    Args:
+        weights: the model.
+        chunk_tokens: most prompt tokens prefilled per iteration.
+        on_token: ``on_token(request_id, token_id)``, after the result is updated.
+    """
+
+    def __init__(self, weights, chunk_tokens: int = 512,
+                 on_token: Callable[[str, int], None] | None = None) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.engine = ReferenceEngine(weights)
+        self.cfg = weights.config
+        self.chunk_tokens = chunk_tokens
+        self.on_token = on_token
+        self.results: dict[str, RequestResult] = {}
+        self._live: dict[str, _Seq] = {}  # in arrival order
+        self.iterations = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._live)
+
+    def counts(self) -> tuple[int, int]:
+        """``(waiting, running)``: requests not started yet, and started."""
+        waiting = sum(1 for s in self._live.values() if s.prefilled == 0)
+        return waiting, len(self._live) - waiting
+
+    def submit(self, req: GenerationRequest) -> RequestResult:
+        if req.request_id in self.results:
+            raise BadRequest(f"request id {req.request_id!r} was already used")
+        if not req.prompt_ids:
+            raise BadRequest(f"request {req.request_id!r}: empty prompt")
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise BadRequest(f"request {req.request_id!r}: token ids outside "
+                             f"[0, {self.cfg.vocab_size}): {bad[:5]}")
+        if req.max_new_tokens < 1:
+            raise BadRequest(f"request {req.request_id!r}: max_new_tokens must be >= 1")
+        total = len(req.prompt_ids) + req.max_new_tokens
+        if total > self.cfg.max_context:
+            raise BadRequest(f"request {req.request_id!r}: {total} tokens exceed the "
+                             f"context limit {self.cfg.max_context}")
+        result = RequestResult(req.request_id, req.prompt_ids)
+        self.results[req.request_id] = result
+        self._live[req.request_id] = _Seq(req, result, self.cfg)
+        return result
+
+    def step(self) -> None:
+        """One iteration: a batched decode step of the running requests, then one
+        prefill chunk of the oldest prefilling request."""
+        decoding = [s for s in self._live.values() if s.result.output_ids]
+        prefilling = next((s for s in self._live.values() if not s.result.output_ids), None)
+        if decoding:
+            logits = self.engine.decode_batch([s.cache for s in decoding],
+                                              [s.result.output_ids[-1] for s in decoding])
+            for s, row in zip(decoding, logits):
+                self._emit(s, row)
+        if prefilling is not None:
+            prompt = prefilling.req.prompt_ids
+            chunk = prompt[prefilling.prefilled: prefilling.prefilled + self.chunk_tokens]
+            with torch.inference_mode():
+                row = self.engine.extend(prefilling.cache, chunk)
+            prefilling.prefilled += len(chunk)
+            prefilling.result.prefill_tokens += len(chunk)
+            if prefilling.prefilled == len(prompt):
+                self._emit(prefilling, row)
+        self.iterations += 1
+
+    def _emit(self, s: _Seq, logits: torch.Tensor) -> None:
+        req, res = s.req, s.result
+        token = next_token(logits, req.sampling, s.generator)
+        res.output_ids.append(token)
+        if token in req.stop_ids or len(res.output_ids) >= req.max_new_tokens:
+            res.done, res.finish_reason = True, "stop" if token in req.stop_ids else "length"
+            del self._live[req.request_id]
+        if self.on_token is not None:
+            self.on_token(res.request_id, token)
+
+    def cancel(self, request_id: str) -> bool:
+        s = self._live.pop(request_id, None)
+        if s is None:
+            return False
+        s.result.done, s.result.finish_reason = True, "abort"
+        return True
+
+    def pop_result(self, request_id: str) -> RequestResult | None:
+        res = self.results.get(request_id)
+        if res is None or not res.done:
+            return None
+        return self.results.pop(request_id)

@@ -67,6 +67,8 @@ def _metrics(served) -> dict[tuple[str, tuple], float]:
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list()] == [SERVED_MODEL]
     assert httpx.get(served.http.url + "/health").json() == {"status": "ok"}
+    missing = httpx.get(served.http.url + "/v1/engines")
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
 
 
 def test_chat_greedy_equals_reference_and_reuses_the_document(model, served, client):
@@ -238,3 +240,24 @@ def test_the_reference_baseline_answers_the_same(model, client):
         assert plain.choices[0].message.content == pooled.choices[0].message.content
         assert plain.usage.prompt_tokens_details.cached_tokens == 0
         assert ref.control is None
+
+
+def test_reference_server_batches_and_equals_generate(model):
+    """The baseline batches decode and packs prefill chunks; its greedy tokens are the
+    reference engine's, request by request."""
+    from tokenlake.serving.reference_server import ReferenceServer
+    from tokenlake.serving.server import GenerationRequest
+
+    weights, tok, ref = model
+    server = ReferenceServer(weights, chunk_tokens=40)
+    prompts = {f"r{i}": tuple(tok.apply_chat_template(_chat(q))) for i, q in
+               enumerate(("How long?", "Which towns?", "Where is the sea?"))}
+    for rid, p in prompts.items():
+        server.submit(GenerationRequest(rid, p, 5, (tok.eos_id,)))
+    widest = 0
+    while server.busy:
+        widest = max(widest, server.counts()[1])
+        server.step()
+    assert widest >= 2
+    for rid, p in prompts.items():
+        assert server.results[rid].output_ids == ref.generate(list(p), 5).output_ids

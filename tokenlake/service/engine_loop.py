@@ -99,8 +99,14 @@ class RequestStream:
         self.last_s: float | None = None
         self.hit_tokens = 0  # prompt tokens the pool served (known with the first token)
 
-    def _deliver(self, item) -> None:  # engine thread -> the caller's loop
-        self._aloop.call_soon_threadsafe(self._queue.put_nowait, item)
+    def _deliver(self, item) -> bool:
+        """Engine thread -> the caller's loop; False when that loop is closed (the
+        caller is gone: the owner cancels the request)."""
+        try:
+            self._aloop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
     def _settle(self, error: BaseException | None) -> None:
         def settle() -> None:
@@ -109,7 +115,10 @@ class RequestStream:
                     self.accepted.set_result(True)
                 else:
                     self.accepted.set_exception(error)
-        self._aloop.call_soon_threadsafe(settle)
+        try:
+            self._aloop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is closed: nobody waits for the answer
+            pass
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         try:
@@ -256,8 +265,10 @@ class EngineLoop:
         else:
             self.observer.between_tokens(now - stream.last_s)
         stream.last_s = now
-        stream._deliver(TokenEvent(token, len(res.output_ids) - 1, res.done,
-                                   res.finish_reason, res.hit_tokens, stream.prompt_tokens))
+        event = TokenEvent(token, len(res.output_ids) - 1, res.done, res.finish_reason,
+                           res.hit_tokens, stream.prompt_tokens)
+        if not stream._deliver(event) and not res.done:
+            self.cancel(request_id)  # applied between iterations, not inside this one
         if res.done:
             del self._streams[request_id]
             self._finished(request_id)

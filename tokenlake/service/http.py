@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from tokenlake.service.engine_loop import EngineFailed, EngineLoop, LoopClosed, RequestStream
 from tokenlake.service.metrics import CONTENT_TYPE, ServiceMetrics
@@ -78,6 +79,10 @@ def create_app(loop: EngineLoop, model: ModelInfo, metrics: ServiceMetrics) -> F
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         return await api_error(request, ApiError(400, _validation_message(exc)))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # unknown path, method
+        return await api_error(request, ApiError(exc.status_code, str(exc.detail)))
 
     @app.get("/health")
     async def health():
@@ -160,8 +165,9 @@ def _generation_request(request_id: str, body: _Sampling, ids: list[int],
 
 
 async def _texts(job: _Job, model: ModelInfo) -> AsyncIterator[tuple[str, str | None, int]]:
-    """``(text delta, finish_reason or None, tokens so far)`` as tokens arrive; a stop
-    string ends the request at once (its leases go back before the next iteration)."""
+    """``(text delta, finish_reason or None, tokens so far)`` for every token as it
+    arrives (the delta may be empty: text held back); a stop string ends the request at
+    once (its leases go back before the next iteration)."""
     detok = Detokenizer(lambda ids: model.tokenizer.decode(ids, skip_special_tokens=True),
                         job.body.stops)
     n = 0
@@ -175,8 +181,7 @@ async def _texts(job: _Job, model: ModelInfo) -> AsyncIterator[tuple[str, str | 
         if ev.done:
             yield delta + detok.flush(), ev.finish_reason, n
             return
-        if delta:
-            yield delta, None, n
+        yield delta, None, n
 
 
 def _usage(job: _Job, completion_tokens: int, cached: int) -> dict:
@@ -216,7 +221,9 @@ def _hit(job: _Job) -> int:
 
 
 async def _sse(job: _Job, model: ModelInfo) -> AsyncIterator[str]:
-    """The answer as server-sent events; ends with ``data: [DONE]``."""
+    """The answer as server-sent events, one chunk per generated token (its text may be
+    empty while held back; the last one carries ``finish_reason``), then the usage
+    chunk if asked for, then ``data: [DONE]``."""
     chat = job.kind == "chat.completion"
     head = {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": job.created, "model": job.body.model}
@@ -236,12 +243,7 @@ async def _sse(job: _Job, model: ModelInfo) -> AsyncIterator[str]:
             yield event(None, None, role=True)
         async for part in _texts(job, model):
             delta, reason, n = part
-            if reason is not None:
-                if delta:
-                    yield event(delta, None)
-                yield event(None, reason)
-            else:
-                yield event(delta, None)
+            yield event(delta, reason)
         if job.body.include_usage:
             usage = {**head, "choices": [], "usage": _usage(job, n, _hit(job))}
             yield f"data: {json.dumps(usage)}\n\n"

@@ -72,6 +72,7 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
     """Serves the started ``cluster``: its control plane on ``host:control_port`` and,
     when ``model`` (``(weights, tokenizer)``) is given, the HTTP API on ``host:http_port``
     (0: any free port). Everything stops when the block ends (the cluster stays up)."""
+    from scheduler.continuous import ContinuousBatching
     from tokenlake.serving.server import Server
 
     with ControlServer(cluster, host=host, port=control_port) as control:
@@ -80,8 +81,16 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
             return
         weights, tokenizer = model
         shared = control.shared_control()
-        server = Server(cluster, weights, chunk_tokens=min(chunk_tokens, cluster.max_rows),
-                        control=shared, keep_decisions=256)
+        chunk = min(chunk_tokens, cluster.max_rows)
+        engine = cluster.compute_engine() if hasattr(cluster, "compute_engine") else None
+        parallel = getattr(engine, "parallel", False)
+        # one local compute engine: continuous batching (scheduler/continuous.py); compute
+        # actors that run batches in parallel (Ray): the goodput DP
+        policy = None if parallel else ContinuousBatching(chunk)
+        server = Server(cluster, weights, chunk_tokens=chunk, control=shared, policy=policy,
+                        engine=engine,
+                        compute_slots=None if parallel else min(2, cluster.n_instances),
+                        keep_decisions=256)
         pool = shared.stats().pool
         room = sum(pool.slots_capacity.values()) * cluster.control.config.segment_tokens
         with HttpFrontend(server, _model_info(weights, tokenizer, room), host, http_port,

@@ -4,9 +4,10 @@
 interface (``submit``, ``step``, ``cancel``, ``pop_result``, ``busy``) over the plain
 :class:`~tokenlake.model.llama.reference.ReferenceEngine`: every request keeps its own
 KV cache in this process and prefills its whole prompt, however much of it an earlier
-request shared. Iterations batch like a serving engine does (continuous batching): each
-one decodes every running request in one batched step and prefills one chunk of at
-most ``chunk_tokens`` prompt tokens of the oldest request still prefilling.
+request shared. Iterations batch like a serving engine does (continuous batching, the pool
+service's :class:`scheduler.continuous.ContinuousBatching`): each one decodes every
+running request in one batched step and prefills up to ``chunk_tokens`` prompt tokens,
+the oldest requests first.
 
 ``tokenlake serve --engine reference`` puts it behind the same HTTP layer as the pool,
 so ``tokenlake bench serve`` compares the two with everything else equal.
@@ -85,24 +86,27 @@ class ReferenceServer:
         return result
 
     def step(self) -> None:
-        """One iteration: a batched decode step of the running requests, then one
-        prefill chunk of the oldest prefilling request."""
+        """One iteration: a batched decode step of the running requests, then prefill
+        chunks of up to ``chunk_tokens`` prompt tokens in all, oldest request first."""
         decoding = [s for s in self._live.values() if s.result.output_ids]
-        prefilling = next((s for s in self._live.values() if not s.result.output_ids), None)
         if decoding:
             logits = self.engine.decode_batch([s.cache for s in decoding],
                                               [s.result.output_ids[-1] for s in decoding])
             for s, row in zip(decoding, logits):
                 self._emit(s, row)
-        if prefilling is not None:
-            prompt = prefilling.req.prompt_ids
-            chunk = prompt[prefilling.prefilled: prefilling.prefilled + self.chunk_tokens]
+        budget = self.chunk_tokens
+        for s in [s for s in self._live.values() if not s.result.output_ids]:
+            if budget < 1:
+                break
+            prompt = s.req.prompt_ids
+            chunk = prompt[s.prefilled: s.prefilled + budget]
             with torch.inference_mode():
-                row = self.engine.extend(prefilling.cache, chunk)
-            prefilling.prefilled += len(chunk)
-            prefilling.result.prefill_tokens += len(chunk)
-            if prefilling.prefilled == len(prompt):
-                self._emit(prefilling, row)
+                row = self.engine.extend(s.cache, chunk)
+            s.prefilled += len(chunk)
+            s.result.prefill_tokens += len(chunk)
+            budget -= len(chunk)
+            if s.prefilled == len(prompt):
+                self._emit(s, row)
         self.iterations += 1
 
     def _emit(self, s: _Seq, logits: torch.Tensor) -> None:

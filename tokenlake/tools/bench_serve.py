@@ -4,8 +4,9 @@ It streams ``POST /v1/completions`` requests (prompts as token ids, ``temperatur
 ``ignore_eos`` so every request generates exactly its ``max_tokens``) to a served pool
 and, optionally, a baseline server, and measures per request:
 
-* TTFT: from sending the request to the first chunk carrying text;
-* TBT: the gaps between successive chunks carrying text (pooled over all requests);
+* TTFT: from sending the request to the first token chunk (a chunk with a choice: the
+  server sends one per generated token, its text possibly empty while held back);
+* TBT: the gaps between successive token chunks (pooled over all requests);
 * end-to-end latency, output tokens (the final ``usage`` chunk, else the text chunks);
 * errors: an HTTP error status, a dropped or unfinished stream, a timeout.
 
@@ -63,8 +64,7 @@ async def _read_stream(resp: httpx.Response, out: Outcome, t0: float) -> None:
         chunk = json.loads(data)
         if "error" in chunk:
             raise ValueError(f"error in stream: {chunk['error']}")
-        text = "".join(c.get("text") or "" for c in chunk.get("choices") or ())
-        if text:
+        if chunk.get("choices"):  # one generated token (the usage chunk has none)
             now = time.perf_counter()
             if last is None:
                 out.ttft_s = now - t0

@@ -110,7 +110,11 @@ def build_workload(spec: WorkloadSpec, seed: int) -> list[BenchRequest]:
                                 doc_spread=0.1, questions=(q, q), question_tokens=(16, 48),
                                 answer_tokens=(spec.max_tokens, spec.max_tokens),
                                 vocab_size=spec.vocab_size).items
-        return _cap(reqs, spec, lambda r: r.token_ids)
+        # Questions about a document arrive over time, not all at once: send the first
+        # question of every document, then the second, ... (ids are loogle-syn-D-qJ).
+        order = sorted(range(len(reqs)), key=lambda i: (
+            int(reqs[i].request_id.rsplit("-q", 1)[1]), i))
+        return _cap([reqs[i] for i in order], spec, lambda r: r.token_ids)
     if spec.name == "sharegpt":
         from evals.workloads import load_sharegpt
 

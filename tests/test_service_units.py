@@ -1,0 +1,296 @@
+"""The parts of the HTTP service that need no model: sampling, the incremental
+detokenizer with stop strings, the request bodies, and the engine loop's threading
+(submit, stream, cancel, a failed iteration, shutdown) over a scripted backend."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenlake.service.engine_loop import EngineFailed, EngineLoop, LoopClosed
+from tokenlake.service.openai_api import ChatCompletionRequest, CompletionRequest, Detokenizer
+from tokenlake.serving.sampling import SamplingError, SamplingParams, next_token
+from tokenlake.serving.server import BadRequest, GenerationRequest, RequestResult
+
+# ------------------------------------------------------------------ sampling
+
+
+def test_greedy_is_argmax_and_needs_no_generator():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert SamplingParams().generator() is None
+    assert next_token(logits, SamplingParams(), None) == 1
+
+
+def test_top_p_keeps_only_the_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    params = SamplingParams(temperature=1.0, top_p=0.7, seed=1)
+    gen = params.generator()
+    drawn = {next_token(probs.log(), params, gen) for _ in range(400)}
+    assert drawn == {0, 1}, "0.5 + 0.3 reach 0.7: tokens 2 and 3 are never drawn"
+    params = SamplingParams(temperature=1.0, top_p=1.0, seed=1)
+    gen = params.generator()
+    assert {next_token(probs.log(), params, gen) for _ in range(400)} == {0, 1, 2, 3}
+
+
+def test_a_seed_fixes_the_draws():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0.8, seed=42)
+    a, b = params.generator(), params.generator()
+    assert [next_token(logits, params, a) for _ in range(20)] == \
+        [next_token(logits, params, b) for _ in range(20)]
+
+
+@pytest.mark.parametrize("kw", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_sampling_parameters_out_of_range(kw):
+    with pytest.raises(SamplingError):
+        SamplingParams(**kw)
+
+
+# ------------------------------------------------------------------ detokenizer
+
+
+def _decode(ids):  # one character per id
+    return "".join(chr(i) for i in ids)
+
+
+def test_stop_string_is_never_sent_even_split_over_tokens():
+    d = Detokenizer(_decode, ["END"])
+    out = [d.add(ord(c)) for c in "abcEN"]
+    assert "".join(out) == "abc", "'EN' may begin the stop: held back"
+    assert d.add(ord("D")) == "" and d.stopped and d.text == "abc"
+
+
+def test_held_back_text_that_is_not_a_stop_comes_out():
+    d = Detokenizer(_decode, ["END"])
+    assert "".join(d.add(ord(c)) for c in "xEN") == "x"
+    assert d.add(ord("o")) == "ENo"
+    assert d.flush() == "" and not d.stopped
+
+
+def test_partial_characters_wait_for_their_bytes():
+    d = Detokenizer(lambda ids: "ab\ufffd" if len(ids) == 1 else "abé", [])
+    assert d.add(1) == "ab" and d.add(2) == "é"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abcE", max_size=30), st.lists(st.text(alphabet="abcE", min_size=1,
+                                                              max_size=3), max_size=3))
+def test_streamed_text_is_the_text_cut_at_the_first_stop(text, stops):
+    d = Detokenizer(_decode, stops)
+    sent = ""
+    for c in text:
+        sent += d.add(ord(c))
+        if d.stopped:
+            break
+    sent += "" if d.stopped else d.flush()
+    cuts = [text.find(s) for s in stops if s in text]
+    # the earliest stop that completes first ends generation; no stop text is ever sent
+    if cuts:
+        assert d.stopped and not any(s in sent for s in stops)
+        assert text.startswith(sent)
+    else:
+        assert sent == text
+
+
+# ------------------------------------------------------------------ request bodies
+
+
+def test_bodies_validate_and_refuse_what_is_not_served():
+    ok = CompletionRequest(model="m", prompt=[1, 2, 3], stop="x")
+    assert ok.stops == ["x"] and ok.max_tokens == 16 and ok.temperature == 1.0
+    assert CompletionRequest(model="m", prompt=["one"]).prompt == "one"
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 max_completion_tokens=5)
+    assert chat.max_tokens == 5
+    for bad in ({"n": 2}, {"echo": True}, {"max_tokens": 0}, {"stop": ["a"] * 5},
+                {"prompt": []}, {"prompt": ["a", "b"]}, {"logprobs": 2}):
+        with pytest.raises(ValueError):
+            CompletionRequest(**{"model": "m", "prompt": "p", **bad})
+
+
+# ------------------------------------------------------------------ engine loop
+
+
+class Scripted:
+    """A backend that emits ``len(prompt)`` tokens per request, one per step for every
+    live request (so live requests share steps), and fails a step on demand."""
+
+    def __init__(self) -> None:
+        self.on_token = None
+        self.results: dict[str, RequestResult] = {}
+        self.live: dict[str, GenerationRequest] = {}
+        self.fail_next = False
+        self.steps: list[tuple[str, ...]] = []
+        self.cancelled: list[str] = []
+        self.cancel_seen = threading.Event()
+        self.stepped = threading.Event()
+        self.gate = threading.Semaphore(0)  # each step waits for a release when gated
+        self.gated = False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.live)
+
+    def counts(self):
+        return 0, len(self.live)
+
+    def submit(self, req):
+        if not req.prompt_ids:
+            raise BadRequest("empty prompt")
+        self.results[req.request_id] = RequestResult(req.request_id, req.prompt_ids)
+        self.live[req.request_id] = req
+
+    def step(self):
+        if self.gated:
+            self.gate.acquire()
+        self.steps.append(tuple(self.live))
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        for rid, req in list(self.live.items()):
+            res = self.results[rid]
+            res.output_ids.append(len(res.output_ids))
+            if len(res.output_ids) == req.max_new_tokens:
+                res.done, res.finish_reason = True, "length"
+                del self.live[rid]
+            self.on_token(rid, res.output_ids[-1])
+        self.stepped.set()
+
+    def cancel(self, rid):
+        if self.live.pop(rid, None) is None:
+            return False
+        self.cancelled.append(rid)
+        self.cancel_seen.set()
+        self.results[rid].done, self.results[rid].finish_reason = True, "abort"
+        return True
+
+    def pop_result(self, rid):
+        res = self.results.get(rid)
+        return self.results.pop(rid) if res is not None and res.done else None
+
+
+@pytest.fixture
+def loop():
+    backend = Scripted()
+    lp = EngineLoop(backend).start()
+    yield lp, backend
+    lp.close()
+
+
+async def _tokens(stream):
+    return [ev.token_id async for ev in stream]
+
+
+def test_requests_stream_their_tokens_and_share_steps():
+    backend = Scripted()
+    lp = EngineLoop(backend)
+
+    async def main():
+        # both are posted before the thread runs: the first iteration sees both
+        subs = [asyncio.ensure_future(lp.submit(GenerationRequest(r, (1,), n)))
+                for r, n in (("a", 3), ("b", 2))]
+        await asyncio.sleep(0)
+        lp.start()
+        streams = await asyncio.gather(*subs)
+        return await asyncio.gather(*map(_tokens, streams))
+
+    try:
+        assert asyncio.run(main()) == [[0, 1, 2], [0, 1]]
+    finally:
+        lp.close()
+    assert backend.steps == [("a", "b"), ("a", "b"), ("a",)], "live requests share steps"
+    assert backend.results == {}, "a finished request's result is not kept"
+
+
+def test_a_refused_request_raises_and_leaves_nothing(loop):
+    lp, backend = loop
+
+    async def main():
+        with pytest.raises(BadRequest):
+            await lp.submit(GenerationRequest("x", (), 3))
+
+    asyncio.run(main())
+    assert not backend.live and not backend.results
+
+
+def test_leaving_the_stream_cancels_the_request(loop):
+    lp, backend = loop
+    backend.gated = True
+
+    async def main():
+        s = await lp.submit(GenerationRequest("c", (1,), 100))
+        backend.gate.release()
+        async for _ev in s:
+            break  # the client went away after one token
+    asyncio.run(main())
+    backend.gated = False
+    backend.gate.release()
+    assert backend.cancel_seen.wait(10)
+    assert backend.cancelled == ["c"] and not backend.live
+
+
+def test_a_failed_iteration_ends_its_requests_and_the_loop_goes_on(loop):
+    lp, backend = loop
+    backend.fail_next = True
+
+    async def main():
+        s = await lp.submit(GenerationRequest("d", (1,), 5))
+        with pytest.raises(EngineFailed):
+            await _tokens(s)
+        t = await lp.submit(GenerationRequest("e", (1,), 2))
+        return await _tokens(t)
+
+    assert asyncio.run(main()) == [0, 1]
+    assert "d" in backend.cancelled
+
+
+def test_closing_ends_live_requests_and_refuses_new_ones():
+    backend = Scripted()
+    lp = EngineLoop(backend).start()
+    backend.gated = True
+
+    async def main():
+        s = await lp.submit(GenerationRequest("f", (1,), 100))
+        closer = threading.Thread(target=lp.close)
+        closer.start()
+        backend.gate.release()  # let the step in progress finish
+        with pytest.raises(LoopClosed):
+            await _tokens(s)
+        closer.join()
+        with pytest.raises(LoopClosed):
+            await lp.submit(GenerationRequest("g", (1,), 1))
+
+    asyncio.run(main())
+    assert backend.cancelled == ["f"]
+
+
+# ------------------------------------------------------------------ the service's policy
+
+
+def test_continuous_batching_decodes_everyone_and_packs_the_prefill_budget():
+    from scheduler.api import InstanceView, RequestView, Snapshot
+    from scheduler.continuous import ContinuousBatching
+    from tokenlake.core.cost_model import LatencyModel
+
+    def view(rid, phase, remaining, arrival):
+        return RequestView(rid, phase, context_tokens=0, remaining_prefill=remaining,
+                           arrival_s=arrival)
+
+    running = (view("d1", "decode", 0, 0.0), view("p1", "prefill", 100, 1.0),
+               view("d2", "decode", 0, 0.5))
+    waiting = (view("w2", "prefill", 300, 3.0), view("w1", "prefill", 300, 2.0))
+    snap = Snapshot(0.0, waiting, running, (InstanceView(0), InstanceView(1)), 0.0,
+                    LatencyModel.load("cpu_smollm2-135m"))
+    decision = ContinuousBatching(chunk_tokens=512).schedule(snap)
+    decision.check(snap)
+    prefill, decode = decision.batches
+    assert (prefill.phase, prefill.request_ids, prefill.new_tokens) == \
+        ("prefill", ("p1", "w1", "w2"), (100, 300, 112))  # running first, then by arrival
+    assert (decode.phase, decode.request_ids) == ("decode", ("d1", "d2"))
+    one = Snapshot(0.0, waiting, running, (InstanceView(0),), 0.0, snap.latency)
+    assert [b.phase for b in ContinuousBatching(512).schedule(one).batches] == ["prefill"]

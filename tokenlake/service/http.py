@@ -68,6 +68,7 @@ class _Job:
 def create_app(loop: EngineLoop, model: ModelInfo, metrics: ServiceMetrics) -> FastAPI:
     """The ASGI app serving ``model`` through ``loop``."""
     app = FastAPI(title="TokenLake", summary="OpenAI-compatible API of a TokenLake pool")
+    app.state.model = model
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):

@@ -37,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "scheduler", help="decision time of the goodput DP scheduler (JSON)"))
     add_sim(what.add_parser(
         "sim", help="simulator speed on a repeated Mooncake trace (JSON)"))
+    add_http(what.add_parser(
+        "http", help="what the HTTP layer adds per request (direct vs HTTP, JSON)",
+        description="Alternates the same kind of request straight to the serving loop and "
+                    "through POST /v1/completions on one served pool; prints both latencies "
+                    "and the difference of their medians (JSON)."))
     add_serve(what.add_parser(
         "serve", help="load generator for a served pool's HTTP API (TTFT, TBT, throughput)",
         description="Streams completions to an OpenAI-compatible server (the pool) and "
@@ -145,6 +150,32 @@ def run_scheduler(args: argparse.Namespace) -> int:
     result["config"] = {"requests": args.requests, "prefill_share": args.prefill_share,
                         "prefill_dops": args.prefill_dops}
     print(json.dumps(result, indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- http
+
+
+def add_http(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pairs", type=positive(int), default=30,
+                   help="measured request pairs (direct, HTTP)")
+    p.add_argument("--prompt-tokens", type=positive(int), default=64, help="prompt length")
+    p.add_argument("--max-tokens", type=positive(int), default=4, help="tokens generated")
+    p.add_argument("--instances", type=positive(int), default=2,
+                   help="pool instances (--backend pool)")
+    p.add_argument("--backend", choices=("instant", "pool"), default="instant",
+                   help="'instant': no model, the HTTP layer's cost alone; 'pool': SmolLM2 "
+                        "through a local pool")
+    _json_flag(p, always=True)
+    p.set_defaults(run=run_http)
+
+
+def run_http(args: argparse.Namespace) -> int:
+    # torch, the model and the HTTP stack: only when this benchmark runs
+    from tokenlake.tools.bench_http import bench_http
+
+    print(json.dumps(bench_http(args.pairs, args.prompt_tokens, args.max_tokens,
+                                args.instances, backend=args.backend), indent=2))
     return 0
 
 

@@ -233,9 +233,10 @@ def test_serve_local_serves_until_stopped_and_cleans_up():
     stop, ready, prefixes = threading.Event(), threading.Event(), []
     addresses = []
 
-    def on_ready(server):
-        prefixes.append(cluster_prefix(server.cluster.cluster_id))
-        addresses.append(server.address)
+    def on_ready(served):
+        assert served.http is None, "no weights for this model shape: no HTTP API"
+        prefixes.append(cluster_prefix(served.control.cluster.cluster_id))
+        addresses.append(served.info()["address"])
         ready.set()
 
     errors = []

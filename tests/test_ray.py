@@ -413,7 +413,8 @@ def test_a_killed_compute_actor_is_engine_unavailable(compute_pool):
 
 
 class _Lines:
-    """A stdout that hands every JSON event line to a queue (read from another thread)."""
+    """A stdout that hands every JSON event line but progress reports to a queue (read
+    from another thread)."""
 
     def __init__(self) -> None:
         self.events: queue.Queue = queue.Queue()
@@ -423,19 +424,24 @@ class _Lines:
         self._buf += text
         while "\n" in self._buf:
             line, self._buf = self._buf.split("\n", 1)
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
+            event = json.loads(line) if line.startswith("{") else None
+            if event is not None and event["event"] != "progress":
+                self.events.put(event)
         return len(text)
 
     def flush(self) -> None:
         pass
 
+    def isatty(self) -> bool:  # the HTTP server's log set-up asks
+        return False
+
 
 def test_serve_command_reports_a_crash_and_stops_cleanly_on_ctrl_c(ray_session, monkeypatch):
     """``tokenlake serve --ray ADDRESS`` in this process (Ray is already up, so the
     command joins it): engines bind the named interface within the port range, it prints
-    the addresses, notices an engine process killed outside Ray, and on Ctrl-C (SIGINT)
-    shuts everything down and exits 0."""
+    the addresses (the control port and HTTP API too: tests/test_ray_serve.py uses them),
+    notices an engine process killed outside Ray, and on Ctrl-C (SIGINT) shuts everything
+    down and exits 0."""
     from tokenlake.deploy.ray import ProcessRef
     from tokenlake.tools import cli
 
@@ -444,7 +450,8 @@ def test_serve_command_reports_a_crash_and_stops_cleanly_on_ctrl_c(ray_session, 
     address = ray.get_runtime_context().gcs_address
     argv = ["serve", "--ray", address, "--instances", "1", "--model", "smollm2-135m", "--pool-mb", "1",
             "--segment-tokens", "16", "--max-rows", "16", "--cpus-per-instance", "0.5",
-            "--bind", "lo", "--ports", "47100-47199", "--no-restart", "--json"]
+            "--bind", "lo", "--ports", "47100-47199", "--no-restart", "--json",
+            "--control-port", "0", "--http-port", "0"]
     seen: list[dict] = []
     failure: list[BaseException] = []
 
@@ -473,6 +480,7 @@ def test_serve_command_reports_a_crash_and_stops_cleanly_on_ctrl_c(ray_session, 
     assert [ready["event"], serving["event"], failed["event"]] == ["ready", "serving", "failed"]
     (inst,) = ready["instances"]
     assert failed["instance"] == 0
+    assert ready["address"].startswith("tcp://127.0.0.1:") and ready["http_url"]
     for endpoint in inst["endpoints"].values():  # the interface named, a port of the range
         host, port = endpoint[len("tcp://"):].rsplit(":", 1)
         assert host == "127.0.0.1" and 47100 <= int(port) <= 47199

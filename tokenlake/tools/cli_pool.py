@@ -105,6 +105,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return _serve_local(cfg, args.json)
     if importlib.util.find_spec("ray") is None:
         raise UsageError("serve needs Ray: pip install 'tokenlake[ray]'")
+    if cfg.engine != "pool":
+        raise UsageError(f"serve --ray: --engine {cfg.engine} serves without --ray only")
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -122,11 +124,39 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return serve(cfg.instances, cfg.model, cfg.pool_mb << 20, options, cfg.segment_tokens,
                      cfg.max_rows, restart=cfg.restart, json_lines=args.json,
-                     out=lambda line: print(line, flush=True))
+                     out=lambda line: print(line, flush=True),
+                     attach=_ray_service(cfg, args.json))
     except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None
     except KeyboardInterrupt:  # during start-up: the cluster has cleaned up already
         return 130
+
+
+def _ray_service(cfg, json_lines: bool):
+    """What ``serve --ray`` attaches to the started RayCluster: its control plane on
+    ``cfg.host:cfg.control_port`` and, for the model whose weights ship with the
+    project, the OpenAI-compatible API on ``cfg.host:cfg.http_port`` (the service layer
+    sits above tokenlake.deploy, so the command joins the two). The model runs in this
+    process while every instance is on this node; when some are on other nodes (whose
+    shared buffers this process cannot map), in a compute actor per instance."""
+    import ray
+
+    from tokenlake.service.local import SERVED_MODEL, load_served_model, pool_service
+
+    def progress(line: str) -> None:
+        print(json.dumps({"event": "progress", "message": line}) if json_lines else line,
+              flush=True)
+
+    def attach(cluster):
+        model = load_served_model(progress) if cfg.model == SERVED_MODEL else None
+        here = ray.get_runtime_context().get_node_id()
+        if model is not None and any(cluster.node_id(i) != here for i in cluster.instances):
+            progress("instances on other nodes: starting a compute actor per instance ...")
+            cluster.start_compute()
+        return pool_service(cluster, host=cfg.host, control_port=cfg.control_port,
+                            http_port=cfg.http_port, model=model)
+
+    return attach
 
 
 def _serve_local(cfg, json_lines: bool) -> int:

@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 from tokenlake.core.specs import load_model
@@ -26,36 +27,62 @@ def serve(
     out: Callable[[str], None] = print,
     json_lines: bool = False,
     stop: threading.Event | None = None,
+    attach: Callable[[RayCluster], AbstractContextManager[Any]] | None = None,
 ) -> int:
     """``tokenlake serve --ray``: starts the pool, prints its addresses, watches it
     every ``poll_s`` seconds (failed instances are removed and, with ``restart``, started
     again) until Ctrl-C or SIGTERM (handled when called in the main thread) or ``stop``
     is set, then shuts everything down (a KeyboardInterrupt during start-up stops the
     cluster and propagates). ``json_lines``: one JSON object per event (``ready``, ``serving``, ``failed``,
-    ``restarted``, ``stopping``, ``stopped``) instead of text. Returns the exit code."""
+    ``restarted``, ``stopping``, ``stopped``) instead of text. Returns the exit code.
+
+    ``attach``: what else serves the started cluster (``tokenlake serve`` passes the
+    control port and HTTP API of :mod:`tokenlake.service`, a layer above this one),
+    entered right after the cluster starts and left before it stops. What it yields may
+    have ``lock`` (held while failed instances are removed and restarted: the attached
+    servers call the control plane from their own threads) and ``info()`` (a dict merged
+    into the ``ready`` event; ``address`` and ``http_url`` are also printed as text)."""
 
     def emit(event: str, text: str, **data: Any) -> None:
         out(json.dumps({"event": event, **data}) if json_lines else text)
 
     model = load_model(model_name)
     stop = stop if stop is not None else threading.Event()
-    with RayCluster(instances, model, pool_bytes, segment_tokens, max_rows, options=options) as cluster:
+    with (RayCluster(instances, model, pool_bytes, segment_tokens, max_rows, options=options) as cluster,
+          contextlib.ExitStack() as attached):
+        served = attached.enter_context(attach(cluster)) if attach is not None else None
+        lock = getattr(served, "lock", None) or contextlib.nullcontext()
+        info = served.info() if hasattr(served, "info") else {}
         lines = [f"TokenLake pool on Ray: {instances} instances of {model.name}, "
                  f"{cluster.slots_per_instance} slots of C={segment_tokens} each ({options.strategy})"]
         desc = cluster.describe()
         lines += [f"  instance {d['instance']}: node {d['node_ip']} ({d['node_id'][:12]}) "
                   f"query {d['endpoints']['query']} transfer {d['endpoints']['transfer']}" for d in desc]
-        emit("ready", "\n".join(lines), instances=desc)
+        lines += _served_lines(info)
+        emit("ready", "\n".join(lines), **info, instances=desc)
         emit("serving", "serving; Ctrl-C to stop")
         try:
             with _signals_set(stop):
                 while not stop.wait(poll_s):
-                    _recover(cluster, restart, emit)
+                    with lock:
+                        _recover(cluster, restart, emit)
         except KeyboardInterrupt:  # raised some other way (_thread.interrupt_main, say)
             pass
         emit("stopping", "stopping")
-    emit("stopped", "stopped: actors gone, shared memory unlinked")
+    emit("stopped", "stopped: " + ("served ports closed, " if attach is not None else "")
+         + "actors gone, shared memory unlinked")
     return 0
+
+
+def _served_lines(info: dict[str, Any]) -> list[str]:
+    """The attached servers' addresses, for people."""
+    lines = []
+    if info.get("address"):
+        lines.append(f"  control plane at {info['address']} (tokenlake.connect)")
+    if info.get("http_url"):
+        lines.append(f"  OpenAI-compatible API at {info['http_url']}/v1 "
+                     f"(metrics: {info['http_url']}/metrics)")
+    return lines
 
 
 @contextlib.contextmanager

@@ -163,3 +163,27 @@ def test_one_local_compute_engine_gets_one_batch_per_iteration(model):
     assert max(len(d.batches[0].request_ids) for d in server.decisions if d.batches[0].phase == "decode") == 3
     for i, p in enumerate(prompts):
         assert server.results[f"o{i}"].output_ids == list(ref.generate(list(p), 3, stop_ids=()).output_ids)
+
+
+def test_a_full_pool_makes_new_requests_wait_not_fail(model):
+    """Requests that each fit but together overflow the pool: admission waits for a
+    finished request's room, nobody fails, every answer is still the reference's."""
+    from scheduler.continuous import ContinuousBatching
+
+    weights, tok, ref = model
+    spec = weights.config.to_model_spec("smollm2-135m")
+    import random
+
+    rng = random.Random(5)  # prompts that share nothing, so nothing is deduplicated
+    prompts = [tuple(rng.randrange(17, 49152) for _ in range(50)) for _ in range(4)]
+    with LocalCluster(1, spec, 8 << 20, segment_tokens=C, max_rows=512) as cluster:
+        slots = cluster.control.stats().pool.slots_capacity[0]
+        need = [-(-(len(p) + NEW) // C) for p in prompts]
+        assert max(need) <= slots < sum(need), (need, slots)  # alone yes, together no
+        server = Server(cluster, weights, policy=ContinuousBatching(256), compute_slots=1)
+        results = server.run([GenerationRequest(f"f{i}", p, NEW, ()) for i, p in enumerate(prompts)])
+        assert server.admission_holds > 0, "the pool was full at least once"
+        cluster.control.check()
+        assert cluster.control.live_requests == ()
+    for i, p in enumerate(prompts):
+        assert results[f"f{i}"].output_ids == ref.generate(list(p), NEW, stop_ids=()).output_ids

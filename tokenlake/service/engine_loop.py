@@ -202,6 +202,21 @@ class EngineLoop:
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug: say so, and leave no caller waiting
+            log.exception("the engine thread failed")
+            with self._cv:
+                self._closing = True
+                inbox, self._inbox = self._inbox, []
+            for what, item in inbox:
+                if what == "submit":
+                    item[1]._settle(LoopClosed(f"the engine thread failed: {e}"))
+            for stream in self._streams.values():
+                stream._deliver(EngineFailed(f"the engine thread failed: {e}"))
+            self._streams.clear()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not (self._inbox or self._closing or self.server.busy):
@@ -248,8 +263,14 @@ class EngineLoop:
 
     def _end_all(self, error: Exception) -> None:
         for rid, stream in list(self._streams.items()):
-            self.server.cancel(rid)
-            self._finished(rid)
+            try:
+                self.server.cancel(rid)
+                res = self.server.results.get(rid)
+                if res is not None:
+                    res.finish_reason = "error"
+                self._finished(rid)
+            except Exception:  # keep ending the others; the thread must not die
+                log.exception("could not end request %s", rid)
             stream._settle(error)
             stream._deliver(error)
         self._streams.clear()

@@ -29,7 +29,7 @@ import torch
 from scheduler.api import InstanceView, Snapshot
 from scheduler.goodput import GoodputScheduler
 from tokenlake.core.cost_model import LatencyModel
-from tokenlake.core.errors import TokenLakeError
+from tokenlake.core.errors import CapacityError, TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_hardware
 from tokenlake.model.compute import ComputeEngine
@@ -157,6 +157,9 @@ class Server:
         self.iterations = 0
         self.rebalance_every = rebalance_every
         self.replications = 0
+        self.admit_limit: int | None = None  # most new admissions per iteration (see step)
+        self.admission_holds = 0  # iterations skipped because the pool was full
+        self._admitted_now: list[_Live] = []
 
     # ------------------------------------------------------------- requests
     def submit(self, req: GenerationRequest) -> RequestResult:
@@ -193,16 +196,39 @@ class Server:
         return self.results
 
     def step(self) -> None:
-        """One iteration: the policy's batches, plans, compute, completion."""
+        """One iteration: the policy's batches, plans, compute, completion.
+
+        If the iteration fails, the requests it admitted go back to waiting (the
+        control plane never saw them, or its abort took them back), so the tracker
+        and the pool agree. When the pool is full (``CapacityError``) while other
+        requests run, no new request is admitted until one of those finishes: the
+        iteration is skipped, not failed: it is tried again with half as many new
+        admissions, and with none (admission waits for room) once a single one does not
+        fit beside the running requests; a request that finishes lifts the limit."""
+        self._admitted_now = []
         batches, dops, prefilling = self._ask_policy()
         if not batches:
             return
         cp = self.control
-        plans = cp.gen_plans(batches, dops)
+        try:
+            plans = cp.gen_plans(batches, dops)
+        except CapacityError:
+            new = len(self._admitted_now)
+            self._take_back_admissions()
+            running = any(live.admitted for live in self.tracker.values())
+            if new == 0 or (new == 1 and not running):
+                raise  # nothing to take back, or one request alone that cannot fit now
+            self.admit_limit = new // 2
+            self.admission_holds += 1
+            return
+        except BaseException:
+            self._take_back_admissions()
+            raise
         try:
             out = self.engine.run(plans, batches)
         except BaseException:
             cp.abort(plans)
+            self._take_back_admissions()
             raise
         cp.complete(plans)
         self.iterations += 1
@@ -220,6 +246,12 @@ class Server:
             elif live.phase != DECODE:
                 continue  # a prefill chunk that is not the prompt's last
             self._emit(live, logits)
+
+    def _take_back_admissions(self) -> None:
+        for live in self._admitted_now:
+            self.tracker.requeue(live)
+            live.result.hit_tokens = live.result.prefill_tokens = 0
+        self._admitted_now = []
 
     # ------------------------------------------------------------ policies
     def _match(self, prompt: tuple[int, ...]) -> int:
@@ -239,6 +271,8 @@ class Server:
         for live in tracker.waiting():
             tracker.set_hit(live, self._match(live.req.prompt_ids))
         waiting, running = tracker.views()
+        if self.admit_limit is not None:  # the pool was full: admit fewer, oldest first
+            waiting = waiting[: self.admit_limit]
         load = tracker.cache_load(tracker.values(), self.cluster.n_instances,
                                   self.control.model, self.hardware, self.latency)
         instances = tuple(InstanceView(i) for i in range(self.compute_slots))
@@ -283,6 +317,7 @@ class Server:
         prefix: tuple[int, ...] = ()
         if live.phase == WAITING:
             hit = self.tracker.admit(live)
+            self._admitted_now.append(live)
             prefix = prompt[:hit]
             live.result.hit_tokens = hit
         new = prompt[live.prefilled : live.prefilled + tokens]
@@ -303,11 +338,13 @@ class Server:
     def _retire(self, live: _Live, reason: str) -> None:
         """``live`` is done: out of the tracker, its leases and tail back to the pool."""
         live.result.done, live.result.finish_reason = True, reason
+        self.admit_limit = None  # its slots are free: admit freely again
         admitted = live.phase != WAITING  # the control plane knows it once admitted
         if live.phase == DECODE:
             self.tracker.finish(live)
         self.tracker.remove(live)
-        if admitted:
+        if admitted and live.req.request_id in self.control.live_requests:
+            # (a request admitted in an iteration whose gen_plans failed is unknown there)
             self.control.finish_request(live.req.request_id)
 
     # ------------------------------------------------------------ service

@@ -294,3 +294,43 @@ def test_continuous_batching_decodes_everyone_and_packs_the_prefill_budget():
     assert (decode.phase, decode.request_ids) == ("decode", ("d1", "d2"))
     one = Snapshot(0.0, waiting, running, (InstanceView(0),), 0.0, snap.latency)
     assert [b.phase for b in ContinuousBatching(512).schedule(one).batches] == ["prefill"]
+
+
+def test_a_failing_cancel_does_not_kill_the_engine_thread(loop):
+    lp, backend = loop
+    backend.fail_next = True
+    original = backend.cancel
+
+    def cancel(rid):
+        if rid == "h":
+            raise RuntimeError("cannot cancel")
+        return original(rid)
+
+    backend.cancel = cancel
+
+    async def main():
+        s = await lp.submit(GenerationRequest("h", (1,), 5))
+        with pytest.raises(EngineFailed):
+            await _tokens(s)
+        t = await lp.submit(GenerationRequest("i", (1,), 2))  # the thread still serves
+        return await _tokens(t)
+
+    assert asyncio.run(main()) == [0, 1]
+
+
+def test_if_the_engine_thread_dies_no_caller_hangs():
+    backend = Scripted()
+    backend.counts = lambda: 1 / 0  # a bug in the backend, hit after every pass
+    lp = EngineLoop(backend).start()
+
+    async def main():
+        with pytest.raises((LoopClosed, EngineFailed)):
+            s = await lp.submit(GenerationRequest("j", (1,), 3))
+            await _tokens(s)
+        with pytest.raises(LoopClosed):
+            await lp.submit(GenerationRequest("k", (1,), 3))
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        lp.close()

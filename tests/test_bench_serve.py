@@ -54,8 +54,9 @@ class Stub:
     with ``metrics`` the pool counters count half of every prompt as hits."""
 
     def __init__(self, gap_s: float = 0.002, metrics: bool = True, reject_mod: int = 0,
-                 drop_mod: int = 0, hang_token: int | None = None) -> None:
+                 drop_mod: int = 0, hang_token: int | None = None, odd_mod: int = 0) -> None:
         self.gap_s, self.reject_mod, self.drop_mod = gap_s, reject_mod, drop_mod
+        self.odd_mod = odd_mod  # answers "y" instead of "x" to these prompts
         self.hang_token = hang_token
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
@@ -98,7 +99,8 @@ class Stub:
                     return
                 await asyncio.sleep(self.gap_s)  # the stub's decode step
                 chunk = {"id": "c", "object": "text_completion",
-                         "choices": [{"index": 0, "text": "x", "finish_reason":
+                         "choices": [{"index": 0, "text": "y" if self.odd_mod and
+                                      prompt[-1] % self.odd_mod == 0 else "x", "finish_reason":
                                       "length" if i == max_tokens - 1 else None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
             usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
@@ -244,8 +246,11 @@ def test_poisson_arrivals_are_seeded_and_paced(serve_stub):
 
 
 def test_baseline_rounds_medians_ranges_and_ratios(serve_stub):
-    pool, base = Stub(gap_s=0.001), Stub(gap_s=0.02, metrics=False)
+    pool, base = Stub(gap_s=0.001), Stub(gap_s=0.02, metrics=False, odd_mod=3)
     result = run_bench(config(rounds=2, warmup=0), serve_stub(pool), serve_stub(base))
+    odd = sum(x["prompt"][-1] % 3 == 0 for x in base.bodies)
+    assert 0 < odd < 24
+    assert (result["answers_compared"], result["answers_differ"]) == (24, odd)
     assert set(result) >= {"pool", "baseline", "ratios", "ratio_ranges", "config"}
     p, b, ratios = result["pool"], result["baseline"], result["ratios"]
     assert p["requests"] == b["requests"] == 24 and len(p["rounds"]) == 2

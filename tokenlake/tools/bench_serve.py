@@ -18,7 +18,9 @@ rate is the delta of the pool's ``tokenlake_hit_tokens_total`` /
 
 With a baseline, ``rounds`` rounds run the pool then the baseline on the same prompts,
 each round a fresh workload seed; the report gives medians over rounds, their ranges
-and the ratios (baseline/pool for latencies, pool/baseline for throughputs).
+and the ratios (baseline/pool for latencies, pool/baseline for throughputs), and how
+many greedy answers differ between the two (``answers_differ`` of
+``answers_compared``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ async def _read_stream(resp: httpx.Response, out: Outcome, t0: float) -> None:
         if "error" in chunk:
             raise ValueError(f"error in stream: {chunk['error']}")
         if chunk.get("choices"):  # one generated token (the usage chunk has none)
+            out.text += "".join(c.get("text") or "" for c in chunk["choices"])
             now = time.perf_counter()
             if last is None:
                 out.ttft_s = now - t0
@@ -229,20 +232,28 @@ async def bench_target(base_url: str, name: str, requests: list[BenchRequest],
         after = await fetch_counters(client, base_url)
     result = summarise(outcomes, duration, (before, after), sum(len(r.prompt) for r in requests))
     result.update(model=model, url=base_url)
-    return result
+    return result, {o.request_id: o.text for o in outcomes if o.error is None}
 
 
 async def _run_rounds(config: BenchConfig, targets: dict[str, str], workloads: list) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in targets}
+    compared = differ = 0  # greedy answers of both servers to the same prompts
     for r, (requests, warmups) in enumerate(workloads):
         load = Load(config.load.concurrency, config.load.rate, config.load.seed + r,
                     config.load.timeout_s)
+        texts = {}
         for name, url in targets.items():
             label = name if config.rounds == 1 else f"{name} {r + 1}/{config.rounds}"
-            runs[name].append(await bench_target(url, label, requests, warmups, config, load))
+            report, texts[name] = await bench_target(url, label, requests, warmups, config, load)
+            runs[name].append(report)
+        if "baseline" in texts:
+            both = texts["pool"].keys() & texts["baseline"].keys()
+            compared += len(both)
+            differ += sum(texts["pool"][k] != texts["baseline"][k] for k in both)
     if "baseline" not in runs:
         return aggregate(runs["pool"])
-    result = {"pool": aggregate(runs["pool"]), "baseline": aggregate(runs["baseline"])}
+    result = {"pool": aggregate(runs["pool"]), "baseline": aggregate(runs["baseline"]),
+              "answers_compared": compared, "answers_differ": differ}
     result["ratios"] = ratios(result["pool"], result["baseline"])
     if config.rounds > 1:
         each = [ratios(p, b) for p, b in zip(runs["pool"], runs["baseline"])]

@@ -54,6 +54,7 @@ class Outcome:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    text: str = ""  # the answer (compared between the pool and the baseline)
 
 
 def summarise(outcomes: list[Outcome], duration_s: float, counters: tuple | None = None,

@@ -334,3 +334,22 @@ def test_if_the_engine_thread_dies_no_caller_hangs():
         asyncio.run(asyncio.wait_for(main(), 30))
     finally:
         lp.close()
+
+
+def test_a_backend_that_cannot_queue_a_request_fails_only_that_one(loop):
+    lp, backend = loop
+    original = backend.submit
+
+    def submit(req):
+        if req.request_id == "m":
+            raise MemoryError("no room for its cache")
+        return original(req)
+
+    backend.submit = submit
+
+    async def main():
+        with pytest.raises(EngineFailed, match="MemoryError"):
+            await lp.submit(GenerationRequest("m", (1,), 2))
+        return await _tokens(await lp.submit(GenerationRequest("n", (1,), 2)))
+
+    assert asyncio.run(main()) == [0, 1]

@@ -247,6 +247,10 @@ class EngineLoop:
         except BadRequest as e:
             stream._settle(e)
             return
+        except Exception as e:  # the backend's fault, not the request's: keep serving
+            log.exception("could not queue request %s", req.request_id)
+            stream._settle(EngineFailed(f"could not queue the request: {type(e).__name__}: {e}"))
+            return
         self._streams[req.request_id] = stream
         stream._settle(None)
 

@@ -118,6 +118,8 @@ def create_app(loop: EngineLoop, model: ModelInfo, metrics: ServiceMetrics) -> F
             raise ApiError(400, str(e)) from None
         except LoopClosed as e:
             raise ApiError(503, str(e), "server_error", "unavailable") from None
+        except EngineFailed as e:
+            raise ApiError(500, str(e), "server_error") from None
         job = _Job(kind, req.request_id, int(time.time()), body, len(ids), stream)
         if body.stream:
             return StreamingResponse(_sse(job, model), media_type="text/event-stream")

@@ -1,0 +1,92 @@
+"""A failed iteration leaves the serving loop exactly as before it (issue #17, finding 7):
+gen_plans or the compute engine fail at every iteration in turn, the loop is stepped
+again, and every answer is still token-identical to the reference engine's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenlake.core.errors import CapacityError, EngineUnavailable
+from tokenlake.deploy.local import LocalCluster
+from tokenlake.serving import GenerationRequest, Server
+
+C = 16
+NEW = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    from tokenlake.model.llama.reference import ReferenceEngine
+    from tokenlake.model.llama.weights import load_weights
+
+    weights = load_weights()
+    return weights, ReferenceEngine(weights)
+
+
+HIT = -1  # fail the first iteration that admits a request with a cached prefix
+
+
+class Flaky:
+    """Wraps ``gen_plans(batches, ...)`` or ``run(plans, batches)``; raises ``error``
+    once: on call number ``fail_at`` (0-based), or with ``HIT`` on the first call whose
+    batches admit a request reusing a cached prefix."""
+
+    def __init__(self, fn, fail_at: int, error: Exception, batches_arg: int) -> None:
+        self.fn, self.fail_at, self.error, self.calls = fn, fail_at, error, 0
+        self.batches_arg, self.failed = batches_arg, False
+
+    def __call__(self, *args, **kwargs):
+        n, self.calls = self.calls, self.calls + 1
+        hit = any(r.prefix_token_ids for b in args[self.batches_arg] for r in b.requests)
+        if not self.failed and (n == self.fail_at or (self.fail_at == HIT and hit)):
+            self.failed = True
+            raise self.error
+        return self.fn(*args, **kwargs)
+
+
+def _requests():
+    rng = random.Random(3)
+    shared = [rng.randrange(17, 49152) for _ in range(40)]  # a prefix two requests share
+    prompts = [tuple(shared + [rng.randrange(17, 49152) for _ in range(9)]),
+               tuple(shared + [rng.randrange(17, 49152) for _ in range(13)]),
+               tuple(rng.randrange(17, 49152) for _ in range(30))]
+    return [GenerationRequest(f"q{i}", p, NEW, ()) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("where", ["gen_plans", "engine"])
+@pytest.mark.parametrize("fail_at", [0, 2, 5, HIT])
+def test_an_injected_failure_changes_no_answer(model, where, fail_at):
+    weights, ref = model
+    spec = weights.config.to_model_spec("smollm2-135m")
+    reqs = _requests()
+    with LocalCluster(2, spec, 32 << 20, segment_tokens=C, max_rows=256) as cluster:
+        server = Server(cluster, weights, chunk_tokens=16)  # prompts take several chunks
+        error = CapacityError("injected") if where == "gen_plans" else \
+            EngineUnavailable("injected")
+        if where == "gen_plans":
+            cp = server.control
+            server.control = type("Proxy", (), {
+                "__getattr__": lambda self, n: getattr(cp, n),
+                "gen_plans": Flaky(cp.gen_plans, fail_at, error, 0)})()
+        else:
+            server.engine.run = Flaky(server.engine.run, fail_at, error, 1)
+        flaky = server.control.gen_plans if where == "gen_plans" else server.engine.run
+        failures = 0
+        for wave in ([reqs[0], reqs[2]], [reqs[1]]):  # the second reuses the first's prefix
+            for r in wave:
+                server.submit(r)
+            while server.busy:
+                try:
+                    server.step()
+                except (CapacityError, EngineUnavailable):
+                    failures += 1
+        # a CapacityError while admitting is absorbed (admission waits); others surface
+        assert failures <= 1
+        assert flaky.failed or fail_at != HIT, "the workload admits a request with a hit"
+        cluster.control.check()
+        assert cluster.control.live_requests == ()
+    for r in reqs:
+        want = ref.generate(list(r.prompt_ids), NEW, stop_ids=()).output_ids
+        assert server.results[r.request_id].output_ids == want, r.request_id

@@ -25,7 +25,7 @@ from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
 from tokenlake.dataplane import messages, wire
 from tokenlake.dataplane.messages import Ack, ErrorReply, Peers, Ping, Pong, Shutdown, WireMessage
 from tokenlake.dataplane.shm import SharedTensor
-from tokenlake.dataplane.shm_files import BufferSpec
+from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, pid_alive, unlink_prefix
 from tokenlake.dataplane.sockets import send_frames
 from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 
@@ -51,6 +51,9 @@ class EngineSpec:
         torch_threads: intra-op threads of torch in this process.
         port_range: ``(first, last)`` ports to bind (the first free one, inclusive
             bounds); ``None`` binds any free port.
+        owner_pid: the launcher's process: once it is gone (killed with ``kill -9``,
+            say) the engine stops within ``tick_s`` and unlinks its cluster's buffers;
+            ``None``: no owner to watch (Ray watches its actors' owners itself).
     """
 
     role: str
@@ -61,6 +64,7 @@ class EngineSpec:
     peer_timeout_s: float = 2.0
     torch_threads: int = 1
     port_range: tuple[int, int] | None = None
+    owner_pid: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -122,6 +126,7 @@ class EngineLoop:
         self._handled = 0  # requests served (ROUTER messages)
         self._busy_s = 0.0  # seconds spent handling messages (not waiting)
         self._parent = os.getppid()
+        self.orphaned = False  # the owner died: run_engine unlinks the cluster's buffers
         self._peers_changed = True  # serve() rebuilds its poller when set
 
     # ------------------------------------------------------------ lifecycle
@@ -214,6 +219,12 @@ class EngineLoop:
             self._expire()
             if os.getppid() != self._parent:
                 log.warning("parent process is gone; %s engine %d stops", self.spec.role, self.spec.instance)
+                break
+            owner = self.spec.owner_pid
+            if owner is not None and not pid_alive(owner):
+                log.warning("owner process %d is gone; %s engine %d stops", owner,
+                            self.spec.role, self.spec.instance)
+                self.orphaned = True
                 break
 
     def stats(self) -> Pong:
@@ -344,3 +355,5 @@ def run_engine(engine_cls: Callable[[EngineSpec], Any], spec_bytes: bytes, conn)
     finally:
         engine.close()
         conn.close()
+        if engine.orphaned:  # nobody else will: the owner died without closing
+            unlink_prefix(cluster_prefix(spec.cluster_id))

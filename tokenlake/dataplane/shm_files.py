@@ -204,7 +204,8 @@ def unlink_prefix(prefix: str) -> list[str]:
 # --------------------------------------------------------------------------- stale buffers
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` runs (an unreaped zombie counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -229,7 +230,7 @@ def sweep_stale(prefix: str = PREFIX) -> list[str]:
     removed = []
     for name in list_buffers(prefix):
         m = _CREATOR_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))) and unlink_buffer(name):
+        if m and not pid_alive(int(m.group(1))) and unlink_buffer(name):
             removed.append(name)
     if removed:
         log.info("swept %d stale shared buffers: %s", len(removed), removed)

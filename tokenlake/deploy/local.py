@@ -8,12 +8,16 @@
 The cluster process is the driver: it runs the control plane and owns every shared
 buffer (created here, unlinked in :meth:`LocalCluster.close`, also when an engine
 crashed). Engines are started with the ``forkserver`` method, which imports torch once,
-and stop when told to or when this process dies.
+and stop when told to or when this process dies: each engine watches the launcher's pid
+(``EngineSpec.owner_pid``) and, once it is gone (even by ``kill -9``), stops within
+0.1 s and unlinks the cluster's buffers; a new cluster also sweeps the buffers of
+launchers that are gone (``sweep_stale``).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +33,7 @@ from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
 from tokenlake.dataplane.messages import Shutdown, WireMessage, expect
 from tokenlake.dataplane.shm import BufferRegistry
-from tokenlake.dataplane.shm_files import cluster_prefix, new_cluster_id
+from tokenlake.dataplane.shm_files import cluster_prefix, new_cluster_id, sweep_stale
 from tokenlake.dataplane.sockets import send, send_frames
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
@@ -69,6 +73,7 @@ class LocalCluster(ClusterBase):
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Creates the shared buffers and starts 2N engine processes; waits until ready."""
+        sweep_stale()  # buffers of launchers that died without closing (kill -9)
         self.cluster_id = new_cluster_id()
         self._registry = BufferRegistry(cluster_prefix(self.cluster_id))
         try:
@@ -97,7 +102,8 @@ class LocalCluster(ClusterBase):
             for role in ROLES:
                 spec = EngineSpec(role, inst, self.cluster_id,
                                   {n: specs[inst][n] for n in ENGINE_BUFFERS[role]},
-                                  host=self.host, peer_timeout_s=self.peer_timeout_s)
+                                  host=self.host, peer_timeout_s=self.peer_timeout_s,
+                                  owner_pid=os.getpid())
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
                                    name=f"tokenlake-{role}-{inst}", daemon=True)

@@ -114,6 +114,26 @@ def test_put_of_a_layer_range_outside_the_model_is_refused(cluster):
         cp.abort(plans)
 
 
+@pytest.mark.parametrize("bad", [1.7, True, "1", -1, 10**6])
+def test_layer_indices_are_strict_ints(cluster, bad):
+    """``query(1.7)`` used to mean layer 1 (issue #17, finding 5): a layer that is not an
+    int in range is refused by the client, before anything is sent."""
+    cp = cluster.control
+    plans = cp.gen_plans([Batch((BatchRequest("ix", (1, 2, 3)),))], [1])
+    try:
+        client = cluster.client(plans.query_plans[0].home)
+        client.init_query(plans.query_plans[0])
+        client.init_transfer(plans.transfer_plans[0])
+        with pytest.raises(PlanError, match="layer"):
+            client.query_async(bad)
+        with pytest.raises(PlanError, match="layer"):
+            client.put(bad)
+        with pytest.raises(PlanError, match="layers"):
+            client.put(0, bad if bad != -1 else 0.5)
+    finally:
+        cp.abort(plans)
+
+
 def test_replicated_segments_give_the_same_result(cluster):
     if cluster.n_instances == 1:
         pytest.skip("replication needs two instances")

@@ -141,6 +141,7 @@ class InstanceClient:
         touch ``q_buf`` until it is done."""
         if self._query_plan is None:
             raise PlanError("call init_query first")
+        _index(layer, "layer", self.kv.shape[0])
         pid, rows = self._query_plan
         msg_id = self._send("query", Query(pid, layer))
         return QueryHandle(self, msg_id, rows)
@@ -163,6 +164,8 @@ class InstanceClient:
         Do not overwrite those layers of ``kv_buf`` before the handle is done."""
         if self._transfer_plan is None:
             raise PlanError("call init_transfer first")
+        _index(layer, "layer", self.kv.shape[0])
+        _index(layers, "layers", self.kv.shape[0] + 1)
         if layers < 1 or layer < 0 or layer + layers > self.kv.shape[0]:
             raise PlanError(f"layers [{layer}, {layer + layers}) outside [0, {self.kv.shape[0]})")
         msg_id = self._send("transfer", Put(self._transfer_plan[0], layer, layers))
@@ -232,3 +235,13 @@ class InstanceClient:
                 if dead is not None:
                     raise EngineUnavailable(f"{dead} is not running")
         return expect(self._replies.pop(msg_id), reply)
+
+
+def _index(value, name: str, bound: int) -> int:
+    """``value`` if it is an int in ``[0, bound)`` (never a bool, a float or a string:
+    ``query(1.7)`` must not mean layer 1); else :class:`PlanError`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{name} must be an int, got {value!r}")
+    if not 0 <= value < bound:
+        raise PlanError(f"{name} {value} outside [0, {bound})")
+    return value

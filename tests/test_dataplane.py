@@ -333,3 +333,26 @@ def test_killed_remote_query_engine_fails_the_query_within_seconds():
         lost = cp.remove_instance(remote[0])
         assert "r" in lost
         cp.finish_request("r")
+
+
+def test_client_tables_stay_flat_over_many_iterations(cluster):
+    """Plans registered and released and puts waited for one by one, as documented, for
+    2,000 iterations: the client keeps no reply, no handle and no id per iteration
+    (issue #17, finding 9)."""
+    cp = cluster.control
+    plans = cp.gen_plans([Batch((BatchRequest("flat", (1, 2, 3)),))], [1])
+    try:
+        qp, tp = plans.query_plans[0], plans.transfer_plans[0]
+        client = cluster.client(qp.home)
+        sizes = []
+        for i in range(2000):
+            if i % 50 == 0:  # a new plan now and then: the old one is released
+                client.init_query(qp)
+                client.init_transfer(tp)
+            client.put(0).wait()
+            client.query(0)
+            sizes.append(len(client._replies) + len(client._puts) + len(client._unawaited))
+        client.wait_puts()
+        assert max(sizes[100:]) <= 2, max(sizes[100:])  # at most a release still in flight
+    finally:
+        cp.abort(plans)

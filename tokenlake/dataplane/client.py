@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -105,7 +106,7 @@ class InstanceClient:
         self._unawaited: set[int] = set()  # ids of releases, whose replies nobody reads
         self._query_plan: tuple[int, int] | None = None  # (plan id, rows)
         self._transfer_plan: tuple[int, int] | None = None
-        self._puts: list[PutHandle] = []
+        self._puts: deque[PutHandle] = deque()  # not known to be done, in issue order
 
     def start(self, ctx: zmq.Context) -> None:
         self._ctx = ctx
@@ -170,6 +171,8 @@ class InstanceClient:
             raise PlanError(f"layers [{layer}, {layer + layers}) outside [0, {self.kv.shape[0]})")
         msg_id = self._send("transfer", Put(self._transfer_plan[0], layer, layers))
         handle = PutHandle(self, msg_id, layer)
+        while self._puts and self._puts[0]._done:  # waited for by their owner already
+            self._puts.popleft()
         self._puts.append(handle)
         return handle
 
@@ -178,7 +181,7 @@ class InstanceClient:
         it before reporting the iteration's plans complete to the control plane)."""
         while self._puts:
             self._puts[0].wait(timeout_s)
-            self._puts.pop(0)
+            self._puts.popleft()
 
     # ------------------------------------------------------------ internals
     def _check_home(self, home: int) -> None:

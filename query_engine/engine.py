@@ -183,16 +183,26 @@ class QueryEngine(EngineLoop):
         pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
         for inst, (lo, hi) in plan.remote.items():  # q rows out first: peers work meanwhile
             self.ask(inst, PeerQuery(self.spec.instance, pid, layer, q[lo:hi]), pending)
-        own = PeerQueryResult(layer, *self._partial(q, plan.local, layer))  # merged like a peer's
+        try:
+            own = PeerQueryResult(layer, *self._partial(q, plan.local, layer))  # merged like a peer's
+        except Exception as exc:  # one reply only: the ERROR; the peers' late results are dropped
+            self._fail(pending, exc)
+            return
         pending.results.append((self.spec.instance, own))
         if not pending.waiting:
             self._finish_home(identity, msg_id, plan, layer, pending)
 
     def _finish_home(self, identity, msg_id: int, plan: HomePlan, layer: int, pending: Pending) -> None:
         o, lse = self.out_o[: plan.rows], self.out_lse[: plan.rows]
-        parts = []  # (lo, hi, o, lse)
+        parts = []  # (lo, hi, o, lse), every one checked before the caller's buffers are written
         for inst, result in pending.results:  # PeerQueryResults (Pending.expect)
             lo, hi = (0, plan.rows) if inst == self.spec.instance else plan.remote[inst]
+            rows = (hi - lo, self.q_heads)
+            if result.layer != layer or tuple(result.o.shape) != (*rows, self.head_dim) \
+                    or tuple(result.lse.shape) != rows:
+                raise WireError(f"instance {inst} answered layer {result.layer} with o "
+                                f"{tuple(result.o.shape)}, lse {tuple(result.lse.shape)}; "
+                                f"expected layer {layer}, {rows} rows x heads")
             parts.append((lo, hi, result.o, result.lse))
         if all(lo == 0 and hi == plan.rows for lo, hi, _, _ in parts):  # one vectorised merge
             mo, mlse = merge_many(torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))

@@ -161,18 +161,26 @@ class EngineLoop:
         forgets that peer. Requests pending on a dropped socket fail at their deadline.
         """
         assert self.ctx is not None
-        for inst, ep in endpoints.items():
+        fresh: dict[int, zmq.Socket] = {}
+        try:  # every new socket first: one endpoint that cannot be used changes nothing
+            for inst, ep in endpoints.items():
+                if inst == self.spec.instance or ep is None:
+                    continue
+                sock = fresh[inst] = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(ep)
+        except zmq.ZMQError as e:
+            for sock in fresh.values():
+                sock.close(0)
+            raise ConfigError(f"instance {self.spec.instance}: bad peer endpoint: {e}") from None
+        for inst in endpoints:
             if inst == self.spec.instance:
                 continue
             old = self.peers.pop(inst, None)
             if old is not None:
                 old.close(0)
-            if ep is None:
-                continue
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(ep)
-            self.peers[inst] = sock
+            if inst in fresh:
+                self.peers[inst] = fresh[inst]
         self._peers_changed = True
 
     def map_buffers(self) -> dict[str, torch.Tensor]:
@@ -276,7 +284,12 @@ class EngineLoop:
             return
         pending.results.append((instance, reply))
         if not pending.waiting and pending.on_done is not None:
-            pending.on_done(pending)
+            try:
+                pending.on_done(pending)
+            except Exception as exc:  # a peer's answer that cannot be used fails this op only
+                log.warning("instance %d: peer results unusable: %s", self.spec.instance, exc)
+                self._fail(pending, exc if isinstance(exc, TokenLakeError)
+                           else WireError(f"a peer's result could not be used: {exc}"))
 
     def reply(self, identity, frames: list) -> None:
         assert self.router is not None

@@ -1,0 +1,113 @@
+"""A query engine keeps serving after a bad PEERS message and after a peer's answer it
+cannot use (issue #17, finding 2): the bad PEERS is refused and the old peers stay; the
+unusable answer fails that one query with a typed error, written nowhere."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+import zmq
+from dataplane_util import TINY, execute
+from test_dataplane import POOL_BYTES, C, run_iteration
+
+from tokenlake.core.errors import ConfigError, TokenLakeError
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.dataplane import messages
+from tokenlake.dataplane.messages import Ack, PeerQuery, PeerQueryResult, Peers
+from tokenlake.deploy.local import LocalCluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=256) as c:
+        yield c
+
+
+def _prefix_run(cluster, tag: str):
+    """Stores a 5-segment document, then queries a request reusing it (parts on both
+    instances); returns the second iteration's thunk."""
+    rng = random.Random(tag)
+    doc = [rng.randrange(3, 900) for _ in range(5 * C)]
+    tokens = {f"{tag}a": doc + [rng.randrange(3, 900) for _ in range(3)]}
+    run_iteration(cluster, tokens, {f"{tag}a": len(doc) + 3})
+    tokens[f"{tag}b"] = doc + [rng.randrange(3, 900) for _ in range(4)]
+    return lambda: run_iteration(cluster, tokens, {f"{tag}b": 4}, first_prefix={f"{tag}b": 5 * C})
+
+
+def _finish(cluster, *rids):
+    for rid in rids:
+        if rid in cluster.control.live_requests:
+            cluster.control.finish_request(rid)
+
+
+def test_a_bad_peers_message_is_refused_and_the_old_peers_stay(cluster):
+    with pytest.raises(ConfigError, match="bad peer endpoint"):
+        cluster._request(("query", 0), Peers(((1, "tcp://127.0.0.1:notaport"),)), Ack)
+    second = _prefix_run(cluster, "p")
+    second()  # the old peer of instance 0 still answers: results equal the reference
+    _finish(cluster, "pa", "pb")
+
+
+class FakePeer:
+    """A ROUTER that answers every peer query with an (o, lse) of the wrong shape."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.stop, self.answered = threading.Event(), 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            identity, *payload = self.sock.recv_multipart()
+            msg_id, message = messages.decode(payload)
+            if isinstance(message, PeerQuery):
+                answer = PeerQueryResult(message.layer, torch.zeros(1, 1, 1), torch.zeros(1, 1))
+                self.answered += 1
+            else:  # plan registrations and the like
+                answer = Ack()
+            self.sock.send_multipart([identity, *answer.encode(msg_id)])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_an_unusable_peer_answer_fails_one_query_and_the_engine_serves_on(cluster):
+    rng = random.Random(11)
+    doc = [rng.randrange(3, 900) for _ in range(5 * C)]
+    tokens = {"fa": doc + [rng.randrange(3, 900) for _ in range(3)]}
+    run_iteration(cluster, tokens, {"fa": len(doc) + 3})
+    tokens["fb"] = doc + [rng.randrange(3, 900) for _ in range(4)]
+    cp = cluster.control
+    fake = FakePeer()
+    real = {i: cluster._endpoints[("query", i)] for i in (0, 1)}
+    try:
+        for me, other in ((0, 1), (1, 0)):  # every cross-instance query goes to the fake
+            cluster._request(("query", me), Peers(((other, fake.endpoint),)), Ack)
+        plans = cp.gen_plans([Batch((BatchRequest("fb", tuple(tokens["fb"][5 * C:]),
+                                                  tuple(doc)),))], [1])
+        try:
+            with pytest.raises(TokenLakeError, match="answered layer|could not be used"):
+                execute(cluster, plans, tokens, {"fb": 4})
+        finally:
+            cp.abort(plans)
+        assert fake.answered > 0
+    finally:
+        for me, other in ((0, 1), (1, 0)):
+            cluster._request(("query", me), Peers(((other, real[other]),)), Ack)
+        fake.close()
+    # the same query with the real peers: the engines serve on, results equal the reference
+    run_iteration(cluster, tokens, {"fb": 4}, first_prefix={"fb": 5 * C})
+    _finish(cluster, "fa", "fb")

@@ -111,3 +111,35 @@ def test_an_unusable_peer_answer_fails_one_query_and_the_engine_serves_on(cluste
     # the same query with the real peers: the engines serve on, results equal the reference
     run_iteration(cluster, tokens, {"fb": 4}, first_prefix={"fb": 5 * C})
     _finish(cluster, "fa", "fb")
+
+
+def test_rejected_messages_log_one_line_at_a_time(caplog):
+    import logging
+
+    from tokenlake.dataplane.engine import RateLimitedLog
+
+    clock = iter([0.0, 0.1, 0.2, 0.3, 1.5, 1.6])
+    limited = RateLimitedLog(logging.getLogger("test.rate"), every_s=1.0,
+                             clock=lambda: next(clock))
+    with caplog.at_level(logging.WARNING, logger="test.rate"):
+        for i in range(6):
+            limited.note(f"bad {i}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["bad 0", "bad 4 (and 3 more since the last line)"]
+    assert all("Traceback" not in (r.exc_text or "") for r in caplog.records)
+
+
+def test_an_unexpected_failure_is_answered_with_a_typed_error(cluster):
+    """A request no check caught (here: a peer plan for a layer table that is not a list)
+    is answered with the project's WireError, never a raw Python exception name."""
+    from tokenlake.dataplane import wire
+    from tokenlake.dataplane.wire import Kind
+
+    sock = cluster._dealer(("query", 0))
+    try:
+        sock.send_multipart(wire.encode(Kind.QUERY, 7, {"plan": [1], "layer": 0}))
+        reply = wire.recv(sock, 10)
+    finally:
+        sock.close(0)
+    assert reply.kind == Kind.ERROR
+    assert reply.body["type"] in {"WireError", "PlanError", "ConfigError"}

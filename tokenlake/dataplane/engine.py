@@ -87,6 +87,27 @@ class EngineSpec:
         return cls(**msgpack.unpackb(raw, strict_map_key=False))
 
 
+class RateLimitedLog:
+    """One WARNING line per rejected message, at most one per ``every_s`` seconds; the
+    lines held back are counted in the next one (a flood of bad messages must not flood
+    the log: each used to print a full traceback)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.every_s, self.clock = logger, every_s, clock
+        self.last = float("-inf")
+        self.held = 0
+
+    def note(self, line: str) -> None:
+        now = self.clock()
+        if now - self.last < self.every_s:
+            self.held += 1
+            return
+        more = f" (and {self.held} more since the last line)" if self.held else ""
+        self.logger.warning("%s%s", line, more)
+        self.last, self.held = now, 0
+
+
 @dataclass
 class Pending:
     """A request this engine sent to peers and is still waiting for: it completes
@@ -127,6 +148,7 @@ class EngineLoop:
         self._busy_s = 0.0  # seconds spent handling messages (not waiting)
         self._parent = os.getppid()
         self.orphaned = False  # the owner died: run_engine unlinks the cluster's buffers
+        self._rejected = RateLimitedLog(log)
         self._peers_changed = True  # serve() rebuilds its poller when set
 
     # ------------------------------------------------------------ lifecycle
@@ -261,15 +283,18 @@ class EngineLoop:
                 self.handle(identity, msg_id, message)
         except Exception as exc:  # a bad request must not stop the engine
             msg_id = getattr(exc, "msg_id", None) or msg_id  # WireError knows it if readable
-            if not isinstance(exc, TokenLakeError):
-                log.exception("%s engine %d: request failed", self.spec.role, self.spec.instance)
+            if not isinstance(exc, TokenLakeError):  # a case no check caught: still typed
+                exc = WireError(f"request refused: {type(exc).__name__}: {exc}")
+            self._rejected.note(f"{self.spec.role} engine {self.spec.instance}: refused a "
+                                f"request: {type(exc).__name__}: {exc}")
             self.reply(identity, wire.error_message(msg_id, exc))
 
     def _on_reply(self, instance: int, frames: list) -> None:
         try:
             msg_id, reply = messages.decode(frames)
-        except WireError:
-            log.exception("malformed reply from instance %d", instance)
+        except WireError as exc:
+            self._rejected.note(f"{self.spec.role} engine {self.spec.instance}: malformed "
+                                f"reply from instance {instance}: {exc}")
             return
         pending = self._pending.pop(msg_id, None)
         if pending is None:

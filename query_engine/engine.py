@@ -43,6 +43,9 @@ from tokenlake.dataplane.messages import (
 from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import error_message
 
+#: Plans one home may have registered on this engine at once (the oldest is dropped).
+MAX_PEER_PLANS = 64
+
 
 @dataclass(frozen=True)
 class HomePlan:
@@ -78,7 +81,7 @@ class QueryEngine(EngineLoop):
                 self.reply(identity, PlanAck(message.plan).encode(msg_id))
             case PeerRegisterPlan():
                 self._check_items(message.items, self.q.shape[0])
-                self.peer_plans[(message.home, message.plan)] = message.items
+                self._keep_peer_plan((message.home, message.plan), message.items)
                 self.reply(identity, PlanAck(message.plan).encode(msg_id))
             case ReleasePlan():
                 self._release(message.plan)
@@ -93,6 +96,8 @@ class QueryEngine(EngineLoop):
     def _check_items(self, items: Sequence[AttendItem], rows: int) -> None:
         """Checks items against the slab and a plan of ``rows`` q rows (PlanError)."""
         for it in items:
+            if len(set(it.slots)) != len(it.slots):  # a chain holds a segment once: bounds work
+                raise PlanError(f"an item names a slot twice ({len(it.slots)} slots)")
             if not 0 <= it.start < it.stop <= rows:
                 raise PlanError(f"rows [{it.start}, {it.stop}) outside [0, {rows})")
             if len(it.slots) != len(it.tokens) or not it.slots:
@@ -101,6 +106,20 @@ class QueryEngine(EngineLoop):
                 raise PlanError(f"slot out of range [0, {self.num_slots}) in {list(it.slots)}")
             if any(not 0 < t <= self.C for t in it.tokens):
                 raise PlanError(f"token counts must be in (0, {self.C}], got {list(it.tokens)}")
+        work = sum((it.stop - it.start) * len(it.slots) for it in items)
+        if work > rows * self.num_slots:  # each row reads each slot at most once
+            raise PlanError(f"plan asks for {work} row-slot reads; {rows} rows x "
+                            f"{self.num_slots} slots at most")
+
+    def _keep_peer_plan(self, key: tuple[int, int], items: tuple[AttendItem, ...]) -> None:
+        """Registers a peer's plan; a home keeps at most ``MAX_PEER_PLANS`` here, the
+        oldest going first (a home releases each plan when it registers the next, so
+        only a lost release or a hostile peer ever reaches the bound)."""
+        self.peer_plans.pop(key, None)
+        self.peer_plans[key] = items
+        mine = [k for k in self.peer_plans if k[0] == key[0]]
+        for old in mine[: max(0, len(mine) - MAX_PEER_PLANS)]:
+            del self.peer_plans[old]
 
     def _register_home(self, message: RegisterQueryPlan) -> None:
         pid, rows = message.plan, message.rows

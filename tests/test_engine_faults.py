@@ -143,3 +143,65 @@ def test_an_unexpected_failure_is_answered_with_a_typed_error(cluster):
         sock.close(0)
     assert reply.kind == Kind.ERROR
     assert reply.body["type"] in {"WireError", "PlanError", "ConfigError"}
+
+
+# ---------------------------------------------------------------- bounded work (finding 4)
+
+
+def _item(slots, start=0, stop=1):
+    from tokenlake.dataplane.messages.query import AttendItem
+
+    return AttendItem(start, stop, tuple(slots), tuple(1 for _ in slots))
+
+
+def test_a_plan_naming_a_slot_many_times_is_refused(cluster):
+    """A 20,000-fold repeat of one slot used to block the engine for ~10 s per query."""
+    from tokenlake.core.errors import PlanError
+    from tokenlake.dataplane.messages import PlanAck
+    from tokenlake.dataplane.messages.query import PeerRegisterPlan
+
+    with pytest.raises(PlanError, match="slot twice"):
+        cluster._request(("query", 0), PeerRegisterPlan(1, 900, (_item([0] * 20000),)), PlanAck)
+    rows, slots = cluster.max_rows, cluster.control.stats().pool.slots_capacity[0]
+    every = _item(range(slots), 0, rows)  # every row over every slot: the most there is
+    cluster._request(("query", 0), PeerRegisterPlan(1, 901, (every,)), PlanAck)
+    with pytest.raises(PlanError, match="row-slot reads"):
+        cluster._request(("query", 0), PeerRegisterPlan(1, 902, (every, every)), PlanAck)
+
+
+def test_a_read_naming_a_slot_twice_is_refused(cluster):
+    from tokenlake.core.errors import PlanError
+    from tokenlake.dataplane.messages import SegmentData
+    from tokenlake.dataplane.messages.transfer import ReadSegment
+
+    with pytest.raises(PlanError, match="slot twice"):
+        cluster._request(("transfer", 0), ReadSegment(0, (1,) * 60000), SegmentData)
+
+
+def test_peer_plans_are_bounded_per_home(cluster):
+    """Registrations that are never released stay bounded: the oldest is dropped."""
+    from query_engine.engine import MAX_PEER_PLANS
+    from tokenlake.core.errors import PlanError
+    from tokenlake.dataplane.messages import PlanAck
+    from tokenlake.dataplane.messages.query import PeerQuery, PeerRegisterPlan
+
+    for pid in range(2000, 2000 + MAX_PEER_PLANS + 10):
+        cluster._request(("query", 0), PeerRegisterPlan(1, pid, (_item([0]),)), PlanAck)
+    q = torch.zeros(1, TINY.num_q_heads, TINY.head_dim)
+    with pytest.raises(PlanError, match="unknown plan"):  # the oldest went
+        cluster._request(("query", 0), PeerQuery(1, 2000, 0, q), PeerQueryResult)
+    newest = cluster._request(("query", 0), PeerQuery(1, 2000 + MAX_PEER_PLANS + 9, 0, q),
+                              PeerQueryResult)
+    assert newest.o.shape == (1, TINY.num_q_heads, TINY.head_dim)
+
+
+def test_an_oversized_message_is_dropped_and_the_engine_serves_on(cluster):
+    from tokenlake.dataplane.messages import Ping, Pong
+
+    sock = cluster._dealer(("query", 0))
+    try:
+        sock.send_multipart([b"x" * (40 << 20)])  # over the 16 MiB floor of a tiny model
+        assert sock.poll(1000) == 0, "nothing is answered: the connection was dropped"
+    finally:
+        sock.close(0)
+    assert cluster._request(("query", 0), Ping(), Pong).role == "query"

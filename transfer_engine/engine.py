@@ -177,6 +177,8 @@ class TransferEngine(EngineLoop):
         layer = self._check_layer(message.layer)
         if any(not 0 <= s < self.num_slots for s in message.slots):
             raise PlanError(f"slot out of range [0, {self.num_slots})")
+        if len(set(message.slots)) != len(message.slots):  # bounds the reply: each slot once
+            raise PlanError(f"READ_SEGMENT names a slot twice ({len(message.slots)} slots)")
         blocks = tuple(self.slab[s, layer] for s in message.slots)
         self.reply(identity, SegmentData(layer, message.slots, blocks).encode(msg_id))
 

@@ -158,6 +158,7 @@ class EngineLoop:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes())
         if self.spec.port_range is None:
             self.router.bind(f"tcp://{self.spec.host}:*")
         else:
@@ -256,6 +257,15 @@ class EngineLoop:
                             self.spec.role, self.spec.instance)
                 self.orphaned = True
                 break
+
+    def max_message_bytes(self) -> int:
+        """The largest frame this engine accepts: twice the largest legitimate one (a
+        slab slot, or a whole q/kv buffer), at least 16 MiB. ZeroMQ drops a peer that
+        sends more, before any of it is buffered here."""
+        specs = [BufferSpec.from_dict(d) for d in self.spec.buffers.values()]
+        largest = max(spec.nbytes // (spec.shape[0] if name == "slab" else 1)
+                      for name, spec in zip(self.spec.buffers, specs))
+        return max(16 << 20, 2 * largest)
 
     def stats(self) -> Pong:
         """What a PING is answered with: identity and the bytes this process copied on

@@ -246,9 +246,11 @@ def test_killed_query_engine_becomes_engine_unavailable():
         other = 1 - qp.home
         cluster.kill("query", qp.home)
         t0 = time.monotonic()
-        with pytest.raises(EngineUnavailable):
+        with pytest.raises(EngineUnavailable) as failed:
             client.query(0)
         assert time.monotonic() - t0 < 5.0
+        # the error names who did not answer (issue #17, finding 6)
+        assert f"query engine of instance {remote[0]}" in str(failed.value)
         # A dead remote query engine: the home's engine fails the query within its peer timeout.
         assert cluster.alive("query", other)
         cp.abort(plans)
@@ -324,9 +326,11 @@ def test_killed_remote_query_engine_fails_the_query_within_seconds():
         client.query(0)  # healthy first
         cluster.kill("query", remote[0])
         t0 = time.monotonic()
-        with pytest.raises(EngineUnavailable):
+        with pytest.raises(EngineUnavailable) as failed:
             client.query(0)
         assert time.monotonic() - t0 < 5.0
+        # the error names who did not answer (issue #17, finding 6)
+        assert f"query engine of instance {remote[0]}" in str(failed.value)
         assert cluster.alive("query", qp.home)  # the home engine survived and still answers
         assert cluster.engine_stats()[("query", qp.home)].instance == qp.home
         cp.abort(plans)

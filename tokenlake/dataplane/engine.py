@@ -121,6 +121,7 @@ class Pending:
     results: list[tuple[int, WireMessage]] = field(default_factory=list)  # (instance, reply)
     on_done: Callable[[Pending], None] | None = None
     on_fail: Callable[[Pending, BaseException], None] | None = None
+    asked: dict[int, int] = field(default_factory=dict)  # message id -> the peer instance
 
 
 class EngineLoop:
@@ -340,6 +341,7 @@ class EngineLoop:
         msg_id = self._next_id
         self._next_id += 1
         pending.waiting.add(msg_id)
+        pending.asked[msg_id] = instance
         self._pending[msg_id] = pending
         send_frames(sock, message.encode(msg_id))
 
@@ -358,8 +360,11 @@ class EngineLoop:
         now = time.monotonic()
         for msg_id, pending in list(self._pending.items()):
             if pending.deadline < now and msg_id in self._pending:
+                silent = sorted({pending.asked.get(m, -1) for m in pending.waiting})
                 self._fail(pending, EngineUnavailable(
-                    f"instance {self.spec.instance}: a peer did not answer within "
+                    f"the {self.spec.role} engine of instance {self.spec.instance}: the "
+                    f"{self.spec.role} engine of instance "
+                    f"{', '.join(map(str, silent))} did not answer within "
                     f"{self.spec.peer_timeout_s:.1f} s"))
 
     def _fail(self, pending: Pending, exc: BaseException) -> None:

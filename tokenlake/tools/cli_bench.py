@@ -42,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Alternates the same kind of request straight to the serving loop and "
                     "through POST /v1/completions on one served pool; prints both latencies "
                     "and the difference of their medians (JSON)."))
+    add_soak(what.add_parser(
+        "soak", help="a long mixed query/put load: memory, files, shared memory, drift (JSON)",
+        description="Runs random queries and puts on a local pool for --minutes and samples "
+                    "each process's resident memory and open files, the shared memory and "
+                    "the iteration latency; prints growth and drift as JSON (Linux)."))
     add_serve(what.add_parser(
         "serve", help="load generator for a served pool's HTTP API (TTFT, TBT, throughput)",
         description="Streams completions to an OpenAI-compatible server (the pool) and "
@@ -176,6 +181,31 @@ def run_http(args: argparse.Namespace) -> int:
 
     print(json.dumps(bench_http(args.pairs, args.prompt_tokens, args.max_tokens,
                                 args.instances, backend=args.backend), indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- soak
+
+
+def add_soak(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=positive(float), default=30.0, help="how long to run")
+    p.add_argument("--instances", type=positive(int), default=2, help="pool instances")
+    p.add_argument("--interval", type=positive(float), default=10.0,
+                   help="seconds between samples")
+    p.add_argument("--warmup", type=positive(float), default=10.0,
+                   help="seconds before the first sample")
+    _json_flag(p, always=True)
+    p.set_defaults(run=run_soak)
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    import sys
+
+    from tokenlake.tools.bench_soak import bench_soak
+
+    result = bench_soak(args.minutes, args.instances, args.interval, args.warmup,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -33,11 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="A LooGLE-like workload through the control plane alone, with and without "
                     "heavy-hitter replication: hit rate, deduplication, per-instance reads."))
     add_serve(sub.add_parser(
-        "serve", help="serve the pool on this machine, or on a Ray cluster with --ray, until Ctrl-C",
+        "serve", help="serve the pool (control port, OpenAI-compatible HTTP API) until Ctrl-C",
         description="Starts the pool (on this machine; on a Ray cluster with --ray, "
-                    "docs/deploy-ray.md), prints the control-plane address that "
-                    "tokenlake.connect() takes and serves until Ctrl-C or SIGTERM (exit 0; "
-                    "130 for Ctrl-C during start-up). "
+                    "docs/deploy-ray.md) with its control port (what tokenlake.connect() "
+                    "takes) and, for smollm2-135m, an OpenAI-compatible HTTP API with "
+                    "/metrics; prints both addresses and serves until Ctrl-C or SIGTERM "
+                    "(exit 0; 130 for Ctrl-C during start-up). "
                     "Settings: defaults < --config FILE < TOKENLAKE_* environment < flags "
                     "('tokenlake config show' prints them)."))
 

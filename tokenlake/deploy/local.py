@@ -94,11 +94,14 @@ class LocalCluster(ClusterBase):
             out[inst] = {name: spec.to_dict() for name, spec in specs.items()}
         return out
 
-    def _spawn(self, specs: dict[int, dict[str, dict]]) -> None:
+    def _spawn(self, specs: dict[int, dict[str, dict]], instances=None) -> None:
+        """Starts the engines of ``instances`` (default: all) and hands each the
+        endpoints of its role's engines."""
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "query_engine.engine", "transfer_engine.engine"])
+        self._specs = specs
         conns = {}
-        for inst in range(self.n_instances):
+        for inst in range(self.n_instances) if instances is None else instances:
             for role in ROLES:
                 spec = EngineSpec(role, inst, self.cluster_id,
                                   {n: specs[inst][n] for n in ENGINE_BUFFERS[role]},
@@ -114,7 +117,7 @@ class LocalCluster(ClusterBase):
         for key, conn in conns.items():
             self._endpoints[key] = self._expect(conn, key)["endpoint"]
         for (role, _inst), conn in conns.items():
-            peers = {i: self._endpoints[(role, i)] for i in range(self.n_instances)}
+            peers = {i: ep for (r, i), ep in self._endpoints.items() if r == role}
             conn.send_bytes(msgpack.packb({"peers": peers}))
         for key, conn in conns.items():
             self._expect(conn, key)
@@ -207,6 +210,47 @@ class LocalCluster(ClusterBase):
         proc = self._procs[(role, instance)]
         proc.kill()
         proc.join(timeout=5.0)
+
+    # ------------------------------------------------------- instance lifecycle
+    def failed_instances(self) -> list[int]:
+        """Instances in the pool with a dead query or transfer engine (read from the
+        processes' sentinels: no waiting)."""
+        return [i for i in self.control.instances if self._dead(i) is not None]
+
+    def remove_instance(self, instance: int) -> tuple[str, ...]:
+        """Takes ``instance`` out: the other engines forget it, its engines stop, and the
+        control plane drops its segments. Returns the requests that lost part of their
+        prefix (finish them and compute them again; abort plans in flight first)."""
+        from tokenlake.dataplane.messages import Ack, Peers
+
+        self._check_started()
+        for key in self._live_engines():
+            if key[1] != instance:
+                self._request(key, Peers(((instance, None),)), Ack)
+        for role in ROLES:
+            self.kill(role, instance)
+        client = self._clients.pop(instance, None)
+        if client is not None:
+            client.close()
+        return self.control.remove_instance(instance) if instance in self.control.instances else ()
+
+    def restart_instance(self, instance: int) -> None:
+        """A removed instance joins again, empty: new engines on its zeroed buffers, the
+        other engines told where they are, and its share of the hash ring back."""
+        from tokenlake.dataplane.messages import Ack, Peers
+
+        self._check_started()
+        if instance in self.control.instances:
+            raise ConfigError(f"instance {instance} is in the pool: remove it first")
+        for (inst, _name), tensor in self._buffers.items():
+            if inst == instance:
+                tensor.zero_()
+        self._spawn(self._specs, [instance])
+        for key in self._live_engines():
+            if key[1] != instance:
+                peer = self._endpoints[(key[0], instance)]
+                self._request(key, Peers(((instance, peer),)), Ack)
+        self.control.add_instance(instance)
 
     def _dead(self, instance: int) -> str | None:
         for role in ROLES:

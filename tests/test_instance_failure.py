@@ -1,0 +1,57 @@
+"""A dead engine's instance is found, taken out, its segments recomputed, and the
+instance rejoins empty (issue #17, finding 6, at the cluster level)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from dataplane_util import TINY
+from test_dataplane import POOL_BYTES, C, run_iteration
+
+from tokenlake.core.errors import ConfigError
+from tokenlake.deploy.local import LocalCluster
+
+
+def test_a_failed_instance_is_removed_recomputed_and_rejoins_empty():
+    with LocalCluster(3, TINY, POOL_BYTES, segment_tokens=C, max_rows=128,
+                      peer_timeout_s=2.0) as cluster:
+        cp = cluster.control
+        rng = random.Random(4)
+        doc = [rng.randrange(3, 900) for _ in range(8 * C)]
+        tokens = {"r": doc + [rng.randrange(3, 900) for _ in range(3)]}
+        run_iteration(cluster, tokens, {"r": len(tokens["r"])})
+        cp.finish_request("r")
+        on_2 = cp.stats().pool.slots_used.get(2, 0)
+        assert on_2 > 0, "the document spans instance 2"
+
+        cluster.kill("transfer", 2)
+        killed = time.monotonic()
+        while cluster.failed_instances() != [2]:  # read from the process sentinels
+            assert time.monotonic() - killed < 2.0
+            time.sleep(0.01)
+        cluster.remove_instance(2)
+        assert 2 not in cp.instances and not cluster.alive("query", 2)
+        cp.check()
+
+        # the same document again: what instance 2 held is computed again, and equal
+        tokens["again"] = doc + [rng.randrange(3, 900) for _ in range(5)]
+        hit = cp.get_prefix_tree().match(tokens["again"], max_tokens=len(doc)).hit_tokens
+        assert hit < len(doc), "the segments on instance 2 left the tree"
+        run_iteration(cluster, tokens, {"again": len(tokens["again"]) - hit},
+                      first_prefix={"again": hit})
+        cp.finish_request("again")
+
+        with pytest.raises(ConfigError, match="remove it first"):
+            cluster.restart_instance(1)
+        cluster.restart_instance(2)  # it rejoins empty and takes its share again
+        assert 2 in cp.instances and cluster.alive("query", 2) and cluster.alive("transfer", 2)
+        assert cp.stats().pool.slots_used.get(2, 0) == 0
+        tokens["new"] = [rng.randrange(3, 900) for _ in range(8 * C)]
+        run_iteration(cluster, tokens, {"new": 8 * C})
+        assert cp.stats().pool.slots_used.get(2, 0) > 0, "instance 2 stores again"
+        tokens["reuse"] = tokens["new"] + [7, 8, 9]
+        run_iteration(cluster, tokens, {"reuse": 3}, first_prefix={"reuse": 8 * C})
+        cp.finish_request("new")
+        cp.finish_request("reuse")

@@ -261,3 +261,28 @@ def test_reference_server_batches_and_equals_generate(model):
     assert widest >= 2
     for rid, p in prompts.items():
         assert server.results[rid].output_ids == ref.generate(list(p), 5).output_ids
+
+
+def test_a_dead_engine_is_replaced_and_serving_goes_on(model):
+    """An engine dies under the served pool: the request that needed it fails (500), the
+    instance is replaced (empty), and the next answers equal the reference again."""
+    weights, tok, _ = model
+    spec = weights.config.to_model_spec(SERVED_MODEL)
+    msgs = _chat("Which towns are in the delta?")
+    want, _ = _reference_text(model, tok.apply_chat_template(msgs), 6)
+    body = {"model": SERVED_MODEL, "messages": msgs, "max_tokens": 6, "temperature": 0}
+    with LocalCluster(2, spec, 32 << 20, segment_tokens=C, max_rows=512) as cluster, \
+            pool_service(cluster, control_port=0, http_port=0, model=(weights, tok)) as svc:
+        url = svc.http.url + "/v1/chat/completions"
+        assert httpx.post(url, json=body, timeout=120).json()["choices"][0]["message"][
+            "content"] == want
+        old = {key: cluster._procs[key].pid for key in (("query", 0), ("transfer", 1))}
+        for role, instance in old:  # every iteration needs one of these two
+            cluster.kill(role, instance)
+        failed = httpx.post(url, json=body, timeout=120)
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        # the engine thread replaces the instances before it takes the next request
+        again = httpx.post(url, json=body, timeout=120).json()
+        assert again["choices"][0]["message"]["content"] == want
+        for key, pid in old.items():
+            assert cluster.alive(*key) and cluster._procs[key].pid != pid

@@ -145,10 +145,14 @@ class EngineLoop:
     Args:
         server: the backend; the loop installs its ``on_token``.
         observer: timing callbacks (metrics).
+        heal: called on the engine thread after a failed iteration, once its requests
+            were ended (the local pool replaces dead engines there).
     """
 
-    def __init__(self, server: ServingBackend, observer: LoopObserver | None = None) -> None:
+    def __init__(self, server: ServingBackend, observer: LoopObserver | None = None,
+                 heal: Callable[[], None] | None = None) -> None:
         self.server = server
+        self.heal = heal  # called after a failed iteration (e.g. replace dead engines)
         self.observer = observer or LoopObserver()
         server.on_token = self._on_token
         self._cv = threading.Condition()
@@ -262,6 +266,11 @@ class EngineLoop:
             log.error("iteration failed, ending %d requests: %s: %s",
                       len(self._streams), type(e).__name__, e)
             self._end_all(EngineFailed(f"iteration failed: {type(e).__name__}: {e}"))
+            if self.heal is not None:
+                try:
+                    self.heal()
+                except Exception:  # the next requests will tell
+                    log.exception("could not recover from the failed iteration")
             return
         self.observer.iteration(time.perf_counter() - start)
 

@@ -35,8 +35,8 @@ class HttpFrontend:
     """
 
     def __init__(self, backend: ServingBackend, model: ModelInfo, host: str = "127.0.0.1",
-                 port: int = 8000, pool_stats=None, instances=()) -> None:
-        self.loop = EngineLoop(backend)
+                 port: int = 8000, pool_stats=None, instances=(), heal=None) -> None:
+        self.loop = EngineLoop(backend, heal=heal)
         self.metrics = ServiceMetrics(pool_stats, instances,
                                       lambda: (self.loop.queue_length, self.loop.running))
         self.loop.observer = LoopObserver(

@@ -93,9 +93,23 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
                         keep_decisions=256)
         pool = shared.stats().pool
         room = sum(pool.slots_capacity.values()) * cluster.control.config.segment_tokens
+        heal = (lambda: _replace_dead_engines(cluster, control)) \
+            if isinstance(cluster, LocalCluster) else None  # Ray: serve() recovers
         with HttpFrontend(server, _model_info(weights, tokenizer, room), host, http_port,
-                          pool_stats=shared.stats, instances=shared.instances) as http:
+                          pool_stats=shared.stats, instances=shared.instances,
+                          heal=heal) as http:
             yield Served(control, http)
+
+
+def _replace_dead_engines(cluster: LocalCluster, control: ControlServer) -> None:
+    """After a failed iteration: every instance with a dead engine is taken out (its
+    segments leave the tree) and started again empty, under the control plane's lock."""
+    with control.lock:
+        for instance in cluster.failed_instances():
+            log.warning("instance %d lost an engine: replacing it (its cache starts empty)",
+                        instance)
+            cluster.remove_instance(instance)
+            cluster.restart_instance(instance)
 
 
 @contextlib.contextmanager

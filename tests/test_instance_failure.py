@@ -55,3 +55,40 @@ def test_a_failed_instance_is_removed_recomputed_and_rejoins_empty():
         run_iteration(cluster, tokens, {"reuse": 3}, first_prefix={"reuse": 8 * C})
         cp.finish_request("new")
         cp.finish_request("reuse")
+
+
+def test_a_transfer_engine_killed_during_an_iteration_fails_its_puts_and_the_pool_recovers():
+    """The peer transfer engine that should store part of an iteration's K/V dies: the
+    put fails with EngineUnavailable within seconds, the plans are aborted (nothing of
+    them is visible), and after replacing the instance the same request is stored and
+    read back equal to the reference."""
+    from tokenlake.core.errors import EngineUnavailable
+    from tokenlake.core.plans import Batch, BatchRequest
+
+    with LocalCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=128, timeout_s=10.0,
+                      peer_timeout_s=2.0) as cluster:
+        cp = cluster.control
+        rng = random.Random(9)
+        tokens = {"p": [rng.randrange(3, 900) for _ in range(8 * C)]}
+        plans = cp.gen_plans([Batch((BatchRequest("p", tuple(tokens["p"])),))], [1])
+        (tp,) = plans.transfer_plans
+        peer = 1 - tp.home
+        assert any(p.instance == peer for p in tp.puts), "some segments go to the peer"
+        client = cluster.client(tp.home)
+        kv = client.init_transfer(tp)
+        kv.normal_()
+        cluster.kill("transfer", peer)
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable):
+            client.put(0, TINY.num_layers).wait()
+        assert time.monotonic() - started < 5.0
+        cp.abort(plans)
+        assert cp.get_prefix_tree().match(tokens["p"]).hit_tokens == 0  # nothing visible
+        assert cluster.failed_instances() == [peer]
+        cluster.remove_instance(peer)
+        cluster.restart_instance(peer)
+        run_iteration(cluster, tokens, {"p": 8 * C})
+        tokens["q"] = tokens["p"] + [5, 6]
+        run_iteration(cluster, tokens, {"q": 2}, first_prefix={"q": 8 * C})
+        cp.finish_request("p")
+        cp.finish_request("q")

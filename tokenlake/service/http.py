@@ -216,11 +216,7 @@ async def _complete(job: _Job, model: ModelInfo, request: Request) -> dict:
                "finish_reason": reason} if job.kind == "chat.completion" else
               {"index": 0, "text": out, "logprobs": None, "finish_reason": reason})
     return {"id": job.id, "object": job.kind, "created": job.created, "model": job.body.model,
-            "choices": [choice], "usage": _usage(job, n, _hit(job))}
-
-
-def _hit(job: _Job) -> int:
-    return job.stream.hit_tokens
+            "choices": [choice], "usage": _usage(job, n, job.stream.hit_tokens)}
 
 
 async def _sse(job: _Job, model: ModelInfo) -> AsyncIterator[str]:
@@ -248,7 +244,7 @@ async def _sse(job: _Job, model: ModelInfo) -> AsyncIterator[str]:
             delta, reason, n = part
             yield event(delta, reason)
         if job.body.include_usage:
-            usage = {**head, "choices": [], "usage": _usage(job, n, _hit(job))}
+            usage = {**head, "choices": [], "usage": _usage(job, n, job.stream.hit_tokens)}
             yield f"data: {json.dumps(usage)}\n\n"
     except (EngineFailed, LoopClosed) as e:
         yield f"data: {json.dumps(ApiError(500, str(e), 'server_error').body())}\n\n"

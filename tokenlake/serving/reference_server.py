@@ -21,7 +21,7 @@ import torch
 
 from tokenlake.model.llama.reference import KVCache, ReferenceEngine
 from tokenlake.serving.sampling import next_token
-from tokenlake.serving.server import BadRequest, GenerationRequest, RequestResult
+from tokenlake.serving.server import GenerationRequest, RequestResult, check_request
 
 
 class _Seq:
@@ -66,20 +66,8 @@ class ReferenceServer:
         return waiting, len(self._live) - waiting
 
     def submit(self, req: GenerationRequest) -> RequestResult:
-        if req.request_id in self.results:
-            raise BadRequest(f"request id {req.request_id!r} was already used")
-        if not req.prompt_ids:
-            raise BadRequest(f"request {req.request_id!r}: empty prompt")
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise BadRequest(f"request {req.request_id!r}: token ids outside "
-                             f"[0, {self.cfg.vocab_size}): {bad[:5]}")
-        if req.max_new_tokens < 1:
-            raise BadRequest(f"request {req.request_id!r}: max_new_tokens must be >= 1")
-        total = len(req.prompt_ids) + req.max_new_tokens
-        if total > self.cfg.max_context:
-            raise BadRequest(f"request {req.request_id!r}: {total} tokens exceed the "
-                             f"context limit {self.cfg.max_context}")
+        """Queues a request; raises :class:`BadRequest` without touching anything else."""
+        check_request(req, self.cfg, self.results)
         result = RequestResult(req.request_id, req.prompt_ids)
         self.results[req.request_id] = result
         self._live[req.request_id] = _Seq(req, result, self.cfg)

@@ -70,6 +70,27 @@ class RequestResult:
     finish_reason: str | None = None  # "stop" (a stop id), "length" or "abort" once done
 
 
+def check_request(req: GenerationRequest, cfg, used_ids) -> None:
+    """Raises :class:`BadRequest` unless ``req`` can run on a model of config ``cfg``
+    (vocabulary, context) with an id not among ``used_ids``. Both servers call it."""
+    rid = req.request_id
+    if rid in used_ids:
+        raise BadRequest(f"request id {rid!r} was already used")
+    if not req.prompt_ids:
+        raise BadRequest(f"request {rid!r}: empty prompt")
+    bad = [t for t in req.prompt_ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise BadRequest(f"request {rid!r}: token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
+    if not isinstance(req.sampling, SamplingParams):
+        raise BadRequest(f"request {rid!r}: sampling must be SamplingParams")
+    if req.max_new_tokens < 1:
+        raise BadRequest(f"request {rid!r}: max_new_tokens must be >= 1")
+    total = len(req.prompt_ids) + req.max_new_tokens
+    if total > cfg.max_context:
+        raise BadRequest(f"request {rid!r}: {total} tokens exceed the context limit "
+                         f"{cfg.max_context}")
+
+
 class _Live(TrackedRequest):
     """A request's progress (tracked) plus what the server keeps of it."""
 
@@ -164,27 +185,11 @@ class Server:
     # ------------------------------------------------------------- requests
     def submit(self, req: GenerationRequest) -> RequestResult:
         """Queues a request; raises :class:`BadRequest` without touching anything else."""
-        self._check(req)
+        check_request(req, self.cfg, self.results)
         result = RequestResult(req.request_id, req.prompt_ids)
         self.results[req.request_id] = result
         self.tracker.add(_Live(req, result, self.clock(), self.tbt_slo_s))
         return result
-
-    def _check(self, req: GenerationRequest) -> None:
-        if req.request_id in self.results:
-            raise BadRequest(f"request id {req.request_id!r} was already used")
-        if not req.prompt_ids:
-            raise BadRequest(f"request {req.request_id!r}: empty prompt")
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise BadRequest(f"request {req.request_id!r}: token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
-        if not isinstance(req.sampling, SamplingParams):
-            raise BadRequest(f"request {req.request_id!r}: sampling must be SamplingParams")
-        if req.max_new_tokens < 1:
-            raise BadRequest(f"request {req.request_id!r}: max_new_tokens must be >= 1")
-        total = len(req.prompt_ids) + req.max_new_tokens
-        if total > self.cfg.max_context:
-            raise BadRequest(f"request {req.request_id!r}: {total} tokens exceed the context limit {self.cfg.max_context}")
 
     # ------------------------------------------------------------ iterations
     def run(self, requests: Sequence[GenerationRequest] = ()) -> dict[str, RequestResult]:

@@ -21,12 +21,12 @@ import time
 import uuid
 
 from tokenlake.core.errors import TokenLakeError
+from tokenlake.tools.bench_serve_stats import percentile
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-    return {"p50": statistics.median(xs), "p10": xs[len(xs) // 10],
-            "p90": xs[min(len(xs) - 1, (9 * len(xs)) // 10)], "min": xs[0], "max": xs[-1]}
+    return {"p50": percentile(xs, 50), "p10": percentile(xs, 10), "p90": percentile(xs, 90),
+            "min": min(xs), "max": max(xs)}
 
 
 async def _direct(loop, prompt: list[int], max_tokens: int) -> float:

@@ -13,6 +13,22 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/dataplane_util.py
 
 
 @pytest.fixture(scope="session", autouse=True)
+def credentials_home(tmp_path_factory):
+    """Credentials files of served pools go to a directory of this session, never to the
+    user's ~/.tokenlake (child processes inherit the variable)."""
+    old = os.environ.get("TOKENLAKE_HOME")
+    home = tmp_path_factory.mktemp("tokenlake-home")
+    os.environ["TOKENLAKE_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("TOKENLAKE_HOME", None)
+    else:
+        os.environ["TOKENLAKE_HOME"] = old
+    leftover = sorted(p.name for p in home.iterdir())
+    assert not leftover, f"credentials files left behind: {leftover}"
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
     from tokenlake.dataplane.shm_files import list_buffers
 

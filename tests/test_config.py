@@ -272,6 +272,8 @@ def test_serve_passes_the_same_values_as_before(monkeypatch, capsys):
     assert calls[1][0][3] == RayOptions(address=None) and calls[1][1]["restart"] is False
     assert run(["serve", "--ray", "auto", "--place-timeout", "2.5"], capsys)[0] == 0
     assert calls[2][0][3] == RayOptions(address="auto", place_timeout_s=2.5)
+    assert run(["serve", "--ray", "auto", "--insecure"], capsys)[0] == 0  # a switch that turns on
+    assert calls[3][0][3] == RayOptions(address="auto", insecure=True)
 
 
 # --------------------------------------------------------------------------- docs and layering

@@ -52,12 +52,16 @@ def test_a_bad_peers_message_is_refused_and_the_old_peers_stay(cluster):
 
 
 class FakePeer:
-    """A ROUTER that answers every peer query with an (o, lse) of the wrong shape."""
+    """A ROUTER that answers every peer query with an (o, lse) of the wrong shape: a peer
+    that holds the cluster's server key (``keys``), whose answers are still not trusted."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys=None) -> None:
+        from tokenlake.dataplane.auth import serve_secure
+
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        serve_secure(self.sock, keys)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.stop, self.answered = threading.Event(), 0
@@ -91,7 +95,7 @@ def test_an_unusable_peer_answer_fails_one_query_and_the_engine_serves_on(cluste
     run_iteration(cluster, tokens, {"fa": len(doc) + 3})
     tokens["fb"] = doc + [rng.randrange(3, 900) for _ in range(4)]
     cp = cluster.control
-    fake = FakePeer()
+    fake = FakePeer(cluster.keys)
     real = {i: cluster._endpoints[("query", i)] for i in (0, 1)}
     try:
         for me, other in ((0, 1), (1, 0)):  # every cross-instance query goes to the fake

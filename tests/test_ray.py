@@ -224,11 +224,13 @@ def test_a_malformed_peers_message_is_refused_and_the_engine_keeps_serving(ray_p
     import zmq
 
     from tokenlake.dataplane import wire
+    from tokenlake.dataplane.auth import connect_secure
     from tokenlake.dataplane.messages import Ping, Pong, expect
     from tokenlake.dataplane.tensor_frames import WireError
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    connect_secure(sock, ray_pool.keys)  # a member: the actors got the driver's keys
     sock.connect(ray_pool.client_info(0)["endpoints"]["query"])
     try:
         for i, body in enumerate([{}, {"peers": [[1, "ipc:///tmp/x"]]}, {"peers": [["1", None]]}]):

@@ -185,6 +185,7 @@ def ray_serve_process():
     process it started is ended and every pidfd closed afterwards, whatever happened."""
     before = set(list_buffers())
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLAKE_")}
+    env["TOKENLAKE_HOME"] = os.environ["TOKENLAKE_HOME"]  # its credentials file: this session's
     env["RAY_ADDRESS"] = "local"  # a new Ray, never one another test or person started
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenlake.tools.cli", "serve", "--ray", "local",
@@ -228,7 +229,8 @@ def test_serve_ray_serves_connect_and_the_http_api_and_stops_cleanly(ray_serve_p
     buffers = {b for inst in ready["instances"] for b in inst["buffers"]}
     assert buffers <= set(list_buffers()) - before
 
-    with tokenlake.connect(ready["address"]) as cp:
+    assert ready["credentials"].startswith(os.environ["TOKENLAKE_HOME"])
+    with tokenlake.connect(ready["address"]) as cp:  # finds the credentials file by the port
         stats = cp.stats()
         assert sorted(stats.pool.slots_capacity) == [0, 1]
         assert stats.admitted_requests == 0
@@ -247,6 +249,7 @@ def test_serve_ray_serves_connect_and_the_http_api_and_stops_cleanly(ray_serve_p
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, proc.stderr.read()
     assert [_next_event(events, 5)["event"] for _ in range(2)] == ["stopping", "stopped"]
+    assert not os.path.exists(ready["credentials"])  # removed when the pool stopped
     # this command's buffers: those it announced and any created by a process it started
     # (other tests' Ray workers may create and unlink buffers of their own meanwhile)
     ours = {proc.pid, *tracked}
@@ -275,7 +278,7 @@ def test_serve_ray_starts_compute_actors_when_instances_are_on_other_nodes(monke
 
     monkeypatch.setattr(RayCluster, "node_id", lambda self, instance: "another node")
     monkeypatch.setenv("RAY_ADDRESS", "local")
-    for name in [k for k in os.environ if k.startswith("TOKENLAKE_")]:
+    for name in [k for k in os.environ if k.startswith("TOKENLAKE_") and k != "TOKENLAKE_HOME"]:
         monkeypatch.delenv(name)
     engines: list = []  # what the HTTP API's Server computes with
     real_compute_engine = RayCluster.compute_engine

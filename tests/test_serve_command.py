@@ -51,7 +51,8 @@ def serve_process():
         [sys.executable, "-m", "tokenlake.tools.cli", "serve", "--instances", "2",
          "--pool-mb", "8", "--control-port", "0", "--http-port", "0", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENLAKE_")},
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("TOKENLAKE_")},
+             "TOKENLAKE_HOME": os.environ["TOKENLAKE_HOME"]},  # credentials: this session's
     )
     try:
         yield proc, before
@@ -74,8 +75,9 @@ def test_serve_answers_connect_and_stops_cleanly_on_sigterm(serve_process):
     assert ready["address"].startswith("tcp://127.0.0.1:")
     assert ready["http_url"].startswith("http://127.0.0.1:")
     assert set(list_buffers()) - before, "a served pool holds shared buffers"
+    assert os.stat(ready["credentials"]).st_mode & 0o777 == 0o600
 
-    with tokenlake.connect(ready["address"]) as cp:
+    with tokenlake.connect(ready["address"]) as cp:  # finds the credentials by the port
         prompt = tuple(range(1, 200))
         assert cp.get_prefix_tree().match(prompt).hit_tokens == 0  # a new pool holds nothing
         stats = cp.stats()
@@ -105,6 +107,7 @@ def test_serve_answers_connect_and_stops_cleanly_on_sigterm(serve_process):
     assert proc.wait(60) == 0, proc.stderr.read()
     assert _next_event(events, 5)["event"] == "stopped"
     assert set(list_buffers()) - before == set(), "shared memory left behind"
+    assert not os.path.exists(ready["credentials"])
 
 
 def test_status_summarises_the_pool_stats():

@@ -25,8 +25,9 @@ from test_layering import GRAPH, layer_of
 import tokenlake
 from tokenlake.core.errors import ConfigError, EngineUnavailable, PlanError
 from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.dataplane import credentials, wire
 from tokenlake.dataplane import messages as m
-from tokenlake.dataplane import wire
+from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers
 from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.deploy.local import LocalCluster
@@ -50,10 +51,21 @@ def served():
     assert list_buffers(prefix) == []
 
 
-def run_worker(address: str, request_id: str, seed: int, shared: int) -> dict:
-    done = subprocess.run(
-        [sys.executable, str(WORKER), address, request_id, str(seed), str(shared)],
-        cwd=WORKER.parent, capture_output=True, text=True, timeout=300, check=False)
+def connect(server, **kw):
+    """A client of ``server`` holding its member credentials."""
+    return tokenlake.connect(server.address, credentials=server.credentials(), **kw)
+
+
+def run_worker(server, request_id: str, seed: int, shared: int) -> dict:
+    """tests/service_worker.py in another process; it finds the credentials where
+    ``tokenlake serve`` writes them ($TOKENLAKE_HOME, a directory of this session)."""
+    creds = credentials.write(credentials.default_path(server.address), server.credentials())
+    try:
+        done = subprocess.run(
+            [sys.executable, str(WORKER), server.address, request_id, str(seed), str(shared)],
+            cwd=WORKER.parent, capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        credentials.remove(creds)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -104,13 +116,13 @@ def test_the_remote_client_needs_only_the_core_and_the_data_plane():
 def test_a_second_process_hits_what_the_first_stored(served):
     cluster, server = served
     shared = 5 * C
-    first = run_worker(server.address, "w1", 1, shared)
+    first = run_worker(server, "w1", 1, shared)
     assert first["hit_tokens"] == 0 and first["stored"] >= shared
-    second = run_worker(server.address, "w2", 2, shared)
+    second = run_worker(server, "w2", 2, shared)
     assert second["hit_tokens"] == shared
     assert second["worst"] < 1e-5, second
     assert cluster.control.live_requests == ()
-    with tokenlake.connect(server.address) as cp:
+    with connect(server) as cp:
         stats = cp.stats()
         assert stats.hit_tokens >= shared and stats.pool.slots_used == cluster.control.stats().pool.slots_used
         assert cp.instances == (0, 1)
@@ -118,7 +130,7 @@ def test_a_second_process_hits_what_the_first_stored(served):
 
 def test_remote_calls_match_the_in_process_ones(served):
     cluster, server = served
-    with tokenlake.connect(server.address) as cp:
+    with connect(server) as cp:
         reqs = [list(range(3, 40)), [7, 8, 9]]
         assert cp.get_cache_load(reqs, HARDWARE, LATENCY) == cluster.control.get_cache_load(reqs, HARDWARE, LATENCY)
         assert cp.get_prefix_tree().match(reqs[0]) == cluster.control.get_prefix_tree().match(reqs[0])
@@ -138,7 +150,7 @@ def test_remote_calls_match_the_in_process_ones(served):
 
 def test_closing_a_client_aborts_the_plans_it_left_in_flight(served):
     cluster, server = served
-    with tokenlake.connect(server.address) as cp:
+    with connect(server) as cp:
         cp.gen_plans([Batch((BatchRequest("left", (1, 2, 3, 4)),))], [1])
         assert "left" in cluster.control.live_requests
     assert cluster.control.live_requests == ()
@@ -151,7 +163,7 @@ def test_concurrent_clients_are_serialised(served):
 
     def drive(worker: int) -> None:
         try:
-            with tokenlake.connect(server.address) as cp:
+            with connect(server) as cp:
                 for i in range(15):
                     rid = f"c{worker}-{i}"
                     plans = cp.gen_plans([Batch((BatchRequest(rid, tuple(range(worker, worker + 20))),))], [1])
@@ -186,6 +198,7 @@ def test_garbage_gets_an_error_and_changes_nothing(served, frames):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    connect_secure(sock, cluster.keys)  # a member: garbage from inside the boundary
     try:
         sock.connect(server.address)
         sock.send_multipart(frames)
@@ -196,7 +209,7 @@ def test_garbage_gets_an_error_and_changes_nothing(served, frames):
     assert isinstance(reply, m.ErrorReply), reply
     assert reply.type in {"WireError", "PlanError"}, reply
     assert snapshot(cluster) == before
-    with tokenlake.connect(server.address) as cp:  # and it keeps serving
+    with connect(server) as cp:  # and it keeps serving
         assert cp.instances == (0, 1)
 
 
@@ -219,9 +232,9 @@ def test_the_server_stops_and_a_client_then_times_out(served):
     assert server.address == ""  # the constructor only stores
     with server:
         address = server.address
-        with tokenlake.connect(address, timeout_s=0.3) as cp:
+        with tokenlake.connect(address, timeout_s=0.3, credentials=server.credentials()) as cp:
             assert cp.instances == (0, 1)
-    with tokenlake.connect(address, timeout_s=0.3) as cp:
+    with tokenlake.connect(address, timeout_s=0.3, credentials=server.credentials()) as cp:
         with pytest.raises(EngineUnavailable):
             cp.stats()
 

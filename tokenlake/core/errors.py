@@ -41,3 +41,8 @@ class PlanError(TokenLakeError, ValueError):
 
 class EngineUnavailable(TokenLakeError):
     """A query or transfer engine did not answer in time or has died."""
+
+
+class NotAuthorized(TokenLakeError):
+    """A request that only the cluster's owner may send (``SHUTDOWN``, ``PEERS``) came
+    from another process, or a client holds no valid keys for the cluster."""

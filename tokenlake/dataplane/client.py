@@ -29,6 +29,7 @@ from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.core.plans import QueryPlan, TransferPlan
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.attention import Partial
+from tokenlake.dataplane.auth import ClusterKeys, connect_secure
 from tokenlake.dataplane.messages import (
     PlanAck,
     Put,
@@ -89,8 +90,10 @@ class InstanceClient:
         alive: Callable[[], str | None],
         timeout_s: float = 5.0,
         poll_s: float = 0.05,
+        keys: ClusterKeys | None = None,
     ) -> None:
         self.instance = instance
+        self.keys = keys  # CURVE keys: the member's pair is used (None: insecure cluster)
         self.endpoints = endpoints
         self.q = buffers["q"]  # [max_rows, q_heads, head_dim]
         self.out_o = buffers["out_o"]
@@ -113,6 +116,7 @@ class InstanceClient:
         for role in ("query", "transfer"):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            connect_secure(sock, self.keys)
             sock.connect(self.endpoints[role])
             self._socks[role] = sock
 

@@ -21,12 +21,13 @@ import msgpack
 import torch
 import zmq
 
-from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
+from tokenlake.core.errors import ConfigError, EngineUnavailable, NotAuthorized, TokenLakeError
 from tokenlake.dataplane import messages, wire
+from tokenlake.dataplane.auth import OWNER, ClusterKeys, connect_secure, guard, sender, serve_secure
 from tokenlake.dataplane.messages import Ack, ErrorReply, Peers, Ping, Pong, Shutdown, WireMessage
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, pid_alive, unlink_prefix
-from tokenlake.dataplane.sockets import send_frames
+from tokenlake.dataplane.sockets import is_loopback, send_frames
 from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class EngineSpec:
         owner_pid: the launcher's process: once it is gone (killed with ``kill -9``,
             say) the engine stops within ``tick_s`` and unlinks its cluster's buffers;
             ``None``: no owner to watch (Ray watches its actors' owners itself).
+        keys: the cluster's CURVE keys as the engine holds them
+            (:meth:`tokenlake.dataplane.auth.ClusterKeys.engine_view`, as a dict);
+            ``None``: no CURVE (the launcher was told ``insecure``).
     """
 
     role: str
@@ -65,6 +69,7 @@ class EngineSpec:
     torch_threads: int = 1
     port_range: tuple[int, int] | None = None
     owner_pid: int | None = None
+    keys: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -78,6 +83,8 @@ class EngineSpec:
             object.__setattr__(self, "port_range", (int(lo), int(hi)))
             if not 1 <= lo <= hi <= 65535:
                 raise ConfigError(f"port_range must be 1 <= first <= last <= 65535, got {self.port_range}")
+        if self.keys is not None:
+            ClusterKeys.from_dict(self.keys)  # refuses malformed keys here, not at bind
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(asdict(self))
@@ -151,15 +158,23 @@ class EngineLoop:
         self.orphaned = False  # the owner died: run_engine unlinks the cluster's buffers
         self._rejected = RateLimitedLog(log)
         self._peers_changed = True  # serve() rebuilds its poller when set
+        self.keys = ClusterKeys.from_dict(spec.keys) if spec.keys is not None else None
+        self._gate = None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> str:
         """Binds the ROUTER on a free port of ``spec.host`` (the first free one of
-        ``spec.port_range`` when set); returns its endpoint."""
+        ``spec.port_range`` when set); returns its endpoint. With keys, the ROUTER is a
+        CURVE server that admits only the cluster's owner and members."""
         self.ctx = zmq.Context()
+        self._gate = guard(self.ctx, self.keys)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes())
+        serve_secure(self.router, self.keys)
+        if self.keys is None and not is_loopback(self.spec.host):
+            log.warning("%s engine %d binds %s without CURVE (insecure): trusted networks only",
+                        self.spec.role, self.spec.instance, self.spec.host)
         if self.spec.port_range is None:
             self.router.bind(f"tcp://{self.spec.host}:*")
         else:
@@ -192,6 +207,7 @@ class EngineLoop:
                     continue
                 sock = fresh[inst] = self.ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                connect_secure(sock, self.keys)
                 sock.connect(ep)
         except zmq.ZMQError as e:
             for sock in fresh.values():
@@ -219,6 +235,8 @@ class EngineLoop:
             sock.close(0)
         if self.router is not None:
             self.router.close(0)
+        if self._gate is not None:
+            self._gate.stop()
         if self.ctx is not None:
             self.ctx.term()
 
@@ -282,6 +300,9 @@ class EngineLoop:
             msg = wire.decode(payload)
             msg_id = msg.msg_id
             message = messages.parse(msg)
+            if isinstance(message, (Shutdown, Peers)) and self.keys is not None:
+                if sender(payload[0]) != OWNER:
+                    raise NotAuthorized(f"only the cluster's owner may send {msg.kind.name}")
             if isinstance(message, Shutdown):
                 self._stop = True
                 self.reply(identity, Ack().encode(msg_id))

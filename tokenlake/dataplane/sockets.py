@@ -85,11 +85,11 @@ def recv_frames(sock: zmq.Socket, timeout_s: float, peer: str | None = None) -> 
     raise EngineUnavailable(f"no message from {peer or _peer(sock)} within {timeout_s:g} s")
 
 
-def bind_address(host: str = "127.0.0.1", port: int | None = None) -> str:
+def bind_address(host: str = "127.0.0.1", port: int | None = None, *, secure: bool = False) -> str:
     """A zmq TCP endpoint to bind: ``tcp://127.0.0.1:*`` (any free port) by default.
 
-    Loopback is the default (docs/design.md §4); other hosts only when configured, and the
-    protocol has no authentication, so a non-loopback host is logged as a warning.
+    Loopback is the default (docs/design.md §4); other hosts only when configured. A
+    non-loopback host without CURVE (``secure=False``) is logged as a warning.
     Find the port actually bound with ``sock.getsockopt_string(zmq.LAST_ENDPOINT)``.
     """
     if not isinstance(host, str) or not host or any(c.isspace() or c in "/" for c in host):
@@ -98,16 +98,16 @@ def bind_address(host: str = "127.0.0.1", port: int | None = None) -> str:
         isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535
     ):
         raise ValueError(f"port must be in [1, 65535] or None (any free port), got {port!r}")
-    if not _is_loopback(host):
+    if not secure and not is_loopback(host):
         log.warning(
-            "binding %s: the wire protocol has no authentication; trusted networks only", host
+            "binding %s without CURVE (insecure): trusted networks only", host
         )
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # IPv6 literal (the socket also needs zmq.IPV6 set)
     return f"tcp://{host}:{'*' if port is None else port}"
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

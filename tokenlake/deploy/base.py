@@ -101,6 +101,10 @@ class ClusterBase(abc.ABC):
             (seconds); peer_timeout_s: engine-to-engine limit; start_timeout_s: limit
             of the start-up.
         host: what the engines bind.
+        insecure: no CURVE (docs/security.md): every socket of the cluster then accepts
+            anyone who reaches it, and a ``host`` beyond loopback is logged as a warning.
+            By default the cluster generates its keys (:attr:`keys`) and every engine,
+            client and peer connection is encrypted and authenticated.
     """
 
     def __init__(
@@ -116,7 +120,10 @@ class ClusterBase(abc.ABC):
         peer_timeout_s: float = 2.0,
         start_timeout_s: float = 60.0,
         host: str = "127.0.0.1",
+        insecure: bool = False,
     ) -> None:
+        from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
+
         self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, DTYPE_BYTES, clock, seed)
         self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
         self.segment_tokens = segment_tokens
@@ -124,6 +131,9 @@ class ClusterBase(abc.ABC):
         self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows)
         self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
         self.start_timeout_s, self.host = start_timeout_s, host
+        self.insecure = bool(insecure)
+        #: the cluster's CURVE keys (all of them: this process is the owner); None if insecure
+        self.keys: ClusterKeys | None = None if insecure else ClusterKeys.generate()
         self._ctx: Any = None  # the driver's zmq context: set by start(), cleared by close()
 
     # ------------------------------------------------------------ lifecycle

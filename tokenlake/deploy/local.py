@@ -29,6 +29,7 @@ import zmq
 from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
+from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
 from tokenlake.dataplane.messages import Shutdown, WireMessage, expect
@@ -44,7 +45,7 @@ class LocalCluster(ClusterBase):
     """N instances' query and transfer engines as local processes, plus the control plane.
 
     Args: see :class:`~tokenlake.deploy.base.ClusterBase`; ``host`` is the address the
-    engines bind (loopback by default).
+    engines bind (loopback by default); CURVE is on unless ``insecure``.
     """
 
     def __init__(
@@ -60,9 +61,10 @@ class LocalCluster(ClusterBase):
         peer_timeout_s: float = 2.0,
         start_timeout_s: float = 60.0,
         host: str = "127.0.0.1",
+        insecure: bool = False,
     ) -> None:
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
-                         timeout_s, peer_timeout_s, start_timeout_s, host)
+                         timeout_s, peer_timeout_s, start_timeout_s, host, insecure)
         self.cluster_id = ""
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
@@ -106,7 +108,8 @@ class LocalCluster(ClusterBase):
                 spec = EngineSpec(role, inst, self.cluster_id,
                                   {n: specs[inst][n] for n in ENGINE_BUFFERS[role]},
                                   host=self.host, peer_timeout_s=self.peer_timeout_s,
-                                  owner_pid=os.getpid())
+                                  owner_pid=os.getpid(),
+                                  keys=None if self.keys is None else self.keys.engine_view().to_dict())
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
                                    name=f"tokenlake-{role}-{inst}", daemon=True)
@@ -179,7 +182,8 @@ class LocalCluster(ClusterBase):
         if instance not in self._clients:
             bufs = {n: self._buffers[(instance, n)] for n in CLIENT_BUFFERS}
             eps = {role: self._endpoints[(role, instance)] for role in ROLES}
-            client = InstanceClient(instance, eps, bufs, lambda: self._dead(instance), self.timeout_s)
+            client = InstanceClient(instance, eps, bufs, lambda: self._dead(instance), self.timeout_s,
+                                    keys=self.keys)
             client.start(self._ctx)
             self._clients[instance] = client
         return self._clients[instance]
@@ -188,7 +192,8 @@ class LocalCluster(ClusterBase):
         """What another process of this machine needs to open ``instance``'s client
         (``ControlServer``, ``tokenlake.connect``), as plain data: ``{"instance",
         "endpoints": {role: endpoint}, "buffers": {name: BufferSpec dict}, "timeout_s"}``
-        (the client buffers are POSIX shared memory, attachable by name)."""
+        (the client buffers are POSIX shared memory, attachable by name), and ``"keys"``:
+        the member's CURVE keys (``None`` if insecure)."""
         self._check_started()
         if not 0 <= instance < self.n_instances:
             raise ConfigError(f"no instance {instance} (the cluster has {self.n_instances})")
@@ -196,7 +201,8 @@ class LocalCluster(ClusterBase):
         return {"instance": instance,
                 "endpoints": {role: self._endpoints[(role, instance)] for role in ROLES},
                 "buffers": {n: specs[n].to_dict() for n in CLIENT_BUFFERS},
-                "timeout_s": self.timeout_s}
+                "timeout_s": self.timeout_s,
+                "keys": None if self.keys is None else self.keys.member_view().to_dict()}
 
     def slab(self, instance: int) -> torch.Tensor:
         """The driver's view of an instance's slab (tests and benchmarks read it)."""
@@ -258,10 +264,12 @@ class LocalCluster(ClusterBase):
                 return f"the {role} engine of instance {instance}"
         return None
 
-    def _dealer(self, key: tuple[str, int]) -> zmq.Socket:
-        """A fresh DEALER connected to one engine (the caller closes it)."""
+    def _dealer(self, key: tuple[str, int], *, as_owner: bool = True) -> zmq.Socket:
+        """A fresh DEALER connected to one engine, as the owner (or as a member); the
+        caller closes it."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        connect_secure(sock, self.keys, as_owner=as_owner)
         sock.connect(self._endpoints[key])
         return sock
 

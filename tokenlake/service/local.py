@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tokenlake.core.specs import ModelSpec
+from tokenlake.dataplane import credentials as credentials_file
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.service.frontend import HttpFrontend
 from tokenlake.service.http import ModelInfo
@@ -39,6 +40,7 @@ class Served:
 
     control: ControlServer | None = None
     http: HttpFrontend | None = None
+    credentials: str | None = None  # the file a client of the control port reads
 
     @property
     def lock(self) -> contextlib.AbstractContextManager:
@@ -47,7 +49,8 @@ class Served:
 
     def info(self) -> dict[str, str | None]:
         return {"address": self.control.address if self.control else None,
-                "http_url": self.http.url if self.http else None}
+                "http_url": self.http.url if self.http else None,
+                "credentials": self.credentials}
 
 
 def load_served_model(progress: Callable[[str], None] = log.info):
@@ -68,16 +71,23 @@ def _model_info(weights, tokenizer, max_request_tokens: int | None = None) -> Mo
 @contextlib.contextmanager
 def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAULT_CONTROL_PORT,
                  http_port: int = DEFAULT_HTTP_PORT, model=None,
-                 chunk_tokens: int = 512) -> Iterator[Served]:
+                 chunk_tokens: int = 512, credentials: str | None = None) -> Iterator[Served]:
     """Serves the started ``cluster``: its control plane on ``host:control_port`` and,
     when ``model`` (``(weights, tokenizer)``) is given, the HTTP API on ``host:http_port``
-    (0: any free port). Everything stops when the block ends (the cluster stays up)."""
+    (0: any free port). The control port's credentials (the member's CURVE keys) are
+    written to ``credentials`` (default: where ``tokenlake.connect`` looks for this port,
+    :func:`tokenlake.dataplane.credentials.default_path`), mode 0600, and removed when
+    the block ends. Everything stops when the block ends (the cluster stays up)."""
     from scheduler.continuous import ContinuousBatching
     from tokenlake.serving.server import Server
 
-    with ControlServer(cluster, host=host, port=control_port) as control:
+    with contextlib.ExitStack() as stack:
+        control = stack.enter_context(ControlServer(cluster, host=host, port=control_port))
+        path = str(credentials_file.write(credentials or credentials_file.default_path(control.address),
+                                          control.credentials()))
+        stack.callback(credentials_file.remove, path)
         if model is None:
-            yield Served(control)
+            yield Served(control, credentials=path)
             return
         weights, tokenizer = model
         shared = control.shared_control()
@@ -98,7 +108,7 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
         with HttpFrontend(server, _model_info(weights, tokenizer, room), host, http_port,
                           pool_stats=shared.stats, instances=shared.instances,
                           heal=heal) as http:
-            yield Served(control, http)
+            yield Served(control, http, path)
 
 
 def _replace_dead_engines(cluster: LocalCluster, control: ControlServer) -> None:
@@ -137,6 +147,8 @@ def serve_local(
     http_port: int = DEFAULT_HTTP_PORT,
     engine: str = "pool",
     engine_host: str = "127.0.0.1",
+    insecure: bool = False,
+    credentials: str | None = None,
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
@@ -149,7 +161,9 @@ def serve_local(
     their control plane on ``host:control_port`` and, for :data:`SERVED_MODEL`, the HTTP
     API on ``host:http_port``. ``engine="reference"``: the baseline
     (:func:`reference_service`). ``on_ready`` is called once serving, with the
-    :class:`Served`. ``engine_host`` is what the engines bind.
+    :class:`Served`. ``engine_host`` is what the engines bind. Every engine and the
+    control port speak CURVE with keys made for this pool, unless ``insecure``; the
+    control port's credentials go to ``credentials`` (see :func:`pool_service`).
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
@@ -169,10 +183,10 @@ def serve_local(
             progress(f"starting {instances} instances (a query and a transfer engine each) ...")
             cluster = stack.enter_context(LocalCluster(
                 instances, model, pool_bytes, segment_tokens=segment_tokens, max_rows=max_rows,
-                host=engine_host))
+                host=engine_host, insecure=insecure))
             served = stack.enter_context(pool_service(
                 cluster, host=host, control_port=control_port, http_port=http_port,
-                model=weights))
+                model=weights, credentials=credentials))
         on_ready(served)
         try:
             stop.wait()

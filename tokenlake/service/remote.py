@@ -21,6 +21,7 @@ clients it opens are for one thread each, as in-process ones are).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -34,7 +35,9 @@ from tokenlake.core.plans import Batch, Plans
 from tokenlake.core.prefix_tree import MatchResult
 from tokenlake.core.specs import HardwareProfile
 from tokenlake.dataplane import wire
+from tokenlake.dataplane.auth import ClusterKeys, connect_secure
 from tokenlake.dataplane.client import InstanceClient
+from tokenlake.dataplane.credentials import load as credentials_load
 from tokenlake.dataplane.messages import (
     Ack,
     CpAbort,
@@ -58,13 +61,18 @@ from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.sockets import send
 
 
-def connect(address: str, timeout_s: float = 5.0) -> RemoteControlPlane:
+def connect(address: str, timeout_s: float = 5.0,
+            credentials: str | os.PathLike | dict | ClusterKeys | None = None) -> RemoteControlPlane:
     """The control plane served at ``address`` (``"tcp://HOST:PORT"``), connected.
 
-    ``timeout_s`` bounds every wait for the server (seconds). Connecting does not wait:
-    a server that is not there shows at the first call, as ``EngineUnavailable``.
+    ``timeout_s`` bounds every wait for the server (seconds). ``credentials``: the file
+    ``tokenlake serve`` wrote (or its content, or the keys); by default the one it wrote
+    for this port on this machine (:mod:`tokenlake.dataplane.credentials`), and no CURVE if
+    there is none. Connecting does not wait: a server that is not there, or that refuses
+    the keys, shows at the first call, as ``EngineUnavailable``.
     """
-    return RemoteControlPlane(address, timeout_s).start()
+    keys = credentials_load(credentials, address)
+    return RemoteControlPlane(address, timeout_s, keys).start()
 
 
 class RemotePrefixTree:
@@ -83,8 +91,8 @@ class RemotePrefixTree:
 class RemoteControlPlane:
     """A client of a :class:`~tokenlake.service.server.ControlServer` (see the module)."""
 
-    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
-        self.address, self.timeout_s = address, timeout_s
+    def __init__(self, address: str, timeout_s: float = 5.0, keys: ClusterKeys | None = None) -> None:
+        self.address, self.timeout_s, self.keys = address, timeout_s, keys
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
@@ -100,6 +108,7 @@ class RemoteControlPlane:
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            connect_secure(self._sock, self.keys)
             self._sock.connect(self.address)
         return self
 
@@ -172,8 +181,9 @@ class RemoteControlPlane:
                 shared = SharedTensor.attach(spec)
                 self._attached.append(shared)
                 buffers[name] = shared.tensor
+            keys = None if info.keys is None else ClusterKeys.from_dict(dict(info.keys))
             client = InstanceClient(instance, dict(info.endpoints), buffers, lambda: None,
-                                    info.timeout_s)
+                                    info.timeout_s, keys=keys)
             client.start(self._ctx)
             self._clients[instance] = client
         return self._clients[instance]
@@ -209,6 +219,9 @@ class RemoteControlPlane:
                     if answer.msg_id == msg_id:
                         return expect(answer, reply)
             except EngineUnavailable:
+                hint = ("" if self.keys is not None else " (a pool served with CURVE answers only "
+                        "clients with its credentials: pass credentials= the file tokenlake "
+                        "serve wrote)")
                 raise EngineUnavailable(
                     f"the control-plane server at {self.address} did not answer "
-                    f"{request.KIND.name} within {self.timeout_s:g} s") from None
+                    f"{request.KIND.name} within {self.timeout_s:g} s{hint}") from None

@@ -31,6 +31,7 @@ from tokenlake.core.control import ControlPlane
 from tokenlake.core.errors import ConfigError, PlanError
 from tokenlake.core.plans import Plans
 from tokenlake.dataplane import messages, wire
+from tokenlake.dataplane.auth import ClusterKeys, guard, serve_secure
 from tokenlake.dataplane.messages import (
     Ack,
     CpAbort,
@@ -54,12 +55,16 @@ from tokenlake.dataplane.sockets import bind_address, send_routed
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTROL_PORT = 7400
+#: the largest control request accepted (a batch of long prompts' token ids fits many
+#: times over); ZeroMQ drops a client that sends more before buffering it
+MAX_CONTROL_MESSAGE_BYTES = 64 << 20
 
 
 class ServedCluster(Protocol):
     """What the server needs of a launcher (``LocalCluster``, ``RayCluster``)."""
 
     control: ControlPlane
+    keys: ClusterKeys | None  # the cluster's CURVE keys (None: started insecure)
 
     def client_info(self, instance: int) -> Mapping[str, Any]:
         """``{"endpoints": {role: endpoint}, "buffers": {name: BufferSpec dict},
@@ -71,8 +76,11 @@ class ControlServer:
 
     Args:
         cluster: the launcher whose control plane is served (started by the caller).
-        host: the interface to bind (loopback by default; another host is logged as a
-            warning: the protocol has no authentication).
+        host: the interface to bind (loopback by default). The port speaks CURVE with
+            the cluster's keys (``cluster.keys``) and admits only the cluster's owner and
+            members (:meth:`credentials` is what a member needs); a cluster started
+            ``insecure`` is served without CURVE, and another host than loopback is then
+            logged as a warning.
         port: the TCP port; 0 binds any free one (read :attr:`address`).
         poll_s: how often the serving thread checks for :meth:`close` (seconds).
 
@@ -83,6 +91,8 @@ class ControlServer:
     def __init__(self, cluster: ServedCluster, host: str = "127.0.0.1", port: int = 0,
                  poll_s: float = 0.05) -> None:
         self.cluster, self.host, self.port, self.poll_s = cluster, host, port, poll_s
+        self.keys: ClusterKeys | None = getattr(cluster, "keys", None)
+        self._gate = None
         self.address = ""  # tcp://host:port once started
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -102,10 +112,13 @@ class ControlServer:
         if self._thread is not None:
             return self
         self._ctx = zmq.Context()
+        self._gate = guard(self._ctx, self.keys)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
+        serve_secure(self._sock, self.keys)
         try:
-            self._sock.bind(bind_address(self.host, self.port or None))
+            self._sock.bind(bind_address(self.host, self.port or None, secure=self.keys is not None))
         except zmq.ZMQError as e:
             self._release()
             raise ConfigError(f"cannot bind the control port {self.host}:{self.port}: {e}") from e
@@ -115,6 +128,13 @@ class ControlServer:
         self._thread.start()
         log.info("control plane served on %s", self.address)
         return self
+
+    def credentials(self) -> dict[str, Any]:
+        """What a client needs to call this server: ``{"address", "keys"}`` with the
+        member's CURVE keys (``None`` when insecure). ``tokenlake serve`` writes it to a
+        file of mode 0600 (:func:`tokenlake.dataplane.credentials.write`)."""
+        return {"address": self.address,
+                "keys": None if self.keys is None else self.keys.member_view().to_dict()}
 
     def close(self) -> None:
         """Stops serving and closes the port (the cluster stays up: its owner closes it)."""
@@ -134,6 +154,9 @@ class ControlServer:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -216,7 +239,7 @@ class ControlServer:
         info = self.cluster.client_info(req.instance)
         buffers = {name: BufferSpec.from_dict(spec) for name, spec in info["buffers"].items()}
         return CpClientInfoResult(req.instance, dict(info["endpoints"]), buffers,
-                                  float(info["timeout_s"]))
+                                  float(info["timeout_s"]), info.get("keys"))
 
 
 class Serialised:

@@ -17,7 +17,6 @@ import random
 import statistics
 
 import torch
-import zmq
 
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import ModelSpec
@@ -51,7 +50,7 @@ def _fill(cluster: LocalCluster, rid: str, tokens: list[int], chunk: int) -> Non
         cp.complete(plans)
 
 
-def _fetch_and_attend(cluster, ctx, qp, q: torch.Tensor) -> tuple[int, torch.Tensor]:
+def _fetch_and_attend(cluster, qp, q: torch.Tensor) -> tuple[int, torch.Tensor]:
     """The imperative path: pull remote slots' KV, attend over everything locally."""
     home_slab = cluster.slab(qp.home)
     socks, fetched = [], 0
@@ -62,9 +61,7 @@ def _fetch_and_attend(cluster, ctx, qp, q: torch.Tensor) -> tuple[int, torch.Ten
         if task.instance == qp.home:
             parts.append(slab_partial_attention(q, home_slab, 0, slots, tokens))
             continue
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(cluster._endpoints[("transfer", task.instance)])
+        sock = cluster._dealer(("transfer", task.instance), as_owner=False)  # a member, as CURVE asks
         send(sock, ReadSegment(0, tuple(slots)).encode(1))
         socks.append((sock, tokens))
     for sock, tokens in socks:
@@ -91,7 +88,6 @@ def bench_query_vs_fetch(
     results = []
     with LocalCluster(n_instances, m, slots * seg_bytes, segment_tokens, max_rows=chunk, timeout_s=120.0,
                       peer_timeout_s=60.0) as cluster:
-        ctx = zmq.Context.instance()
         cp = cluster.control
         for s in prefixes:
             rid = f"prefix-{s}"
@@ -109,7 +105,7 @@ def bench_query_vs_fetch(
             outcome: dict = {}
 
             def fetch(qp=qp, q=q, outcome=outcome):
-                outcome["bytes"], outcome["o"] = _fetch_and_attend(cluster, ctx, qp, q)
+                outcome["bytes"], outcome["o"] = _fetch_and_attend(cluster, qp, q)
 
             fetch_ms = timed_ms(fetch, max(2, repeats // 2))
             fetched = [outcome["bytes"]]

@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plans(what.add_parser("plans", help="gen_plans latency and prefix-match throughput"))
     add_query_vs_fetch(what.add_parser(
         "query-vs-fetch", help="one decode query through the pool vs fetching the prefix KV"))
+    add_curve(what.add_parser(
+        "curve", help="what CURVE costs a query and a put (secure vs insecure pool, JSON)"))
     add_e2e(what.add_parser(
         "e2e", help="SmolLM2 through the pool: TTFT cached vs recomputed, decode tokens/s"))
     add_scheduler(what.add_parser(
@@ -102,6 +104,31 @@ def run_query_vs_fetch(args: argparse.Namespace) -> int:
     for r in result["results"]:
         print(f"S={r['prefix_tokens']:>6}: query {r['query_ms']:8.2f} ms {r['query_bytes']:>10} B"
               f" | fetch {r['fetch_ms']:8.2f} ms {r['fetch_bytes']:>12} B")
+    return 0
+
+
+# --------------------------------------------------------------------------- curve
+
+
+def add_curve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix", type=positive(int), default=16384, metavar="TOKENS",
+                   help="prefix tokens the decode query attends over")
+    p.add_argument("--rounds", type=positive(int), default=7, help="alternating rounds")
+    _json_flag(p)
+    p.set_defaults(run=run_curve)
+
+
+def run_curve(args: argparse.Namespace) -> int:
+    from tokenlake.tools.bench_curve import bench_curve  # torch and engines: only when run
+
+    result = bench_curve(prefix_tokens=args.prefix, rounds=args.rounds)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for op in ("query", "put"):
+        r = result[op]
+        print(f"{op:>5}: CURVE {r['curve']['median_ms']:8.2f} ms, insecure "
+              f"{r['insecure']['median_ms']:8.2f} ms, ratio {r['ratio_curve_over_insecure']:.2f}")
     return 0
 
 

@@ -52,8 +52,9 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         words = f"{meta['help']}; default {shown}; env {env_var(name)}"
         if meta["choices"]:
             words += f"; one of: {', '.join(meta['choices'])}"
-        if meta["kind"] == "bool":  # the only bool, restart, defaults to true: a --no- flag
-            p.add_argument(flag_of(name), dest=name, action="store_const", const="false",
+        if meta["kind"] == "bool":  # a switch: --no-restart turns off, --insecure on
+            p.add_argument(flag_of(name), dest=name, action="store_const",
+                           const="false" if default else "true",
                            default=None, help=words.replace("%", "%%"))
         else:
             p.add_argument(flag_of(name), dest=name, default=None,

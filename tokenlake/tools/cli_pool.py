@@ -119,7 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
         strategy=cfg.ray_strategy, cpus_per_instance=cfg.ray_cpus_per_instance,
         gpus_per_instance=cfg.ray_gpus_per_instance, engine_share=cfg.ray_engine_share,
         place_timeout_s=cfg.ray_place_timeout_s,
-        host=cfg.bind, port_range=cfg.ports,
+        host=cfg.bind, port_range=cfg.ports, insecure=cfg.insecure,
         address=None if cfg.ray_address == "local" else cfg.ray_address,
     )
     try:
@@ -155,7 +155,7 @@ def _ray_service(cfg, json_lines: bool):
             progress("instances on other nodes: starting a compute actor per instance ...")
             cluster.start_compute()
         return pool_service(cluster, host=cfg.host, control_port=cfg.control_port,
-                            http_port=cfg.http_port, model=model)
+                            http_port=cfg.http_port, model=model, credentials=cfg.credentials)
 
     return attach
 
@@ -175,7 +175,8 @@ def _serve_local(cfg, json_lines: bool) -> int:
 
     def ready(served) -> None:
         info = served.info()
-        where = [f"control plane at {info['address']} (tokenlake.connect)"] if info["address"] else []
+        where = [f"control plane at {info['address']} (tokenlake.connect; credentials in "
+                 f"{info['credentials']})"] if info["address"] else []
         where += [f"OpenAI-compatible API at {info['http_url']}/v1 (metrics: "
                   f"{info['http_url']}/metrics)"] if info["http_url"] else []
         what = (f"{cfg.instances} instances of {cfg.model} ({cfg.pool_mb} MiB slab each, "
@@ -189,7 +190,7 @@ def _serve_local(cfg, json_lines: bool) -> int:
         serve_local(load_model(cfg.model), cfg.instances, cfg.pool_mb << 20, cfg.segment_tokens,
                     cfg.max_rows, host=cfg.host, control_port=cfg.control_port,
                     http_port=cfg.http_port, engine=cfg.engine, engine_host=cfg.bind,
-                    stop=stop, on_ready=ready,
+                    insecure=cfg.insecure, credentials=cfg.credentials, stop=stop, on_ready=ready,
                     progress=lambda line: emit("progress", line, message=line))
     except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

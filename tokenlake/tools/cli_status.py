@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from tokenlake.core.control import ControlStats
-from tokenlake.core.errors import EngineUnavailable
+from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.placement import coefficient_of_variation
 from tokenlake.tools.cli_args import Parser, UsageError, positive
 
@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "the access-load CV.")
     p.add_argument("--address", default=DEFAULT_ADDRESS,
                    help="the control plane's address, as 'tokenlake serve' prints it")
+    p.add_argument("--credentials", metavar="FILE",
+                   help="the credentials file 'tokenlake serve' wrote (default: the one it "
+                        "wrote for this port on this machine, if any)")
     p.add_argument("--timeout", type=positive(float), default=5.0, metavar="S",
                    help="seconds to wait for the pool")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -41,11 +44,14 @@ def run_status(args: argparse.Namespace) -> int:
     if not args.address.startswith("tcp://"):
         raise UsageError(f"status: --address must look like tcp://HOST:PORT, got {args.address!r}")
     try:
-        with connect(args.address, timeout_s=args.timeout) as cp:
+        with connect(args.address, timeout_s=args.timeout, credentials=args.credentials) as cp:
             stats = cp.stats()
     except EngineUnavailable:
         raise UsageError(f"status: no pool answered at {args.address} within "
-                         f"{args.timeout:g} s (is 'tokenlake serve' running there?)") from None
+                         f"{args.timeout:g} s (is 'tokenlake serve' running there, and are "
+                         "these its credentials?)") from None
+    except ConfigError as exc:
+        raise UsageError(f"status: {exc}") from None
     summary = status_summary(stats)
     if args.json:
         print(json.dumps(summary, indent=2))

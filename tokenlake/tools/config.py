@@ -119,6 +119,12 @@ class ServeSettings:
     restart: bool = _setting(True, "bool", "restart failed instances (--no-restart or false: remove "
                              "them only)",
                              flag="--no-restart")
+    insecure: bool = _setting(False, "bool", "no CURVE: the engines and the control port accept "
+                              "anyone who reaches them (trusted networks only; docs/security.md)",
+                              flag="--insecure")
+    credentials: str | None = _setting(None, "str", "file to write the control port's credentials "
+                                       "to, mode 0600 (unset: $TOKENLAKE_HOME/serve-PORT.json, "
+                                       "where tokenlake.connect looks)", metavar="FILE")
     log_level: str = _setting("WARNING", "str", "logging level of the service",
                               choices=LOG_LEVELS, metavar="LEVEL")
     ray_address: str | None = _setting(None, "str", "Ray cluster to join: 'auto', the head's "

@@ -156,13 +156,17 @@ class CpClientInfo(_PlainBody, WireMessage):
 @dataclass(frozen=True)
 class CpClientInfoResult(_PlainBody, WireMessage):
     """``CP_CLIENT_INFO_RESULT`` ``{"instance": int, "endpoints": [[role, endpoint]],
-    "buffers": [[name, BufferSpec]], "timeout_s": float}``: the instance's query and
-    transfer engine endpoints and its client buffers (``q``, ``out_o``, ``out_lse``,
-    ``kv``), attachable on the engines' machine; ``timeout_s`` is the cluster's wait
-    limit for an engine's answer (seconds)."""
+    "buffers": [[name, BufferSpec]], "timeout_s": float, "keys": {name: str | None} |
+    None}``: the instance's query and transfer engine endpoints and its client buffers
+    (``q``, ``out_o``, ``out_lse``, ``kv``), attachable on the engines' machine;
+    ``timeout_s`` is the cluster's wait limit for an engine's answer (seconds); ``keys``
+    the member's CURVE keys (:meth:`tokenlake.dataplane.auth.ClusterKeys.member_view`;
+    ``None``: the cluster runs without CURVE). Sent only over the control port, which is
+    itself CURVE-protected when the cluster is."""
 
     KIND = Kind.CP_CLIENT_INFO_RESULT
     instance: int
     endpoints: Mapping[str, str]
     buffers: Mapping[str, BufferSpec]
     timeout_s: float
+    keys: Mapping[str, str | None] | None = None

@@ -27,6 +27,7 @@ import ray
 import zmq
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable, PlanError
+from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.sockets import send
 from tokenlake.deploy.ray.client import open_client
 from tokenlake.deploy.ray.liveness import ProcessRef
@@ -113,6 +114,7 @@ class EngineActor:
             self._ctl = zmq.Context()
         sock = self._ctl.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        connect_secure(sock, self.engine.keys, as_owner=True)  # Ray's boundary vouches for the caller
         sock.connect(self.endpoint)
         try:
             send(sock, frames, timeout_s=timeout_s)

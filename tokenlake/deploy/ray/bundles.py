@@ -22,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable
+from tokenlake.dataplane.auth import ClusterKeys
 from tokenlake.dataplane.shm_files import unlink_prefix
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, BufferLayout
 from tokenlake.deploy.ray.actors import EngineActorRemote
@@ -47,8 +48,8 @@ class Bundles:
     """
 
     def __init__(self, options: RayOptions, layout: BufferLayout, timeout_s: float,
-                 peer_timeout_s: float, start_timeout_s: float) -> None:
-        self.options, self.layout = options, layout
+                 peer_timeout_s: float, start_timeout_s: float, keys: ClusterKeys | None = None) -> None:
+        self.options, self.layout, self.keys = options, layout, keys
         self.peer_timeout_s, self.start_timeout_s = peer_timeout_s, start_timeout_s
         self.pg = None
         self.node = ""
@@ -132,7 +133,10 @@ class Bundles:
             info = self.hosts[i]
             spec = EngineSpec(role, i, info.cluster_id, {n: info.buffers[n] for n in ENGINE_BUFFERS[role]},
                               host=self.options.host, peer_timeout_s=self.peer_timeout_s,
-                              port_range=self.options.port_range)
+                              port_range=self.options.port_range,
+                              # the actor relays the driver's requests: it speaks as the owner
+                              keys=None if self.keys is None
+                              else self.keys.engine_view(with_owner=True).to_dict())
             starts[(role, i)] = actor.start.remote(spec.to_bytes())
         for key, started in gather(starts, "engine start-up", self.start_timeout_s).items():
             self.table.endpoints[key] = started.endpoint
@@ -164,6 +168,7 @@ class Bundles:
             "buffers": {n: info.buffers[n] for n in CLIENT_BUFFERS},
             "procs": {role: t.procs[(role, instance)].to_dict() for role in ENGINE_ROLES},
             "timeout_s": self.table.timeout_s,
+            "keys": None if self.keys is None else self.keys.member_view().to_dict(),
         }
 
     # ---------------------------------------------------------------- stop

@@ -32,6 +32,7 @@ def open_client(info: dict[str, Any], ctx: zmq.Context | None = None, timeout_s:
     Raises:
         ConfigError: called on another node than the instance's.
     """
+    from tokenlake.dataplane.auth import ClusterKeys
     from tokenlake.dataplane.client import InstanceClient  # imports torch (the wire)
 
     if ray.is_initialized() and ray.get_runtime_context().get_node_id() != info["node_id"]:
@@ -50,7 +51,9 @@ def open_client(info: dict[str, Any], ctx: zmq.Context | None = None, timeout_s:
                 return f"the {role} engine of instance {instance}"
         return None
 
+    keys = info.get("keys")
     client = InstanceClient(instance, dict(info["endpoints"]), buffers, dead,
-                            info["timeout_s"] if timeout_s is None else timeout_s)
+                            info["timeout_s"] if timeout_s is None else timeout_s,
+                            keys=None if keys is None else ClusterKeys.from_dict(keys))
     client.start(ctx if ctx is not None else zmq.Context.instance())
     return client

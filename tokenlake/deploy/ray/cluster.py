@@ -96,10 +96,11 @@ class RayCluster(ClusterBase):
     ) -> None:
         options = options if options is not None else RayOptions()
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
-                         timeout_s, peer_timeout_s, start_timeout_s, options.host)
+                         timeout_s, peer_timeout_s, start_timeout_s, options.host, options.insecure)
         self.options = options
         self._owns_ray = False
-        self._bundles = Bundles(options, self.layout, timeout_s, peer_timeout_s, start_timeout_s)
+        self._bundles = Bundles(options, self.layout, timeout_s, peer_timeout_s, start_timeout_s,
+                                self.keys)
         self._clients: dict[int, Any] = {}
         self._slabs: dict[int, Any] = {}
         self._compute_at_start = compute

@@ -39,8 +39,7 @@ class RayOptions:
         host: what the engines bind: an IP address, an interface name (``eth1``), or
             ``"node"`` (the node's address as Ray knows it). The loopback default only
             works when every instance is on one node. ``0.0.0.0`` binds every interface
-            and advertises the node's address (not recommended: the protocol has no
-            authentication).
+            and advertises the node's address.
         port_range: ``(first, last)``: engines bind the first free port in it (open
             these ports between nodes); ``None``: any free port.
         address: passed to ``ray.init`` when Ray is not initialised yet (``"auto"``, a
@@ -49,6 +48,9 @@ class RayOptions:
         place_timeout_s: seconds to wait for Ray to place the bundles once they are known
             to fit the cluster (they wait while other work holds the resources). Bundles
             that can never fit fail at once, whatever this is.
+        insecure: no CURVE between the engines, their clients and the driver (by
+            default the driver generates the cluster's keys and hands them to the actors
+            with their specs; docs/security.md).
     """
 
     strategy: str = "PACK"
@@ -59,6 +61,7 @@ class RayOptions:
     port_range: tuple[int, int] | None = None
     address: str | None = None
     place_timeout_s: float = 10.0
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -20,6 +20,7 @@ from tokenlake.core.pool import PoolStats
 from tokenlake.core.prefix_tree import MatchResult, SegmentLocation
 from tokenlake.core.specs import HardwareProfile
 from tokenlake.dataplane import messages as m
+from tokenlake.dataplane.auth import ClusterKeys
 from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.dataplane.wire import Kind
 
@@ -61,5 +62,6 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.CP_CLIENT_INFO: m.CpClientInfo(1),
     Kind.CP_CLIENT_INFO_RESULT: m.CpClientInfoResult(
         1, {"query": "tcp://127.0.0.1:5001", "transfer": "tcp://127.0.0.1:5002"},
-        {"q": BufferSpec("tokenlake-1-ab-q-1", (8, 4, 2), "float32")}, 5.0),
+        {"q": BufferSpec("tokenlake-1-ab-q-1", (8, 4, 2), "float32")}, 5.0,
+        ClusterKeys.generate().member_view().to_dict()),
 }

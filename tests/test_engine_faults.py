@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -209,3 +210,126 @@ def test_an_oversized_message_is_dropped_and_the_engine_serves_on(cluster):
     finally:
         sock.close(0)
     assert cluster._request(("query", 0), Ping(), Pong).role == "query"
+
+
+def test_a_failed_local_part_is_the_only_reply_and_late_peer_results_are_dropped(cluster):
+    """Finding 3: the home's own part of a query fails while a peer still computes its
+    part. The caller gets one ERROR; the peer's result, arriving after it, is dropped:
+    no second reply, and the caller's output buffer is not written. The home engine
+    here is a twin of instance ``home``'s query engine in this process (same buffers,
+    same peers, keys of the cluster) whose local attention is made to fail."""
+    from query_engine.engine import QueryEngine
+    from tokenlake.core.errors import PlanError
+    from tokenlake.dataplane import wire
+    from tokenlake.dataplane.engine import EngineSpec
+    from tokenlake.dataplane.messages import (
+        ErrorReply,
+        Ping,
+        PlanAck,
+        Pong,
+        Query,
+        RegisterQueryPlan,
+    )
+    from tokenlake.deploy.base import ENGINE_BUFFERS
+
+    rng = random.Random(21)
+    doc = [rng.randrange(3, 900) for _ in range(6 * C)]
+    tokens = {"la": doc + [3, 4]}
+    run_iteration(cluster, tokens, {"la": len(doc) + 2})
+    cp = cluster.control
+    plans = cp.gen_plans([Batch((BatchRequest("lb", (5,), tuple(doc)),), "decode")], [1])
+    twin = thread = None
+    try:
+        (qp,) = plans.query_plans
+        home = qp.home
+        assert any(t.instance != home for t in qp.tasks), "a part runs on the peer"
+        spec = EngineSpec("query", home, cluster.cluster_id,
+                          {n: cluster._specs[home][n] for n in ENGINE_BUFFERS["query"]},
+                          keys=cluster.keys.engine_view().to_dict())
+        twin = QueryEngine(spec)
+
+        def failing_local_part(q, items, layer):
+            raise PlanError("injected: the local part failed")
+
+        twin._partial = failing_local_part
+        twin.start()
+        twin.connect_peers({i: cluster._endpoints[("query", i)] for i in (0, 1)})
+        thread = threading.Thread(target=twin.serve, daemon=True)
+        thread.start()
+        out_o = cluster._buffers[(home, "out_o")]
+        out_o.fill_(7.0)
+        sock = cluster._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        from tokenlake.dataplane.auth import connect_secure
+
+        connect_secure(sock, cluster.keys)
+        sock.connect(twin.endpoint)
+        try:
+            sock.send_multipart(RegisterQueryPlan.from_plan(424242, qp).encode(1))
+            assert isinstance(messages.parse(wire.recv(sock, 5.0)), PlanAck)
+            sock.send_multipart(Query(424242, 0).encode(2))
+            reply = wire.recv(sock, 5.0)
+            assert reply.msg_id == 2 and isinstance(messages.parse(reply), ErrorReply)
+            deadline = time.monotonic() + 10.0
+            while twin.peer_replies < 1:  # the peer's late result has been taken in
+                assert time.monotonic() < deadline, "the peer never answered"
+                time.sleep(0.005)
+            assert not sock.poll(1000), "a second reply to the failed query"
+            assert bool((out_o == 7.0).all()), "the output buffer was written after the error"
+            sock.send_multipart(Ping().encode(3))  # and the engine serves on
+            assert isinstance(messages.parse(wire.recv(sock, 5.0)), Pong)
+        finally:
+            sock.close(0)
+    finally:
+        if twin is not None:
+            twin._stop = True
+            if thread is not None:
+                thread.join(10)
+            twin.close()
+        cp.abort(plans)
+        _finish(cluster, "la")
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_flood_of_peer_plans_is_bounded_and_memory_returns_to_its_baseline(cluster):
+    """Finding 4: peer plan registrations used to be kept forever (+95 MB for 60 large
+    ones). A member registers four times ``MAX_PEER_PLANS`` plans of the largest size the
+    checks allow (every row reads every slot), then releases them, three times over. The
+    engine keeps at most ``MAX_PEER_PLANS`` per home (the oldest go), so its memory peaks
+    at what that many plans take (two tuples of 8-byte references per slot entry, with
+    room to spare: four times as many plans would not fit); after the first round (which
+    grows the allocator's pools once) it returns to the same level every round."""
+    from query_engine.engine import MAX_PEER_PLANS
+    from tokenlake.dataplane import wire
+    from tokenlake.dataplane.messages import PeerRegisterPlan, PeerReleasePlan, PlanAck
+    from tokenlake.dataplane.messages.query import AttendItem
+
+    pid = cluster._procs[("query", 1)].pid
+    slots, rows = cluster.slots_per_instance, cluster.max_rows
+    items = tuple(AttendItem(r, r + 1, tuple(range(slots)), (C,) * slots) for r in range(rows))
+    sock = cluster._dealer(("query", 1), as_owner=False)
+    before, after, peaks, mid = _rss_mib(pid), [], [], 1
+    try:
+        for _ in range(3):
+            for plan in range(4 * MAX_PEER_PLANS):
+                sock.send_multipart(PeerRegisterPlan(0, 50_000 + plan, items).encode(mid))
+                assert isinstance(messages.parse(wire.recv(sock, 30.0)), PlanAck)
+                mid += 1
+            peaks.append(_rss_mib(pid))
+            for plan in range(4 * MAX_PEER_PLANS):
+                sock.send_multipart(PeerReleasePlan(0, 50_000 + plan).encode(mid))
+                assert isinstance(messages.parse(wire.recv(sock, 30.0)), PlanAck)
+                mid += 1
+            after.append(_rss_mib(pid))
+    finally:
+        sock.close(0)
+    entries = MAX_PEER_PLANS * rows * slots  # slot numbers held at the bound
+    assert max(peaks) - before < 2 * (entries * 2 * 8) / 2**20 + 16, (before, peaks)
+    assert max(after[1:]) - after[0] < 4.0, f"memory grows round after round: {after}"

@@ -4,6 +4,7 @@ cancelled stream frees its request at once, bad input gets 4xx and changes nothi
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -264,25 +265,53 @@ def test_reference_server_batches_and_equals_generate(model):
 
 
 def test_a_dead_engine_is_replaced_and_serving_goes_on(model):
-    """An engine dies under the served pool: the request that needed it fails (500), the
-    instance is replaced (empty), and the next answers equal the reference again."""
+    """Engines die under the served pool, while idle and in the middle of a stream: the
+    watcher sees each death at once, the instances are replaced (empty) between
+    iterations, the streaming request computes what it lost again, and every answer,
+    the interrupted one included, equals the reference's."""
     weights, tok, _ = model
     spec = weights.config.to_model_spec(SERVED_MODEL)
     msgs = _chat("Which towns are in the delta?")
     want, _ = _reference_text(model, tok.apply_chat_template(msgs), 6)
     body = {"model": SERVED_MODEL, "messages": msgs, "max_tokens": 6, "temperature": 0}
+    long_prompt = DOC + " Tell me a long story."
+    ref_ids = model[2].generate(tok.encode(long_prompt), 24, stop_ids=()).output_ids
+    long_want = tok.decode(ref_ids, skip_special_tokens=True)
     with LocalCluster(2, spec, 32 << 20, segment_tokens=C, max_rows=512) as cluster, \
             pool_service(cluster, control_port=0, http_port=0, model=(weights, tok)) as svc:
         url = svc.http.url + "/v1/chat/completions"
         assert httpx.post(url, json=body, timeout=120).json()["choices"][0]["message"][
             "content"] == want
+        seen = threading.Event()
+        cluster.add_failure_listener(lambda role, instance: seen.set())
         old = {key: cluster._procs[key].pid for key in (("query", 0), ("transfer", 1))}
+        killed = time.monotonic()
         for role, instance in old:  # every iteration needs one of these two
             cluster.kill(role, instance)
-        failed = httpx.post(url, json=body, timeout=120)
-        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        assert seen.wait(2.0), "the watcher saw no death within 2 s"
+        assert time.monotonic() - killed < 2.0
         # the engine thread replaces the instances before it takes the next request
         again = httpx.post(url, json=body, timeout=120).json()
         assert again["choices"][0]["message"]["content"] == want
         for key, pid in old.items():
             assert cluster.alive(*key) and cluster._procs[key].pid != pid
+        assert svc.http.loop.recoveries >= 1
+
+        # mid-stream: the request's KV is lost with its instance and computed again
+        stream_body = {"model": SERVED_MODEL, "prompt": long_prompt, "max_tokens": 24,
+                       "temperature": 0, "stream": True, "ignore_eos": True}
+        text, got = [], 0
+        with httpx.stream("POST", svc.http.url + "/v1/completions", json=stream_body,
+                          timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                text.append(json.loads(line[5:])["choices"][0]["text"])
+                got += 1
+                if got == 4:  # four tokens out: both instances lose an engine
+                    cluster.kill("query", 1)
+                    cluster.kill("transfer", 0)
+        assert "".join(text) == long_want
+        assert cluster.alive("query", 1) and cluster.alive("transfer", 0)
+        assert svc.http.loop.recoveries >= 2

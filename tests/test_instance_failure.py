@@ -4,6 +4,7 @@ instance rejoins empty (issue #17, finding 6, at the cluster level)."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -26,12 +27,15 @@ def test_a_failed_instance_is_removed_recomputed_and_rejoins_empty():
         on_2 = cp.stats().pool.slots_used.get(2, 0)
         assert on_2 > 0, "the document spans instance 2"
 
+        deaths: list[tuple[str, int]] = []
+        seen = threading.Event()
+        cluster.add_failure_listener(lambda role, inst: (deaths.append((role, inst)), seen.set()))
         cluster.kill("transfer", 2)
         killed = time.monotonic()
-        while cluster.failed_instances() != [2]:  # read from the process sentinels
-            assert time.monotonic() - killed < 2.0
-            time.sleep(0.01)
-        cluster.remove_instance(2)
+        assert seen.wait(2.0), "the watcher did not see the death within 2 s"
+        assert deaths == [("transfer", 2)] and cluster.failures[("transfer", 2)] - killed < 2.0
+        assert cluster.failed_instances() == [2]  # read from the process sentinels
+        cluster.remove_instance(2)  # stops its query engine too: on purpose, no failure
         assert 2 not in cp.instances and not cluster.alive("query", 2)
         cp.check()
 
@@ -47,6 +51,7 @@ def test_a_failed_instance_is_removed_recomputed_and_rejoins_empty():
             cluster.restart_instance(1)
         cluster.restart_instance(2)  # it rejoins empty and takes its share again
         assert 2 in cp.instances and cluster.alive("query", 2) and cluster.alive("transfer", 2)
+        assert deaths == [("transfer", 2)] and not cluster.failures  # the new engines are watched
         assert cp.stats().pool.slots_used.get(2, 0) == 0
         tokens["new"] = [rng.randrange(3, 900) for _ in range(8 * C)]
         run_iteration(cluster, tokens, {"new": 8 * C})
@@ -79,7 +84,7 @@ def test_a_transfer_engine_killed_during_an_iteration_fails_its_puts_and_the_poo
         kv.normal_()
         cluster.kill("transfer", peer)
         started = time.monotonic()
-        with pytest.raises(EngineUnavailable):
+        with pytest.raises(EngineUnavailable, match=f"transfer engine of instance {peer}"):
             client.put(0, TINY.num_layers).wait()
         assert time.monotonic() - started < 5.0
         cp.abort(plans)

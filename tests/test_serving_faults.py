@@ -90,3 +90,48 @@ def test_an_injected_failure_changes_no_answer(model, where, fail_at):
     for r in reqs:
         want = ref.generate(list(r.prompt_ids), NEW, stop_ids=()).output_ids
         assert server.results[r.request_id].output_ids == want, r.request_id
+
+
+@pytest.mark.parametrize("notice", ["watcher", "failed-iteration"])
+def test_an_engine_killed_mid_generation_changes_no_answer(model, notice):
+    """Engines of both instances die while requests prefill and decode. Noticed by the
+    watcher (before any iteration fails) or by a failed iteration, ``Server.recover``
+    replaces the instances and computes the requests that lost KV again; every answer
+    equals the reference's."""
+    import threading
+
+    weights, ref = model
+    spec = weights.config.to_model_spec("smollm2-135m")
+    reqs = _requests()
+    new = 8
+    reqs = [GenerationRequest(r.request_id, r.prompt_ids, new, ()) for r in reqs]
+    with LocalCluster(2, spec, 32 << 20, segment_tokens=C, max_rows=256) as cluster:
+        server = Server(cluster, weights, chunk_tokens=16)
+        seen = threading.Event()
+        cluster.add_failure_listener(lambda role, instance: seen.set())
+        for r in reqs:
+            server.submit(r)
+        while not any(len(res.output_ids) >= 2 for res in server.results.values()):
+            server.step()
+        cluster.kill("query", 0)
+        cluster.kill("transfer", 1)
+        failures = 0
+        if notice == "watcher":
+            assert seen.wait(2.0)
+            lost = server.recover()
+            assert lost, "running requests had KV on the failed instances"
+        while server.busy:
+            try:
+                server.step()
+            except EngineUnavailable:
+                failures += 1
+                assert failures == 1
+                assert server.recover()
+        assert failures == (notice == "failed-iteration")
+        assert cluster.alive("query", 0) and cluster.alive("transfer", 1)
+        cluster.control.check()
+        assert cluster.control.live_requests == ()
+        assert not server.tracker  # every request finished
+    for r in reqs:
+        want = ref.generate(list(r.prompt_ids), new, stop_ids=()).output_ids
+        assert server.results[r.request_id].output_ids == want, r.request_id

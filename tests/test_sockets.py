@@ -184,4 +184,8 @@ def test_bind_address_warns_off_loopback(caplog):
         bind_address("localhost")
         assert not caplog.records
         assert bind_address("0.0.0.0", 6000) == "tcp://0.0.0.0:6000"
-    assert "no authentication" in caplog.text
+    assert "without CURVE" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tokenlake.dataplane.sockets"):
+        bind_address("0.0.0.0", 6000, secure=True)  # CURVE on: nothing to warn about
+    assert not caplog.records

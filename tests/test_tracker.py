@@ -110,6 +110,26 @@ def test_requeue_returns_to_add_order_and_running_keeps_admission_order():
     t.check()
 
 
+def test_preempt_sends_a_running_request_back_with_its_outputs_as_prompt():
+    t = RequestTracker(CHUNK)
+    a = walk(t, "a", 100, hit=32, generated=5)  # decoding: prompt 100, 5 tokens out
+    b = walk(t, "b", 50, prefilled=20)  # prefilling
+    c = walk(t, "c", 70)  # waiting
+    t.preempt(a, 105)  # the owner's prompt plus the 5 outputs
+    assert (a.phase, a.prompt_len, a.hit, a.prefilled, a.generated) == (WAITING, 105, 0, 0, 0)
+    t.preempt(b, 50)
+    assert [r.request_id for r in t.waiting()] == ["a", "b", "c"]  # their places kept
+    assert t.view(a).remaining_prefill == 105 and t.load(a) == LoadRequest(105, 0)
+    with pytest.raises(TrackerError, match="cannot be preempted"):
+        t.preempt(c, 70)  # waiting: nothing to lose
+    with pytest.raises(TrackerError, match="prompt_len"):
+        t.preempt(walk(t, "d", 10, prefilled=3), 0)
+    t.admit(a, 64)  # its earlier segments may still be cached
+    t.advance_prefill(a, 41)
+    assert (a.phase, a.generated, a.context) == (DECODE, 1, 105)
+    t.check()
+
+
 def test_check_finds_a_record_changed_behind_the_trackers_back():
     t = RequestTracker(CHUNK)
     r = walk(t, "a", 1000, prefilled=300)

@@ -25,6 +25,7 @@ from tokenlake.core.errors import ConfigError, EngineUnavailable, NotAuthorized,
 from tokenlake.dataplane import messages, wire
 from tokenlake.dataplane.auth import OWNER, ClusterKeys, connect_secure, guard, sender, serve_secure
 from tokenlake.dataplane.messages import Ack, ErrorReply, Peers, Ping, Pong, Shutdown, WireMessage
+from tokenlake.dataplane.ratelog import RateLimitedLog
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, pid_alive, unlink_prefix
 from tokenlake.dataplane.sockets import is_loopback, send_frames
@@ -94,27 +95,6 @@ class EngineSpec:
         return cls(**msgpack.unpackb(raw, strict_map_key=False))
 
 
-class RateLimitedLog:
-    """One WARNING line per rejected message, at most one per ``every_s`` seconds; the
-    lines held back are counted in the next one (a flood of bad messages must not flood
-    the log: each used to print a full traceback)."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.logger, self.every_s, self.clock = logger, every_s, clock
-        self.last = float("-inf")
-        self.held = 0
-
-    def note(self, line: str) -> None:
-        now = self.clock()
-        if now - self.last < self.every_s:
-            self.held += 1
-            return
-        more = f" (and {self.held} more since the last line)" if self.held else ""
-        self.logger.warning("%s%s", line, more)
-        self.last, self.held = now, 0
-
-
 @dataclass
 class Pending:
     """A request this engine sent to peers and is still waiting for: it completes
@@ -153,6 +133,7 @@ class EngineLoop:
         self._next_id = 1
         self._stop = False
         self._handled = 0  # requests served (ROUTER messages)
+        self.peer_replies = 0  # answers received from peers (late ones included)
         self._busy_s = 0.0  # seconds spent handling messages (not waiting)
         self._parent = os.getppid()
         self.orphaned = False  # the owner died: run_engine unlinks the cluster's buffers
@@ -322,6 +303,7 @@ class EngineLoop:
             self.reply(identity, wire.error_message(msg_id, exc))
 
     def _on_reply(self, instance: int, frames: list) -> None:
+        self.peer_replies += 1  # read by tests: a peer's answer was taken in
         try:
             msg_id, reply = messages.decode(frames)
         except WireError as exc:

@@ -7,7 +7,10 @@
 
 The cluster process is the driver: it runs the control plane and owns every shared
 buffer (created here, unlinked in :meth:`LocalCluster.close`, also when an engine
-crashed). Engines are started with the ``forkserver`` method, which imports torch once,
+crashed). A watcher thread waits on every engine's process sentinel: an engine that dies
+is known within milliseconds (:meth:`LocalCluster.add_failure_listener`,
+:meth:`LocalCluster.replace_failed`), without waiting for a request to time out.
+Engines are started with the ``forkserver`` method, which imports torch once,
 and stop when told to or when this process dies: each engine watches the launcher's pid
 (``EngineSpec.owner_pid``) and, once it is gone (even by ``kill -9``), stops within
 0.1 s and unlinks the cluster's buffers; a new cluster also sweeps the buffers of
@@ -16,8 +19,11 @@ launchers that are gone (``sweep_stale``).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +45,8 @@ from tokenlake.dataplane.sockets import send, send_frames
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
+
+log = logging.getLogger(__name__)
 
 
 class LocalCluster(ClusterBase):
@@ -71,6 +79,14 @@ class LocalCluster(ClusterBase):
         self._procs: dict[tuple[str, int], mp.Process] = {}
         self._endpoints: dict[tuple[str, int], str] = {}
         self._clients: dict[int, InstanceClient] = {}
+        #: ``(role, instance) -> time.monotonic()`` when its engine was seen dead
+        self.failures: dict[tuple[str, int], float] = {}
+        self._listeners: list[Callable[[str, int], None]] = []
+        self._watch_lock = threading.Lock()
+        self._leaving: set[int] = set()  # instances whose engines are stopped on purpose
+        self._watcher: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None  # the watcher's self-pipe
+        self._watch_stop = False
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -85,6 +101,7 @@ class LocalCluster(ClusterBase):
             self.close()
             raise
         self._ctx = zmq.Context()
+        self._start_watcher()
 
     def _create_buffers(self) -> dict[int, dict[str, dict]]:
         """Creates every instance's buffers (``self.layout``); their spec dicts per instance."""
@@ -115,7 +132,8 @@ class LocalCluster(ClusterBase):
                                    name=f"tokenlake-{role}-{inst}", daemon=True)
                 proc.start()
                 child.close()
-                self._procs[(role, inst)] = proc
+                with self._watch_lock:
+                    self._procs[(role, inst)] = proc
                 conns[(role, inst)] = parent
         for key, conn in conns.items():
             self._endpoints[key] = self._expect(conn, key)["endpoint"]
@@ -144,6 +162,7 @@ class LocalCluster(ClusterBase):
 
     def close(self) -> None:
         """Stops every engine (politely, then by force) and unlinks every shared buffer."""
+        self._stop_watcher()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -230,6 +249,8 @@ class LocalCluster(ClusterBase):
         from tokenlake.dataplane.messages import Ack, Peers
 
         self._check_started()
+        with self._watch_lock:
+            self._leaving.add(instance)  # its engines stop on purpose from here on
         for key in self._live_engines():
             if key[1] != instance:
                 self._request(key, Peers(((instance, None),)), Ack)
@@ -252,11 +273,89 @@ class LocalCluster(ClusterBase):
             if inst == instance:
                 tensor.zero_()
         self._spawn(self._specs, [instance])
+        with self._watch_lock:
+            self._leaving.discard(instance)
+            for role in ROLES:
+                self.failures.pop((role, instance), None)
+        self._poke_watcher()
         for key in self._live_engines():
             if key[1] != instance:
                 peer = self._endpoints[(key[0], instance)]
                 self._request(key, Peers(((instance, peer),)), Ack)
         self.control.add_instance(instance)
+
+    def replace_failed(self, restart: bool = True) -> tuple[str, ...]:
+        """Takes every instance with a dead engine out (:meth:`remove_instance`) and,
+        with ``restart``, starts it again empty (:meth:`restart_instance`). Returns the
+        requests that lost KV there (the caller computes them again). Call it with no
+        plan in flight."""
+        lost: dict[str, None] = {}
+        for instance in self.failed_instances():
+            dead = self._dead(instance)
+            log.warning("%s died: instance %d leaves the pool%s", dead, instance,
+                        " and starts again empty" if restart else "")
+            lost.update(dict.fromkeys(self.remove_instance(instance)))
+            if restart:
+                self.restart_instance(instance)
+        return tuple(lost)
+
+    def add_failure_listener(self, listener: Callable[[str, int], None]) -> None:
+        """Calls ``listener(role, instance)`` (on the watcher thread; keep it short and do
+        not change the cluster there) as soon as an engine dies without being told to:
+        killed, crashed, out of memory. Stopping an instance on purpose
+        (:meth:`remove_instance`, :meth:`close`) is no failure."""
+        self._listeners.append(listener)
+
+    def _start_watcher(self) -> None:
+        self._wake = os.pipe()
+        self._watch_stop = False
+        self._watcher = threading.Thread(target=self._watch, name="tokenlake-watcher", daemon=True)
+        self._watcher.start()
+
+    def _stop_watcher(self) -> None:
+        if self._watcher is None:
+            return
+        self._watch_stop = True
+        os.write(self._wake[1], b"x")
+        self._watcher.join()
+        self._watcher = None
+        for fd in self._wake:
+            os.close(fd)
+        self._wake = None
+
+    def _poke_watcher(self) -> None:
+        """The set of engines changed: the watcher waits on the new sentinels."""
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
+
+    def _watch(self) -> None:
+        """Waits on the engines' sentinels; reports each unexpected death once."""
+        while True:
+            with self._watch_lock:
+                watched = {proc.sentinel: key for key, proc in self._procs.items()
+                           if key[1] not in self._leaving and key not in self.failures}
+            ready = mp.connection.wait([*watched, self._wake[0]])
+            if self._watch_stop:
+                return
+            if self._wake[0] in ready:
+                os.read(self._wake[0], 4096)
+            for sentinel in ready:
+                key = watched.get(sentinel)
+                if key is None:
+                    continue
+                with self._watch_lock:
+                    if key[1] in self._leaving or self._procs.get(key) is None or \
+                            self._procs[key].sentinel != sentinel:
+                        continue  # stopped on purpose, or already replaced
+                    self.failures[key] = time.monotonic()
+                proc = self._procs[key]
+                log.warning("the %s engine of instance %d (pid %s) died (exit code %s)",
+                            key[0], key[1], proc.pid, proc.exitcode)
+                for listener in list(self._listeners):
+                    try:
+                        listener(*key)
+                    except Exception:  # a listener's bug must not stop the watching
+                        log.exception("failure listener %r failed", listener)
 
     def _dead(self, instance: int) -> str | None:
         for role in ROLES:

@@ -145,14 +145,23 @@ class EngineLoop:
     Args:
         server: the backend; the loop installs its ``on_token``.
         observer: timing callbacks (metrics).
-        heal: called on the engine thread after a failed iteration, once its requests
-            were ended (the local pool replaces dead engines there).
+        heal: called on the engine thread, between iterations, after a failed iteration
+            and when :meth:`request_heal` asks (an engine died); returns True when it
+            repaired something (the local pool replaces dead instances and preempts the
+            requests that lost KV there). After a failed iteration that ``heal`` repaired,
+            the live requests go on (up to :attr:`max_retries` failures in a row);
+            otherwise they end with an error.
     """
 
+    #: failed iterations in a row that heal may repair before the live requests are ended
+    max_retries = 3
+
     def __init__(self, server: ServingBackend, observer: LoopObserver | None = None,
-                 heal: Callable[[], None] | None = None) -> None:
+                 heal: Callable[[], bool] | None = None) -> None:
         self.server = server
-        self.heal = heal  # called after a failed iteration (e.g. replace dead engines)
+        self.heal = heal  # repairs after a failure (e.g. replaces dead engines)
+        self._failed_in_a_row = 0
+        self.recoveries = 0  # times heal repaired something (metrics and tests read it)
         self.observer = observer or LoopObserver()
         server.on_token = self._on_token
         self._cv = threading.Condition()
@@ -193,6 +202,11 @@ class EngineLoop:
     def cancel(self, request_id: str) -> None:
         """Ends a live request before the next iteration (no-op once it is done)."""
         self._post("cancel", request_id)
+
+    def request_heal(self) -> None:
+        """Asks the engine thread to run ``heal`` before its next iteration (any thread;
+        the local pool's watcher calls it when an engine dies)."""
+        self._post("heal", None)
 
     def _post(self, what: str, item: object) -> None:
         with self._cv:
@@ -238,6 +252,9 @@ class EngineLoop:
             self.queue_length = waiting + self.posted
 
     def _apply(self, what: str, item) -> None:
+        if what == "heal":
+            self._heal()
+            return
         if what == "cancel":
             stream = self._streams.pop(item, None)
             if stream is not None and self.server.cancel(item):
@@ -262,17 +279,30 @@ class EngineLoop:
         start = time.perf_counter()
         try:
             self.server.step()
-        except Exception as e:  # the iteration's plans were aborted by the server
+        except Exception as e:  # the iteration's plans were aborted, the server unchanged
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row <= self.max_retries and self._heal():
+                log.warning("iteration failed (%s: %s); repaired, its %d requests go on",
+                            type(e).__name__, e, len(self._streams))
+                return
             log.error("iteration failed, ending %d requests: %s: %s",
                       len(self._streams), type(e).__name__, e)
             self._end_all(EngineFailed(f"iteration failed: {type(e).__name__}: {e}"))
-            if self.heal is not None:
-                try:
-                    self.heal()
-                except Exception:  # the next requests will tell
-                    log.exception("could not recover from the failed iteration")
+            self._failed_in_a_row = 0
             return
+        self._failed_in_a_row = 0
         self.observer.iteration(time.perf_counter() - start)
+
+    def _heal(self) -> bool:
+        if self.heal is None:
+            return False
+        try:
+            repaired = bool(self.heal())
+        except Exception:  # the next requests will tell
+            log.exception("could not recover from the failure")
+            return False
+        self.recoveries += repaired
+        return repaired
 
     def _end_all(self, error: Exception) -> None:
         for rid, stream in list(self._streams.items()):

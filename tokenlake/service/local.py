@@ -103,23 +103,28 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
                         keep_decisions=256)
         pool = shared.stats().pool
         room = sum(pool.slots_capacity.values()) * cluster.control.config.segment_tokens
-        heal = (lambda: _replace_dead_engines(cluster, control)) \
-            if isinstance(cluster, LocalCluster) else None  # Ray: serve() recovers
+        local = isinstance(cluster, LocalCluster)  # Ray: serve() recovers
+        heal = (lambda: _replace_dead_engines(cluster, control, server)) if local else None
         with HttpFrontend(server, _model_info(weights, tokenizer, room), host, http_port,
                           pool_stats=shared.stats, instances=shared.instances,
                           heal=heal) as http:
+            if local:  # an engine that dies is replaced at once, not at the next failure
+                cluster.add_failure_listener(lambda role, instance: http.loop.request_heal())
             yield Served(control, http, path)
 
 
-def _replace_dead_engines(cluster: LocalCluster, control: ControlServer) -> None:
-    """After a failed iteration: every instance with a dead engine is taken out (its
-    segments leave the tree) and started again empty, under the control plane's lock."""
+def _replace_dead_engines(cluster: LocalCluster, control: ControlServer, server) -> bool:
+    """Between iterations, under the control plane's lock: every instance with a dead
+    engine is taken out (its segments leave the tree) and started again empty; the
+    requests that lost KV there are computed again (``Server.recover``). True when an
+    instance was replaced."""
     with control.lock:
-        for instance in cluster.failed_instances():
-            log.warning("instance %d lost an engine: replacing it (its cache starts empty)",
-                        instance)
-            cluster.remove_instance(instance)
-            cluster.restart_instance(instance)
+        if not cluster.failed_instances():
+            return False
+        lost = server.recover()
+        if lost:
+            log.warning("computing %d requests again: %s", len(lost), ", ".join(lost))
+        return True
 
 
 @contextlib.contextmanager

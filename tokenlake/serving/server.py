@@ -94,13 +94,16 @@ def check_request(req: GenerationRequest, cfg, used_ids) -> None:
 class _Live(TrackedRequest):
     """A request's progress (tracked) plus what the server keeps of it."""
 
-    __slots__ = ("req", "result", "generator")
+    __slots__ = ("req", "result", "generator", "prompt", "preemptions")
 
     def __init__(self, req: GenerationRequest, result: RequestResult, arrival_s: float,
                  tbt_slo_s: float | None) -> None:
         super().__init__(req.request_id, len(req.prompt_ids), arrival_s, tbt_slo_s)
         self.req, self.result = req, result
         self.generator = req.sampling.generator()
+        # what the next prefill computes: the prompt, plus the outputs after a preemption
+        self.prompt: tuple[int, ...] = req.prompt_ids
+        self.preemptions = 0
 
 
 class Server:
@@ -255,8 +258,38 @@ class Server:
     def _take_back_admissions(self) -> None:
         for live in self._admitted_now:
             self.tracker.requeue(live)
-            live.result.hit_tokens = live.result.prefill_tokens = 0
+            if not live.preemptions:
+                live.result.hit_tokens = live.result.prefill_tokens = 0
         self._admitted_now = []
+
+    # ------------------------------------------------------------ failures
+    def preempt(self, request_id: str) -> bool:
+        """Computes an admitted request again from the start (its KV was lost: an
+        instance that held part of it failed). Between iterations only. Its leases and
+        tail go back to the pool; it waits again, in its place, with its prompt plus the
+        tokens it already generated as the prompt to prefill, whose last position gives
+        the next token: greedy outputs stay those of an uninterrupted run, and a sampled
+        request keeps its generator. Returns False if it is not admitted."""
+        live = self.tracker.get(request_id)
+        if live is None or not live.admitted or live.result.done:
+            return False
+        if request_id in self.control.live_requests:
+            self.control.finish_request(request_id)
+        live.prompt = live.req.prompt_ids + tuple(live.result.output_ids)
+        live.preemptions += 1
+        self.tracker.preempt(live, len(live.prompt))
+        return True
+
+    def recover(self) -> tuple[str, ...]:
+        """Replaces the cluster's failed instances (``cluster.replace_failed``: out of
+        the ring and the tree, started again empty) and preempts the requests that lost
+        KV on them; returns those. Call it between iterations (no plans in flight): the
+        serving service does when an engine dies and after a failed iteration."""
+        replace = getattr(self.cluster, "replace_failed", None)
+        if replace is None:
+            return ()
+        lost = replace()
+        return tuple(rid for rid in lost if self.preempt(rid))
 
     # ------------------------------------------------------------ policies
     def _match(self, prompt: tuple[int, ...]) -> int:
@@ -274,7 +307,7 @@ class Server:
         """
         tracker = self.tracker
         for live in tracker.waiting():
-            tracker.set_hit(live, self._match(live.req.prompt_ids))
+            tracker.set_hit(live, self._match(live.prompt))
         waiting, running = tracker.views()
         if self.admit_limit is not None:  # the pool was full: admit fewer, oldest first
             waiting = waiting[: self.admit_limit]
@@ -318,13 +351,14 @@ class Server:
     def _chunk(self, live: _Live, tokens: int) -> BatchRequest:
         """The next ``tokens`` prompt tokens of ``live``, admitting it (with the hit kept
         from this iteration's match) if it waits."""
-        prompt = live.req.prompt_ids
+        prompt = live.prompt
         prefix: tuple[int, ...] = ()
         if live.phase == WAITING:
             hit = self.tracker.admit(live)
             self._admitted_now.append(live)
             prefix = prompt[:hit]
-            live.result.hit_tokens = hit
+            if not live.preemptions:  # the client's cached tokens: its prompt's first match
+                live.result.hit_tokens = hit
         new = prompt[live.prefilled : live.prefilled + tokens]
         live.result.prefill_tokens += len(new)
         return BatchRequest(live.req.request_id, new, prefix)

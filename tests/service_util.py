@@ -58,8 +58,10 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.CP_ABORT: m.CpAbort(4),
     Kind.CP_FINISH_REQUEST: m.CpFinishRequest("a"),
     Kind.CP_STATS: m.CpStats(),
-    Kind.CP_STATS_RESULT: m.CpStatsResult(STATS, (0, 1)),
+    Kind.CP_STATS_RESULT: m.CpStatsResult(STATS, (0, 1), "smollm2-135m/f32/C64/vllm-cpu", 64),
     Kind.CP_CLIENT_INFO: m.CpClientInfo(1),
+    Kind.CP_LEASE_PREFIX: m.CpLeasePrefix("r1", (5, 6, 7, 8)),
+    Kind.CP_LEASED: m.CpLeased((SegmentLocation(0, 3), SegmentLocation(1, 7))),
     Kind.CP_CLIENT_INFO_RESULT: m.CpClientInfoResult(
         1, {"query": "tcp://127.0.0.1:5001", "transfer": "tcp://127.0.0.1:5002"},
         {"q": BufferSpec("tokenlake-1-ab-q-1", (8, 4, 2), "float32")}, 5.0,

@@ -42,6 +42,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "service": ("tokenlake.service",),
     "evals": ("evals",),
     "tools": ("tokenlake.tools",),
+    # Other frameworks on the pool (vLLM's connector), and the model export they load
+    "integrations": ("tokenlake.integrations",),
     # The package itself (tokenlake/__init__.py): the version, and tokenlake.connect
     # loaded from the service on first use.
     "package": ("tokenlake",),
@@ -58,8 +60,9 @@ ALLOWED: dict[str, set[str]] = {
     "deploy": {"core", "dataplane", "engines", "model", "scheduler", "serving"},
     "service": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy"},
     "evals": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy", "service"},
+    "integrations": {"core", "dataplane", "model", "service"},
     "tools": {"core", "dataplane", "engines", "model", "scheduler", "serving", "deploy", "service",
-              "evals", "package"},
+              "evals", "package", "integrations"},
     "package": {"core", "service"},
 }
 

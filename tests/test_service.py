@@ -289,3 +289,28 @@ def test_serve_local_on_a_taken_port_fails_and_leaves_nothing(served):
     with pytest.raises(ConfigError, match="cannot bind the control port"):
         serve_local(TINY, 1, POOL_BYTES, C, 64, control_port=port)
     assert set(list_buffers()) <= before
+
+
+def test_a_remote_client_leases_a_cached_prefix(served):
+    """``lease_prefix`` over the control port: the locations of the leased replicas, typed
+    refusals, released by ``finish_request`` (what the vLLM connector reads KV by)."""
+    from tokenlake.core.errors import PrefixNotCached
+
+    cluster, server = served
+    tokens = tuple(range(900, 900 + 2 * C + 3))  # metadata only: no other test's prefix
+    with connect(server) as cp:
+        plans = cp.gen_plans([Batch((BatchRequest("lp-a", tokens),))], [1])
+        cp.complete(plans)
+        cp.finish_request("lp-a")
+        locs = cp.lease_prefix("lp-b", tokens[:2 * C])
+        tree = cluster.control.get_prefix_tree()
+        match = tree.match(tokens[:2 * C])
+        assert len(locs) == 2 and all(loc in reps for loc, reps in zip(locs, match.replicas))
+        assert "lp-b" in cluster.control.live_requests
+        with pytest.raises(PrefixNotCached):
+            cp.lease_prefix("lp-c", tokens[:C + 1])
+        with pytest.raises(PlanError, match="live already"):
+            cp.lease_prefix("lp-b", tokens[:C])
+        cp.finish_request("lp-b")
+    assert cluster.control.live_requests == ()
+    cluster.control.check()

@@ -32,7 +32,7 @@ from tokenlake.core.cost_model import get_cache_load as _cache_load
 from tokenlake.core.errors import ConfigError, PlanError
 from tokenlake.core.plans import Batch, Plans
 from tokenlake.core.pool import CachePool, PoolStats
-from tokenlake.core.prefix_tree import PrefixTree
+from tokenlake.core.prefix_tree import PrefixTree, SegmentLocation
 from tokenlake.core.replication import Replication
 from tokenlake.core.requests import RequestTable
 from tokenlake.core.specs import HardwareProfile, ModelSpec
@@ -148,6 +148,26 @@ class ControlPlane:
         tx.abort(self.pool, self._requests)
         self._count(tx.counts, -1)
 
+    def lease_prefix(self, request_id: str, prefix_token_ids: Sequence[int]) -> tuple[SegmentLocation, ...]:
+        """Admits ``request_id`` with its cached prefix leased, outside any iteration, and
+        returns the replica chosen for each of the prefix's segments, in order: a
+        framework that copies the prefix's KV out of the pool (the vLLM connector) reads
+        those slots, which stay put until :meth:`finish_request`. Later
+        :meth:`gen_plans` calls add the request's new tokens (without a prefix).
+
+        Raises :class:`PlanError` if the request is live,
+        :class:`~tokenlake.core.errors.PrefixNotCached` if the prefix is not whole
+        segments, all cached and ready; nothing changes then."""
+        state = self._requests.admit_leased(request_id, tuple(prefix_token_ids), self.pool)
+        tree = self.pool.tree
+        out = []
+        for key, inst in zip(state.keys, state.chosen):
+            loc = next(loc for loc in tree.replicas(key) if loc.instance == inst)
+            out.append(loc)
+        self._counts.admitted += 1
+        self._counts.hit_tokens += len(state.chain) * self.config.segment_tokens
+        return tuple(out)
+
     def finish_request(self, request_id: str) -> None:
         """The request is done: release its prefix lease and its open tail. Raises
         :class:`PlanError` if it is unknown or has plans in flight."""
@@ -262,16 +282,30 @@ class ControlPlane:
         self.pool.count_dedup(sign * counts.dedup_segments)
 
 
+#: Whose KV a pool holds: TokenLake's own engines (K in the GGUF's interleaved-RoPE
+#: order), or vLLM's CPU pages, opaque (``tokenlake.integrations.vllm``). Part of the
+#: namespace: the two never match each other.
+KV_LAYOUTS = ("tokenlake", "vllm-cpu")
+
+
 def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_tokens: int,
-                 dtype_bytes: int, clock: Callable[[], float], seed: int = 0) -> ControlPlane:
+                 dtype_bytes: int, clock: Callable[[], float], seed: int = 0,
+                 kv_layout: str = "tokenlake") -> ControlPlane:
     """The control plane of a cluster of ``n_instances`` slabs of ``pool_bytes`` each,
     holding as many whole segments of ``dtype_bytes`` elements as fit (the launchers'
-    shared sizing); ``ConfigError`` without instances or when no segment fits."""
+    shared sizing), in the namespace of ``model``, ``segment_tokens`` and ``kv_layout``
+    (:data:`KV_LAYOUTS`); ``ConfigError`` without instances, for an unknown layout, or
+    when no segment fits."""
     if n_instances < 1:
         raise ConfigError("need at least one instance")
+    if kv_layout not in KV_LAYOUTS:
+        raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     seg_bytes = model.num_layers * 2 * model.num_kv_heads * segment_tokens * model.head_dim * dtype_bytes
     slots = pool_bytes // seg_bytes
     if slots < 1:
         raise ConfigError(f"pool_bytes={pool_bytes} holds no {seg_bytes}-byte segment")
-    config = PoolConfig(segment_tokens, f"{model.name}/f32/C{segment_tokens}", slots, seed=seed)
+    namespace = f"{model.name}/f32/C{segment_tokens}"
+    if kv_layout != "tokenlake":
+        namespace += f"/{kv_layout}"
+    config = PoolConfig(segment_tokens, namespace, slots, seed=seed)
     return ControlPlane(config, model, list(range(n_instances)), clock=clock)

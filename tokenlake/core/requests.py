@@ -257,6 +257,27 @@ class RequestTable:
             else:
                 self._states[rid].restore(snap)
 
+    def admit_leased(self, request_id: str, prefix: Sequence[int], pool: CachePool) -> RequestState:
+        """Admits a new request holding ``prefix`` (whole segments, all ready) leased,
+        outside any iteration: for a framework that copies the prefix's KV out of the
+        pool. Raises :class:`PlanError` for a live id, :class:`PrefixNotCached` like
+        :meth:`admit`; changes nothing then."""
+        if request_id in self._states:
+            raise PlanError(f"request {request_id!r} is live already")
+        c = self._c
+        if not prefix or len(prefix) % c:
+            raise PrefixNotCached(f"request {request_id!r}: a prefix of {len(prefix)} tokens "
+                                  f"is not a positive whole number of {c}-token segments")
+        match = pool.tree.match(prefix)
+        if match.hit_tokens != len(prefix):
+            raise PrefixNotCached(f"request {request_id!r}: only {match.hit_tokens} of "
+                                  f"{len(prefix)} prefix tokens are cached and ready")
+        state = RequestState(request_id, chain=list(match.keys))
+        pool.lease(state.chain)
+        self._states[request_id] = state
+        self.resolve(state, pool)
+        return state
+
     def finish(self, request_id: str, pool: CachePool) -> None:
         """The request is done: its chain's leases and its open tail go back to the pool.
         Raises :class:`PlanError` if it is unknown or has plans in flight."""

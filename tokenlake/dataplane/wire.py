@@ -98,11 +98,13 @@ class Kind(enum.IntEnum):
     CP_FINISH_REQUEST = 65
     CP_STATS = 66
     CP_CLIENT_INFO = 67
+    CP_LEASE_PREFIX = 68
     CP_MATCHED = 70
     CP_LOAD = 71
     CP_PLANS = 72
     CP_STATS_RESULT = 76
     CP_CLIENT_INFO_RESULT = 77
+    CP_LEASED = 78
 
 
 class RemoteError(TokenLakeError):

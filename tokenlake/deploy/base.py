@@ -101,6 +101,8 @@ class ClusterBase(abc.ABC):
             (seconds); peer_timeout_s: engine-to-engine limit; start_timeout_s: limit
             of the start-up.
         host: what the engines bind.
+        kv_layout: whose KV the pool holds (``tokenlake.core.control.KV_LAYOUTS``; part
+            of the namespace, so the layouts never match each other).
         insecure: no CURVE (docs/security.md): every socket of the cluster then accepts
             anyone who reaches it, and a ``host`` beyond loopback is logged as a warning.
             By default the cluster generates its keys (:attr:`keys`) and every engine,
@@ -121,10 +123,12 @@ class ClusterBase(abc.ABC):
         start_timeout_s: float = 60.0,
         host: str = "127.0.0.1",
         insecure: bool = False,
+        kv_layout: str = "tokenlake",
     ) -> None:
         from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
 
-        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, DTYPE_BYTES, clock, seed)
+        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, DTYPE_BYTES, clock, seed,
+                                    kv_layout)
         self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
         self.segment_tokens = segment_tokens
         self.slots_per_instance = self.control.config.slots_per_instance

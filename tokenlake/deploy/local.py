@@ -70,9 +70,10 @@ class LocalCluster(ClusterBase):
         start_timeout_s: float = 60.0,
         host: str = "127.0.0.1",
         insecure: bool = False,
+        kv_layout: str = "tokenlake",
     ) -> None:
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
-                         timeout_s, peer_timeout_s, start_timeout_s, host, insecure)
+                         timeout_s, peer_timeout_s, start_timeout_s, host, insecure, kv_layout)
         self.cluster_id = ""
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}

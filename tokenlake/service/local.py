@@ -154,6 +154,7 @@ def serve_local(
     engine_host: str = "127.0.0.1",
     insecure: bool = False,
     credentials: str | None = None,
+    kv_layout: str = "tokenlake",
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
@@ -169,6 +170,8 @@ def serve_local(
     :class:`Served`. ``engine_host`` is what the engines bind. Every engine and the
     control port speak CURVE with keys made for this pool, unless ``insecure``; the
     control port's credentials go to ``credentials`` (see :func:`pool_service`).
+    ``kv_layout="vllm-cpu"``: a pool for vLLM's connector (its namespace keeps vLLM's
+    pages apart), served without the HTTP API (vLLM computes, not this process).
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
@@ -177,7 +180,8 @@ def serve_local(
     stop = stop if stop is not None else threading.Event()
     if engine not in ("pool", "reference"):
         raise ValueError(f"engine must be 'pool' or 'reference', got {engine!r}")
-    weights = load_served_model(progress) if model.name == SERVED_MODEL else None
+    weights = load_served_model(progress) if model.name == SERVED_MODEL and \
+        kv_layout == "tokenlake" else None
     with contextlib.ExitStack() as stack:
         if engine == "reference":
             if weights is None:
@@ -188,7 +192,7 @@ def serve_local(
             progress(f"starting {instances} instances (a query and a transfer engine each) ...")
             cluster = stack.enter_context(LocalCluster(
                 instances, model, pool_bytes, segment_tokens=segment_tokens, max_rows=max_rows,
-                host=engine_host, insecure=insecure))
+                host=engine_host, insecure=insecure, kv_layout=kv_layout))
             served = stack.enter_context(pool_service(
                 cluster, host=host, control_port=control_port, http_port=http_port,
                 model=weights, credentials=credentials))

@@ -32,7 +32,7 @@ from tokenlake.core.control import ControlStats
 from tokenlake.core.cost_model import LatencyModel
 from tokenlake.core.errors import EngineUnavailable, TokenLakeError
 from tokenlake.core.plans import Batch, Plans
-from tokenlake.core.prefix_tree import MatchResult
+from tokenlake.core.prefix_tree import MatchResult, SegmentLocation
 from tokenlake.core.specs import HardwareProfile
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
@@ -47,6 +47,8 @@ from tokenlake.dataplane.messages import (
     CpComplete,
     CpFinishRequest,
     CpGenPlans,
+    CpLeased,
+    CpLeasePrefix,
     CpLoad,
     CpMatch,
     CpMatched,
@@ -158,6 +160,11 @@ class RemoteControlPlane:
         self._call(CpAbort(plans.iteration), Ack)
         self._in_flight.discard(plans.iteration)
 
+    def lease_prefix(self, request_id: str, prefix_token_ids: Sequence[int]) -> tuple[SegmentLocation, ...]:
+        """:meth:`~tokenlake.core.control.ControlPlane.lease_prefix` on the server."""
+        request = CpLeasePrefix(request_id, tuple(int(t) for t in prefix_token_ids))
+        return self._call(request, CpLeased).locations
+
     def finish_request(self, request_id: str) -> None:
         self._call(CpFinishRequest(request_id), Ack)
 
@@ -168,6 +175,12 @@ class RemoteControlPlane:
     def instances(self) -> tuple[int, ...]:
         """The ids of the pool's instances now (one round trip)."""
         return self._call(CpStats(), CpStatsResult).instances
+
+    def layout(self) -> tuple[str, int]:
+        """``(namespace, segment_tokens)`` of the pool (one round trip): a client that
+        stores or reads KV checks the namespace names its model and KV layout."""
+        answer = self._call(CpStats(), CpStatsResult)
+        return answer.namespace, answer.segment_tokens
 
     # ------------------------------------------------------------ the data plane
     def client(self, instance: int) -> InstanceClient:

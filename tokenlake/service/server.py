@@ -41,6 +41,8 @@ from tokenlake.dataplane.messages import (
     CpComplete,
     CpFinishRequest,
     CpGenPlans,
+    CpLeased,
+    CpLeasePrefix,
     CpLoad,
     CpMatch,
     CpMatched,
@@ -104,6 +106,7 @@ class ControlServer:
             CpMatch: self._match, CpCacheLoad: self._cache_load, CpGenPlans: self._gen_plans,
             CpComplete: self._complete, CpAbort: self._abort, CpFinishRequest: self._finish,
             CpStats: self._stats, CpClientInfo: self._client_info,
+            CpLeasePrefix: self._lease_prefix,
         }
 
     # ------------------------------------------------------------ lifecycle
@@ -225,13 +228,17 @@ class ControlServer:
             raise PlanError(f"iteration {iteration} has no plans in flight")
         return plans
 
+    def _lease_prefix(self, req: CpLeasePrefix) -> CpLeased:
+        return CpLeased(self.cluster.control.lease_prefix(req.request_id, req.tokens))
+
     def _finish(self, req: CpFinishRequest) -> Ack:
         self.cluster.control.finish_request(req.request_id)
         return Ack()
 
     def _stats(self, req: CpStats) -> CpStatsResult:
         control = self.cluster.control
-        return CpStatsResult(control.stats(), tuple(control.instances))
+        return CpStatsResult(control.stats(), tuple(control.instances), control.config.namespace,
+                             control.config.segment_tokens)
 
     def _client_info(self, req: CpClientInfo) -> CpClientInfoResult:
         if req.instance not in self.cluster.control.instances:

@@ -108,6 +108,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError("serve needs Ray: pip install 'tokenlake[ray]'")
     if cfg.engine != "pool":
         raise UsageError(f"serve --ray: --engine {cfg.engine} serves without --ray only")
+    if cfg.kv_layout != "tokenlake":
+        raise UsageError(f"serve --ray: --kv-layout {cfg.kv_layout} serves without --ray only")
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -190,7 +192,8 @@ def _serve_local(cfg, json_lines: bool) -> int:
         serve_local(load_model(cfg.model), cfg.instances, cfg.pool_mb << 20, cfg.segment_tokens,
                     cfg.max_rows, host=cfg.host, control_port=cfg.control_port,
                     http_port=cfg.http_port, engine=cfg.engine, engine_host=cfg.bind,
-                    insecure=cfg.insecure, credentials=cfg.credentials, stop=stop, on_ready=ready,
+                    insecure=cfg.insecure, credentials=cfg.credentials,
+                    kv_layout=cfg.kv_layout, stop=stop, on_ready=ready,
                     progress=lambda line: emit("progress", line, message=line))
     except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 
+from tokenlake.core.control import KV_LAYOUTS
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import list_models
 
@@ -112,6 +113,10 @@ class ServeSettings:
     engine: str = _setting("pool", "str", "what serves the HTTP API: 'pool' (the model through the "
                            "pool) or 'reference' (the same model, no pool, no prefix cache: the "
                            "baseline)", choices=ENGINES, metavar="NAME")
+    kv_layout: str = _setting("tokenlake", "str", "whose KV the pool holds: 'tokenlake' (its own "
+                              "engines, with the HTTP API) or 'vllm-cpu' (vLLM's CPU pages through "
+                              "tokenlake.integrations.vllm; no HTTP API)", choices=KV_LAYOUTS,
+                              metavar="NAME")
     bind: str = _setting("127.0.0.1", "str", "engine address: IP, interface name or 'node'",
                          _address, metavar="WHAT")
     ports: tuple[int, int] | None = _setting(None, "ports", "engine port range (unset: any "

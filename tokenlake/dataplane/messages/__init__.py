@@ -50,6 +50,8 @@ from tokenlake.dataplane.messages.service import (
     CpComplete,
     CpFinishRequest,
     CpGenPlans,
+    CpLeased,
+    CpLeasePrefix,
     CpLoad,
     CpMatch,
     CpMatched,
@@ -75,7 +77,7 @@ from tokenlake.dataplane.tensor_frames import WireError
 __all__ = [
     "TYPES", "Ack", "AttendItem", "CopyDone", "CopySegment", "CpAbort", "CpCacheLoad",
     "CpClientInfo", "CpClientInfoResult", "CpComplete", "CpFinishRequest", "CpGenPlans",
-    "CpLoad", "CpMatch", "CpMatched", "CpPlans", "CpStats", "CpStatsResult", "ErrorReply", "Fields",
+    "CpLeased", "CpLeasePrefix", "CpLoad", "CpMatch", "CpMatched", "CpPlans", "CpStats", "CpStatsResult", "ErrorReply", "Fields",
     "InstanceItems", "PeerPut", "PeerQuery", "PeerQueryResult", "PeerRegisterPlan",
     "PeerReleasePlan", "PeerSegment", "Peers", "Ping", "PlanAck", "Pong", "Put", "PutDone",
     "PutTarget", "Query", "QueryDone", "ReadSegment", "RegisterQueryPlan",

@@ -21,7 +21,7 @@ from typing import Any
 from tokenlake.core.control import ControlStats
 from tokenlake.core.cost_model import LatencyModel
 from tokenlake.core.plans import Batch, Plans
-from tokenlake.core.prefix_tree import MatchResult
+from tokenlake.core.prefix_tree import MatchResult, SegmentLocation
 from tokenlake.core.specs import HardwareProfile
 from tokenlake.dataplane.messages.base import Fields, WireMessage
 from tokenlake.dataplane.messages.codec import from_plain, to_plain
@@ -129,6 +129,26 @@ class CpFinishRequest(_PlainBody, WireMessage):
 
 
 @dataclass(frozen=True)
+class CpLeasePrefix(_PlainBody, WireMessage):
+    """``CP_LEASE_PREFIX`` ``{"request_id": str, "tokens": [int]}``: ``lease_prefix``
+    (admit the request with that cached prefix leased, outside any iteration); answered
+    with :class:`CpLeased`."""
+
+    KIND = Kind.CP_LEASE_PREFIX
+    request_id: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CpLeased(_PlainBody, WireMessage):
+    """``CP_LEASED`` ``{"locations": [SegmentLocation]}``: the replica leased for each
+    segment of the prefix, in order (read them until ``CP_FINISH_REQUEST``)."""
+
+    KIND = Kind.CP_LEASED
+    locations: tuple[SegmentLocation, ...]
+
+
+@dataclass(frozen=True)
 class CpStats(_PlainBody, WireMessage):
     """``CP_STATS`` ``{}``: ``stats``; answered with :class:`CpStatsResult`."""
 
@@ -137,11 +157,15 @@ class CpStats(_PlainBody, WireMessage):
 
 @dataclass(frozen=True)
 class CpStatsResult(_PlainBody, WireMessage):
-    """``CP_STATS_RESULT`` ``{"stats": ControlStats, "instances": [int]}``."""
+    """``CP_STATS_RESULT`` ``{"stats": ControlStats, "instances": [int], "namespace":
+    str, "segment_tokens": int}``: the statistics, the instances, and what a client
+    must agree with (the namespace says the model and the KV layout)."""
 
     KIND = Kind.CP_STATS_RESULT
     stats: ControlStats
     instances: tuple[int, ...]
+    namespace: str
+    segment_tokens: int
 
 
 @dataclass(frozen=True)

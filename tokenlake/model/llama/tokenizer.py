@@ -114,11 +114,21 @@ class ChatTokenizer:
                 raise ConfigError(f"special token {t!r} maps to {self._tok.token_to_id(t)}, "
                                   f"not {i}")
         self.special_ids = frozenset(i for i, _ in data["special"])
+        self._special = tuple((int(i), str(t)) for i, t in data["special"])
         self.chat_template: str = data["chat_template"]
         self.vocab_size: int = int(data["vocab_size"])
         self.eos_id: int = int(data["eos_id"])
         self.im_start_id: int = self._id(IM_START)
         self.im_end_id: int = self._id(IM_END)
+
+    def special_tokens(self) -> tuple[tuple[int, str], ...]:
+        """``(id, text)`` of every control token."""
+        return self._special
+
+    def to_json(self) -> str:
+        """The whole tokenizer (BPE, pre-tokenizer, decoder, control tokens) as a
+        ``tokenizer.json`` that the ``tokenizers`` library and Hugging Face load."""
+        return self._tok.to_str()
 
     def _id(self, token: str) -> int:
         i = self._tok.token_to_id(token)

@@ -1,0 +1,344 @@
+"""``TokenLakeConnector``: vLLM's KV connector (``KVConnectorBase_V1``) on a TokenLake pool.
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --kv-transfer-config \\
+      '{"kv_connector": "TokenLakeConnector", "kv_connector_module_path":
+        "tokenlake.integrations.vllm", "kv_role": "kv_both", "kv_load_failure_policy":
+        "recompute", "kv_connector_extra_config": {"address": "tcp://127.0.0.1:7400"}}'
+
+against a pool served with ``tokenlake serve --kv-layout vllm-cpu --segment-tokens 128``
+(docs/vllm.md). Extra config: ``address`` (required), ``credentials`` (the file ``tokenlake
+serve`` wrote; default: the one for that port on this machine), ``timeout_s``.
+
+The pool holds vLLM's KV pages as they are: a segment of ``C`` tokens is ``C /
+block_size`` vLLM blocks of one layer each, copied byte for byte (the CPU kernels may pack
+a block's K, so a block is opaque here). The pool's namespace must be the ``vllm-cpu``
+layout and ``C`` a multiple of vLLM's block size; the connector refuses other pools.
+
+Scheduler side: a prompt is matched in the pool (whole segments); the segments beyond
+vLLM's own prefix cache are leased (``lease_prefix``) and their ``(instance, slot)`` sent
+to the worker; every step, the prompt segments that step completes are planned for storing
+(``gen_plans``, one sub-batch) and finishing a request releases its leases.
+Worker side: ``start_load_kv`` reads the leased slots (``READ_SEGMENT`` to each instance's
+transfer engine, layer by layer) into the request's blocks; a load that fails reports its
+blocks as load errors, so vLLM computes them. ``save_kv_layer`` copies the completed
+segments' pages into the home instance's shared ``kv`` buffer and puts the layer
+(asynchronous); ``wait_for_save`` waits and commits the plans (``complete``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tokenlake.core.errors import ConfigError, TokenLakeError
+from tokenlake.core.plans import Batch, BatchRequest, Plans
+from tokenlake.dataplane import wire
+from tokenlake.dataplane.auth import ClusterKeys, connect_secure
+from tokenlake.dataplane.messages import ReadSegment, SegmentData, expect
+from tokenlake.dataplane.sockets import send
+from tokenlake.service.remote import connect
+
+log = logging.getLogger(__name__)
+
+LAYOUT = "vllm-cpu"
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class Load:
+    """Blocks of one request to fill from the pool: per segment, its ``(instance, slot)``
+    and the vLLM block ids it fills (the blocks vLLM computed itself are left alone:
+    ``skip`` leading blocks of the first segment)."""
+
+    request_id: str
+    segments: list[tuple[int, int]]
+    blocks: list[list[int]]
+    skip: int = 0
+
+
+@dataclass
+class Store:
+    """This step's plan for storing completed segments: ``rows`` lists, in the plan's
+    row order, each request's block ids whose pages fill its rows."""
+
+    plans: Plans
+    rows: list[tuple[str, list[int]]]
+
+
+@dataclass
+class TokenLakeMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+    failed_blocks: list[int] = field(default_factory=list)  # loads refused by the pool
+    store: Store | None = None
+
+
+class TokenLakeConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if "address" not in extra:
+            raise ConfigError("TokenLakeConnector needs kv_connector_extra_config.address")
+        self.block_size = vllm_config.cache_config.block_size
+        self.cp = connect(extra["address"], float(extra.get("timeout_s", 10.0)),
+                          extra.get("credentials"))
+        namespace, self.C = self.cp.layout()
+        if not namespace.endswith("/" + LAYOUT):
+            raise ConfigError(f"the pool at {extra['address']} holds {namespace!r}, not vLLM's "
+                              f"pages: serve it with --kv-layout {LAYOUT}")
+        if self.C % self.block_size:
+            raise ConfigError(f"the pool's segments ({self.C} tokens) are not whole vLLM blocks "
+                              f"of {self.block_size}: serve it with --segment-tokens "
+                              f"{self.block_size} (or a multiple)")
+        self.per_seg = self.C // self.block_size
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("kv_load_failure_policy is not 'recompute': a request whose load from "
+                        "the pool fails (a dead engine) ends with an error instead of being "
+                        "computed; set \"kv_load_failure_policy\": \"recompute\"")
+        # scheduler side
+        self._hits: dict[str, int] = {}  # request -> pool hit (tokens) seen at matching
+        self._pool_len: dict[str, int] = {}  # request -> its tokens the pool holds or stores
+        self._admitted: set[str] = set()
+        self._prompts: dict[str, list[int]] = {}
+        self._blocks: dict[str, list[int]] = {}
+        self._loads: list[Load] = []
+        self._failed: list[int] = []
+        # worker side
+        self._caches: dict[int, torch.Tensor] = {}  # layer index -> its KV cache tensor
+        self._clients: dict[int, Any] = {}
+        self._socks: dict[int, Any] = {}
+        self._puts: list = []
+        self._load_errors: set[int] = set()
+        self._kv_buf = None
+        self.loaded_tokens = self.stored_tokens = 0
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = list(request.prompt_token_ids or [])
+        if len(prompt) < 2:
+            return 0, False
+        hit = self.cp.get_prefix_tree().match(prompt, max_tokens=len(prompt) - 1).hit_tokens
+        self._hits[request.request_id] = hit
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        self._prompts[rid] = list(request.prompt_token_ids or [])
+        self._blocks[rid] = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0:
+            return
+        hit = self._hits.get(rid, 0)
+        start = hit - num_external_tokens
+        block_ids = self._blocks[rid][start // self.block_size: hit // self.block_size]
+        try:
+            locs = self.cp.lease_prefix(rid, self._prompts[rid][:hit])
+        except TokenLakeError as e:  # evicted since the match: vLLM computes these blocks
+            log.warning("request %s: the pool no longer holds its prefix (%s)", rid, e)
+            self._failed += block_ids
+            return
+        self._admitted.add(rid)
+        self._pool_len[rid] = hit
+        first = start // self.C
+        segs = [(loc.instance, loc.slot) for loc in locs[first:]]
+        skip = (start - first * self.C) // self.block_size
+        per = [self._blocks[rid][i * self.per_seg:(i + 1) * self.per_seg]
+               for i in range(first, hit // self.C)]
+        self._loads.append(Load(rid, segs, per, skip))
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = TokenLakeMetadata(self._loads, self._failed)
+        self._loads, self._failed = [], []
+        done: dict[str, int] = {}  # request -> its tokens with KV after this step
+        for new in scheduler_output.scheduled_new_reqs:
+            self._prompts.setdefault(new.req_id, list(new.prompt_token_ids or []))
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            done[new.req_id] = new.num_computed_tokens + \
+                scheduler_output.num_scheduled_tokens[new.req_id]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if cached.new_block_ids[i] is not None and rid in self._blocks:
+                if rid in cached.resumed_req_ids:
+                    self._blocks[rid] = list(cached.new_block_ids[i][0])
+                else:
+                    self._blocks[rid] += list(cached.new_block_ids[i][0])
+            done[rid] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[rid]
+        meta.store = self._plan_store(done)
+        return meta
+
+    def _plan_store(self, done: dict[str, int]) -> Store | None:
+        """One sub-batch storing the prompt segments completed by this step."""
+        reqs, rows = [], []
+        budget = self._max_rows()
+        for rid, upto in done.items():
+            prompt = self._prompts.get(rid)
+            if prompt is None:
+                continue
+            have = self._pool_len.get(rid, 0)
+            end = min(upto, len(prompt)) // self.C * self.C
+            end = min(end, have + budget // self.C * self.C)
+            if end <= have:
+                continue
+            prefix = ()
+            if rid not in self._admitted:
+                prefix = tuple(prompt[:have])
+            reqs.append(BatchRequest(rid, tuple(prompt[have:end]), prefix))
+            rows.append((rid, self._blocks[rid][have // self.block_size: end // self.block_size]))
+            budget -= end - have
+        if not reqs:
+            return None
+        try:
+            plans = self.cp.gen_plans([Batch(tuple(reqs))], [1])
+        except TokenLakeError as e:  # a full pool, an evicted prefix: this step stores nothing
+            log.info("not storing this step's segments: %s", e)
+            return None
+        for r in reqs:
+            self._admitted.add(r.request_id)
+            self._pool_len[r.request_id] = self._pool_len.get(r.request_id, 0) + \
+                len(r.new_token_ids)
+        return Store(plans, rows)
+
+    def _max_rows(self) -> int:
+        if not hasattr(self, "_rows"):
+            self._rows = int(self.cp.client_info(self.cp.instances[0]).buffers["kv"].shape[1])
+        return self._rows
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        rid = request.request_id
+        for table in (self._hits, self._pool_len, self._prompts, self._blocks):
+            table.pop(rid, None)
+        if rid in self._admitted:
+            self._admitted.discard(rid)
+            try:
+                self.cp.finish_request(rid)
+            except TokenLakeError as e:
+                log.warning("request %s: releasing its pool leases failed: %s", rid, e)
+        return False, None
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name, cache in kv_caches.items():
+            m = _LAYER.search(name)
+            if m is None:
+                raise ConfigError(f"cannot tell the layer of KV cache {name!r}")
+            self._caches[int(m.group(1))] = cache
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TokenLakeMetadata)
+        self._load_errors.update(meta.failed_blocks)
+        for load in meta.loads:
+            try:
+                self._load(load)
+            except Exception as e:  # vLLM computes the blocks instead (never wrong tokens)
+                log.warning("request %s: loading from the pool failed: %s", load.request_id, e)
+                self._load_errors.update(b for blocks in load.blocks for b in blocks)
+
+    def _load(self, load: Load) -> None:
+        by_instance: dict[int, list[int]] = {}
+        for i, (inst, _slot) in enumerate(load.segments):
+            by_instance.setdefault(inst, []).append(i)
+        for layer, cache in sorted(self._caches.items()):
+            pages = [None] * len(load.segments)
+            for inst, idx in by_instance.items():
+                slots = tuple(load.segments[i][1] for i in idx)
+                data = self._read(inst, layer, slots)
+                for i, block in zip(idx, data.blocks):
+                    pages[i] = block
+            for i, block in enumerate(pages):
+                dst = load.blocks[i]
+                src = _pages_of_slot(block, self.per_seg, cache.shape)
+                skip = load.skip if i == 0 else 0
+                if skip < len(dst):
+                    cache[dst[skip:]] = src[skip:len(dst)]
+        self.loaded_tokens += sum(len(b) for b in load.blocks) * self.block_size - \
+            load.skip * self.block_size
+
+    def _read(self, instance: int, layer: int, slots: tuple[int, ...]) -> SegmentData:
+        sock = self._sock(instance)
+        send(sock, ReadSegment(layer, slots).encode(1), timeout_s=self.cp.timeout_s)
+        return expect(wire.recv(sock, self.cp.timeout_s), SegmentData)
+
+    def _sock(self, instance: int):
+        if instance not in self._socks:
+            import zmq
+
+            info = self.cp.client_info(instance)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            keys = None if info.keys is None else ClusterKeys.from_dict(dict(info.keys))
+            connect_secure(sock, keys)
+            sock.connect(info.endpoints["transfer"])
+            self._socks[instance] = sock
+        return self._socks[instance]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TokenLakeMetadata) or meta.store is None:
+            return
+        m = _LAYER.search(layer_name)
+        layer = int(m.group(1)) if m else 0
+        (tp,) = meta.store.plans.transfer_plans
+        client = self._client(tp.home)
+        if self._kv_buf is None:
+            self._kv_buf = client.init_transfer(tp)
+        row = 0
+        for _rid, blocks in meta.store.rows:
+            n = len(blocks) * self.block_size
+            pages = kv_layer[blocks]  # [blocks, kv_heads, block_size, 2 * head_dim]
+            self._kv_buf[layer, row:row + n] = pages.reshape(n, *self._kv_buf.shape[2:])
+            row += n
+        self._puts.append(client.put(layer))
+
+    def _client(self, instance: int):
+        if instance not in self._clients:
+            self._clients[instance] = self.cp.client(instance)
+        return self._clients[instance]
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        puts, self._puts, self._kv_buf = self._puts, [], None
+        if not isinstance(meta, TokenLakeMetadata) or meta.store is None:
+            return
+        plans = meta.store.plans
+        try:
+            for handle in puts:
+                handle.wait()
+            self.cp.complete(plans)
+            self.stored_tokens += sum(len(b) for _, b in meta.store.rows) * self.block_size
+        except Exception as e:  # nothing of this step becomes visible
+            log.warning("storing this step's segments failed: %s", e)
+            try:
+                self.cp.abort(plans)
+            except TokenLakeError:
+                pass
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
+        self.cp.close()
+
+
+def _pages_of_slot(block: torch.Tensor, per_seg: int, cache_shape) -> torch.Tensor:
+    """A slab slot's layer ``[2, kv_heads, C, head_dim]`` back to the vLLM pages it was
+    stored from: the put wrote the pages as rows ``[C, 2, kv_heads, head_dim]`` (the
+    same bytes), and the transfer engine stored row ``r`` at token ``r`` of the slot."""
+    rows = block.permute(2, 0, 1, 3).contiguous()  # [C, 2, kv_heads, head_dim]
+    return rows.reshape(per_seg, *cache_shape[1:])

@@ -66,7 +66,7 @@ def test_the_tree_has_every_command():
         ("demo",), ("walkthrough",), ("serve",), ("threshold",), ("fit-roofline",),
         ("profile-cpu",), ("profile-latency",), ("eval",), ("sim",), ("config", "show"),
         ("status",),
-        *(("bench", b) for b in ("plans", "query-vs-fetch", "curve", "e2e", "scheduler", "sim", "serve", "http",
+        *(("bench", b) for b in ("plans", "query-vs-fetch", "curve", "vllm", "e2e", "scheduler", "sim", "serve", "http",
                                          "soak")),
     }
 
@@ -87,7 +87,7 @@ def test_every_help_works_and_shows_its_defaults(path, capsys):
 def test_help_of_a_group_lists_its_commands(capsys):
     code, out, _ = run(["bench", "--help"], capsys)
     assert code == 0
-    for name in ("plans", "query-vs-fetch", "curve", "e2e", "scheduler", "sim", "serve", "http",
+    for name in ("plans", "query-vs-fetch", "curve", "vllm", "e2e", "scheduler", "sim", "serve", "http",
                                          "soak"):
         assert name in out
 

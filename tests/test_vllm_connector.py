@@ -112,8 +112,9 @@ def test_a_pool_that_dies_before_the_load_makes_vllm_compute(model, hf_dir, pool
 
 
 def test_the_connector_refuses_a_pool_of_another_layout_or_segment_size(pool, model):
-    """A pool of TokenLake's own KV layout (another namespace) or with segments that are
-    not whole vLLM blocks is refused at start-up, before anything is read or stored."""
+    """A pool of TokenLake's own KV layout (another namespace), of another model's KV
+    shape, or with segments that are not whole vLLM blocks is refused at start-up, before
+    anything is read or stored."""
     from types import SimpleNamespace
 
     from tokenlake.core.errors import ConfigError
@@ -136,6 +137,12 @@ def test_the_connector_refuses_a_pool_of_another_layout_or_segment_size(pool, mo
         with pytest.raises(ConfigError, match="not vLLM's pages"):
             TokenLakeConnector(config(server.address), KVConnectorRole.SCHEDULER)
     _, served = pool
+    other = SimpleNamespace(num_hidden_layers=24, num_key_value_heads=3, head_dim=64)
+    cfg = config(served.address)
+    cfg.kv_transfer_config.kv_connector_extra_config["credentials"] = served.credentials()
+    cfg.model_config = SimpleNamespace(hf_config=other)
+    with pytest.raises(ConfigError, match="another model"):
+        TokenLakeConnector(cfg, KVConnectorRole.SCHEDULER)
     with pytest.raises(ConfigError, match="not whole vLLM blocks"):
         TokenLakeConnector(SimpleNamespace(
             kv_transfer_config=SimpleNamespace(kv_connector_extra_config={

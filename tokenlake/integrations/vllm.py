@@ -101,6 +101,7 @@ class TokenLakeConnector(KVConnectorBase_V1):
                               f"of {self.block_size}: serve it with --segment-tokens "
                               f"{self.block_size} (or a multiple)")
         self.per_seg = self.C // self.block_size
+        self._check_model(vllm_config, extra["address"])
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is not 'recompute': a request whose load from "
                         "the pool fails (a dead engine) ends with an error instead of being "
@@ -121,6 +122,21 @@ class TokenLakeConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._kv_buf = None
         self.loaded_tokens = self.stored_tokens = 0
+
+    def _check_model(self, vllm_config, address: str) -> None:
+        """Refuses a pool whose slabs hold another model's KV shape (layers, KV heads,
+        head size): its pages would be read into this model's blocks."""
+        hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        if hf is None:
+            return
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        mine = (hf.num_hidden_layers, hf.num_key_value_heads, head_dim)
+        shape = self.cp.client_info(self.cp.instances[0]).buffers["kv"].shape
+        pool = (shape[0], shape[3], shape[4])  # [layers, rows, 2, kv_heads, head_dim]
+        if mine != pool:
+            raise ConfigError(f"the pool at {address} holds KV of another model ({pool[0]} "
+                              f"layers x {pool[1]} KV heads x {pool[2]}) than vLLM's ({mine[0]} "
+                              f"x {mine[1]} x {mine[2]})")
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -33,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "query-vs-fetch", help="one decode query through the pool vs fetching the prefix KV"))
     add_curve(what.add_parser(
         "curve", help="what CURVE costs a query and a put (secure vs insecure pool, JSON)"))
+    add_vllm(what.add_parser(
+        "vllm", help="vLLM's TTFT with the TokenLake connector vs its own prefix cache (JSON)"))
     add_e2e(what.add_parser(
         "e2e", help="SmolLM2 through the pool: TTFT cached vs recomputed, decode tokens/s"))
     add_scheduler(what.add_parser(
@@ -129,6 +131,30 @@ def run_curve(args: argparse.Namespace) -> int:
         r = result[op]
         print(f"{op:>5}: CURVE {r['curve']['median_ms']:8.2f} ms, insecure "
               f"{r['insecure']['median_ms']:8.2f} ms, ratio {r['ratio_curve_over_insecure']:.2f}")
+    return 0
+
+
+# --------------------------------------------------------------------------- vllm
+
+
+def add_vllm(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--docs", type=positive(int), default=4, help="documents (one TTFT pair each)")
+    p.add_argument("--doc-tokens", type=positive(int), default=4096, metavar="TOKENS",
+                   help="tokens per document (at most 8,000: the model's context)")
+    _json_flag(p, always=True)
+    p.set_defaults(run=run_vllm)
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("bench vllm needs vLLM: pip install -e '.[vllm]' (see docs/vllm.md)")
+    if args.doc_tokens > 8000:
+        raise UsageError("bench vllm: --doc-tokens must be at most 8000 (the model's context)")
+    from tokenlake.tools.bench_vllm import bench_vllm  # torch, engines, vLLM servers
+
+    print(json.dumps(bench_vllm(args.docs, args.doc_tokens), indent=2))
     return 0
 
 

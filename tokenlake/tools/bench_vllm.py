@@ -1,0 +1,158 @@
+"""``tokenlake bench vllm``: time to first token of vLLM with the TokenLake connector
+against vLLM with only its own prefix cache, in one run.
+
+A pool for vLLM's pages (2 instances, C = 128) is started in this process, and three
+vLLM OpenAI-compatible servers on this machine: ``pool-A`` and ``pool-B`` load the
+connector, ``base-B`` does not. For each LooGLE-like document (``--doc-tokens`` tokens of
+records, several questions), the first question goes to ``pool-A``, which prefills the
+document and stores its segments in the pool; then one more question goes to ``base-B``
+(which has never seen the document: it prefills it) and to ``pool-B`` (which loads it
+from the pool), in alternating order. TTFT is the time to the first streamed token.
+Prints JSON: per-system TTFT medians and ranges and their ratio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "8192", "--enforce-eager",
+             "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(512 << 20)]
+
+
+def _server(model_dir: Path, port: int, address: str | None, log: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--port", str(port), "--host", "127.0.0.1", *VLLM_ARGS]
+    if address is not None:
+        args += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "TokenLakeConnector", "kv_role": "kv_both",
+            "kv_connector_module_path": "tokenlake.integrations.vllm",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"address": address}})]
+    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server on port {port} exited ({proc.returncode})")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"the vLLM server on port {port} did not start in {timeout_s:g} s")
+
+
+def _ttft(port: int, model: str, prompt: list[int]) -> float:
+    """Seconds to the first streamed token of a greedy completion of ``prompt``."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                      timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                return time.perf_counter() - start
+    raise RuntimeError("no token came back")
+
+
+def _documents(tok, n: int, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    docs = []
+    for d in range(n):
+        lines, ids = [], []
+        while len(ids) < tokens:
+            lines.append(f"Record {len(lines)} of log {d}: gauge {rng.randrange(100)} read "
+                         f"{rng.randrange(1000)} units at hour {rng.randrange(24)}.")
+            ids = tok.encode(" ".join(lines))
+        docs.append(ids[:tokens])
+    return docs
+
+
+def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0,
+               progress=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
+    from tokenlake.dataplane import credentials
+    from tokenlake.deploy.local import LocalCluster
+    from tokenlake.integrations.hf_export import export
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
+    from tokenlake.service.server import ControlServer
+
+    weights, tok = load_weights(), load_tokenizer()
+    spec = weights.config.to_model_spec("smollm2-135m")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        tmp = Path(tmp)
+        progress("exporting the model for vLLM ...")
+        model_dir = export(tmp / "model", weights=weights, tokenizer=tok)
+        pool_mb = max(64, docs * doc_tokens * spec.num_layers * 2 * spec.num_kv_heads
+                      * spec.head_dim * 4 // (2 << 20) + 64)
+        cluster = stack.enter_context(LocalCluster(2, spec, pool_mb << 20, segment_tokens=128,
+                                                   max_rows=2048, kv_layout="vllm-cpu"))
+        server = stack.enter_context(ControlServer(cluster))
+        path = credentials.write(credentials.default_path(server.address), server.credentials())
+        stack.callback(credentials.remove, path)
+        procs = {}
+        for name, address in (("pool-A", server.address), ("pool-B", server.address),
+                              ("base-B", None)):
+            port = _free_port()
+            progress(f"starting vLLM {name} on port {port} ...")
+            procs[name] = (port, _server(model_dir, port, address, tmp / f"{name}.log"))
+            stack.callback(_stop, procs[name][1])
+        for _name, (port, proc) in procs.items():
+            _wait_ready(port, proc)
+        model = str(model_dir)
+        ttft: dict[str, list[float]] = {"pool": [], "base": []}
+        first: list[float] = []
+        for d, doc in enumerate(_documents(tok, docs, doc_tokens, seed)):
+            q = [tok.encode(f" Question {k}: what did record {3 * k + d} read?") for k in range(3)]
+            first.append(_ttft(procs["pool-A"][0], model, doc + q[0]))
+            order = ("pool", "base") if d % 2 == 0 else ("base", "pool")
+            for system in order:
+                port = procs["pool-B" if system == "pool" else "base-B"][0]
+                ttft[system].append(_ttft(port, model, doc + q[1 if system == "pool" else 2]))
+            progress(f"document {d}: TTFT on B with the pool {ttft['pool'][-1]:.2f} s, "
+                     f"without {ttft['base'][-1]:.2f} s")
+        stats = cluster.control.stats()
+    out = {"setup": {"documents": docs, "doc_tokens": doc_tokens, "segment_tokens": 128,
+                     "pool_instances": 2, "vllm": "0.32.0 (vllm-cpu), float32, enforce-eager"},
+           "first_question_on_A_s": _summary(first),
+           "ttft_on_B_with_pool_s": _summary(ttft["pool"]),
+           "ttft_on_B_without_pool_s": _summary(ttft["base"]),
+           "pool_hit_tokens": stats.hit_tokens}
+    out["speedup_p50"] = out["ttft_on_B_without_pool_s"]["p50"] / out["ttft_on_B_with_pool_s"]["p50"]
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"p50": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+

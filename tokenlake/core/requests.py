@@ -180,20 +180,8 @@ class RequestTable:
         if state is not None:
             tx.remember(rid, state.snapshot())
             return state
-        c, prefix = self._c, req.prefix_token_ids
-        if len(prefix) % c:
-            raise PrefixNotCached(
-                f"request {rid!r}: prefix of {len(prefix)} tokens is not a whole "
-                f"number of {c}-token segments"
-            )
-        match = pool.tree.match(prefix)
-        if match.hit_tokens != len(prefix):
-            raise PrefixNotCached(
-                f"request {rid!r}: only {match.hit_tokens} of {len(prefix)} prefix "
-                "tokens are cached and ready"
-            )
-        state = RequestState(rid, chain=list(match.keys))
-        pool.lease(state.chain)
+        prefix = req.prefix_token_ids
+        state = self._leased_state(rid, prefix, pool)
         tx.leased(tuple(state.chain))
         self._states[rid] = state
         tx.remember(rid, None)
@@ -264,18 +252,30 @@ class RequestTable:
         :meth:`admit`; changes nothing then."""
         if request_id in self._states:
             raise PlanError(f"request {request_id!r} is live already")
-        c = self._c
-        if not prefix or len(prefix) % c:
-            raise PrefixNotCached(f"request {request_id!r}: a prefix of {len(prefix)} tokens "
-                                  f"is not a positive whole number of {c}-token segments")
-        match = pool.tree.match(prefix)
-        if match.hit_tokens != len(prefix):
-            raise PrefixNotCached(f"request {request_id!r}: only {match.hit_tokens} of "
-                                  f"{len(prefix)} prefix tokens are cached and ready")
-        state = RequestState(request_id, chain=list(match.keys))
-        pool.lease(state.chain)
+        if not prefix:
+            raise PrefixNotCached(f"request {request_id!r}: no prefix to lease")
+        state = self._leased_state(request_id, prefix, pool)
         self._states[request_id] = state
         self.resolve(state, pool)
+        return state
+
+    def _leased_state(self, rid: str, prefix: Sequence[int], pool: CachePool) -> RequestState:
+        """A new request's state holding ``prefix`` leased (not registered yet). Raises
+        :class:`PrefixNotCached` unless the prefix is whole segments, all cached and ready."""
+        c = self._c
+        if len(prefix) % c:
+            raise PrefixNotCached(
+                f"request {rid!r}: prefix of {len(prefix)} tokens is not a whole "
+                f"number of {c}-token segments"
+            )
+        match = pool.tree.match(prefix)
+        if match.hit_tokens != len(prefix):
+            raise PrefixNotCached(
+                f"request {rid!r}: only {match.hit_tokens} of {len(prefix)} prefix "
+                "tokens are cached and ready"
+            )
+        state = RequestState(rid, chain=list(match.keys))
+        pool.lease(state.chain)
         return state
 
     def finish(self, request_id: str, pool: CachePool) -> None:

@@ -101,7 +101,10 @@ class TokenLakeConnector(KVConnectorBase_V1):
                               f"of {self.block_size}: serve it with --segment-tokens "
                               f"{self.block_size} (or a multiple)")
         self.per_seg = self.C // self.block_size
-        self._check_model(vllm_config, extra["address"])
+        # [layers, max_rows, 2, kv_heads, head_dim] of every instance's kv buffer
+        kv_shape = tuple(self.cp.client_info(self.cp.instances[0]).buffers["kv"].shape)
+        self._check_model(vllm_config, kv_shape, extra["address"])
+        self.max_rows = kv_shape[1]  # most tokens one store plan can hold
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is not 'recompute': a request whose load from "
                         "the pool fails (a dead engine) ends with an error instead of being "
@@ -123,7 +126,8 @@ class TokenLakeConnector(KVConnectorBase_V1):
         self._kv_buf = None
         self.loaded_tokens = self.stored_tokens = 0
 
-    def _check_model(self, vllm_config, address: str) -> None:
+    @staticmethod
+    def _check_model(vllm_config, kv_shape: tuple[int, ...], address: str) -> None:
         """Refuses a pool whose slabs hold another model's KV shape (layers, KV heads,
         head size): its pages would be read into this model's blocks."""
         hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
@@ -131,8 +135,7 @@ class TokenLakeConnector(KVConnectorBase_V1):
             return
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         mine = (hf.num_hidden_layers, hf.num_key_value_heads, head_dim)
-        shape = self.cp.client_info(self.cp.instances[0]).buffers["kv"].shape
-        pool = (shape[0], shape[3], shape[4])  # [layers, rows, 2, kv_heads, head_dim]
+        pool = (kv_shape[0], kv_shape[3], kv_shape[4])
         if mine != pool:
             raise ConfigError(f"the pool at {address} holds KV of another model ({pool[0]} "
                               f"layers x {pool[1]} KV heads x {pool[2]}) than vLLM's ({mine[0]} "
@@ -194,7 +197,7 @@ class TokenLakeConnector(KVConnectorBase_V1):
     def _plan_store(self, done: dict[str, int]) -> Store | None:
         """One sub-batch storing the prompt segments completed by this step."""
         reqs, rows = [], []
-        budget = self._max_rows()
+        budget = self.max_rows
         for rid, upto in done.items():
             prompt = self._prompts.get(rid)
             if prompt is None:
@@ -222,11 +225,6 @@ class TokenLakeConnector(KVConnectorBase_V1):
             self._pool_len[r.request_id] = self._pool_len.get(r.request_id, 0) + \
                 len(r.new_token_ids)
         return Store(plans, rows)
-
-    def _max_rows(self) -> int:
-        if not hasattr(self, "_rows"):
-            self._rows = int(self.cp.client_info(self.cp.instances[0]).buffers["kv"].shape[1])
-        return self._rows
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         rid = request.request_id

@@ -57,3 +57,24 @@ def _ours_or_orphaned(name: str) -> bool:
     except PermissionError:
         return False
     return False
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """``(weights, tokenizer, reference engine)`` of the shipped model."""
+    from tokenlake.model.llama.reference import ReferenceEngine
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
+
+    weights = load_weights()
+    return weights, load_tokenizer(), ReferenceEngine(weights)
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2, tmp_path_factory):
+    """The shipped model exported as a Hugging Face directory (what vLLM loads)."""
+    pytest.importorskip("safetensors")
+    from tokenlake.integrations.hf_export import export
+
+    weights, tok, _ = smollm2
+    return export(tmp_path_factory.mktemp("smollm2-hf"), weights=weights, tokenizer=tok)

@@ -3,6 +3,9 @@ dataclasses filled in, for the message tests (tests/test_messages.py) and the se
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from tokenlake.core.control import ControlStats
 from tokenlake.core.cost_model import LatencyModel
 from tokenlake.core.plans import (
@@ -67,3 +70,30 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
         {"q": BufferSpec("tokenlake-1-ab-q-1", (8, 4, 2), "float32")}, 5.0,
         ClusterKeys.generate().member_view().to_dict()),
 }
+
+
+@contextlib.contextmanager
+def serving_locally(*args, **kwargs):
+    """``serve_local(*args, **kwargs)`` on a thread: yields its ``Served`` once ready;
+    on exit stops it and asserts it ended without an error."""
+    from tokenlake.service.local import serve_local
+
+    stop, ready, served, errors = threading.Event(), threading.Event(), [], []
+
+    def run() -> None:
+        try:
+            serve_local(*args, stop=stop, on_ready=lambda s: (served.append(s), ready.set()),
+                        **kwargs)
+        except Exception as e:  # reported below
+            errors.append(e)
+            ready.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert ready.wait(120) and not errors, errors
+        yield served[0]
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive() and not errors, errors

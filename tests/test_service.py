@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 from dataplane_util import TINY
-from service_util import HARDWARE, LATENCY, SERVICE_EXAMPLES
+from service_util import HARDWARE, LATENCY, SERVICE_EXAMPLES, serving_locally
 from test_layering import GRAPH, layer_of
 
 import tokenlake
@@ -243,30 +243,11 @@ def test_the_server_stops_and_a_client_then_times_out(served):
 
 
 def test_serve_local_serves_until_stopped_and_cleans_up():
-    stop, ready, prefixes = threading.Event(), threading.Event(), []
-    addresses = []
-
-    def on_ready(served):
+    with serving_locally(TINY, 2, POOL_BYTES, C, 64, control_port=0) as served:
         assert served.http is None, "no weights for this model shape: no HTTP API"
-        prefixes.append(cluster_prefix(served.control.cluster.cluster_id))
-        addresses.append(served.info()["address"])
-        ready.set()
-
-    errors = []
-
-    def run() -> None:
-        try:
-            serve_local(TINY, 2, POOL_BYTES, C, 64, control_port=0, stop=stop, on_ready=on_ready)
-        except Exception as e:  # reported below
-            errors.append(e)
-            ready.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        assert ready.wait(120) and not errors, errors
-        assert list_buffers(prefixes[0])  # the buffers exist while it serves
-        with tokenlake.connect(addresses[0]) as cp:
+        prefix = cluster_prefix(served.control.cluster.cluster_id)
+        assert list_buffers(prefix)  # the buffers exist while it serves
+        with tokenlake.connect(served.info()["address"]) as cp:
             assert cp.instances == (0, 1)
             client = cp.client(1)
             assert client.instance == 1 and client.q.shape[0] == 64
@@ -275,11 +256,7 @@ def test_serve_local_serves_until_stopped_and_cleans_up():
             assert set(info.buffers) == {"q", "out_o", "out_lse", "kv"}
             with pytest.raises(ConfigError, match="no instance 5"):
                 cp.client_info(5)
-    finally:
-        stop.set()
-        thread.join(60)
-    assert not thread.is_alive() and not errors, errors
-    assert list_buffers(prefixes[0]) == []
+    assert list_buffers(prefix) == []
 
 
 def test_serve_local_on_a_taken_port_fails_and_leaves_nothing(served):

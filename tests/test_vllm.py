@@ -12,26 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenlake.integrations.hf_export import export, unpermute_rope_rows
+from tokenlake.integrations.hf_export import unpermute_rope_rows
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-
-
-@pytest.fixture(scope="module")
-def model():
-    from tokenlake.model.llama.reference import ReferenceEngine
-    from tokenlake.model.llama.tokenizer import load_tokenizer
-    from tokenlake.model.llama.weights import load_weights
-
-    weights = load_weights()
-    return weights, load_tokenizer(), ReferenceEngine(weights)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(model, tmp_path_factory):
-    pytest.importorskip("safetensors")
-    weights, tok, _ = model
-    return export(tmp_path_factory.mktemp("smollm2-hf"), weights=weights, tokenizer=tok)
 
 
 def test_unpermute_moves_interleaved_pairs_to_the_two_halves():
@@ -44,17 +27,17 @@ def test_unpermute_moves_interleaved_pairs_to_the_two_halves():
         unpermute_rope_rows(torch.zeros(6, 2), 4)
 
 
-def test_the_export_computes_what_the_gguf_computes(model, hf_dir):
+def test_the_export_computes_what_the_gguf_computes(smollm2, smollm2_hf):
     transformers = pytest.importorskip("transformers")
-    _, tok, ref = model
-    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    _, tok, ref = smollm2
+    hf_tok = transformers.AutoTokenizer.from_pretrained(smollm2_hf)
     text = "The capital of France is"
     ids = tok.encode(text)
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
     msgs = [{"role": "user", "content": "Say hi."}]
     assert hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                       return_dict=False) == tok.apply_chat_template(msgs)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32)
     with torch.no_grad():
         got = hf(torch.tensor([ids])).logits[0, -1]
     want, _ = ref.prefill(ids)  # the last position's logits
@@ -64,12 +47,12 @@ def test_the_export_computes_what_the_gguf_computes(model, hf_dir):
     assert hf_out[0, len(ids):].tolist() == out.output_ids
 
 
-def test_vllm_serves_the_export_with_the_reference_output(model, hf_dir):
+def test_vllm_serves_the_export_with_the_reference_output(smollm2, smollm2_hf):
     pytest.importorskip("vllm")
-    _, tok, ref = model
+    _, tok, ref = smollm2
     prompts = [tok.encode("The capital of France is"), tok.apply_chat_template(
         [{"role": "user", "content": "Name three colours."}])]
-    done = subprocess.run([sys.executable, str(WORKER), str(hf_dir), json.dumps(prompts), "8"],
+    done = subprocess.run([sys.executable, str(WORKER), str(smollm2_hf), json.dumps(prompts), "8"],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]

@@ -16,36 +16,19 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("vllm")  # the connector is a vLLM class
+
 WORKER = Path(__file__).with_name("vllm_worker.py")
 C = 128
 
 
 @pytest.fixture(scope="module")
-def model():
-    from tokenlake.model.llama.reference import ReferenceEngine
-    from tokenlake.model.llama.tokenizer import load_tokenizer
-    from tokenlake.model.llama.weights import load_weights
-
-    weights = load_weights()
-    return weights, load_tokenizer(), ReferenceEngine(weights)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(model, tmp_path_factory):
-    pytest.importorskip("vllm")
-    from tokenlake.integrations.hf_export import export
-
-    weights, tok, _ = model
-    return export(tmp_path_factory.mktemp("smollm2-hf"), weights=weights, tokenizer=tok)
-
-
-@pytest.fixture(scope="module")
-def pool(model):
+def pool(smollm2):
     from tokenlake.dataplane import credentials
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.service.server import ControlServer
 
-    weights = model[0]
+    weights = smollm2[0]
     spec = weights.config.to_model_spec("smollm2-135m")
     with LocalCluster(2, spec, 96 << 20, segment_tokens=C, max_rows=1024,
                       kv_layout="vllm-cpu") as cluster, ControlServer(cluster) as server:
@@ -56,8 +39,8 @@ def pool(model):
             credentials.remove(path)
 
 
-def run_vllm(hf_dir, prompts, max_tokens, address=None, timeout_s=10.0) -> list[list[int]]:
-    args = [sys.executable, str(WORKER), str(hf_dir), json.dumps(prompts), str(max_tokens)]
+def run_vllm(model_dir, prompts, max_tokens, address=None, timeout_s=10.0) -> list[list[int]]:
+    args = [sys.executable, str(WORKER), str(model_dir), json.dumps(prompts), str(max_tokens)]
     if address is not None:
         args.append(json.dumps({
             "kv_connector": "TokenLakeConnector",
@@ -70,19 +53,19 @@ def run_vllm(hf_dir, prompts, max_tokens, address=None, timeout_s=10.0) -> list[
     return json.loads(line)["outputs"]
 
 
-def test_a_second_vllm_loads_the_prefix_the_first_stored(model, hf_dir, pool):
-    _, tok, ref = model
+def test_a_second_vllm_loads_the_prefix_the_first_stored(smollm2, smollm2_hf, pool):
+    _, tok, ref = smollm2
     cluster, server = pool
     doc = tok.encode(" ".join(f"Record {i}: the tide gauge at pier {i % 7} read "
                               f"{(i * 37) % 100} centimetres." for i in range(60)))
     assert len(doc) > 5 * C
     first = doc + tok.encode(" Question: which pier is named most often?")
     second = doc + tok.encode(" Question: what did record 12 read?")
-    out_a = run_vllm(hf_dir, [first], 8, server.address)
+    out_a = run_vllm(smollm2_hf, [first], 8, server.address)
     stats = cluster.control.stats()
     stored = stats.pool.segments
     assert stored >= len(doc) // C, "the first engine stored the document's segments"
-    out_b = run_vllm(hf_dir, [second], 8, server.address)
+    out_b = run_vllm(smollm2_hf, [second], 8, server.address)
     after = cluster.control.stats()
     assert after.hit_tokens - stats.hit_tokens >= (len(doc) // C) * C - C, \
         "the second engine leased the document's segments"
@@ -92,38 +75,37 @@ def test_a_second_vllm_loads_the_prefix_the_first_stored(model, hf_dir, pool):
     cluster.control.check()
 
 
-def test_a_pool_that_dies_before_the_load_makes_vllm_compute(model, hf_dir, pool):
+def test_a_pool_that_dies_before_the_load_makes_vllm_compute(smollm2, smollm2_hf, pool):
     """The transfer engines that hold the segments are gone when the second engine loads:
     its reads fail within the connector's timeout, it reports the blocks as load errors,
     vLLM computes them, and the answer is still the reference's."""
-    _, tok, ref = model
+    _, tok, ref = smollm2
     cluster, server = pool
     doc = tok.encode(" ".join(f"Line {i} of the harbour log notes {(i * 53) % 97} ships."
                               for i in range(50)))
     first, second = doc + tok.encode(" Summarise."), doc + tok.encode(" Which line is last?")
-    run_vllm(hf_dir, [first], 4, server.address)
+    run_vllm(smollm2_hf, [first], 4, server.address)
     for instance in (0, 1):
         cluster.kill("transfer", instance)
-    out = run_vllm(hf_dir, [second], 8, server.address, timeout_s=2.0)
+    out = run_vllm(smollm2_hf, [second], 8, server.address, timeout_s=2.0)
     assert out[0] == ref.generate(second, 8, stop_ids=()).output_ids
     for instance in cluster.failed_instances():  # leave the pool whole for other tests
         cluster.remove_instance(instance)
         cluster.restart_instance(instance)
 
 
-def test_the_connector_refuses_a_pool_of_another_layout_or_segment_size(pool, model):
+def test_the_connector_refuses_a_pool_of_another_layout_or_segment_size(pool, smollm2):
     """A pool of TokenLake's own KV layout (another namespace), of another model's KV
     shape, or with segments that are not whole vLLM blocks is refused at start-up, before
     anything is read or stored."""
     from types import SimpleNamespace
 
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
     from tokenlake.core.errors import ConfigError
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.integrations.vllm import TokenLakeConnector
     from tokenlake.service.server import ControlServer
-
-    pytest.importorskip("vllm")
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     def config(address, block_size=C):
         return SimpleNamespace(
@@ -131,7 +113,7 @@ def test_the_connector_refuses_a_pool_of_another_layout_or_segment_size(pool, mo
                 "address": address, "credentials": server.credentials()}),
             cache_config=SimpleNamespace(block_size=block_size))
 
-    spec = model[0].config.to_model_spec("smollm2-135m")
+    spec = smollm2[0].config.to_model_spec("smollm2-135m")
     with LocalCluster(1, spec, 16 << 20, segment_tokens=C, max_rows=128) as own, \
             ControlServer(own) as server:
         with pytest.raises(ConfigError, match="not vLLM's pages"):

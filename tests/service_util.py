@@ -55,7 +55,7 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.CP_LOAD: m.CpLoad(0.25),
     Kind.CP_GEN_PLANS: m.CpGenPlans(
         (Batch((BatchRequest("a", (1, 2, 3), tuple(range(16))), BatchRequest("b", (9,)))),
-         Batch((BatchRequest("c", (4,)),), "decode")), (2, 1)),
+         Batch((BatchRequest("c", (4,)),), "decode")), (2, 1), (None, 1)),
     Kind.CP_PLANS: m.CpPlans(PLANS),
     Kind.CP_COMPLETE: m.CpComplete(3),
     Kind.CP_ABORT: m.CpAbort(4),

@@ -1023,3 +1023,35 @@ def test_a_removed_instance_rejoins_empty_and_takes_new_segments():
     tree = cp.get_prefix_tree()
     assert any(loc.instance == 1 for k in tree.keys() for loc in tree.replicas(k))
     tree.check()
+
+
+def test_pinned_homes_are_kept_and_dispatch_takes_the_rest():
+    cp = make_cp()
+    doc = list(range(100, 116))
+    run(cp, [batch(req("w", doc))], [1])  # the document's segments now live somewhere
+    for home in INSTANCES:  # wherever the segments are, a pinned batch runs at its home
+        rid = f"p{home}"
+        plans = cp.gen_plans([batch(req(rid, doc[:8] + [home]))], [1], homes=[home])
+        assert {p.home for p in plans.query_plans} == {home}
+        assert {p.home for p in plans.transfer_plans} == {home}
+        cp.complete(plans)
+    # a pinned batch and two dispatched ones: the dispatched never take the pinned home
+    plans = cp.gen_plans([batch(req("x", [1, 2])), batch(req("y", [3])), batch(req("z", [4]))],
+                         [1, 1, 1], homes=[None, 2, None])
+    homes = {p.batch: p.home for p in plans.query_plans}
+    assert homes[1] == 2 and 2 not in (homes[0], homes[2]) and homes[0] != homes[2]
+    cp.complete(plans)
+
+
+@pytest.mark.parametrize("homes, dops, message", [
+    ([0], [1, 1], "2 batches but 1 homes"),
+    ([7, None], [1, 1], "not a live instance"),
+    ([1, 1], [1, 1], "two batches pinned to one home"),
+    ([1, None], [2, 1], "needs DoP 1"),
+])
+def test_bad_homes_are_refused_and_change_nothing(homes, dops, message):
+    cp = make_cp()
+    with pytest.raises(PlanError, match=message):
+        cp.gen_plans([batch(req("a", [1, 2])), batch(req("b", [3]))], dops, homes=homes)
+    plans = cp.gen_plans([batch(req("a", [1, 2])), batch(req("b", [3]))], [1, 1])
+    cp.complete(plans)

@@ -79,7 +79,7 @@ class PartAssembler:
 
     def assemble(
         self, batches: Sequence[Batch], dops: Sequence[int], prepared: dict[str, Prepared],
-        iteration: int, instances: Sequence[int],
+        iteration: int, instances: Sequence[int], homes: Sequence[int | None] | None = None,
     ) -> tuple[Plans, list[Access]]:
         """Splits batches into sub-batches, dispatches them to distinct ``instances``, and
         builds the plans. Also returns the segment reads the plans make (one entry per
@@ -102,7 +102,7 @@ class PartAssembler:
             )
             for part in parts
         ]
-        homes = dispatch(nodes, instances)
+        homes = self._dispatch(parts, nodes, instances, homes)
         query_plans, transfer_plans = [], []
         groups: list[list[int]] = [[] for _ in batches]
         for part, home in zip(parts, homes):
@@ -116,6 +116,19 @@ class PartAssembler:
             )
         plans = Plans(iteration, tuple(query_plans), tuple(transfer_plans), tuple(map(tuple, groups)))
         return plans, [a for part in parts for a in part.accesses]
+
+    @staticmethod
+    def _dispatch(parts, nodes, instances, pins) -> list[int]:
+        """Each sub-batch's home: a pinned batch's own (checked by the caller), the rest
+        by :func:`dispatch` over the instances no batch is pinned to."""
+        pinned = {} if pins is None else {b: h for b, h in enumerate(pins) if h is not None}
+        free = [i for i, part in enumerate(parts) if part.batch not in pinned]
+        taken = set(pinned.values())
+        chosen = dispatch([nodes[i] for i in free], [i for i in instances if i not in taken])
+        homes = [pinned.get(part.batch, -1) for part in parts]
+        for i, home in zip(free, chosen):
+            homes[i] = home
+        return homes
 
     def begin_iteration(self) -> None:
         """Keeps only the previous iteration's parts in the cache (bounded memory)."""

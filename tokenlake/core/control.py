@@ -110,22 +110,28 @@ class ControlPlane:
             loads.append(LoadRequest(input_len=len(tokens) - hit, prefix_len=hit))
         return _cache_load(loads, len(self.pool.instances), self.model, hardware, latency)
 
-    def gen_plans(self, batches: Sequence[Batch], dops: Sequence[int]) -> Plans:
+    def gen_plans(self, batches: Sequence[Batch], dops: Sequence[int],
+                  homes: Sequence[int | None] | None = None) -> Plans:
         """Plans one iteration: where every batch runs and what it reads and stores.
+
+        ``homes`` (optional, one entry per batch): the instance that must run a DoP 1
+        batch (its compute engine owns that instance's buffers, e.g. a vLLM instance
+        attached to one pool instance), or None to let dispatch choose.
 
         Raises :class:`PlanError` for malformed batches (empty, duplicate request ids,
         DoPs that do not fit the cluster, a request whose previous plans are still in
-        flight), :class:`~tokenlake.core.errors.PrefixNotCached` for a declared prefix the
+        flight, a pinned home that is unknown, taken twice or given a DoP > 1), :class:`~tokenlake.core.errors.PrefixNotCached` for a declared prefix the
         pool does not hold, and :class:`~tokenlake.core.errors.CapacityError` when new
         segments cannot be placed. On any error the pool and the requests are left
         exactly as they were (evicted replicas are put back).
         """
         self._requests.validate(batches, dops, len(self.pool.instances))
+        homes = _check_homes(homes, dops, self.pool.instances)
         tx = Transaction(self._iteration)
         try:
             prepared = self._planner.prepare(batches, tx)
             plans, accesses = self._assembler.assemble(
-                batches, dops, prepared, tx.iteration, self.pool.instances
+                batches, dops, prepared, tx.iteration, self.pool.instances, homes
             )
         except BaseException:
             tx.rollback(self.pool, self._requests)
@@ -309,3 +315,23 @@ def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_to
         namespace += f"/{kv_layout}"
     config = PoolConfig(segment_tokens, namespace, slots, seed=seed)
     return ControlPlane(config, model, list(range(n_instances)), clock=clock)
+
+
+def _check_homes(homes, dops: Sequence[int], instances) -> tuple[int | None, ...]:
+    """``homes`` validated against the batches' DoPs and the live instances."""
+    if homes is None:
+        return (None,) * len(dops)
+    homes = tuple(homes)
+    if len(homes) != len(dops):
+        raise PlanError(f"{len(dops)} batches but {len(homes)} homes")
+    pinned = [h for h in homes if h is not None]
+    for b, (h, d) in enumerate(zip(homes, dops)):
+        if h is None:
+            continue
+        if type(h) is not int or h not in instances:
+            raise PlanError(f"batch {b}: home {h!r} is not a live instance")
+        if d != 1:
+            raise PlanError(f"batch {b}: a pinned home needs DoP 1, got {d}")
+    if len(set(pinned)) != len(pinned):
+        raise PlanError(f"two batches pinned to one home: {pinned}")
+    return homes

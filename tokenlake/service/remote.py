@@ -147,8 +147,10 @@ class RemoteControlPlane:
         request = CpCacheLoad(tuple(tuple(r) for r in reqs), hardware, latency)
         return self._call(request, CpLoad).load
 
-    def gen_plans(self, batches: Sequence[Batch], dops: Sequence[int]) -> Plans:
-        plans = self._call(CpGenPlans(tuple(batches), tuple(dops)), CpPlans).plans
+    def gen_plans(self, batches: Sequence[Batch], dops: Sequence[int],
+                  homes: Sequence[int | None] | None = None) -> Plans:
+        homes = None if homes is None else tuple(homes)
+        plans = self._call(CpGenPlans(tuple(batches), tuple(dops), homes), CpPlans).plans
         self._in_flight.add(plans.iteration)
         return plans
 

@@ -210,7 +210,7 @@ class ControlServer:
         return CpLoad(self.cluster.control.get_cache_load(req.reqs, req.hardware, req.latency))
 
     def _gen_plans(self, req: CpGenPlans) -> CpPlans:
-        plans = self.cluster.control.gen_plans(req.batches, req.dops)
+        plans = self.cluster.control.gen_plans(req.batches, req.dops, req.homes)
         self._issued[plans.iteration] = plans
         return CpPlans(plans)
 

@@ -85,12 +85,13 @@ class CpLoad(_PlainBody, WireMessage):
 
 @dataclass(frozen=True)
 class CpGenPlans(_PlainBody, WireMessage):
-    """``CP_GEN_PLANS`` ``{"batches": [Batch], "dops": [int]}``: ``gen_plans``;
-    answered with :class:`CpPlans`."""
+    """``CP_GEN_PLANS`` ``{"batches": [Batch], "dops": [int], "homes": [int | None] | None}``:
+    ``gen_plans``; answered with :class:`CpPlans`."""
 
     KIND = Kind.CP_GEN_PLANS
     batches: tuple[Batch, ...]
     dops: tuple[int, ...]
+    homes: tuple[int | None, ...] | None
 
 
 @dataclass(frozen=True)

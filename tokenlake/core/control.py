@@ -289,9 +289,10 @@ class ControlPlane:
 
 
 #: Whose KV a pool holds: TokenLake's own engines (K in the GGUF's interleaved-RoPE
-#: order), or vLLM's CPU pages, opaque (``tokenlake.integrations.vllm``). Part of the
-#: namespace: the two never match each other.
-KV_LAYOUTS = ("tokenlake", "vllm-cpu")
+#: order); vLLM's CPU pages, opaque (``tokenlake.integrations.vllm``, load mode); or
+#: vLLM's K/V rows in Hugging Face's head order, attended in the pool (its query mode).
+#: Part of the namespace: no two of them ever match each other.
+KV_LAYOUTS = ("tokenlake", "vllm-cpu", "hf")
 
 
 def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_tokens: int,

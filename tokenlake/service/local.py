@@ -170,8 +170,9 @@ def serve_local(
     :class:`Served`. ``engine_host`` is what the engines bind. Every engine and the
     control port speak CURVE with keys made for this pool, unless ``insecure``; the
     control port's credentials go to ``credentials`` (see :func:`pool_service`).
-    ``kv_layout="vllm-cpu"``: a pool for vLLM's connector (its namespace keeps vLLM's
-    pages apart), served without the HTTP API (vLLM computes, not this process).
+    ``kv_layout="vllm-cpu"`` or ``"hf"``: a pool for vLLM's connector (load or query
+    mode; the namespace keeps vLLM's KV apart), served without the HTTP API (vLLM
+    computes, not this process).
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.

@@ -114,8 +114,9 @@ class ServeSettings:
                            "pool) or 'reference' (the same model, no pool, no prefix cache: the "
                            "baseline)", choices=ENGINES, metavar="NAME")
     kv_layout: str = _setting("tokenlake", "str", "whose KV the pool holds: 'tokenlake' (its own "
-                              "engines, with the HTTP API) or 'vllm-cpu' (vLLM's CPU pages through "
-                              "tokenlake.integrations.vllm; no HTTP API)", choices=KV_LAYOUTS,
+                              "engines, with the HTTP API), 'vllm-cpu' (vLLM's CPU pages: the vLLM connector's load "
+                              "mode) or 'hf' (vLLM's K/V rows, attended in the pool: its query "
+                              "mode); the vLLM layouts have no HTTP API", choices=KV_LAYOUTS,
                               metavar="NAME")
     bind: str = _setting("127.0.0.1", "str", "engine address: IP, interface name or 'node'",
                          _address, metavar="WHAT")

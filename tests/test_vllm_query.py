@@ -1,0 +1,103 @@
+"""vLLM in the connector's query mode (issue #18): the pooled prefix is attended in the
+pool, never copied into vLLM.
+
+A pool of vLLM's K/V rows (``kv_layout="hf"``, C = 64, not a multiple of vLLM's block
+size: nothing is copied block-wise) is served from this process. Two vLLM engines, one
+after the other, each in a process of its own and each attached to its own pool instance,
+run with the connector in query mode. The first computes a long document and stores every
+token; the second asks other questions about it, several at once: their prefix is found
+in the pool, attended there layer by layer (the pool's query engines, with their
+partials merged with vLLM's attention over the new tokens), and the greedy outputs equal
+the reference engine's (which equals vLLM's without a connector, tests/test_vllm.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+C = 64
+NO_PREFIX_CACHE = {"enable_prefix_caching": False, "async_scheduling": False}
+
+
+@pytest.fixture(scope="module")
+def pool(smollm2):
+    from tokenlake.dataplane import credentials
+    from tokenlake.deploy.local import LocalCluster
+    from tokenlake.service.server import ControlServer
+
+    spec = smollm2[0].config.to_model_spec("smollm2-135m")
+    with LocalCluster(2, spec, 96 << 20, segment_tokens=C, max_rows=2048,
+                      kv_layout="hf") as cluster, ControlServer(cluster) as server:
+        path = credentials.write(credentials.default_path(server.address), server.credentials())
+        try:
+            yield cluster, server
+        finally:
+            credentials.remove(path)
+
+
+def run_vllm(model_dir, prompts, max_tokens, address, instance, timeout_s=10.0,
+             kwargs=NO_PREFIX_CACHE, expect_ok=True):
+    cfg = {"kv_connector": "TokenLakeConnector",
+           "kv_connector_module_path": "tokenlake.integrations.vllm",
+           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": {"address": address, "timeout_s": timeout_s,
+                                         "mode": "query", "instance": instance}}
+    args = [sys.executable, str(WORKER), str(model_dir), json.dumps(prompts), str(max_tokens),
+            json.dumps(cfg), json.dumps(kwargs)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=400, check=False)
+    if not expect_ok:
+        return done
+    assert done.returncode == 0, done.stderr[-4000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
+    return json.loads(line)["outputs"]
+
+
+def test_a_second_vllm_attends_the_first_ones_document_in_the_pool(smollm2, smollm2_hf, pool):
+    _, tok, ref = smollm2
+    cluster, server = pool
+    doc = tok.encode(" ".join(f"Entry {i}: the lighthouse at cape {i % 5} logged "
+                              f"{(i * 41) % 90} gulls." for i in range(40)))
+    assert len(doc) > 6 * C
+    first = doc + tok.encode(" Question: which cape is logged most often?")
+    others = [doc + tok.encode(" Question: what did entry 7 log?"),
+              doc + tok.encode(" Question: how many gulls in entry 30?")]
+    out_a = run_vllm(smollm2_hf, [first], 12, server.address, instance=0)
+    before = cluster.control.stats()
+    assert before.pool.segments >= len(doc) // C, "the first engine stored the document"
+    out_b = run_vllm(smollm2_hf, others, 12, server.address, instance=1)
+    after = cluster.control.stats()
+    hits = [lcp(first, p) // C * C for p in others]
+    assert min(hits) >= len(doc) // C * C
+    assert after.hit_tokens - before.hit_tokens == sum(hits), \
+        "both questions found the document in the pool"
+    # every prompt token after the hit went through a committed pool step (a step that
+    # failed and fell back to vLLM alone would have been aborted, not counted)
+    assert after.prefill_tokens - before.prefill_tokens >= \
+        sum(len(p) - h for p, h in zip(others, hits))
+    assert out_a[0] == ref.generate(first, 12, stop_ids=()).output_ids
+    for prompt, out in zip(others, out_b):
+        assert out == ref.generate(prompt, 12, stop_ids=()).output_ids
+    assert cluster.control.live_requests == ()  # every request released in the pool
+    cluster.control.check()
+
+
+def lcp(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_query_mode_needs_vllms_prefix_cache_off(smollm2_hf, pool):
+    _, server = pool
+    done = run_vllm(smollm2_hf, [[1, 2, 3]], 2, server.address, instance=0,
+                    kwargs={"async_scheduling": False}, expect_ok=False)
+    assert done.returncode != 0
+    assert "--no-enable-prefix-caching" in done.stderr + done.stdout

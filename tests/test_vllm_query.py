@@ -101,3 +101,32 @@ def test_query_mode_needs_vllms_prefix_cache_off(smollm2_hf, pool):
                     kwargs={"async_scheduling": False}, expect_ok=False)
     assert done.returncode != 0
     assert "--no-enable-prefix-caching" in done.stderr + done.stdout
+
+
+def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, smollm2_hf, pool):
+    """The pool's query engines are gone when the second engine runs: the control plane
+    still finds the document and leases it, but the step cannot use the pool. The
+    connector aborts the step's plans and reports the requests whose prefix only the pool
+    held as load errors; vLLM discards their output and computes them itself (falling back
+    to its own blocks from then on), and the answers are still the reference's."""
+    _, tok, ref = smollm2
+    cluster, server = pool
+    doc = tok.encode(" ".join(f"Note {i}: the ferry to isle {i % 6} carried {(i * 29) % 80} "
+                              f"crates." for i in range(36)))
+    first = doc + tok.encode(" Which isle gets most crates?")
+    second = doc + tok.encode(" What did note 9 carry?")
+    run_vllm(smollm2_hf, [first], 4, server.address, instance=0)
+    before = cluster.control.stats()
+    for instance in (0, 1):
+        cluster.kill("query", instance)
+    done = run_vllm(smollm2_hf, [second], 8, server.address, instance=1, timeout_s=2.0,
+                    expect_ok=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
+    assert json.loads(line)["outputs"][0] == ref.generate(second, 8, stop_ids=()).output_ids
+    assert "could not use the pool" in done.stderr  # the failure path ran
+    assert cluster.control.stats().hit_tokens > before.hit_tokens  # the prefix was leased
+    assert cluster.control.live_requests == ()
+    for instance in cluster.failed_instances():  # leave the pool whole for other tests
+        cluster.remove_instance(instance)
+        cluster.restart_instance(instance)

@@ -16,12 +16,18 @@ from tokenlake.core.errors import ConfigError
 
 
 def test_the_layout_is_part_of_the_namespace():
-    own, vllm = (pool_control(1, TINY, POOL_BYTES, C, 4, clock=lambda: 0.0, kv_layout=k)
-                 for k in KV_LAYOUTS)
-    assert own.config.namespace != vllm.config.namespace
-    assert vllm.config.namespace.endswith("/vllm-cpu")
+    pools = {k: pool_control(1, TINY, POOL_BYTES, C, 4, clock=lambda: 0.0, kv_layout=k)
+             for k in KV_LAYOUTS}
+    assert set(KV_LAYOUTS) == {"tokenlake", "vllm-cpu", "hf"}
+    assert pools["vllm-cpu"].config.namespace.endswith("/vllm-cpu")
+    assert pools["hf"].config.namespace.endswith("/hf")
     tokens = list(range(1, 4 * C + 1))
-    assert set(own.pool.hasher.keys(tokens)).isdisjoint(vllm.pool.hasher.keys(tokens))
+    keys = {k: set(cp.pool.hasher.keys(tokens)) for k, cp in pools.items()}
+    for a in KV_LAYOUTS:  # no two layouts share a namespace or a key
+        for b in KV_LAYOUTS:
+            if a < b:
+                assert pools[a].config.namespace != pools[b].config.namespace
+                assert keys[a].isdisjoint(keys[b]), (a, b)
     with pytest.raises(ConfigError, match="kv_layout"):
         pool_control(1, TINY, POOL_BYTES, C, 4, clock=lambda: 0.0, kv_layout="paged")
 

@@ -95,12 +95,49 @@ def lcp(a, b) -> int:
     return n
 
 
-def test_query_mode_needs_vllms_prefix_cache_off(smollm2_hf, pool):
-    _, server = pool
-    done = run_vllm(smollm2_hf, [[1, 2, 3]], 2, server.address, instance=0,
-                    kwargs={"async_scheduling": False}, expect_ok=False)
-    assert done.returncode != 0
-    assert "--no-enable-prefix-caching" in done.stderr + done.stdout
+def test_the_query_mode_refuses_what_it_cannot_serve(pool, smollm2):
+    """Refused at start-up, before anything is read or stored: vLLM's own prefix cache or
+    asynchronous scheduling on, speculative decoding, an unknown mode, a pool instance that
+    does not exist, a pool of vLLM's pages (the load mode's layout)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tokenlake.core.errors import ConfigError
+    from tokenlake.deploy.local import LocalCluster
+    from tokenlake.integrations.vllm import TokenLakeConnector
+    from tokenlake.service.server import ControlServer
+
+    _, served = pool
+
+    def connector(server=served, prefix_cache=False, async_sched=False, spec=None, **extra):
+        cfg = SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config={
+                "address": server.address, "credentials": server.credentials(),
+                "mode": "query", **extra}),
+            cache_config=SimpleNamespace(block_size=128, enable_prefix_caching=prefix_cache),
+            scheduler_config=SimpleNamespace(async_scheduling=async_sched),
+            speculative_config=spec)
+        return TokenLakeConnector(cfg, KVConnectorRole.SCHEDULER)
+
+    with pytest.raises(ConfigError, match="--no-enable-prefix-caching"):
+        connector(prefix_cache=True)
+    with pytest.raises(ConfigError, match="--no-async-scheduling"):
+        connector(async_sched=True)
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        connector(spec=SimpleNamespace(method="ngram"))
+    with pytest.raises(ConfigError, match="mode must be one of"):
+        connector(mode="copy")
+    with pytest.raises(ConfigError, match="instance must be one of"):
+        connector(instance=2)
+    spec = smollm2[0].config.to_model_spec("smollm2-135m")
+    with LocalCluster(1, spec, 16 << 20, segment_tokens=128, max_rows=128,
+                      kv_layout="vllm-cpu") as pages, ControlServer(pages) as server:
+        with pytest.raises(ConfigError, match="--kv-layout hf"):
+            connector(server)
+    ok = connector()  # the same settings, corrected, are taken
+    assert ok.mode == "query" and ok.home == 0
+    ok.shutdown()
 
 
 def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, smollm2_hf, pool):
@@ -130,3 +167,43 @@ def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, smollm
     for instance in cluster.failed_instances():  # leave the pool whole for other tests
         cluster.remove_instance(instance)
         cluster.restart_instance(instance)
+
+
+def test_vllms_openai_server_in_query_mode_on_a_served_pool(smollm2, smollm2_hf, tmp_path):
+    """The README's commands: a pool served for vLLM (``serve_local``, what ``tokenlake
+    serve --kv-layout hf`` runs) and vLLM's OpenAI-compatible server with the connector in
+    query mode. A second question about a document finds it in the pool (vLLM's own prefix
+    cache is off), and both completions are the reference's text."""
+    import httpx
+    from service_util import serving_locally
+
+    import tokenlake
+    from tokenlake.tools.bench_vllm import _free_port, _server, _stop, _wait_ready
+
+    weights, tok, ref = smollm2
+    spec = weights.config.to_model_spec("smollm2-135m")
+    doc = tok.encode(" ".join(f"Log {i}: the weir at mill {i % 4} held {(i * 23) % 70} cm."
+                              for i in range(30)))
+    prompts = [doc + tok.encode(" Which mill is named first?"),
+               doc + tok.encode(" What did log 11 hold?")]
+    with serving_locally(spec, 2, 48 << 20, 128, 2048, control_port=0, http_port=0,
+                         kv_layout="hf") as served:
+        address = served.info()["address"]
+        port = _free_port()
+        proc = _server(smollm2_hf, port, address, tmp_path / "vllm.log", "query", 0)
+        try:
+            _wait_ready(port, proc)
+            texts = []
+            for prompt in prompts:
+                body = {"model": str(smollm2_hf), "prompt": prompt, "max_tokens": 10,
+                        "temperature": 0, "ignore_eos": True}
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)
+                r.raise_for_status()
+                texts.append(r.json()["choices"][0]["text"])
+        finally:
+            _stop(proc)
+        with tokenlake.connect(address) as cp:
+            stats = cp.stats()
+    assert stats.hit_tokens >= len(doc) // 128 * 128, "the second question found the document"
+    for prompt, text in zip(prompts, texts):
+        assert text == tok.decode(ref.generate(prompt, 10, stop_ids=()).output_ids)

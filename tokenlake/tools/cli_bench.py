@@ -141,6 +141,9 @@ def add_vllm(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", type=positive(int), default=4, help="documents (one TTFT pair each)")
     p.add_argument("--doc-tokens", type=positive(int), default=4096, metavar="TOKENS",
                    help="tokens per document (at most 8,000: the model's context)")
+    p.add_argument("--mode", choices=("load", "query"), default="load",
+                   help="the connector's mode: copy the prefix into vLLM (load) or attend "
+                        "over it in the pool (query)")
     _json_flag(p, always=True)
     p.set_defaults(run=run_vllm)
 
@@ -154,7 +157,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise UsageError("bench vllm: --doc-tokens must be at most 8000 (the model's context)")
     from tokenlake.tools.bench_vllm import bench_vllm  # torch, engines, vLLM servers
 
-    print(json.dumps(bench_vllm(args.docs, args.doc_tokens), indent=2))
+    print(json.dumps(bench_vllm(args.docs, args.doc_tokens, mode=args.mode), indent=2))
     return 0
 
 

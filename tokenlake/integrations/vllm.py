@@ -474,7 +474,7 @@ class TokenLakeConnector(KVConnectorBase_V1):
         failed = state is None or state.failed
         if not failed:
             try:
-                state.client.wait_puts(self.cp.timeout_s)
+                state.finish()
                 self.cp.complete(step.plans)
             except Exception as e:
                 state.fail(e)

@@ -40,6 +40,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from tokenlake.core.plans import Plans
 from tokenlake.dataplane.attention import merge
 from tokenlake.dataplane.attention_cpu import partial_attention, single_token_attention
+from tokenlake.model.compute import COALESCE_PUT_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class StepState:
         self.q_buf = self.kv_buf = None
         self.spans = {}
         self.queried_rows = 0
+        self.coalesced = False  # layers whose put waits for finish()
         self.wait_s = 0.0
         self._maps: dict[int, tuple] = {}
         if client is not None and step.plans is not None:
@@ -96,6 +98,12 @@ class StepState:
                 self.kv_buf = client.init_transfer(tp)
             except Exception as e:  # the step runs without the pool; reported after it
                 self.fail(e)
+
+    def finish(self) -> None:
+        """After the forward pass: the coalesced put, then every put stored."""
+        if self.coalesced:
+            self.client.put(0, self.kv_buf.shape[0])
+        self.client.wait_puts(self.timeout_s)
 
     def fail(self, error: BaseException) -> None:
         if not self.failed:
@@ -144,7 +152,10 @@ class StepState:
             return None
         try:
             self.kv_buf[layer, dst] = torch.stack((k[src], v[src]), dim=1).float()
-            self.client.put(layer)
+            if len(src) > COALESCE_PUT_ROWS:
+                self.client.put(layer)
+            else:  # a few rows (decode): one put of every layer after the pass (finish)
+                self.coalesced = True
             self.q_buf[dst] = q[src].float()
             handle = self.client.query_async(layer)
         except Exception as e:

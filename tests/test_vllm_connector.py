@@ -39,7 +39,10 @@ def pool(smollm2):
             credentials.remove(path)
 
 
-def run_vllm(model_dir, prompts, max_tokens, address=None, timeout_s=10.0) -> list[list[int]]:
+def run_vllm(model_dir, prompts, max_tokens, address=None, timeout_s=10.0,
+             loads_fail=False) -> list[list[int]]:
+    """Greedy outputs of a vLLM process; asserts that its loads from the pool all
+    succeeded (or, with ``loads_fail``, that one failed and was computed instead)."""
     args = [sys.executable, str(WORKER), str(model_dir), json.dumps(prompts), str(max_tokens)]
     if address is not None:
         args.append(json.dumps({
@@ -49,6 +52,7 @@ def run_vllm(model_dir, prompts, max_tokens, address=None, timeout_s=10.0) -> li
             "kv_connector_extra_config": {"address": address, "timeout_s": timeout_s}}))
     done = subprocess.run(args, capture_output=True, text=True, timeout=400, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert ("loading from the pool failed" in done.stderr) == loads_fail, done.stderr[-4000:]
     (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
     return json.loads(line)["outputs"]
 
@@ -87,7 +91,7 @@ def test_a_pool_that_dies_before_the_load_makes_vllm_compute(smollm2, smollm2_hf
     run_vllm(smollm2_hf, [first], 4, server.address)
     for instance in (0, 1):
         cluster.kill("transfer", instance)
-    out = run_vllm(smollm2_hf, [second], 8, server.address, timeout_s=2.0)
+    out = run_vllm(smollm2_hf, [second], 8, server.address, timeout_s=2.0, loads_fail=True)
     assert out[0] == ref.generate(second, 8, stop_ids=()).output_ids
     for instance in cluster.failed_instances():  # leave the pool whole for other tests
         cluster.remove_instance(instance)

@@ -5,11 +5,11 @@ resolves its attention backend."""
 
 from __future__ import annotations
 
-BACKEND = "tokenlake.integrations.vllm_query.TokenLakeAttentionBackend"
+BACKEND = "tokenlake.integrations.vllm_backend.TokenLakeAttentionBackend"
 
 
 def register() -> None:
-    """``CPU_ATTN`` becomes :class:`~tokenlake.integrations.vllm_query.TokenLakeAttentionBackend`:
+    """``CPU_ATTN`` becomes :class:`~tokenlake.integrations.vllm_backend.TokenLakeAttentionBackend`:
     the same backend, unless the TokenLake connector runs in query mode."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

@@ -30,48 +30,23 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from tokenlake.core.plans import Plans
+from tokenlake.core.errors import ConfigError, TokenLakeError
+from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane.attention import merge
 from tokenlake.dataplane.attention_cpu import partial_attention, single_token_attention
+from tokenlake.integrations.vllm_meta import (
+    FailedRequests,
+    QueryStep,
+    TokenLakeMetadata,
+    layer_index,
+)
 from tokenlake.model.compute import COALESCE_PUT_ROWS
 
 log = logging.getLogger(__name__)
-
-CONNECTOR = "TokenLakeConnector"
-
-
-@dataclass
-class QueryStep:
-    """The scheduler's plan of one step in query mode: ``plans`` (one sub-batch at the
-    connector's instance; None when nothing goes through the pool this step),
-    ``anchors`` (vLLM block of a request's first new token -> request id),
-    ``first_block`` (request id -> its first vLLM block: what a failed step reports as a
-    load error, so vLLM computes the request again) and ``external`` (the requests with a
-    pooled prefix that vLLM's blocks do not hold: only these need computing again)."""
-
-    plans: Plans | None
-    anchors: dict[int, str] = field(default_factory=dict)
-    first_block: dict[str, int] = field(default_factory=dict)
-    external: frozenset[str] = frozenset()  # requests with pooled tokens vLLM never computed
-
-
-@dataclass
-class FailedRequests(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: requests whose step did not reach the pool (the scheduler
-    releases them in the pool; vLLM computes them again)."""
-
-    request_ids: frozenset[str] = frozenset()
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, FailedRequests)
-        return FailedRequests(self.request_ids | other.request_ids)
 
 
 class StepState:
@@ -189,70 +164,146 @@ def _cat(index: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(index) if index else torch.empty(0, dtype=torch.long)
 
 
-def query_mode_configured(vllm_config) -> bool:
-    """Whether ``vllm_config`` runs the TokenLake connector in query mode."""
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    if kv is None or getattr(kv, "kv_connector", None) != CONNECTOR:
-        return False
-    return (kv.kv_connector_extra_config or {}).get("mode", "load") == "query"
 
-
-class TokenLakeAttentionImpl(CPUAttentionBackendImpl):
-    """``CPU_ATTN``'s implementation, with the pooled prefix attended through TokenLake
-    when the connector runs in query mode (decoder self-attention only)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        from vllm.config import get_current_vllm_config
-        from vllm.v1.attention.backend import AttentionType
-
-        self.tokenlake_query = (query_mode_configured(get_current_vllm_config())
-                                and self.attn_type == AttentionType.DECODER)
-        if self.tokenlake_query:
-            self._check_query_mode()
-
-    def _check_query_mode(self) -> None:
-        """The pool's query engines compute plain softmax attention with scale
-        ``1/sqrt(head_dim)``; refuse a layer that needs anything else."""
-        from tokenlake.core.errors import ConfigError
-
-        unsupported = {
-            "a sliding window": self.sliding_window not in (None, -1),
-            "ALiBi": self.alibi_slopes is not None,
-            "a logits soft cap": bool(self.logits_soft_cap),
-            "attention sinks": self.sinks is not None,
-            "an FP8 KV cache": self.is_fp8_kv_cache,
-            f"the softmax scale {self.scale} (the pool uses 1/sqrt({self.head_size}))":
-                abs(self.scale - self.head_size ** -0.5) > 1e-6 * self.scale,
-        }
-        bad = [what for what, yes in unsupported.items() if yes]
-        if bad:
-            raise ConfigError(f"the query mode cannot serve a layer with {', '.join(bad)}")
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        if not self.tokenlake_query or attn_metadata is None:
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        n = attn_metadata.num_actual_tokens
-        pooled = get_kv_transfer_group().attend(layer.layer_name, query[:n], key[:n], value[:n],
-                                                attn_metadata, self.scale)
-        if pooled is None or not pooled[2]:
-            # requests the pool does not serve this step: vLLM's own attention over its
-            # blocks (right for every request whose tokens this instance computed itself)
-            super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                            output_scale, output_block_scale)
-        if pooled is not None:
-            rows, out, _ = pooled
-            output[rows] = out.reshape(len(rows), *output.shape[1:]).to(output.dtype)
-        return output
-
-
-class TokenLakeAttentionBackend(CPUAttentionBackend):
-    """``CPU_ATTN`` with :class:`TokenLakeAttentionImpl` (same name, metadata, cache)."""
+class QueryMode:
+    """The query mode's methods of :class:`~tokenlake.integrations.vllm.TokenLakeConnector`."""
 
     @staticmethod
-    def get_impl_cls() -> type[TokenLakeAttentionImpl]:
-        return TokenLakeAttentionImpl
+    def _check_query_mode(vllm_config) -> None:
+        """The query mode keeps no KV in vLLM's blocks: vLLM's own prefix cache would
+        match empty blocks, and a step must finish before the next is planned."""
+        cache = getattr(vllm_config, "cache_config", None)
+        if getattr(cache, "enable_prefix_caching", False):
+            raise ConfigError("the query mode keeps vLLM's KV in the pool, not in its blocks: "
+                              "start vLLM with --no-enable-prefix-caching")
+        sched = getattr(vllm_config, "scheduler_config", None)
+        if getattr(sched, "async_scheduling", False):
+            raise ConfigError("the query mode plans each step after the previous one "
+                              "completed: start vLLM with --no-async-scheduling")
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            raise ConfigError("the query mode does not support speculative decoding")
+
+    def _plan_query(self, scheduler_output, done: dict[str, int], meta: TokenLakeMetadata) -> QueryStep:
+        """Query mode: one sub-batch at this instance with the new tokens of every
+        scheduled request the pool serves. A request whose computed tokens are not what
+        the pool holds for it (a failed step, a prefix evicted before its lease) leaves
+        the pool: if vLLM computed all its tokens itself, vLLM attends over its own blocks
+        from then on; if part of them was only in the pool, its first block is reported
+        as a load error, so vLLM discards this step's output and computes it again."""
+        reqs, anchors, first, external = [], {}, {}, set()
+        for rid, upto in done.items():
+            n = scheduler_output.num_scheduled_tokens[rid]
+            start = upto - n
+            blocks = self._blocks.get(rid, [])
+            request = self._requests.get(rid)
+            if rid in self._local or request is None or not blocks:
+                continue
+            if rid in self._admitted and self._pool_len.get(rid, 0) != start:
+                self._release(rid)  # what the pool holds for it is not what vLLM computed
+            if start == 0:
+                self._external.pop(rid, None)  # computed from the start: vLLM holds it all
+            elif rid not in self._admitted:
+                if self._external.pop(rid, 0):
+                    meta.failed_blocks.append(blocks[0])
+                    log.info("request %s: its pooled prefix is gone; computed again", rid)
+                else:
+                    self._local.add(rid)
+                    log.info("request %s: attended by vLLM alone from now on", rid)
+                continue
+            tokens = list(request.all_token_ids[start:upto])
+            if len(tokens) != n:
+                raise TokenLakeError(f"request {rid}: {n} tokens scheduled, {len(tokens)} known")
+            reqs.append(BatchRequest(rid, tuple(tokens)))
+            anchors[blocks[start // self.block_size]] = rid
+            first[rid] = blocks[0]
+            if self._external.get(rid, 0):
+                external.add(rid)
+        if not reqs:
+            return QueryStep(None)
+        phase = "decode" if all(len(r.new_token_ids) == 1 for r in reqs) else "prefill"
+        try:
+            plans = self.cp.gen_plans([Batch(tuple(reqs), phase)], [1], homes=[self.home])
+        except TokenLakeError as e:  # nothing reaches the pool this step
+            log.warning("query mode: this step cannot be planned in the pool (%s)", e)
+            for r in reqs:
+                self._release(r.request_id)
+            meta.failed_blocks += [first[rid] for rid in external]
+            for rid in external:
+                self._external.pop(rid, None)
+            return QueryStep(None)
+        for r in reqs:
+            self._admitted.add(r.request_id)
+            self._pool_len[r.request_id] = self._pool_len.get(r.request_id, 0) + \
+                len(r.new_token_ids)
+        return QueryStep(plans, anchors, first, frozenset(external))
+
+    def update_connector_output(self, connector_output) -> None:
+        failed = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(failed, FailedRequests):
+            for rid in failed.request_ids:  # the pool did not take the step: start over
+                self._release(rid)
+
+    def _check_backend(self) -> None:
+        """The query mode needs vLLM's attention layers to run TokenLake's backend (the
+        ``vllm.general_plugins`` entry point installs it)."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = get_layers_from_vllm_config(self._vllm_config, Attention)
+        plain = [name for name, layer in layers.items()
+                 if not getattr(layer.impl, "tokenlake_query", False)]
+        if plain:
+            raise ConfigError(f"query mode: {len(plain)} attention layers (e.g. {plain[0]}) do "
+                              "not run TokenLake's backend; is the 'tokenlake_query_mode' "
+                              "vLLM plugin installed and allowed (VLLM_PLUGINS)?")
+
+    def attend(self, layer_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_metadata, scale: float) -> torch.Tensor:
+        """One attention layer of this step (called by the query-mode backend): the new
+        K/V put into the pool, q sent to it, merged with attention over the new tokens."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        step = meta.query if isinstance(meta, TokenLakeMetadata) else None
+        if self._step is None or step is None or self._step.step is not step:
+            # a new step (or a warm-up pass without metadata: attention over its own tokens)
+            step = step if step is not None else QueryStep(None)
+            client = None
+            if step.plans is not None:
+                try:
+                    client = self._client(self.home)
+                except Exception as e:
+                    log.warning("query mode: cannot reach pool instance %d: %s", self.home, e)
+            self._step = StepState(step, client, self.block_size, self.cp.timeout_s)
+        return self._step.attend(layer_index(layer_name), q, k, v, attn_metadata, scale)
+
+    def _finish_query_step(self) -> None:
+        """After the forward pass: wait for the puts and commit the step's plans, or,
+        when anything failed, abort them and make vLLM compute the affected requests."""
+        state, self._step = self._step, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        step = meta.query if isinstance(meta, TokenLakeMetadata) else None
+        if step is None or step.plans is None:
+            return
+        if state is not None and state.step is not step:
+            state = None
+        failed = state is None or state.failed
+        if not failed:
+            try:
+                state.finish()
+                self.cp.complete(step.plans)
+            except Exception as e:
+                state.fail(e)
+                failed = True
+        if failed:
+            try:
+                self.cp.abort(step.plans)
+            except Exception as e:
+                log.warning("query mode: aborting the step's plans failed: %s", e)
+            requests = {s.request_id for qp in step.plans.query_plans for s in qp.spans}
+            self._failed_requests |= requests
+            self._load_errors.update(step.first_block[rid] for rid in step.external)
+
+    def build_connector_worker_meta(self):
+        if not self._failed_requests:
+            return None
+        failed, self._failed_requests = frozenset(self._failed_requests), set()
+        return FailedRequests(failed)

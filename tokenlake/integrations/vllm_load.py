@@ -1,0 +1,233 @@
+"""The load mode of :mod:`tokenlake.integrations.vllm`: the pool holds vLLM's pages.
+
+The pool holds vLLM's KV pages as they are: a segment of ``C`` tokens is ``C /
+block_size`` vLLM blocks of one layer each, copied byte for byte (the CPU kernels may pack
+a block's K, so a block is opaque here). The pool's namespace must be the ``vllm-cpu``
+layout and ``C`` a multiple of vLLM's block size; the connector refuses other pools.
+
+Scheduler side: every step, the prompt segments that step completes are planned for
+storing (``gen_plans``, one sub-batch at the connector's instance). Worker side:
+``start_load_kv`` asks the transfer engines for the leased slots of the first
+:data:`LOAD_AHEAD_LAYERS` layers (``READ_SEGMENT``, one message per instance and layer)
+and ``wait_for_layer_load`` copies each layer into the request's blocks just before vLLM
+computes it, asking for one more layer each time: the transfers overlap the forward
+pass. A load that fails reports its blocks as load errors, so vLLM computes them.
+``save_kv_layer`` copies the completed segments' pages into the home instance's shared
+``kv`` buffer and puts the layer (asynchronous); ``wait_for_save`` waits and commits the
+plans (``complete``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from tokenlake.core.errors import TokenLakeError
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.dataplane import wire
+from tokenlake.dataplane.auth import ClusterKeys, connect_secure
+from tokenlake.dataplane.messages import ReadSegment, SegmentData, expect
+from tokenlake.dataplane.sockets import send
+from tokenlake.integrations.vllm_meta import Load, Store, TokenLakeMetadata, layer_index
+
+log = logging.getLogger(__name__)
+
+#: Load mode: layers requested ahead of the one vLLM waits for (the transfers of later
+#: layers overlap the computation of earlier ones; bounds the replies held in memory).
+LOAD_AHEAD_LAYERS = 4
+
+
+
+class _Loading:
+    """A load in progress: the replies it still expects, in order (layer, instance,
+    message id), and how many layers are in vLLM's blocks."""
+
+    def __init__(self, load: Load) -> None:
+        self.load = load
+        self.by_instance: dict[int, list[int]] = {}
+        for i, (inst, _slot) in enumerate(load.segments):
+            self.by_instance.setdefault(inst, []).append(i)
+        self.expected: deque[tuple[int, int, int]] = deque()
+        self.done_layers = 0
+        self.failed = False
+
+
+
+class LoadMode:
+    """The load mode's methods of :class:`~tokenlake.integrations.vllm.TokenLakeConnector`."""
+
+    def _plan_store(self, done: dict[str, int]) -> Store | None:
+        """One sub-batch storing the prompt segments completed by this step."""
+        reqs, rows = [], []
+        budget = self.max_rows
+        for rid, upto in done.items():
+            prompt = self._prompts.get(rid)
+            if prompt is None:
+                continue
+            have = self._pool_len.get(rid, 0)
+            end = min(upto, len(prompt)) // self.C * self.C
+            end = min(end, have + budget // self.C * self.C)
+            if end <= have:
+                continue
+            prefix = ()
+            if rid not in self._admitted:
+                prefix = tuple(prompt[:have])
+            reqs.append(BatchRequest(rid, tuple(prompt[have:end]), prefix))
+            rows.append((rid, self._blocks[rid][have // self.block_size: end // self.block_size]))
+            budget -= end - have
+        if not reqs:
+            return None
+        try:
+            plans = self.cp.gen_plans([Batch(tuple(reqs))], [1], homes=[self.home])
+        except TokenLakeError as e:  # a full pool, an evicted prefix: this step stores nothing
+            log.info("not storing this step's segments: %s", e)
+            return None
+        for r in reqs:
+            self._admitted.add(r.request_id)
+            self._pool_len[r.request_id] = self._pool_len.get(r.request_id, 0) + \
+                len(r.new_token_ids)
+        return Store(plans, rows)
+
+    def _start_loads(self, meta: TokenLakeMetadata) -> None:
+        """Requests the first layers of this step's loads (``start_load_kv``)."""
+        self._finish_loads()  # a previous pass's leftovers (none when vLLM waited per layer)
+        self._loading = [_Loading(load) for load in meta.loads]
+        self._layers = sorted(self._caches)
+        self._next = 0  # index into self._layers of the next layer to request
+        while self._next < min(LOAD_AHEAD_LAYERS, len(self._layers)):
+            self._request_layer()
+
+    def _request_layer(self) -> None:
+        """Asks the transfer engines for the next layer of every load (``READ_SEGMENT``
+        per instance), without waiting: the replies queue while vLLM computes."""
+        layer = self._layers[self._next]
+        self._next += 1
+        for ld in self._loading:
+            if ld.failed:
+                continue
+            try:
+                for inst, idx in ld.by_instance.items():
+                    slots = tuple(ld.load.segments[i][1] for i in idx)
+                    msg_id = next(self._msg_ids)
+                    send(self._sock(inst), ReadSegment(layer, slots).encode(msg_id),
+                         timeout_s=self.cp.timeout_s)
+                    ld.expected.append((layer, inst, msg_id))
+            except Exception as e:
+                self._load_failed(ld, e)
+
+    def _receive_layer(self, layer: int) -> None:
+        """Copies ``layer`` of every load into vLLM's blocks (its replies were requested
+        ``LOAD_AHEAD_LAYERS`` layers ago), then requests one more layer."""
+        cache = self._caches[layer]
+        for ld in self._loading:
+            if ld.failed or not ld.expected or ld.expected[0][0] != layer:
+                continue
+            try:
+                pages = [None] * len(ld.load.segments)
+                while ld.expected and ld.expected[0][0] == layer:
+                    _, inst, msg_id = ld.expected.popleft()
+                    reply = wire.recv(self._sock(inst), self.cp.timeout_s)
+                    if reply.msg_id != msg_id:
+                        raise TokenLakeError(f"instance {inst} answered message {reply.msg_id}, "
+                                             f"expected {msg_id}")
+                    data = expect(reply, SegmentData)
+                    for i, block in zip(ld.by_instance[inst], data.blocks):
+                        pages[i] = block
+                for i, block in enumerate(pages):
+                    dst = ld.load.blocks[i]
+                    skip = ld.load.skip if i == 0 else 0
+                    if block is not None and skip < len(dst):
+                        src = _pages_of_slot(block, self.per_seg, cache.shape)
+                        cache[dst[skip:]] = src[skip:len(dst)]
+                ld.done_layers += 1
+                if ld.done_layers == len(self._layers):
+                    load = ld.load
+                    self.loaded_tokens += sum(len(b) for b in load.blocks) * self.block_size - \
+                        load.skip * self.block_size
+            except Exception as e:
+                self._load_failed(ld, e)
+        if self._next < len(self._layers):
+            self._request_layer()
+
+    def _load_failed(self, ld: _Loading, error: BaseException) -> None:
+        """vLLM computes the load's blocks instead (never wrong tokens); the replies still
+        owed on its sockets are dropped so later reads stay in step."""
+        log.warning("request %s: loading from the pool failed: %s", ld.load.request_id, error)
+        ld.failed = True
+        self._load_errors.update(b for blocks in ld.load.blocks for b in blocks)
+        for inst in {inst for _, inst, _ in ld.expected}:
+            sock = self._socks.pop(inst, None)
+            if sock is not None:
+                sock.close(0)
+        ld.expected.clear()
+
+    def _finish_loads(self) -> None:
+        """Receives every layer still owed (a pass that did not wait for each layer)."""
+        while self._loading and any(not ld.failed and ld.expected for ld in self._loading):
+            pending = [ld.expected[0][0] for ld in self._loading if not ld.failed and ld.expected]
+            self._receive_layer(min(pending))
+        self._loading = []
+
+    def _sock(self, instance: int):
+        if instance not in self._socks:
+            import zmq
+
+            info = self.cp.client_info(instance)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            keys = None if info.keys is None else ClusterKeys.from_dict(dict(info.keys))
+            connect_secure(sock, keys)
+            sock.connect(info.endpoints["transfer"])
+            self._socks[instance] = sock
+        return self._socks[instance]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._loading:
+            self._receive_layer(layer_index(layer_name))
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TokenLakeMetadata) or meta.store is None:
+            return
+        layer = layer_index(layer_name)
+        (tp,) = meta.store.plans.transfer_plans
+        client = self._client(tp.home)
+        if self._kv_buf is None:
+            self._kv_buf = client.init_transfer(tp)
+        row = 0
+        for _rid, blocks in meta.store.rows:
+            n = len(blocks) * self.block_size
+            pages = kv_layer[blocks]  # [blocks, kv_heads, block_size, 2 * head_dim]
+            self._kv_buf[layer, row:row + n] = pages.reshape(n, *self._kv_buf.shape[2:])
+            row += n
+        self._puts.append(client.put(layer))
+
+    def _finish_store(self) -> None:
+        """Waits for this step's puts and commits its store plan (``wait_for_save``)."""
+        meta = self._get_connector_metadata()
+        puts, self._puts, self._kv_buf = self._puts, [], None
+        if not isinstance(meta, TokenLakeMetadata) or meta.store is None:
+            return
+        plans = meta.store.plans
+        try:
+            for handle in puts:
+                handle.wait()
+            self.cp.complete(plans)
+            self.stored_tokens += sum(len(b) for _, b in meta.store.rows) * self.block_size
+        except Exception as e:  # nothing of this step becomes visible
+            log.warning("storing this step's segments failed: %s", e)
+            try:
+                self.cp.abort(plans)
+            except TokenLakeError:
+                pass
+
+
+def _pages_of_slot(block: torch.Tensor, per_seg: int, cache_shape) -> torch.Tensor:
+    """A slab slot's layer ``[2, kv_heads, C, head_dim]`` back to the vLLM pages it was
+    stored from: the put wrote the pages as rows ``[C, 2, kv_heads, head_dim]`` (the
+    same bytes), and the transfer engine stored row ``r`` at token ``r`` of the slot."""
+    rows = block.permute(2, 0, 1, 3).contiguous()  # [C, 2, kv_heads, head_dim]
+    return rows.reshape(per_seg, *cache_shape[1:])
+

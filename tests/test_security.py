@@ -56,8 +56,11 @@ def handshake(endpoint: str, keys: ClusterKeys | None, *, as_owner: bool = False
     monitor = sock.get_monitor_socket()
     try:
         sock.connect(endpoint)
-        if send is not None:
-            sock.send_multipart(send)  # queued: delivered only after a handshake succeeds
+        if send is not None:  # queued: delivered only after a handshake succeeds
+            try:  # never blocks: a handshake that already failed leaves no pipe to queue on
+                sock.send_multipart(send, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         while monitor.poll(10_000):
             event = recv_monitor_message(monitor)["event"]
             if event in HANDSHAKE:

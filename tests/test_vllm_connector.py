@@ -9,16 +9,12 @@ tests/test_vllm.py)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+import vllm_worker
+from vllm_worker import connector_config
 
 pytest.importorskip("vllm")  # the connector is a vLLM class
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
 C = 128
 
 
@@ -43,18 +39,10 @@ def run_vllm(model_dir, prompts, max_tokens, address=None, timeout_s=10.0,
              loads_fail=False) -> list[list[int]]:
     """Greedy outputs of a vLLM process; asserts that its loads from the pool all
     succeeded (or, with ``loads_fail``, that one failed and was computed instead)."""
-    args = [sys.executable, str(WORKER), str(model_dir), json.dumps(prompts), str(max_tokens)]
-    if address is not None:
-        args.append(json.dumps({
-            "kv_connector": "TokenLakeConnector",
-            "kv_connector_module_path": "tokenlake.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"address": address, "timeout_s": timeout_s}}))
-    done = subprocess.run(args, capture_output=True, text=True, timeout=400, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert ("loading from the pool failed" in done.stderr) == loads_fail, done.stderr[-4000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
-    return json.loads(line)["outputs"]
+    cfg = None if address is None else connector_config(address, timeout_s=timeout_s)
+    outputs, stderr = vllm_worker.run(model_dir, prompts, max_tokens, cfg)
+    assert ("loading from the pool failed" in stderr) == loads_fail, stderr[-4000:]
+    return outputs
 
 
 def test_a_second_vllm_loads_the_prefix_the_first_stored(smollm2, smollm2_hf, pool):

@@ -12,16 +12,12 @@ the reference engine's (which equals vLLM's without a connector, tests/test_vllm
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+import vllm_worker
+from vllm_worker import connector_config
 
 pytest.importorskip("vllm")
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
 C = 64
 NO_PREFIX_CACHE = {"enable_prefix_caching": False, "async_scheduling": False}
 
@@ -42,21 +38,10 @@ def pool(smollm2):
             credentials.remove(path)
 
 
-def run_vllm(model_dir, prompts, max_tokens, address, instance, timeout_s=10.0,
-             kwargs=NO_PREFIX_CACHE, expect_ok=True):
-    cfg = {"kv_connector": "TokenLakeConnector",
-           "kv_connector_module_path": "tokenlake.integrations.vllm",
-           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"address": address, "timeout_s": timeout_s,
-                                         "mode": "query", "instance": instance}}
-    args = [sys.executable, str(WORKER), str(model_dir), json.dumps(prompts), str(max_tokens),
-            json.dumps(cfg), json.dumps(kwargs)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=400, check=False)
-    if not expect_ok:
-        return done
-    assert done.returncode == 0, done.stderr[-4000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
-    return json.loads(line)["outputs"]
+def run_vllm(model_dir, prompts, max_tokens, address, instance, timeout_s=10.0):
+    """``(outputs, stderr)`` of a vLLM process with the connector in query mode."""
+    cfg = connector_config(address, timeout_s=timeout_s, mode="query", instance=instance)
+    return vllm_worker.run(model_dir, prompts, max_tokens, cfg, NO_PREFIX_CACHE)
 
 
 def test_a_second_vllm_attends_the_first_ones_document_in_the_pool(smollm2, smollm2_hf, pool):
@@ -68,10 +53,10 @@ def test_a_second_vllm_attends_the_first_ones_document_in_the_pool(smollm2, smol
     first = doc + tok.encode(" Question: which cape is logged most often?")
     others = [doc + tok.encode(" Question: what did entry 7 log?"),
               doc + tok.encode(" Question: how many gulls in entry 30?")]
-    out_a = run_vllm(smollm2_hf, [first], 12, server.address, instance=0)
+    out_a, _ = run_vllm(smollm2_hf, [first], 12, server.address, instance=0)
     before = cluster.control.stats()
     assert before.pool.segments >= len(doc) // C, "the first engine stored the document"
-    out_b = run_vllm(smollm2_hf, others, 12, server.address, instance=1)
+    out_b, _ = run_vllm(smollm2_hf, others, 12, server.address, instance=1)
     after = cluster.control.stats()
     hits = [lcp(first, p) // C * C for p in others]
     assert min(hits) >= len(doc) // C * C
@@ -156,12 +141,10 @@ def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, smollm
     before = cluster.control.stats()
     for instance in (0, 1):
         cluster.kill("query", instance)
-    done = run_vllm(smollm2_hf, [second], 8, server.address, instance=1, timeout_s=2.0,
-                    expect_ok=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
-    assert json.loads(line)["outputs"][0] == ref.generate(second, 8, stop_ids=()).output_ids
-    assert "could not use the pool" in done.stderr  # the failure path ran
+    (out,), stderr = run_vllm(smollm2_hf, [second], 8, server.address, instance=1,
+                              timeout_s=2.0)
+    assert out == ref.generate(second, 8, stop_ids=()).output_ids
+    assert "could not use the pool" in stderr  # the failure path ran
     assert cluster.control.stats().hit_tokens > before.hit_tokens  # the prefix was leased
     assert cluster.control.live_requests == ()
     for instance in cluster.failed_instances():  # leave the pool whole for other tests

@@ -22,6 +22,26 @@ def main(model_dir: str, prompts: list[list[int]], max_tokens: int, kv_config: d
     return {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
 
 
+def connector_config(address: str, **extra) -> dict:
+    """The KV-transfer config of the TokenLake connector on the pool at ``address``."""
+    return {"kv_connector": "TokenLakeConnector",
+            "kv_connector_module_path": "tokenlake.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"address": address, **extra}}
+
+
+def run(model_dir, prompts, max_tokens, kv_config=None, kwargs=None):
+    """This script in a process of its own: ``(outputs, stderr)``; asserts it succeeded."""
+    import subprocess
+
+    args = [sys.executable, __file__, str(model_dir), json.dumps(prompts), str(max_tokens),
+            json.dumps(kv_config), json.dumps(kwargs)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
+    return json.loads(line)["outputs"], done.stderr
+
+
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
     kwargs = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None

@@ -44,11 +44,8 @@ from tokenlake.service.remote import connect
 log = logging.getLogger(__name__)
 
 LAYOUT = "vllm-cpu"  # load mode: vLLM's pages, opaque
-
 QUERY_LAYOUT = "hf"  # query mode: K/V rows [tokens, 2, kv_heads, head_dim], Hugging Face order
-
 MODES = ("load", "query")
-
 
 
 class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):

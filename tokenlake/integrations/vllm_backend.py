@@ -16,14 +16,12 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 CONNECTOR = "TokenLakeConnector"
 
 
-
 def query_mode_configured(vllm_config) -> bool:
     """Whether ``vllm_config`` runs the TokenLake connector in query mode."""
     kv = getattr(vllm_config, "kv_transfer_config", None)
     if kv is None or getattr(kv, "kv_connector", None) != CONNECTOR:
         return False
     return (kv.kv_connector_extra_config or {}).get("mode", "load") == "query"
-
 
 
 class TokenLakeAttentionImpl(CPUAttentionBackendImpl):
@@ -77,7 +75,6 @@ class TokenLakeAttentionImpl(CPUAttentionBackendImpl):
             rows, out, _ = pooled
             output[rows] = out.reshape(len(rows), *output.shape[1:]).to(output.dtype)
         return output
-
 
 
 class TokenLakeAttentionBackend(CPUAttentionBackend):

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 LOAD_AHEAD_LAYERS = 4
 
 
-
 class _Loading:
     """A load in progress: the replies it still expects, in order (layer, instance,
     message id), and how many layers are in vLLM's blocks."""
@@ -52,7 +51,6 @@ class _Loading:
         self.expected: deque[tuple[int, int, int]] = deque()
         self.done_layers = 0
         self.failed = False
-
 
 
 class LoadMode:

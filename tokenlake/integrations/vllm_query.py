@@ -164,7 +164,6 @@ def _cat(index: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(index) if index else torch.empty(0, dtype=torch.long)
 
 
-
 class QueryMode:
     """The query mode's methods of :class:`~tokenlake.integrations.vllm.TokenLakeConnector`."""
 

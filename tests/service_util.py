@@ -97,3 +97,22 @@ def serving_locally(*args, **kwargs):
         stop.set()
         thread.join(60)
     assert not thread.is_alive() and not errors, errors
+
+
+@contextlib.contextmanager
+def control_served(spec, instances: int, pool_bytes: int, segment_tokens: int, max_rows: int,
+                   kv_layout: str):
+    """A ``LocalCluster`` and its ``ControlServer``, with the credentials file that
+    clients of this machine find by default: yields ``(cluster, server)``."""
+    from tokenlake.dataplane import credentials
+    from tokenlake.deploy.local import LocalCluster
+    from tokenlake.service.server import ControlServer
+
+    with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens,
+                      max_rows=max_rows, kv_layout=kv_layout) as cluster, \
+            ControlServer(cluster) as server:
+        path = credentials.write(credentials.default_path(server.address), server.credentials())
+        try:
+            yield cluster, server
+        finally:
+            credentials.remove(path)

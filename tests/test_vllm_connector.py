@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import vllm_worker
+from service_util import control_served
 from vllm_worker import connector_config
 
 pytest.importorskip("vllm")  # the connector is a vLLM class
@@ -20,19 +21,9 @@ C = 128
 
 @pytest.fixture(scope="module")
 def pool(smollm2):
-    from tokenlake.dataplane import credentials
-    from tokenlake.deploy.local import LocalCluster
-    from tokenlake.service.server import ControlServer
-
-    weights = smollm2[0]
-    spec = weights.config.to_model_spec("smollm2-135m")
-    with LocalCluster(2, spec, 96 << 20, segment_tokens=C, max_rows=1024,
-                      kv_layout="vllm-cpu") as cluster, ControlServer(cluster) as server:
-        path = credentials.write(credentials.default_path(server.address), server.credentials())
-        try:
-            yield cluster, server
-        finally:
-            credentials.remove(path)
+    spec = smollm2[0].config.to_model_spec("smollm2-135m")
+    with control_served(spec, 2, 96 << 20, C, 1024, "vllm-cpu") as served:
+        yield served
 
 
 def run_vllm(model_dir, prompts, max_tokens, address=None, timeout_s=10.0,

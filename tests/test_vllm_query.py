@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import vllm_worker
+from service_util import control_served
 from vllm_worker import connector_config
 
 pytest.importorskip("vllm")
@@ -24,18 +25,9 @@ NO_PREFIX_CACHE = {"enable_prefix_caching": False, "async_scheduling": False}
 
 @pytest.fixture(scope="module")
 def pool(smollm2):
-    from tokenlake.dataplane import credentials
-    from tokenlake.deploy.local import LocalCluster
-    from tokenlake.service.server import ControlServer
-
     spec = smollm2[0].config.to_model_spec("smollm2-135m")
-    with LocalCluster(2, spec, 96 << 20, segment_tokens=C, max_rows=2048,
-                      kv_layout="hf") as cluster, ControlServer(cluster) as server:
-        path = credentials.write(credentials.default_path(server.address), server.credentials())
-        try:
-            yield cluster, server
-        finally:
-            credentials.remove(path)
+    with control_served(spec, 2, 96 << 20, C, 2048, "hf") as served:
+        yield served
 
 
 def run_vllm(model_dir, prompts, max_tokens, address, instance, timeout_s=10.0):

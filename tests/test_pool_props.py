@@ -77,8 +77,9 @@ class PoolModel(NodeModel):
     def free(self, inst: int) -> int:
         return self.capacity[inst] - len(self.used_slots(inst))
 
-    def lru_candidates(self, protect: bytes | None = None) -> list[tuple[bytes, int]]:
-        ev = self.evictable(protect)
+    def lru_candidates(self, protect: bytes | None = None,
+                       instance: int | None = None) -> list[tuple[bytes, int]]:
+        ev = [v for v in self.evictable(protect) if instance is None or v[1] == instance]
         if not ev:
             return []
         best = min(self.lru_order(v) for v in ev)
@@ -117,13 +118,16 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ helpers
     def expect_take(self, ring_key: bytes, protect: bytes | None):
-        """What ``_take_slot`` must do: ('free', instance), ('evict', candidates) or 'full'."""
+        """What ``_take_slot`` must do: ('free', instance), ('evict', candidates) or
+        'full': the home if free, else the first free instance in ring order, else the
+        home's least recently used evictable replica, else the pool's."""
         pref = list(self.pool.ring.preference(ring_key))
         assert sorted(pref) == sorted(self.model.capacity)
         for inst in pref:
             if self.model.free(inst) > 0:
                 return "free", inst
-        cands = self.model.lru_candidates(protect)
+        cands = self.model.lru_candidates(protect, instance=pref[0]) \
+            or self.model.lru_candidates(protect)
         return ("evict", cands) if cands else ("full", None)
 
     def took(self, expect, loc: SegmentLocation, evicted) -> None:
@@ -420,7 +424,16 @@ class PoolMachine(RuleBasedStateMachine):
             assert t.instance not in node.replicas and (rep.key, t.instance) not in targets
             targets.add((rep.key, t.instance))
             assert 0 <= t.slot < self.model.capacity[t.instance]
-            assert t.slot not in self.model.used_slots(t.instance)  # free slots only
+            if t.slot in self.model.used_slots(t.instance):
+                # A full target made room: its least recently used evictable replica went.
+                assert self.model.free(t.instance) == 0
+                cands = self.model.lru_candidates(instance=t.instance)
+                victims = [(k, i) for k, n in self.model.nodes.items()
+                           for i, r in n.replicas.items() if (i, r.slot) == (t.instance, t.slot)]
+                assert len(victims) == 1 and victims[0] in cands and victims[0][0] != rep.key
+                self.model.drop_replica(*victims[0])
+                self.evictions += 1
+                event("rebalance: evicted on the target")
             node.replicas[t.instance] = MReplica(t.slot, False, self.now)
             node.leases += 1  # the source is kept until the copy is done
             self.copies.append(rep)

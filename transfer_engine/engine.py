@@ -9,6 +9,8 @@ and executes:
   ``kv`` into the slab; rows stored elsewhere go to the peer transfer engines
   (``PEER_PUT``: one message per peer, one frame per layer and put item), and the
   compute engine is answered (``PUT_DONE``) when every store of those layers is done;
+  the plan's page copies (a page hit's shared pages into the request's own tail) are
+  done in the same layers, here or by the peer that holds both slots;
 * ``COPY_SEGMENT``: one whole segment (all layers: one contiguous block of the slab)
   to a peer (``PEER_SEGMENT``), for replication or migration;
 * ``READ_SEGMENT``: one layer of some slots, returned as frames (``SEGMENT_DATA``);
@@ -36,6 +38,7 @@ from tokenlake.dataplane.messages import (
     RegisterTransferPlan,
     ReleasePlan,
     SegmentData,
+    SlotCopy,
     SlotWrite,
     WireMessage,
 )
@@ -45,11 +48,14 @@ from tokenlake.dataplane.wire import error_message
 
 @dataclass(frozen=True)
 class TransferPlanState:
-    """A registered transfer plan: its rows, the puts into this slab, the puts per peer."""
+    """A registered transfer plan: its rows, the puts into this slab, the puts per peer,
+    and its page copies here and per peer."""
 
     rows: int
     local: tuple[PutTarget, ...]
     remote: dict[int, tuple[PutTarget, ...]]
+    copies: tuple[SlotCopy, ...] = ()
+    remote_copies: dict[int, tuple[SlotCopy, ...]] | None = None
 
 
 class TransferEngine(EngineLoop):
@@ -118,8 +124,33 @@ class TransferEngine(EngineLoop):
                 remote.setdefault(put.instance, []).append(put)
             else:
                 raise PlanError(f"instance {put.instance} is not in this cluster")
+        copies: list[SlotCopy] = []
+        remote_copies: dict[int, list[SlotCopy]] = {}
+        for cp in message.copies:
+            if cp.instance == self.spec.instance:
+                self._check_copy(cp)
+                copies.append(cp)
+            elif cp.instance in self.peers:
+                remote_copies.setdefault(cp.instance, []).append(cp)
+            else:
+                raise PlanError(f"instance {cp.instance} is not in this cluster")
         self.plans[message.plan] = TransferPlanState(
-            rows, tuple(local), {i: tuple(p) for i, p in remote.items()})
+            rows, tuple(local), {i: tuple(p) for i, p in remote.items()}, tuple(copies),
+            {i: tuple(c) for i, c in remote_copies.items()})
+
+    def _check_copy(self, cp: SlotCopy) -> None:
+        for slot in (cp.src, cp.dst):
+            if not 0 <= slot < self.num_slots:
+                raise PlanError(f"slot {slot} outside [0, {self.num_slots})")
+        if cp.src == cp.dst or not 0 < cp.tokens < self.C:
+            raise PlanError(f"a page copy of {cp.tokens} tokens from slot {cp.src} to {cp.dst} "
+                            f"does not fit a {self.C}-token segment")
+
+    def _copy_pages(self, copies: tuple[SlotCopy, ...], layers: range) -> None:
+        """slab[dst, layers, :, :, :n] = slab[src, layers, :, :, :n] for each copy."""
+        for cp in copies:
+            n, lo, hi = cp.tokens, layers.start, layers.stop
+            self.slab[cp.dst, lo:hi, :, :, :n].copy_(self.slab[cp.src, lo:hi, :, :, :n])
 
     # ----------------------------------------------------------------- puts
     def _write(self, slot: int, layer: int, offset: int, rows: torch.Tensor) -> None:
@@ -137,13 +168,17 @@ class TransferEngine(EngineLoop):
         done = lambda p: self.reply(identity, PutDone(layers.start).encode(msg_id))  # noqa: E731
         pending.on_done = done
         pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
-        for inst, puts in plan.remote.items():  # remote first: they store while we do
+        remote_copies = plan.remote_copies or {}
+        for inst in plan.remote.keys() | remote_copies.keys():  # remote first: they store while we do
+            puts = plan.remote.get(inst, ())
             items = tuple(SlotWrite(p.slot, p.offset, p.stop - p.start) for p in puts)
             tensors = tuple(kv[layer, p.start : p.stop] for layer in layers for p in puts)
-            self.ask(inst, PeerPut(layers.start, len(layers), items, tensors), pending)
+            peer_put = PeerPut(layers.start, len(layers), items, tensors, remote_copies.get(inst, ()))
+            self.ask(inst, peer_put, pending)
         for layer in layers:
             for p in plan.local:
                 self._write(p.slot, layer, p.offset, kv[layer, p.start : p.stop])
+        self._copy_pages(plan.copies, layers)
         if not pending.waiting:
             done(pending)
 
@@ -155,9 +190,14 @@ class TransferEngine(EngineLoop):
             self._check_put(it.slot, it.offset, it.rows)
             if rows.dtype != self.slab.dtype or tuple(rows.shape) != (it.rows, *want):
                 raise PlanError(f"put rows must be {self.slab.dtype} [{it.rows}, {', '.join(map(str, want))}]")
+        for cp in message.copies:
+            if cp.instance != self.spec.instance:
+                raise PlanError(f"a page copy for instance {cp.instance} sent to {self.spec.instance}")
+            self._check_copy(cp)
         writes = ((layer, it) for layer in layers for it in message.items)
         for (layer, it), rows in zip(writes, message.kv):
             self._write(it.slot, layer, it.offset, rows)
+        self._copy_pages(message.copies, layers)
 
     # ------------------------------------------------------------- segments
     def _copy(self, identity, msg_id: int, message: CopySegment) -> None:

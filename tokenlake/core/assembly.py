@@ -22,6 +22,7 @@ from typing import NamedTuple
 from tokenlake.core.dispatch import DispatchNode, dispatch, split_tokens
 from tokenlake.core.plans import (
     Batch,
+    PageCopy,
     Plans,
     PutItem,
     QueryItem,
@@ -44,6 +45,7 @@ class Prepared(NamedTuple):
     state: RequestState
     tail: tuple[int, int, int] | None  # (instance, slot, valid tokens) of the open tail
     puts: tuple[NewTokenPut, ...]
+    copy: tuple[int, int, int, int] | None = None  # a page hit's (instance, src, dst, tokens)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Part:
     tasks: tuple[QueryTask, ...]  # sealed segments, by instance
     tails: tuple[QueryTask, ...]  # open tails, by instance
     puts: tuple[PutItem, ...]
+    copies: tuple[PageCopy, ...]
     accesses: list[Access]  # per request, for access accounting
     query_rows: dict[int, int]  # q rows this part sends to each instance
     put_rows: dict[int, int]  # KV rows this part stores on each instance
@@ -112,7 +115,8 @@ class PartAssembler:
             )
             stored = sum(put.stop - put.start for put in part.puts)
             transfer_plans.append(
-                TransferPlan(part.batch, part.part, home, part.rows, part.puts, part.rows - stored)
+                TransferPlan(part.batch, part.part, home, part.rows, part.puts,
+                             part.rows - stored, part.copies)
             )
         plans = Plans(iteration, tuple(query_plans), tuple(transfer_plans), tuple(map(tuple, groups)))
         return plans, [a for part in parts for a in part.accesses]
@@ -141,6 +145,7 @@ class PartAssembler:
         """The sub-batch made of rows ``[lo, hi)`` of the batch's concatenated new tokens."""
         spans: list[RowSpan] = []
         puts: list[PutItem] = []
+        copies: list[PageCopy] = []
         tails: dict[int, list[QueryItem]] = {}
         put_rows: dict[int, int] = {}
         tail_rows: dict[int, int] = {}  # q rows that only a tail (no sealed slot) draws there
@@ -162,6 +167,8 @@ class PartAssembler:
                 if inst not in state.by_instance:  # q rows travel once per instance
                     tail_rows[inst] = tail_rows.get(inst, 0) + stop - start
             last = first + stop - start
+            if prep.copy is not None and first == 0:  # with the request's first rows
+                copies.append(PageCopy(*prep.copy))
             for put in prep.puts:
                 pa = put.start if put.start > first else first
                 pz = put.stop if put.stop < last else last
@@ -176,7 +183,7 @@ class PartAssembler:
         return Part(
             b, p, hi - lo, tuple(spans), tasks,
             tuple(QueryTask(i, tuple(items)) for i, items in sorted(tails.items())),
-            tuple(puts), accesses, query_rows, put_rows,
+            tuple(puts), tuple(copies), accesses, query_rows, put_rows,
         )
 
     def _sealed(self, members: list[tuple[RequestState, int, int]]):

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from tokenlake.core.errors import ConfigError
 
+#: Default granularity of prefix hits inside a segment (vLLM's block size too).
+DEFAULT_PAGE_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class PoolConfig:
@@ -24,6 +27,10 @@ class PoolConfig:
         replicate_low: ... until its load is at most mean x (1 + low) (hysteresis).
         max_replications: cap on copies started by one rebalance round.
         seed: seed of the RNG used for power-of-two-choices replica selection.
+        page_tokens: granularity of prefix hits inside a segment (docs/design.md §4):
+            a match returns whole segments plus the matching leading pages of the next
+            one. Must divide ``segment_tokens``; ``None`` (the default) means 16 where
+            16 divides ``C`` and ``C`` (whole segments only) elsewhere.
     """
 
     segment_tokens: int
@@ -37,9 +44,18 @@ class PoolConfig:
     replicate_low: float = 0.03
     max_replications: int = 64
     seed: int = 0
+    page_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("segment_tokens", self.segment_tokens)
+        if self.page_tokens is None:
+            page = DEFAULT_PAGE_TOKENS if self.segment_tokens % DEFAULT_PAGE_TOKENS == 0 \
+                else self.segment_tokens
+            object.__setattr__(self, "page_tokens", page)
+        _positive_int("page_tokens", self.page_tokens)
+        if self.segment_tokens % self.page_tokens:
+            raise ConfigError(f"page_tokens={self.page_tokens} must divide "
+                              f"segment_tokens={self.segment_tokens}")
         _positive_int("slots_per_instance", self.slots_per_instance)
         _positive_int("vnodes", self.vnodes)
         _positive_int("max_replications", self.max_replications)

@@ -297,12 +297,12 @@ KV_LAYOUTS = ("tokenlake", "vllm-cpu", "hf")
 
 def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_tokens: int,
                  dtype_bytes: int, clock: Callable[[], float], seed: int = 0,
-                 kv_layout: str = "tokenlake") -> ControlPlane:
+                 kv_layout: str = "tokenlake", page_tokens: int | None = None) -> ControlPlane:
     """The control plane of a cluster of ``n_instances`` slabs of ``pool_bytes`` each,
     holding as many whole segments of ``dtype_bytes`` elements as fit (the launchers'
     shared sizing), in the namespace of ``model``, ``segment_tokens`` and ``kv_layout``
-    (:data:`KV_LAYOUTS`); ``ConfigError`` without instances, for an unknown layout, or
-    when no segment fits."""
+    (:data:`KV_LAYOUTS`), with page hits of ``page_tokens`` (``None``: the default);
+    ``ConfigError`` without instances, for an unknown layout, or when no segment fits."""
     if n_instances < 1:
         raise ConfigError("need at least one instance")
     if kv_layout not in KV_LAYOUTS:
@@ -314,7 +314,7 @@ def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_to
     namespace = f"{model.name}/f32/C{segment_tokens}"
     if kv_layout != "tokenlake":
         namespace += f"/{kv_layout}"
-    config = PoolConfig(segment_tokens, namespace, slots, seed=seed)
+    config = PoolConfig(segment_tokens, namespace, slots, seed=seed, page_tokens=page_tokens)
     return ControlPlane(config, model, list(range(n_instances)), clock=clock)
 
 

@@ -25,9 +25,10 @@ class BatchRequest:
         new_token_ids: tokens computed in this iteration; their KV is put into the pool
             and they attend to the request's prefix through the pool.
         prefix_token_ids: only on the request's first iteration: the cached prefix it
-            reuses, a whole number of segments, all ready in the pool (take it from
-            ``get_prefix_tree().match(prompt)``). Empty for a request without a hit and
-            on every later iteration (the pool remembers what the request holds).
+            reuses, as ``get_prefix_tree().match(prompt)`` found it: whole segments, all
+            ready in the pool, possibly followed by whole pages that a ready next
+            segment starts with (a page hit). Empty for a request without a hit and on
+            every later iteration (the pool remembers what the request holds).
     """
 
     request_id: str
@@ -134,11 +135,24 @@ class PutItem:
 
 
 @dataclass(frozen=True)
+class PageCopy:
+    """Copy the first ``tokens`` tokens (all layers) of ``src_slot`` into ``dst_slot`` on
+    ``instance``: a request whose prefix ends inside a cached segment (a page hit) gets
+    the shared pages at the head of its own open tail, then writes its own tokens after
+    them (docs/design.md §4)."""
+
+    instance: int
+    src_slot: int
+    dst_slot: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class TransferPlan:
     """Where the new KV of one sub-batch is stored (``puts``) and what dedup saved.
 
     ``dedup_rows`` rows completed segments that the pool already had: they are not
-    stored again.
+    stored again. ``copies`` are done with the puts, layer by layer (same instance).
     """
 
     batch: int
@@ -147,6 +161,7 @@ class TransferPlan:
     num_rows: int
     puts: tuple[PutItem, ...]
     dedup_rows: int
+    copies: tuple[PageCopy, ...] = ()
 
 
 @dataclass(frozen=True)

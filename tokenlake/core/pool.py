@@ -5,10 +5,13 @@ the prefix tree and the slots goes through it. It applies the policies of
 :mod:`tokenlake.core.placement` to the mechanism (:class:`~tokenlake.core.slots.SlotPool`,
 :class:`~tokenlake.core.prefix_tree.PrefixTree`):
 
-* a new segment goes to its home on the hash ring, spilling along the ring when the
-  home is full; when the whole pool is full the globally least recently used evictable
-  replica is evicted and its slot reused; if nothing is evictable (all pinned, leased
-  or pending) a :class:`~tokenlake.core.errors.CapacityError` is raised;
+* a new segment goes to its home on the hash ring (paper §4.3). A full home spills
+  along the ring while the pool has free slots elsewhere; once the whole pool is full
+  the home's least recently used evictable replica is evicted and its slot reused, so
+  in steady state every new segment lands at its home. Only a home with nothing
+  evictable (all pinned, leased or pending) takes the globally least recently used
+  replica's slot instead; if nothing at all is evictable a
+  :class:`~tokenlake.core.errors.CapacityError` is raised;
 * open tails of running requests live in *private* slots until they fill;
 * copies of heavy hitters are started and finished by its
   :class:`~tokenlake.core.replication.Replicator`.
@@ -49,6 +52,7 @@ class Eviction:
     instance: int
     slot: int  # the freed slot; its data is intact until the slot is written again
     last_access: float  # the replica's LRU time (seconds of the pool's clock)
+    tokens: bytes | None = None  # the segment's token ids (int32 bytes), if recorded
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ class CachePool:
         self.clock = clock
         self.rng = rng if rng is not None else random.Random(config.seed)
         self.hasher = SegmentHasher(config.segment_tokens, config.namespace)
-        self.tree = PrefixTree(self.hasher)
+        self.tree = PrefixTree(self.hasher, config.page_tokens)
         self.ring = HashRing(vnodes=config.vnodes)
         self.window = AccessWindow(config.window_s, config.bucket_s)
         self.slots = SlotPool()
@@ -165,8 +169,10 @@ class CachePool:
         return by_inst[choose_replica(sorted(by_inst), load, self.rng)]
 
     # ------------------------------------------------------------- placement
-    def place(self, key: SegmentKey, parent: SegmentKey | None, index: int) -> Placement:
-        """Makes sure segment ``key`` is in the tree.
+    def place(self, key: SegmentKey, parent: SegmentKey | None, index: int,
+              tokens: Sequence[int] | bytes | None = None) -> Placement:
+        """Makes sure segment ``key`` is in the tree (with its ``tokens``, which make it
+        a candidate for page hits).
 
         Returns a new pending replica at the segment's home (``created``; ``evicted``
         names the replica evicted to make room, if any), or an existing replica (dedup:
@@ -191,7 +197,7 @@ class CachePool:
         finally:
             if guard:
                 self.tree.unlease([parent])
-        self.tree.insert(key, parent, index)
+        self.tree.insert(key, parent, index, tokens)
         self.tree.add_replica(key, loc.instance, loc.slot, self.clock())
         return Placement(loc, True, evicted)
 
@@ -211,11 +217,26 @@ class CachePool:
             raise ValueError(f"segment {key.hex()} has no other ready replica")
         self.abort(key, instance)
 
-    def allocate_private(self, owner: str, hint: bytes) -> Placement:
-        """A private slot for an open tail, placed by hashing ``hint`` on the ring
-        (``created`` is always True). Raises :class:`CapacityError` on a full pool."""
+    def allocate_private(self, owner: str, hint: bytes, instance: int | None = None,
+                         exact: bool = False) -> Placement:
+        """A private slot for an open tail, placed by hashing ``hint`` on the ring, or
+        on ``instance`` when given (as a segment at its home; with ``exact`` only there:
+        a free slot or its least recently used evictable replica's). ``created`` is
+        always True. Raises :class:`CapacityError` when no slot can be had."""
+        if exact:
+            if instance not in self.slots.instances:
+                raise ConfigError(f"unknown instance {instance}")
+            slot, evicted = self.slots.allocate(instance), None
+            if slot is None:
+                evicted = self.evict_one(instance)
+                if evicted is None:
+                    raise CapacityError(f"instance {instance} is full: every slot is pinned, "
+                                        "leased, pending or private")
+                slot = self.slots.allocate(instance)
+            self._private[(instance, slot)] = owner
+            return Placement(SegmentLocation(instance, slot), True, evicted)
         digest = hashlib.blake2b(hint, digest_size=16).digest()
-        loc, evicted = self._take_slot(digest)
+        loc, evicted = self._take_slot(digest, instance)
         self._private[(loc.instance, loc.slot)] = owner
         return Placement(loc, True, evicted)
 
@@ -234,7 +255,8 @@ class CachePool:
         return self._private.get((loc.instance, loc.slot))
 
     def seal_private(
-        self, loc: SegmentLocation, key: SegmentKey, parent: SegmentKey | None, index: int
+        self, loc: SegmentLocation, key: SegmentKey, parent: SegmentKey | None, index: int,
+        tokens: Sequence[int] | bytes | None = None,
     ) -> None:
         """A private tail filled up and became the new segment ``key``: its slot becomes
         the segment's first (pending) replica. The caller handles an already cached
@@ -243,7 +265,7 @@ class CachePool:
             raise ValueError(f"segment {key.hex()} is already cached; dedup instead of sealing")
         if (loc.instance, loc.slot) not in self._private:
             raise SegmentNotFound(f"no private slot {loc.slot} on instance {loc.instance}")
-        self.tree.insert(key, parent, index)
+        self.tree.insert(key, parent, index, tokens)
         del self._private[(loc.instance, loc.slot)]
         self.tree.add_replica(key, loc.instance, loc.slot, self.clock())
 
@@ -257,15 +279,24 @@ class CachePool:
         self._dedup += n
 
     # ------------------------------------------------------------- eviction
-    def _take_slot(self, key: SegmentKey) -> tuple[SegmentLocation, Eviction | None]:
-        """A free slot, spilling along the ring from ``key``'s home; on a full pool the
-        least recently used replica goes and its slot (the only free one) is taken."""
+    def _take_slot(
+        self, key: SegmentKey, at: int | None = None
+    ) -> tuple[SegmentLocation, Eviction | None]:
+        """A slot at ``key``'s home (or at ``at``): a free one there, else a free one
+        along the ring, else the slot of the home's least recently used evictable
+        replica, else that of the pool's."""
+        home = self.ring.home(key) if at is None else at
+        slot = self.slots.allocate(home)
+        if slot is not None:
+            return SegmentLocation(home, slot), None
         if self.slots.total_free():
             for inst in self.ring.preference(key):
                 slot = self.slots.allocate(inst)
                 if slot is not None:
                     return SegmentLocation(inst, slot), None
-        evicted = self.evict_one()
+        evicted = self.evict_one(home)
+        if evicted is None:
+            evicted = self.evict_one()
         if evicted is None:
             raise CapacityError(
                 f"pool full: {sum(self.slots.capacity(i) for i in self.instances)} slots are all "
@@ -274,19 +305,20 @@ class CachePool:
         inst = evicted.instance
         return SegmentLocation(inst, self.slots.allocate(inst)), evicted
 
-    def evict_one(self) -> Eviction | None:
-        """Evicts the least recently used evictable replica, freeing its slot; ``None``
-        if nothing is evictable."""
-        victim = self.tree.lru_victim()
+    def evict_one(self, instance: int | None = None) -> Eviction | None:
+        """Evicts the least recently used evictable replica (on ``instance`` only, if
+        given), freeing its slot; ``None`` if nothing is evictable there."""
+        victim = self.tree.lru_victim(instance)
         if victim is None:
             return None
         key, inst = victim
-        parent, index = self.tree.parent(key), self.tree.index(key)
-        last = self.tree.last_access(key, inst)
-        slot = self.tree.remove_replica(key, inst)
+        tree = self.tree
+        parent, index, tokens = tree.parent(key), tree.index(key), tree.tokens(key)
+        last = tree.last_access(key, inst)
+        slot = tree.remove_replica(key, inst)
         self.slots.free(inst, slot)
         self._evictions += 1
-        return Eviction(key, parent, index, inst, slot, last)
+        return Eviction(key, parent, index, inst, slot, last, tokens)
 
     def restore_evicted(self, evictions: Sequence[Eviction]) -> None:
         """Puts back evicted replicas (given oldest first; restored newest first), for
@@ -297,7 +329,7 @@ class CachePool:
         for ev in reversed(evictions):
             self.slots.take(ev.instance, ev.slot)
             if ev.key not in self.tree:
-                self.tree.insert(ev.key, ev.parent, ev.index)
+                self.tree.insert(ev.key, ev.parent, ev.index, ev.tokens)
             self.tree.add_replica(ev.key, ev.instance, ev.slot, ev.last_access, ready=True)
             self._evictions -= 1
 

@@ -6,12 +6,22 @@ has one or more *replicas* (instance, slot). A replica is *pending* until all it
 are stored; a segment is visible to :meth:`PrefixTree.match` only once it has a ready
 replica.
 
+Hits are exact to a *page* (``page_tokens``, docs/design.md §4): a node keeps its
+segment's token ids, and :meth:`PrefixTree.match` returns, after the whole segments, the
+child of the last one whose leading pages equal the prompt's next tokens (compared
+token for token; the chained keys only ever name whole segments). A node's children
+with tokens are kept sorted by their token bytes, so the child sharing the most
+leading pages with a prompt is a neighbour of the prompt's place in that order.
+
 Invariants kept here (and checked by :meth:`PrefixTree.check`):
 
 * every non-root node's parent is in the tree (no orphaned suffix);
 * a node with children, a pin or a lease is never removed;
 * the LRU index holds exactly the replicas that may be evicted now: ready replicas of
-  unpinned, unleased nodes that are either a leaf or have another ready replica.
+  unpinned, unleased nodes that are either a leaf or have another ready replica; it is
+  kept per instance (eviction at a segment's home picks that instance's oldest);
+* a node with two or more children holds their token bytes sorted (children inserted
+  without tokens take no part in page hits).
 
 The tree is pure bookkeeping: which slot to take and what to evict is decided by
 :class:`tokenlake.core.pool.CachePool`.
@@ -19,6 +29,7 @@ The tree is pure bookkeeping: which slot to take and what to evict is decided by
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,7 +37,7 @@ from dataclasses import dataclass
 from sortedcontainers import SortedList
 
 from tokenlake.core.errors import SegmentNotFound
-from tokenlake.core.segments import SegmentHasher, SegmentKey
+from tokenlake.core.segments import SegmentHasher, SegmentKey, token_bytes
 
 
 class _Replica:
@@ -41,13 +52,18 @@ class _Replica:
 
 
 class _Node:
-    __slots__ = ("key", "parent", "index", "children", "replicas", "leases", "pins")
+    __slots__ = ("key", "parent", "index", "tokens", "children", "order", "replicas",
+                 "leases", "pins")
 
-    def __init__(self, key: SegmentKey, parent: SegmentKey | None, index: int) -> None:
+    def __init__(self, key: SegmentKey, parent: SegmentKey | None, index: int,
+                 tokens: bytes | None = None) -> None:
         self.key = key
         self.parent = parent
         self.index = index  # position of the segment in its sequence (0 = first)
+        self.tokens = tokens  # the segment's token ids as int32 bytes (None: unknown)
         self.children: set[SegmentKey] = set()
+        # (tokens, key) of the children with tokens, sorted; only once there are two.
+        self.order: list[tuple[bytes, SegmentKey]] | None = None
         self.replicas: dict[int, _Replica] = {}
         self.leases = 0
         self.pins = 0
@@ -66,21 +82,33 @@ class SegmentLocation:
 
 @dataclass(frozen=True)
 class MatchResult:
-    """The longest cached prefix of a token sequence.
+    """The longest cached prefix of a token sequence, exact to a page.
 
     Attributes:
-        keys: keys of the matched segments, in sequence order.
+        keys: keys of the matched whole segments, in sequence order.
         replicas: for each matched segment, its ready replicas.
-        hit_tokens: tokens covered by the match (``len(keys) * C``).
+        hit_tokens: tokens covered by the match (``len(keys) * C + partial_tokens``).
+        partial_key: the segment after the whole ones whose leading ``partial_tokens``
+            tokens (whole pages) equal the sequence's next tokens, or ``None``.
+        partial_tokens: tokens of ``partial_key`` that match (0 without one).
+        partial_replicas: the ready replicas of ``partial_key``.
     """
 
     keys: tuple[SegmentKey, ...]
     replicas: tuple[tuple[SegmentLocation, ...], ...]
     hit_tokens: int
+    partial_key: SegmentKey | None = None
+    partial_tokens: int = 0
+    partial_replicas: tuple[SegmentLocation, ...] = ()
 
     @property
     def num_segments(self) -> int:
         return len(self.keys)
+
+    @property
+    def whole_tokens(self) -> int:
+        """Tokens of the whole matched segments (the hit without its partial pages)."""
+        return self.hit_tokens - self.partial_tokens
 
 
 class PrefixTree:
@@ -88,13 +116,22 @@ class PrefixTree:
 
     Args:
         hasher: the segment hasher (gives ``C`` and the namespace of the keys).
+        page_tokens: granularity of hits inside a segment (must divide ``C``; ``None``:
+            ``C``, whole segments only).
     """
 
-    def __init__(self, hasher: SegmentHasher) -> None:
+    def __init__(self, hasher: SegmentHasher, page_tokens: int | None = None) -> None:
+        c = hasher.segment_tokens
+        page = c if page_tokens is None else page_tokens
+        if not isinstance(page, int) or page < 1 or c % page:
+            raise ValueError(f"page_tokens={page_tokens!r} must be a positive divisor of C={c}")
         self.hasher = hasher
+        self.page_tokens = page
         self._nodes: dict[SegmentKey, _Node] = {}
-        self._roots: set[SegmentKey] = set()
-        self._lru = SortedList()  # (last_access, -index, seq, key, instance)
+        self._root = _Node(b"", None, -1)  # virtual: its children are the first segments
+        self._roots = self._root.children
+        # Per instance: (last_access, -index, seq, key, instance) of evictable replicas.
+        self._lru: dict[int, SortedList] = {}
         self._seq = itertools.count()
 
     # ------------------------------------------------------------------ lookup
@@ -152,7 +189,9 @@ class PrefixTree:
         return iter(self._nodes)
 
     def match(self, token_ids: Sequence[int] | bytes, max_tokens: int | None = None) -> MatchResult:
-        """Longest prefix of ``token_ids`` made of ready segments.
+        """Longest prefix of ``token_ids`` held by ready segments, exact to a page: the
+        whole segments, then the leading pages of the next segment where a ready one
+        shares them (see :meth:`partial`).
 
         Hashing is lazy and stops at the first miss. ``max_tokens`` caps the match
         (e.g. ``len(prompt) - 1`` so that at least one token is left to compute).
@@ -177,13 +216,59 @@ class PrefixTree:
                     break
                 keys.append(key)
                 where.append(locs)
-        return MatchResult(tuple(keys), tuple(where), len(keys) * c)
+        whole = len(keys) * c
+        if self.page_tokens < c and limit - whole >= self.page_tokens:
+            nxt = token_ids[whole * width : min(limit, whole + c) * width]
+            hit = self.partial(keys[-1] if keys else None, nxt)
+            if hit is not None:
+                pkey, ptok, plocs = hit
+                return MatchResult(tuple(keys), tuple(where), whole + ptok, pkey, ptok, plocs)
+        return MatchResult(tuple(keys), tuple(where), whole)
+
+    def partial(
+        self, parent: SegmentKey | None, token_ids: Sequence[int] | bytes
+    ) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
+        """The ready child of ``parent`` (``None``: the root) whose leading whole pages
+        equal the most leading tokens of ``token_ids`` (at most ``C - 1`` of them count),
+        as ``(key, tokens, ready replicas)``; ``None`` if no child shares a page.
+        Tokens are compared exactly."""
+        pnode = self._root if parent is None else self._nodes.get(parent)
+        if pnode is None or not pnode.children:
+            return None
+        seg = token_bytes(token_ids)
+        page_bytes = 4 * self.page_tokens
+        max_pages = min(len(seg) // 4, self.hasher.segment_tokens - 1) // self.page_tokens
+        if max_pages < 1:
+            return None
+        if pnode.order is not None:
+            i = bisect.bisect_left(pnode.order, (seg,))
+            cands = [pnode.order[j][1] for j in (i - 1, i) if 0 <= j < len(pnode.order)]
+        else:
+            cands = list(pnode.children)
+        best: tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None = None
+        for key in cands:
+            node = self._nodes[key]
+            if node.tokens is None:
+                continue
+            pages = _common_pages(seg, node.tokens, page_bytes, max_pages)
+            if pages and (best is None or pages * self.page_tokens > best[1]):
+                locs = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)
+                if locs:
+                    best = (key, pages * self.page_tokens, locs)
+        return best
+
+    def tokens(self, key: SegmentKey) -> bytes | None:
+        """The token ids of segment ``key`` as int32 bytes (``None`` if not recorded)."""
+        return self._node(key).tokens
 
     # ---------------------------------------------------------------- mutation
-    def insert(self, key: SegmentKey, parent: SegmentKey | None, index: int) -> bool:
+    def insert(self, key: SegmentKey, parent: SegmentKey | None, index: int,
+               tokens: Sequence[int] | bytes | None = None) -> bool:
         """Adds a node without replicas; returns False if ``key`` was already there (dedup).
 
         ``parent`` must be in the tree (``None`` for a first segment, with ``index`` 0).
+        ``tokens`` (the segment's ``C`` token ids) make the node a candidate for page
+        hits; without them only whole-segment matches find it.
         """
         if key in self._nodes:
             return False
@@ -194,13 +279,21 @@ class PrefixTree:
             raise SegmentNotFound(f"parent segment {parent.hex()} is not in the tree")
         elif self._nodes[parent].index != index - 1:
             raise ValueError("segment index must be its parent's index + 1")
-        self._nodes[key] = _Node(key, parent, index)
-        if parent is None:
-            self._roots.add(key)
-        else:
-            pnode = self._nodes[parent]
-            pnode.children.add(key)
+        raw = None if tokens is None else token_bytes(tokens)
+        if raw is not None and len(raw) != 4 * self.hasher.segment_tokens:
+            raise ValueError(f"a segment has {self.hasher.segment_tokens} tokens, got {len(raw) // 4}")
+        node = self._nodes[key] = _Node(key, parent, index, raw)
+        pnode = self._root if parent is None else self._nodes[parent]
+        pnode.children.add(key)
+        if pnode.order is not None:
+            if raw is not None:
+                bisect.insort(pnode.order, (raw, key))
+        elif len(pnode.children) > 1:
+            pnode.order = sorted((self._nodes[k].tokens, k) for k in pnode.children
+                                 if self._nodes[k].tokens is not None)
+        if parent is not None:
             self._sync(pnode)
+        del node
         return True
 
     def add_replica(
@@ -222,7 +315,7 @@ class PrefixTree:
         rep.ready = True
         rep.last_access = now
         if rep.lru_entry is not None:  # already ready and indexed: re-file at the new time
-            self._lru.remove(rep.lru_entry)
+            self._lru[rep.instance].remove(rep.lru_entry)
             rep.lru_entry = None
         self._sync(node)
 
@@ -232,9 +325,9 @@ class PrefixTree:
         rep = node.replicas[instance]
         rep.last_access = max(rep.last_access, now)
         if rep.lru_entry is not None:
-            self._lru.remove(rep.lru_entry)
+            self._lru[rep.instance].remove(rep.lru_entry)
             rep.lru_entry = self._entry(node, rep)
-            self._lru.add(rep.lru_entry)
+            self._lru.setdefault(rep.instance, SortedList()).add(rep.lru_entry)
 
     def remove_replica(self, key: SegmentKey, instance: int) -> int:
         """Drops one replica and returns its slot; the node goes when its last replica goes.
@@ -249,7 +342,7 @@ class PrefixTree:
         if len(node.replicas) == 1 and (node.children or node.pins or node.leases):
             raise ValueError(f"segment {key.hex()} is pinned, leased or has children")
         if rep.lru_entry is not None:
-            self._lru.remove(rep.lru_entry)
+            self._lru[rep.instance].remove(rep.lru_entry)
         del node.replicas[instance]
         if node.replicas:
             self._sync(node)
@@ -273,10 +366,11 @@ class PrefixTree:
         for node in reversed(order):  # leaves first
             for inst, rep in node.replicas.items():
                 if rep.lru_entry is not None:
-                    self._lru.remove(rep.lru_entry)
+                    self._lru[rep.instance].remove(rep.lru_entry)
                 dropped.append((node.key, inst, rep.slot))
             node.replicas.clear()
             node.children.clear()
+            node.order = None
             node.pins = node.leases = 0
             self._drop_node(node)
         return dropped
@@ -300,15 +394,23 @@ class PrefixTree:
         self._adjust(keys, "leases", -1)
 
     # -------------------------------------------------------------------- LRU
-    def lru_victim(self) -> tuple[SegmentKey, int] | None:
-        """The least recently used evictable replica as ``(key, instance)``, or ``None``."""
-        if not self._lru:
+    def lru_victim(self, instance: int | None = None) -> tuple[SegmentKey, int] | None:
+        """The least recently used evictable replica as ``(key, instance)`` (on
+        ``instance`` only, if given), or ``None``."""
+        if instance is not None:
+            lru = self._lru.get(instance)
+            return (lru[0][3], lru[0][4]) if lru else None
+        firsts = [lru[0] for lru in self._lru.values() if lru]
+        if not firsts:
             return None
-        entry = self._lru[0]
+        entry = min(firsts)
         return entry[3], entry[4]
 
-    def evictable_count(self) -> int:
-        return len(self._lru)
+    def evictable_count(self, instance: int | None = None) -> int:
+        """Evictable replicas (on ``instance`` only, if given)."""
+        if instance is not None:
+            return len(self._lru.get(instance, ()))
+        return sum(len(lru) for lru in self._lru.values())
 
     # -------------------------------------------------------------- internals
     def _node(self, key: SegmentKey) -> _Node:
@@ -350,25 +452,29 @@ class PrefixTree:
             want = ok and rep.ready
             if want and rep.lru_entry is None:
                 rep.lru_entry = self._entry(node, rep)
-                self._lru.add(rep.lru_entry)
+                self._lru.setdefault(rep.instance, SortedList()).add(rep.lru_entry)
             elif not want and rep.lru_entry is not None:
-                self._lru.remove(rep.lru_entry)
+                self._lru[rep.instance].remove(rep.lru_entry)
                 rep.lru_entry = None
 
     def _drop_node(self, node: _Node) -> None:
         del self._nodes[node.key]
-        if node.parent is None:
-            self._roots.discard(node.key)
-        else:
-            pnode = self._nodes.get(node.parent)
-            if pnode is not None:
-                pnode.children.discard(node.key)
-                self._sync(pnode)
+        pnode = self._root if node.parent is None else self._nodes.get(node.parent)
+        if pnode is None:
+            return
+        pnode.children.discard(node.key)
+        if pnode.order is not None and node.tokens is not None:
+            i = bisect.bisect_left(pnode.order, (node.tokens, node.key))
+            del pnode.order[i]
+        if pnode is not self._root:
+            self._sync(pnode)
 
     def check(self) -> None:
         """Asserts the invariants listed in the module docstring (for tests)."""
-        in_lru = {(e[3], e[4]) for e in self._lru}
-        assert len(in_lru) == len(self._lru)
+        entries = [e for lru in self._lru.values() for e in lru]
+        in_lru = {(e[3], e[4]) for e in entries}
+        assert len(in_lru) == len(entries)
+        assert all(e[4] == inst for inst, lru in self._lru.items() for e in lru)
         for key, node in self._nodes.items():
             if node.parent is not None:
                 assert node.parent in self._nodes, "orphaned suffix"
@@ -383,3 +489,24 @@ class PrefixTree:
                 if rep.lru_entry is not None:
                     assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
         assert all(k in self._nodes for k in self._roots)
+        for node in [self._root, *self._nodes.values()]:
+            with_tokens = sorted((self._nodes[k].tokens, k) for k in node.children
+                                 if self._nodes[k].tokens is not None)
+            if node.order is not None:
+                assert node.order == with_tokens, "children's token order out of date"
+            else:
+                assert len(node.children) <= 1, "two children without a token order"
+
+
+def _common_pages(a: bytes, b: bytes, page_bytes: int, max_pages: int) -> int:
+    """How many leading pages of ``page_bytes`` bytes ``a`` and ``b`` share (at most
+    ``max_pages``): a binary search over prefix comparisons (each one a memcmp)."""
+    lo, hi = 0, min(max_pages, len(a) // page_bytes, len(b) // page_bytes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        n = mid * page_bytes
+        if a[:n] == b[:n]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

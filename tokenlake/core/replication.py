@@ -54,6 +54,10 @@ class ReplicaStore(Protocol):
         """Drops the pending replica of ``key`` on ``instance`` (and the node if it was
         the only one) and frees its slot."""
 
+    def evict_one(self, instance: int | None = None) -> object | None:
+        """Evicts the least recently used evictable replica on ``instance``, freeing its
+        slot (``None`` if nothing there is evictable)."""
+
 
 @dataclass(frozen=True)
 class Replication:
@@ -92,6 +96,9 @@ class Replicator:
         Each returned :class:`Replication` has a pending target replica; the transfer
         engine copies the segment and the caller reports back with :meth:`finish` (or
         :meth:`abort`).
+        A target without a free slot makes room by evicting its least recently used
+        evictable replica when that one is colder (fewer reads in the window) than the
+        segment copied there, so replication keeps working once the pool is full.
         """
         pool = self._pool
         acc = self._accesses()
@@ -101,9 +108,10 @@ class Replicator:
         decisions = plan_replication(
             heavy, acc, self._holders, expected_load(acc, self._holders), pool.instances,
             high=pool.config.replicate_high, low=pool.config.replicate_low,
-            max_decisions=pool.config.max_replications, has_room=self._has_room,
+            max_decisions=pool.config.max_replications,
+            has_room=lambda inst: self._has_room(inst, acc),
         )
-        return [r for d in decisions if (r := self._start(d)) is not None]
+        return [r for d in decisions if (r := self._start(d, acc)) is not None]
 
     def start(self, key: SegmentKey, target: int) -> Replication:
         """Starts copying segment ``key`` to ``target`` by hand (operators, migration,
@@ -177,14 +185,23 @@ class Replicator:
     def _holders(self, key: SegmentKey) -> list[int]:
         return [loc.instance for loc in self._pool.tree.replicas(key, ready_only=False)]
 
-    def _has_room(self, instance: int) -> bool:
-        return self._pool.slots.free_count(instance) > 0 or self._pool.tree.evictable_count() > 0
+    def _has_room(self, instance: int, acc: dict[SegmentKey, int]) -> bool:
+        """A free slot on ``instance``, or an evictable replica there (whether it is
+        colder than the segment to copy is checked when the copy starts)."""
+        pool = self._pool
+        return pool.slots.free_count(instance) > 0 or pool.tree.lru_victim(instance) is not None
 
-    def _start(self, d: ReplicationDecision) -> Replication | None:
+    def _start(self, d: ReplicationDecision, acc: dict[SegmentKey, int] | None = None
+               ) -> Replication | None:
         pool = self._pool
         slot = pool.slots.allocate(d.target)
+        if slot is None and acc is not None:
+            # Make room on the target only, and only for a hotter segment.
+            victim = pool.tree.lru_victim(d.target)
+            if victim is not None and acc.get(victim[0], 0) < acc.get(d.key, 0):
+                pool.evict_one(d.target)
+                slot = pool.slots.allocate(d.target)
         if slot is None:
-            # Make room on the target only; never evict the segment being copied.
             return None
         src = {loc.instance: loc for loc in pool.tree.replicas(d.key)}.get(d.source)
         if src is None:

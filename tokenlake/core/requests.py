@@ -55,12 +55,16 @@ class RequestState:
     chain: list[SegmentKey] = field(default_factory=list)
     tail: SegmentLocation | None = None
     tail_tokens: list[int] = field(default_factory=list)
+    # A page hit not yet copied: (segment, tokens) its first iteration reads in place.
+    borrow: tuple[SegmentKey, int] | None = None
     busy: int = -1  # iteration whose plans are in flight for this request, -1 if none
     lost: bool = False  # part of its prefix went with a removed instance: finish it
     # Query-side resolution cache (see RequestTable.resolve).
     epoch: int = -1
     keys: tuple[SegmentKey, ...] = ()
     chosen: tuple[int, ...] = ()  # instance read for each of ``keys``
+    # (index in ``keys``, ready replicas) of the segments with several replicas
+    multi: tuple[tuple[int, tuple[SegmentLocation, ...]], ...] = ()
     by_instance: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     histogram: dict[int, int] = field(default_factory=dict)
     version: int = -1  # changes whenever the resolution above is redone
@@ -181,8 +185,11 @@ class RequestTable:
             tx.remember(rid, state.snapshot())
             return state
         prefix = req.prefix_token_ids
-        state = self._leased_state(rid, prefix, pool)
+        state = self._leased_state(rid, prefix, pool, pages=True)
         tx.leased(tuple(state.chain))
+        if state.borrow is not None:  # held until the copy of its pages is stored
+            pool.lease([state.borrow[0]])
+            tx.borrowed(state.borrow[0])
         self._states[rid] = state
         tx.remember(rid, None)
         tx.counts.admitted += 1
@@ -195,15 +202,20 @@ class RequestTable:
         self._epoch += 1
 
     def resolve(self, state: RequestState, pool: CachePool) -> None:
-        """Chooses one ready replica per chain segment (power of two choices on the
-        instances' windowed load), cached until the chain or the epoch changes.
-        Raises :class:`PlanError` for a segment no plan has finished storing yet."""
+        """Chooses one ready replica per chain segment by power of two choices on the
+        instances' windowed load, every iteration (paper §4.3: per query). The chain's
+        replica sets are looked up again only when the chain or the epoch changes; in
+        between only segments with several replicas are chosen again, and the
+        resolution's ``version`` moves only when a choice changed. Raises
+        :class:`PlanError` for a segment no plan has finished storing yet."""
         if state.epoch == self._epoch and len(state.keys) == len(state.chain):
+            if state.multi:
+                self._choose_again(state, pool)
             return
-        tree, c = pool.tree, self._c
+        tree = pool.tree
         load = pool.instance_load()
-        by_instance: dict[int, tuple[list[int], list[int]]] = {}
-        chosen: list[int] = []
+        locs_of: list[tuple[SegmentLocation, ...]] = []
+        picks: list[SegmentLocation] = []
         for key in state.chain:
             locs = tree.replicas(key)
             if not locs:
@@ -213,16 +225,44 @@ class RequestTable:
                 )
             loc = pool.choose(locs, load)
             load[loc.instance] = load.get(loc.instance, 0) + 1
-            chosen.append(loc.instance)
+            locs_of.append(locs)
+            picks.append(loc)
+        state.keys = tuple(state.chain)
+        state.multi = tuple((i, locs) for i, locs in enumerate(locs_of) if len(locs) > 1)
+        self._set_resolution(state, picks)
+        state.epoch = self._epoch
+
+    def _choose_again(self, state: RequestState, pool: CachePool) -> None:
+        """This iteration's choice among the replicas of the chain's replicated segments."""
+        load = pool.instance_load()
+        picks: list[SegmentLocation] | None = None
+        for i, locs in state.multi:
+            loc = pool.choose(locs, load)
+            load[loc.instance] = load.get(loc.instance, 0) + 1
+            if loc.instance != state.chosen[i]:
+                if picks is None:
+                    picks = [next(loc for loc in self._locs(state, pool, j)
+                                  if loc.instance == inst)
+                             for j, inst in enumerate(state.chosen)]
+                picks[i] = loc
+        if picks is not None:
+            self._set_resolution(state, picks)
+
+    @staticmethod
+    def _locs(state: RequestState, pool: CachePool, i: int) -> tuple[SegmentLocation, ...]:
+        return pool.tree.replicas(state.keys[i])
+
+    def _set_resolution(self, state: RequestState, picks: Sequence[SegmentLocation]) -> None:
+        c = self._c
+        by_instance: dict[int, tuple[list[int], list[int]]] = {}
+        for loc in picks:
             slots, toks = by_instance.setdefault(loc.instance, ([], []))
             slots.append(loc.slot)
             toks.append(c)
-        state.keys = tuple(state.chain)
         state.by_instance = {i: (tuple(s), tuple(t)) for i, (s, t) in by_instance.items()}
         state.version = next(self._versions)
         state.histogram = {i: len(s) for i, (s, _) in by_instance.items()}
-        state.chosen = tuple(chosen)
-        state.epoch = self._epoch
+        state.chosen = tuple(loc.instance for loc in picks)
 
     # -------------------------------------------------------------- lifecycle
     def set_busy(self, request_ids: Iterable[str], iteration: int) -> None:
@@ -259,14 +299,19 @@ class RequestTable:
         self.resolve(state, pool)
         return state
 
-    def _leased_state(self, rid: str, prefix: Sequence[int], pool: CachePool) -> RequestState:
-        """A new request's state holding ``prefix`` leased (not registered yet). Raises
-        :class:`PrefixNotCached` unless the prefix is whole segments, all cached and ready."""
+    def _leased_state(self, rid: str, prefix: Sequence[int], pool: CachePool,
+                      pages: bool = False) -> RequestState:
+        """A new request's state holding ``prefix`` leased (not registered yet), and with
+        ``pages`` the partial segment a page hit borrows (leased by the caller). Raises
+        :class:`PrefixNotCached` unless the prefix is whole segments (then whole pages of
+        the next one, with ``pages``), all cached and ready."""
         c = self._c
-        if len(prefix) % c:
+        unit = pool.tree.page_tokens if pages else c
+        if len(prefix) % unit:
+            what = "page" if pages and unit < c else "segment"
             raise PrefixNotCached(
                 f"request {rid!r}: prefix of {len(prefix)} tokens is not a whole "
-                f"number of {c}-token segments"
+                f"number of {unit}-token {what}s"
             )
         match = pool.tree.match(prefix)
         if match.hit_tokens != len(prefix):
@@ -275,6 +320,8 @@ class RequestTable:
                 "tokens are cached and ready"
             )
         state = RequestState(rid, chain=list(match.keys))
+        if match.partial_key is not None:
+            state.borrow = (match.partial_key, match.partial_tokens)
         pool.lease(state.chain)
         return state
 

@@ -10,16 +10,24 @@ gives every new token a slot:
   replica in place, or is released after commit when the segment was cached;
 * the remaining tokens (fewer than ``C``) open a new private tail.
 
+A new request whose declared prefix ends with a page hit (the first pages of a cached
+segment ``S``) reads those pages from ``S`` in place in its first iteration, and gets an
+open tail on the instance of the ``S`` replica it reads, into which the transfer plan
+copies ``S``'s pages (:class:`~tokenlake.core.plans.PageCopy`) while its own new tokens
+are written after them. From then on the tail is an ordinary open tail: it fills,
+seals under its chained key, and every later request matches it (docs/design.md §4).
+
 Every change goes through the pool and is recorded in the iteration's
 :class:`~tokenlake.core.transaction.Transaction`, so a failure undoes it.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from tokenlake.core.assembly import Prepared
-from tokenlake.core.errors import PlanError
+from tokenlake.core.errors import CapacityError, PlanError
 from tokenlake.core.plans import Batch
 from tokenlake.core.pool import CachePool
 from tokenlake.core.prefix_tree import SegmentLocation
@@ -52,12 +60,18 @@ class StorePlanner:
         admitted = [(batch, req, table.admit(req, pool, tx))
                     for batch in batches for req in batch.requests]
         for batch, req, state in admitted:
+            copy = None
+            if state.borrow is not None:
+                read, copy = self._take_borrow(state, tx)
             have = len(state.tail_tokens)
             prefix_tokens = len(state.chain) * c + have
             table.resolve(state, pool)
             tail = state.tail
             new = req.new_token_ids
-            if tail is not None and have + len(new) < c:  # decode fast path: tail grows
+            if copy is not None:  # the tail's head is still being copied: read S in place
+                tail_item = read
+                puts = tuple(self._place_new_tokens(state, new, tx))
+            elif tail is not None and have + len(new) < c:  # decode fast path: tail grows
                 tail_item = (tail.instance, tail.slot, have)
                 puts = (NewTokenPut(0, len(new), tail.instance, tail.slot, have, None),)
                 state.tail_tokens.extend(new)
@@ -66,8 +80,37 @@ class StorePlanner:
                 puts = tuple(self._place_new_tokens(state, new, tx))
             if batch.phase == "prefill":
                 tx.counts.prefill_tokens += len(new)
-            out[req.request_id] = Prepared(prefix_tokens, state, tail_item, puts)
+            out[req.request_id] = Prepared(prefix_tokens, state, tail_item, puts, copy)
         return out
+
+    def _take_borrow(self, state: RequestState, tx: Transaction):
+        """A new request's page hit on segment ``S``: a private tail on the instance of
+        the ``S`` replica it reads, headed by ``S``'s shared tokens. Returns the read of
+        this iteration ``(instance, slot, tokens)`` and the copy into the tail
+        ``(instance, src_slot, dst_slot, tokens)``. Raises :class:`CapacityError` when
+        no instance holding ``S`` can give a slot."""
+        pool, key, n = self._pool, *state.borrow
+        state.borrow = None
+        locs = list(pool.tree.replicas(key))
+        first = pool.choose(locs, pool.instance_load())
+        locs.sort(key=lambda loc: loc.instance != first.instance)
+        hint = state.request_id.encode() + len(state.chain).to_bytes(8, "little")
+        for src in locs:
+            try:
+                placement = pool.allocate_private(state.request_id, hint, src.instance, exact=True)
+            except CapacityError:
+                continue
+            break
+        else:
+            raise CapacityError(f"request {state.request_id!r}: no instance holding its page "
+                                "hit has a slot for its open tail")
+        tx.opened_tail(placement, state.request_id)
+        pool.tree.touch(key, src.instance, pool.clock())
+        shared = array("i")
+        shared.frombytes(pool.tree.tokens(key)[: 4 * n])
+        state.tail, state.tail_tokens = placement.location, shared.tolist()
+        dst = placement.location
+        return (src.instance, src.slot, n), (src.instance, src.slot, dst.slot, n)
 
     def _place_new_tokens(
         self, state: RequestState, tokens: tuple[int, ...], tx: Transaction
@@ -86,13 +129,13 @@ class StorePlanner:
                 return puts
             seg = state.tail_tokens + list(tokens[:take])
             key = hasher.keys(seg, parent=state.chain[-1] if state.chain else None)[0]
-            self._extend_chain(state, key, state.tail, have, 0, take, puts, tx)
+            self._extend_chain(state, key, state.tail, have, 0, take, puts, tx, seg)
             state.tail, state.tail_tokens = None, []
             pos = take
         parent = state.chain[-1] if state.chain else None
         full_end = pos + (n - pos) // c * c
         for key in hasher.iter_keys(tokens[pos:full_end], parent=parent):
-            self._extend_chain(state, key, None, 0, pos, pos + c, puts, tx)
+            self._extend_chain(state, key, None, 0, pos, pos + c, puts, tx, tokens[pos : pos + c])
             pos += c
         if pos < n:
             hint = state.request_id.encode() + len(state.chain).to_bytes(8, "little")
@@ -106,12 +149,14 @@ class StorePlanner:
     def _extend_chain(
         self, state: RequestState, key: SegmentKey, tail: SegmentLocation | None,
         offset: int, start: int, stop: int, puts: list[NewTokenPut], tx: Transaction,
+        seg: Sequence[int] = (),
     ) -> None:
         """Adds sealed segment ``key`` to the request's chain, storing rows only if new.
 
         ``tail`` is the request's open tail when the segment completes it (else
         ``None``); the segment takes rows ``[start, stop)`` of the request's new tokens,
-        written from token ``offset`` of its slot.
+        written from token ``offset`` of its slot. ``seg`` are the segment's ``C``
+        tokens, recorded in the tree for page hits.
         """
         pool, tree, owner = self._pool, self._pool.tree, state.request_id
         parent = state.chain[-1] if state.chain else None
@@ -127,11 +172,11 @@ class StorePlanner:
             if tail is not None:
                 tx.release_after_commit(tail, owner)
         elif tail is not None:
-            pool.seal_private(tail, key, parent, len(state.chain))
+            pool.seal_private(tail, key, parent, len(state.chain), seg or None)
             tx.sealed(key, tail, owner)
             puts.append(NewTokenPut(start, stop, tail.instance, tail.slot, offset, key))
         else:
-            placement = pool.place(key, parent, len(state.chain))
+            placement = pool.place(key, parent, len(state.chain), seg or None)
             tx.placed(key, placement)
             loc = placement.location
             puts.append(NewTokenPut(start, stop, loc.instance, loc.slot, offset, key))

@@ -121,6 +121,7 @@ class Transaction:
         self.commits: list[tuple[SegmentKey, int]] = []  # (segment, instance) it stores
         self.release_on_commit: list[tuple[SegmentLocation, str]] = []  # (open tail, owner)
         self.evictions: list[Eviction] = []  # oldest first
+        self.borrows: list[SegmentKey] = []  # leased for this iteration only (page hits)
         self.counts = PlanCounts()
         self._undo: list[_Undo] = []
         self._stored: set[SegmentKey] = set()  # keys of ``commits``
@@ -138,6 +139,12 @@ class Transaction:
     def leased(self, keys: tuple[SegmentKey, ...]) -> None:
         """``keys`` were leased (undo: unlease them)."""
         self._undo.append(_Leased(keys))
+
+    def borrowed(self, key: SegmentKey) -> None:
+        """A page hit reads segment ``key`` in place this iteration and copies its pages:
+        leased now, released when the transaction ends either way."""
+        self._undo.append(_Leased((key,)))
+        self.borrows.append(key)
 
     def placed(self, key: SegmentKey, placement: Placement) -> None:
         """New segment ``key`` got a pending replica (undo: drop it)."""
@@ -183,6 +190,7 @@ class Transaction:
                 pool.commit(key, inst)
         for tail, owner in self.release_on_commit:
             pool.release_private(tail, owner)
+        pool.unlease([k for k in self.borrows if k not in self._gone], missing_ok=True)
         requests.set_idle(self.requests)
 
     def rollback(self, pool: CachePool, requests: RequestLedger) -> None:

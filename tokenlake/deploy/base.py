@@ -103,6 +103,8 @@ class ClusterBase(abc.ABC):
         host: what the engines bind.
         kv_layout: whose KV the pool holds (``tokenlake.core.control.KV_LAYOUTS``; part
             of the namespace, so the layouts never match each other).
+        page_tokens: granularity of prefix hits inside a segment
+            (:class:`~tokenlake.core.config.PoolConfig`; ``None``: its default, 16).
         insecure: no CURVE (docs/security.md): every socket of the cluster then accepts
             anyone who reaches it, and a ``host`` beyond loopback is logged as a warning.
             By default the cluster generates its keys (:attr:`keys`) and every engine,
@@ -124,11 +126,12 @@ class ClusterBase(abc.ABC):
         host: str = "127.0.0.1",
         insecure: bool = False,
         kv_layout: str = "tokenlake",
+        page_tokens: int | None = None,
     ) -> None:
         from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
 
         self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, DTYPE_BYTES, clock, seed,
-                                    kv_layout)
+                                    kv_layout, page_tokens)
         self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
         self.segment_tokens = segment_tokens
         self.slots_per_instance = self.control.config.slots_per_instance

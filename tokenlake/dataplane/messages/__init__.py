@@ -70,6 +70,7 @@ from tokenlake.dataplane.messages.transfer import (
     ReadSegment,
     RegisterTransferPlan,
     SegmentData,
+    SlotCopy,
     SlotWrite,
 )
 from tokenlake.dataplane.tensor_frames import WireError
@@ -81,7 +82,7 @@ __all__ = [
     "InstanceItems", "PeerPut", "PeerQuery", "PeerQueryResult", "PeerRegisterPlan",
     "PeerReleasePlan", "PeerSegment", "Peers", "Ping", "PlanAck", "Pong", "Put", "PutDone",
     "PutTarget", "Query", "QueryDone", "ReadSegment", "RegisterQueryPlan",
-    "RegisterTransferPlan", "ReleasePlan", "SegmentData", "Shutdown", "SlotWrite",
+    "RegisterTransferPlan", "ReleasePlan", "SegmentData", "Shutdown", "SlotCopy", "SlotWrite",
     "WireMessage", "decode", "expect", "parse",
 ]
 

@@ -104,7 +104,10 @@ class Fields:
             raise self.error(name, f"must be a str, got {short(value)}")
         return value
 
-    def list(self, name: str) -> list:
+    def list(self, name: str, default: list | None = None) -> list:
+        """A required list field (or ``default`` when absent and a default is given)."""
+        if default is not None and name not in self.body:
+            return default
         return self.as_list(self.get(name), name)
 
     def as_int(self, value: Any, path: str) -> int:

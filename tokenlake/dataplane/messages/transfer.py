@@ -5,7 +5,9 @@ A sub-batch's transfer plan is registered once per iteration
 (:class:`RegisterTransferPlan`); per layer (or per run of layers) the client sends
 :class:`Put` (ids only: the new K/V rows are in the shared ``kv`` buffer). The home
 transfer engine writes its own rows into its slab and sends each peer its rows
-(:class:`PeerPut`); it answers :class:`PutDone` once every store is done. Replication
+(:class:`PeerPut`); it answers :class:`PutDone` once every store is done. A plan's page
+copies (a page hit's shared pages into the request's own tail, on one instance) are done
+with its puts, layer by layer, by the transfer engine of that instance. Replication
 and migration copy one whole segment, a contiguous slab block
 (:class:`CopySegment` -> :class:`PeerSegment` -> :class:`CopyDone`).
 """
@@ -60,29 +62,55 @@ class SlotWrite:
 
 
 @dataclass(frozen=True)
+class SlotCopy:
+    """Copy the first ``tokens`` tokens of ``src`` into ``dst`` on ``instance`` (a page
+    hit's shared pages). Wire form ``[instance, src, dst, tokens]``."""
+
+    instance: int
+    src: int
+    dst: int
+    tokens: int
+
+    def to_wire(self) -> list:
+        return [self.instance, self.src, self.dst, self.tokens]
+
+    @classmethod
+    def from_wire(cls, f: Fields, raw: Any, path: str) -> SlotCopy:
+        return cls(*(f.as_int(v, f"{path}[{i}]") for i, v in enumerate(f.as_list(raw, path, 4))))
+
+
+@dataclass(frozen=True)
 class RegisterTransferPlan(WireMessage):
     """``REGISTER_TRANSFER_PLAN`` ``{"plan": int, "rows": int, "puts": [[instance, slot,
-    offset, start, stop], ...]}``: a client registers a sub-batch's transfer plan with
-    its home transfer engine. Answered with ``PLAN_ACK``."""
+    offset, start, stop], ...], "copies": [[instance, src, dst, tokens], ...] (optional,
+    default none)}``: a client registers a sub-batch's transfer plan with its home
+    transfer engine. Answered with ``PLAN_ACK``."""
 
     KIND = Kind.REGISTER_TRANSFER_PLAN
     plan: int
     rows: int
     puts: tuple[PutTarget, ...]
+    copies: tuple[SlotCopy, ...] = ()
 
     @classmethod
     def from_plan(cls, plan_id: int, plan: TransferPlan) -> RegisterTransferPlan:
         puts = tuple(PutTarget(p.instance, p.slot, p.offset, p.start, p.stop) for p in plan.puts)
-        return cls(plan_id, plan.num_rows, puts)
+        copies = tuple(SlotCopy(c.instance, c.src_slot, c.dst_slot, c.tokens) for c in plan.copies)
+        return cls(plan_id, plan.num_rows, puts, copies)
 
     def body(self) -> dict:
-        return {"plan": self.plan, "rows": self.rows, "puts": [p.to_wire() for p in self.puts]}
+        body = {"plan": self.plan, "rows": self.rows, "puts": [p.to_wire() for p in self.puts]}
+        if self.copies:
+            body["copies"] = [c.to_wire() for c in self.copies]
+        return body
 
     @classmethod
     def from_wire(cls, f: Fields) -> RegisterTransferPlan:
         f.tensors(0)
         puts = tuple(PutTarget.from_wire(f, raw, f"puts[{i}]") for i, raw in enumerate(f.list("puts")))
-        return cls(f.int("plan"), f.int("rows"), puts)
+        copies = tuple(SlotCopy.from_wire(f, raw, f"copies[{i}]")
+                       for i, raw in enumerate(f.list("copies", default=[])))
+        return cls(f.int("plan"), f.int("rows"), puts, copies)
 
 
 @dataclass(frozen=True)
@@ -129,18 +157,23 @@ class PutDone(WireMessage):
 @dataclass(frozen=True, eq=False)  # tensors: equal only to itself
 class PeerPut(WireMessage):
     """``PEER_PUT`` ``{"layer": int, "layers": int, "items": [[slot, offset, rows],
-    ...]}`` + one ``kv`` tensor per layer and item, layer-major (``[rows, 2, kv_heads,
-    head_dim]`` in the slab's dtype): a home transfer engine's rows for a peer's slab.
-    Answered with :class:`PutDone`."""
+    ...], "copies": [[instance, src, dst, tokens], ...] (optional)}`` + one ``kv`` tensor
+    per layer and item, layer-major (``[rows, 2, kv_heads, head_dim]`` in the slab's
+    dtype): a home transfer engine's rows for a peer's slab, and the page copies the
+    peer does in those layers. Answered with :class:`PutDone`."""
 
     KIND = Kind.PEER_PUT
     layer: int
     layers: int
     items: tuple[SlotWrite, ...]
     kv: tuple[torch.Tensor, ...]
+    copies: tuple[SlotCopy, ...] = ()
 
     def body(self) -> dict:
-        return {"layer": self.layer, "layers": self.layers, "items": [it.to_wire() for it in self.items]}
+        body = {"layer": self.layer, "layers": self.layers, "items": [it.to_wire() for it in self.items]}
+        if self.copies:
+            body["copies"] = [c.to_wire() for c in self.copies]
+        return body
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.kv
@@ -150,7 +183,9 @@ class PeerPut(WireMessage):
         layers = f.int("layers")
         items = tuple(SlotWrite.from_wire(f, raw, f"items[{i}]") for i, raw in enumerate(f.list("items")))
         kv = f.tensors(len(items) * max(layers, 0), f"{len(items)} items x {layers} layers")
-        return cls(f.int("layer"), layers, items, kv)
+        copies = tuple(SlotCopy.from_wire(f, raw, f"copies[{i}]")
+                       for i, raw in enumerate(f.list("copies", default=[])))
+        return cls(f.int("layer"), layers, items, kv, copies)
 
 
 @dataclass(frozen=True)

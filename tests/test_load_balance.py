@@ -100,3 +100,47 @@ def test_pool_choose_uses_its_injected_rng_and_the_loads():
         got = pool.choose(locs, LOADS)
         assert got == locs[min(rng.pairs[-1], key=LOADS.__getitem__)]
     assert len(rng.pairs) == 20
+
+
+# ------------------------------------------- replica choice per iteration, end to end
+
+
+def test_every_iteration_reads_the_less_loaded_replica_and_the_choice_moves():
+    """Power of two choices as the control plane makes it, once per iteration (paper
+    §4.3): a decode request reads a segment replicated on instances 0 and 1; each
+    iteration's plan reads it from whichever of the two has served fewer reads in the
+    window at that moment. A random replica (or a choice frozen at admission) fails:
+    the loads cross every few iterations and the reads must follow them."""
+    from tokenlake.core.control import ControlPlane
+    from tokenlake.core.plans import Batch, BatchRequest
+    from tokenlake.core.specs import load_model
+
+    now = [0.0]
+    config = PoolConfig(4, "p2c-iterations", 16, window_s=1000.0, bucket_s=1000.0)
+    cp = ControlPlane(config, load_model("llama-2-7b"), [0, 1, 2], clock=lambda: now[0],
+                      rng=random.Random(7))
+    doc = (11, 12, 13, 14)
+    cp.complete(cp.gen_plans([Batch((BatchRequest("w", doc + (1,)),))], [1]))
+    cp.finish_request("w")
+    (key,) = cp.get_prefix_tree().match(doc).keys
+    for target in (0, 1):
+        if not any(loc.instance == target for loc in cp.get_prefix_tree().replicas(key)):
+            cp.finish_replication(cp.start_replication(key, target))
+    assert {loc.instance for loc in cp.get_prefix_tree().replicas(key)} >= {0, 1}
+    if 2 in {loc.instance for loc in cp.get_prefix_tree().replicas(key)}:
+        cp.drop_replica(key, 2)
+    cp.record_reads([((b"x" * 16,), {0: 5})])  # instance 0 starts 5 reads ahead
+    cp.complete(cp.gen_plans([Batch((BatchRequest("r", (2,), doc),), "decode")], [1]))
+    chosen = []
+    for step in range(30):
+        load = cp.pool.instance_load()
+        plans = cp.gen_plans([Batch((BatchRequest("r", (3 + step,)),), "decode")], [1])
+        slot_on = {loc.instance: loc.slot for loc in cp.get_prefix_tree().replicas(key)}
+        reads = [t.instance for qp in plans.query_plans for t in qp.tasks for it in t.items
+                 if slot_on.get(t.instance) in it.slots]  # the reads of the replicated one
+        assert len(reads) == 1
+        assert load[reads[0]] <= load[1 - reads[0]], (step, load, reads)
+        chosen.append(reads[0])
+        cp.complete(plans)
+    assert 0 in chosen and 1 in chosen  # it moved with the loads
+    assert chosen[0] == 1  # instance 0's head start

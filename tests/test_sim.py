@@ -46,14 +46,27 @@ def make_trace(n: int = 24, seed: int = 0, gap_s: float = 0.5, docs: int = 4,
     return reqs
 
 
-def direct_hit_tokens(reqs: list[Request], c: int) -> int:
-    """Prefix hits with an unbounded cache and nothing concurrent: a request reuses every
-    whole ``c``-token segment of its prompt that an earlier request's prompt also had
-    (same tokens before and in it), at least one token left to compute."""
+def direct_hit_tokens(reqs: list[Request], c: int, page: int | None = None) -> int:
+    """Prefix hits with an unbounded cache and nothing concurrent, at least one token
+    left to compute. Without ``page``: every whole ``c``-token segment of the prompt that
+    an earlier prompt also had (same tokens before and in it). With ``page``: the longest
+    prefix shared with any earlier prompt, in whole pages (the pool keeps every earlier
+    prompt: its whole segments, and its last partial segment as a tail)."""
     seen: set[tuple[int, ...]] = set()
+    earlier: list[tuple[int, ...]] = []
     hits = 0
     for r in sorted(reqs, key=lambda r: r.arrival_s):
         toks = r.tokens()
+        if page:
+            longest = 0
+            for e in earlier:
+                k, limit = 0, min(len(e), len(toks) - 1)
+                while k < limit and e[k] == toks[k]:
+                    k += 1
+                longest = max(longest, k)
+            hits += longest // page * page
+            earlier.append(toks)
+            continue
         segs = [toks[: (i + 1) * c] for i in range(len(toks) // c)]
         n = 0
         while n < len(segs) and n < (len(toks) - 1) // c and segs[n] in seen:
@@ -95,13 +108,14 @@ def test_pooled_hit_accounting_matches_the_control_plane():
 @pytest.mark.parametrize("system", ["tokenlake", "sglang-router"])
 def test_hit_rate_equals_a_direct_count_with_an_unbounded_cache(system):
     """Arrivals far apart (each request is done before the next comes), a cache that
-    holds everything: TokenLake's pool hits whole segments, SGLang's radix cache hits
+    holds everything: TokenLake's pool hits whole segments and pages, SGLang's radix cache hits
     any token prefix its worker holds -- both equal to a direct count."""
     reqs = make_trace(24, seed=3, gap_s=30.0)
     c = BIG.segment_tokens
     res = simulate(reqs, system, BIG)
     if system == "tokenlake":
-        assert res.hit_tokens == direct_hit_tokens(reqs, c)
+        assert res.hit_tokens == direct_hit_tokens(reqs, c, page=16)
+        assert direct_hit_tokens(reqs, c, page=16) > direct_hit_tokens(reqs, c)
     else:
         # One worker caches everything: with TP=4 the cluster is a single worker.
         one = SimConfig(instances=4, cache_gb=60.0, segment_tokens=c, tp=4)
@@ -118,7 +132,7 @@ def test_concurrent_arrivals_reuse_what_is_already_stored():
     b = Request("b", 0.0, 12 * BS, 4, block_hashes=doc)
     together = simulate([a, b], "tokenlake", BIG)
     later = simulate([a, Request("b", 30.0, 12 * BS, 4, block_hashes=doc)], "tokenlake", BIG)
-    assert later.hit_tokens == (12 * BS - 1) // 256 * 256
+    assert later.hit_tokens == (12 * BS - 1) // 16 * 16  # whole segments, then pages
     assert together.hit_tokens < later.hit_tokens
     # Arriving while the first is half way through its prompt: it reuses what is
     # stored by then (the first request's plan is settled to show it), not more.

@@ -139,6 +139,10 @@ class PoolPlanner:
             return
         admits = [r for p in plans for r in p.admits]
         held = [k for r in admits for k in r.keys[: r.hit // self.c]]
+        for r in admits:  # a page hit's segment too: the abort releases it
+            pkey = self.tree.match(r.tokens[: r.hit]).partial_key if r.hit % self.c else None
+            if pkey is not None:
+                held.append(pkey)
         self.tree.lease(held)  # keep admitted prefixes cached across the abort
         try:
             for p in plans:
@@ -168,8 +172,9 @@ class PoolPlanner:
             self.tree.unlease(held)
 
     def ready_hit(self, r: SimRequest, start: int = 0) -> int:
-        """Prompt tokens the pool holds ready for ``r`` (whole segments, at least one
-        token left to compute), settling plans that already computed the next ones.
+        """Prompt tokens the pool holds ready for ``r`` (whole segments, then the whole
+        pages of the next segment that a ready one starts with; at least one token left
+        to compute), settling plans that already computed the next whole segments.
         ``start``: segments already known to be ready (the walk goes on from there)."""
         cap = min((r.prompt_len - 1) // self.c, len(r.keys))
         n, tree = start, self.tree
@@ -184,7 +189,13 @@ class PoolPlanner:
                 self.settle([plan])  # computed already: make it visible
                 continue
             n += 1
-        return n * self.c
+        c, tree = self.c, self.tree
+        rest = min(r.prompt_len - 1, (n + 1) * c) - n * c
+        if tree.page_tokens < c and rest >= tree.page_tokens:
+            hit = tree.partial(r.keys[n - 1] if n else None, r.tokens[n * c : n * c + rest])
+            if hit is not None:
+                return n * c + hit[1]
+        return n * c
 
     def useful_settle(self, key: bytes, q: int) -> PrefillPlan | None:
         """The plan storing segment ``q`` (= ``key``) if its request already computed it."""

@@ -250,6 +250,26 @@ class CachePool:
             raise SegmentNotFound(f"no private slot {loc.slot} on instance {loc.instance}")
         self.slots.free(loc.instance, loc.slot)
 
+    def share_tail(self, loc: SegmentLocation, owner: str, parent: SegmentKey | None,
+                   index: int, tokens: Sequence[int]) -> bool:
+        """A finished request's open tail (``tokens``, fewer than ``C``, all stored in
+        ``loc``) stays in the pool as a ready *tail* node after ``parent`` for page hits
+        (docs/design.md §4), evicted like any leaf. Returns False, freeing the slot
+        instead, when it holds less than a page, is cached already, or ``parent`` is
+        gone; a slot that is no longer ``owner``'s private tail is left alone."""
+        where = (loc.instance, loc.slot)
+        if self._private.get(where) != owner:
+            return False
+        key = self.hasher.tail_key(tokens, parent)
+        if (len(tokens) < self.config.page_tokens or key in self.tree
+                or (parent is not None and parent not in self.tree)):
+            self.release_private(loc, owner)
+            return False
+        self.tree.insert(key, parent, index, tokens)
+        del self._private[where]
+        self.tree.add_replica(key, loc.instance, loc.slot, self.clock(), ready=True)
+        return True
+
     def private_owner(self, loc: SegmentLocation) -> str | None:
         """The owner of private slot ``loc``, or ``None`` if it is not a private slot."""
         return self._private.get((loc.instance, loc.slot))

@@ -268,7 +268,10 @@ class PrefixTree:
 
         ``parent`` must be in the tree (``None`` for a first segment, with ``index`` 0).
         ``tokens`` (the segment's ``C`` token ids) make the node a candidate for page
-        hits; without them only whole-segment matches find it.
+        hits; without them only whole-segment matches find it. Fewer than ``C`` tokens
+        make it a *tail* (a finished request's open tail, under
+        :meth:`~tokenlake.core.segments.SegmentHasher.tail_key`): a leaf for page hits
+        only, which no whole key reaches and no segment follows.
         """
         if key in self._nodes:
             return False
@@ -280,10 +283,13 @@ class PrefixTree:
         elif self._nodes[parent].index != index - 1:
             raise ValueError("segment index must be its parent's index + 1")
         raw = None if tokens is None else token_bytes(tokens)
-        if raw is not None and len(raw) != 4 * self.hasher.segment_tokens:
-            raise ValueError(f"a segment has {self.hasher.segment_tokens} tokens, got {len(raw) // 4}")
-        node = self._nodes[key] = _Node(key, parent, index, raw)
+        if raw is not None and not 0 < len(raw) <= 4 * self.hasher.segment_tokens:
+            raise ValueError(f"a segment has 1 to {self.hasher.segment_tokens} tokens, "
+                             f"got {len(raw) // 4}")
         pnode = self._root if parent is None else self._nodes[parent]
+        if pnode.tokens is not None and len(pnode.tokens) < 4 * self.hasher.segment_tokens:
+            raise ValueError(f"segment {parent.hex()} is a tail: nothing follows it")
+        node = self._nodes[key] = _Node(key, parent, index, raw)
         pnode.children.add(key)
         if pnode.order is not None:
             if raw is not None:

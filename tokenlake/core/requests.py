@@ -326,7 +326,8 @@ class RequestTable:
         return state
 
     def finish(self, request_id: str, pool: CachePool) -> None:
-        """The request is done: its chain's leases and its open tail go back to the pool.
+        """The request is done: its chain's leases go back to the pool, and its open
+        tail stays there as a tail node for page hits (:meth:`CachePool.share_tail`).
         Raises :class:`PlanError` if it is unknown or has plans in flight."""
         state = self._states.get(request_id)
         if state is None:
@@ -334,9 +335,13 @@ class RequestTable:
         if state.busy >= 0:
             raise PlanError(f"request {request_id!r} has plans in flight; complete or abort first")
         del self._states[request_id]
+        if state.tail is not None:  # kept for page hits while its parent is leased
+            if state.lost or self._c <= 1:
+                pool.release_private(state.tail, request_id)
+            else:
+                parent = state.chain[-1] if state.chain else None
+                pool.share_tail(state.tail, request_id, parent, len(state.chain), state.tail_tokens)
         pool.release_chain(state.chain, zip(state.keys, state.chosen))
-        if state.tail is not None:
-            pool.release_private(state.tail, request_id)
 
     def mark_lost(self, removal: InstanceRemoval) -> tuple[str, ...]:
         """An instance left the pool: requests whose chain lost a segment, or whose open

@@ -8,8 +8,10 @@ key of a segment therefore identifies the whole prefix up to and including it, i
 same in every process and run (no use of Python's ``hash()``), and a key alone is
 enough to walk the global prefix tree.
 
-Only full segments have keys; the open tail of a sequence (fewer than ``C`` tokens) is
-private to its request until it fills.
+Only full segments have chained keys; the open tail of a sequence (fewer than ``C``
+tokens) is private to its request until it fills. When the request finishes, its tail
+stays in the pool as a leaf under :meth:`SegmentHasher.tail_key` (its own hash
+personalisation): later prompts hit its leading pages, nothing chains after it.
 """
 
 from __future__ import annotations
@@ -113,6 +115,16 @@ class SegmentHasher:
             hasher.update(view[off : off + step])
             h = hasher.digest()
             yield h
+
+    def tail_key(self, token_ids: Sequence[int] | bytes, parent: SegmentKey | None = None) -> SegmentKey:
+        """The key of a finished request's *tail*: fewer than ``C`` tokens after the
+        segment ``parent`` (``None``: at the start), kept in the pool for page hits.
+        Hashed under its own personalisation, so no whole segment's key equals it."""
+        raw = token_bytes(token_ids)
+        hasher = hashlib.blake2b(self.root if parent is None else parent,
+                                 digest_size=KEY_BYTES, person=b"tokenlake-tail")
+        hasher.update(raw)
+        return hasher.digest()
 
     def keys(
         self, token_ids: Sequence[int] | bytes, parent: SegmentKey | None = None

@@ -140,7 +140,10 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         if len(prompt) < 2:
             return 0, False
-        hit = self.cp.get_prefix_tree().match(prompt, max_tokens=len(prompt) - 1).hit_tokens
+        match = self.cp.get_prefix_tree().match(prompt, max_tokens=len(prompt) - 1)
+        # Whole segments: lease_prefix leases those (a page hit needs its copy planned
+        # with an iteration, which the connector's lease at allocation is not).
+        hit = match.whole_tokens
         self._hits[request.request_id] = hit
         return max(0, hit - num_computed_tokens), False
 

@@ -1,0 +1,180 @@
+"""Page-exact prefix matching, home placement under a full pool and replication that
+evicts colder replicas (issue #19), on the control plane's own structures."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenlake.core.config import PoolConfig
+from tokenlake.core.control import ControlPlane
+from tokenlake.core.errors import ConfigError
+from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.core.pool import CachePool
+from tokenlake.core.specs import load_model
+
+C = 8
+
+
+def _control(page: int, instances=(0, 1, 2), slots: int = 64, clock=lambda: 0.0) -> ControlPlane:
+    config = PoolConfig(C, "page-test", slots, page_tokens=page)
+    return ControlPlane(config, load_model("llama-2-7b"), list(instances), clock=clock,
+                        rng=random.Random(0))
+
+
+def _store(cp: ControlPlane, rid: str, tokens) -> None:
+    """One prefill of ``tokens`` (reusing what the pool has), then finish: the pool keeps
+    its whole segments and its last partial segment as a tail."""
+    tokens = tuple(tokens)
+    hit = cp.get_prefix_tree().match(tokens, max_tokens=len(tokens) - 1).hit_tokens
+    cp.complete(cp.gen_plans([Batch((BatchRequest(rid, tokens[hit:], tokens[:hit]),))], [1]))
+    cp.finish_request(rid)
+    cp.check()
+
+
+def _lcp(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# A small alphabet, so that prompts share prefixes of every length.
+SEQ = st.lists(st.integers(0, 2), min_size=1, max_size=4 * C)
+
+
+@settings(max_examples=60, deadline=None)
+@given(stored=st.lists(SEQ, min_size=1, max_size=6), queries=st.lists(SEQ, min_size=1, max_size=6),
+       page=st.sampled_from([1, 2, 4, C]))
+def test_match_is_the_longest_stored_prefix_in_whole_pages(stored, queries, page):
+    """Against a brute-force oracle: after storing some prompts, a prompt's match is its
+    longest common prefix with any stored one, in whole pages (whole segments only when
+    the page is C), and the partial pages come from a segment whose tokens equal them."""
+    cp = _control(page)
+    for i, s in enumerate(stored):
+        _store(cp, f"s{i}", s)
+    tree = cp.get_prefix_tree()
+    for q in queries:
+        m = tree.match(q)
+        longest = max(_lcp(q, s) for s in stored)
+        want = longest // page * page if page < C else longest // C * C
+        if page < C:
+            want = min(want, longest // page * page)
+        assert m.hit_tokens == want, (q, stored, page)
+        assert m.whole_tokens == len(m.keys) * C == m.hit_tokens // C * C
+        if m.partial_key is not None:
+            seg = tree.tokens(m.partial_key)
+            n = m.partial_tokens
+            assert 0 < n < C and n % page == 0
+            got = [int.from_bytes(seg[4 * i: 4 * i + 4], "little", signed=True) for i in range(n)]
+            assert got == list(q[m.whole_tokens: m.whole_tokens + n])  # exact, token for token
+
+
+def test_a_page_hit_needs_a_ready_segment_and_max_tokens_caps_it():
+    cp = _control(page=2)
+    doc = tuple(range(3 * C))
+    # A prefill in flight: its segments are pending, no page of them hits yet.
+    plans = cp.gen_plans([Batch((BatchRequest("a", doc),))], [1])
+    assert cp.get_prefix_tree().match(doc[: C + 4]).hit_tokens == 0
+    cp.complete(plans)
+    cp.finish_request("a")
+    tree = cp.get_prefix_tree()
+    assert tree.match(doc[: C + 5]).hit_tokens == C + 4  # whole pages only
+    assert tree.match(doc[: C + 5], max_tokens=C + 3).hit_tokens == C + 2
+
+
+def test_page_tokens_must_divide_the_segment_and_default_to_16():
+    assert PoolConfig(64, "x", 4).page_tokens == 16
+    assert PoolConfig(24, "x", 4).page_tokens == 24  # 16 does not divide 24: whole segments
+    assert PoolConfig(24, "x", 4, page_tokens=1).page_tokens == 1
+    with pytest.raises(ConfigError):
+        PoolConfig(24, "x", 4, page_tokens=5)
+
+
+def test_a_diverging_request_stores_its_own_segment_for_later_requests():
+    """B leaves A's second segment after 3 pages: it reads those pages in place once,
+    its open tail gets them by a page copy on the same instance, then its own tokens;
+    its segment seals under its own key and C, following B further, hits it whole."""
+    cp = _control(page=2)
+    a = tuple(range(100, 100 + 3 * C))
+    _store(cp, "a", a)
+    b = a[: C + 6] + (7, 7, 7, 7, 7, 7, 7, 7, 7, 7)
+    tree = cp.get_prefix_tree()
+    m = tree.match(b, max_tokens=len(b) - 1)
+    assert (m.whole_tokens, m.partial_tokens) == (C, 6)
+    plans = cp.gen_plans([Batch((BatchRequest("b", b[C + 6:], b[: C + 6]),))], [1])
+    ((copy,),) = [tp.copies for tp in plans.transfer_plans]
+    src = {loc.instance: loc.slot for loc in m.partial_replicas}
+    assert copy.tokens == 6 and src[copy.instance] == copy.src_slot
+    (qp,) = plans.query_plans
+    (tail,) = qp.tails  # this iteration reads A's segment in place, 6 tokens of it
+    assert (tail.instance, tail.items[0].slots, tail.items[0].tokens) == (copy.instance, (copy.src_slot,), (6,))
+    (tp,) = plans.transfer_plans
+    own = [p for p in tp.puts if p.slot == copy.dst_slot]
+    assert own and own[0].offset == 6 and own[0].instance == copy.instance
+    cp.complete(plans)
+    cp.finish_request("b")
+    cp.check()
+    later = tree.match(b + (9, 9, 9))
+    assert later.whole_tokens == 3 * C  # B's own segments, whole (its second one too)
+    assert later.keys[1] != tree.match(a).keys[1]
+
+
+def test_a_finished_tail_is_kept_for_page_hits_and_released_with_less_than_a_page():
+    cp = _control(page=4)
+    _store(cp, "a", tuple(range(C + 6)))  # tail of 6 tokens: kept
+    _store(cp, "b", tuple(range(50, 50 + C + 3)))  # tail of 3 tokens: released
+    tree = cp.get_prefix_tree()
+    assert tree.match(tuple(range(C + 6)) + (99,)).hit_tokens == C + 4
+    assert tree.match(tuple(range(50, 50 + C + 3)) + (99,)).hit_tokens == C
+    assert len(tree) == 3 and sum(cp.pool.stats().slots_used.values()) == 3
+
+
+# ---------------------------------------------------------------- placement
+
+
+def test_in_a_full_pool_new_segments_land_on_their_home():
+    """Once the pool is full, every new segment takes its hash home's least recently
+    used slot (paper §4.3), not the global LRU victim's wherever it lives."""
+    now = [0.0]
+    pool = CachePool(PoolConfig(4, "home-test", 8, page_tokens=4), range(4), clock=lambda: now[0])
+    rng = random.Random(3)
+    homes = []
+    for i in range(200):
+        now[0] += 1.0
+        key = rng.randbytes(16)
+        placed = pool.place(key, None, 0, tuple(rng.randrange(1000) for _ in range(4)))
+        pool.commit(key, placed.location.instance)
+        if i >= 32:  # the pool (4 x 8 slots) is full from here on
+            homes.append(placed.location.instance == pool.ring.home(key))
+            assert placed.evicted is not None and placed.evicted.instance == placed.location.instance
+        pool.check()
+    assert all(homes)
+
+
+def test_replication_evicts_a_colder_replica_on_a_full_target():
+    now = [0.0]
+    config = PoolConfig(4, "rep-full", 4, window_s=100.0, bucket_s=100.0, page_tokens=4)
+    cp = ControlPlane(config, load_model("llama-2-7b"), [0, 1], clock=lambda: now[0],
+                      rng=random.Random(0))
+    rng = random.Random(1)
+    docs = []
+    for i in range(12):  # 8 slots: the pool fills and evicts
+        now[0] += 1.0
+        doc = tuple(rng.randrange(10, 1000) for _ in range(4))
+        cp.complete(cp.gen_plans([Batch((BatchRequest(f"w{i}", doc),))], [1]))  # no tail
+        cp.finish_request(f"w{i}")
+        docs.append(doc)
+    tree = cp.get_prefix_tree()
+    hot = next(d for d in reversed(docs) if tree.match(d).keys)
+    (key,) = tree.match(hot).keys
+    (src,) = tree.replicas(key)
+    assert cp.pool.slots.free_count(1 - src.instance) == 0  # the target is full
+    cp.record_reads([((key,), {src.instance: 1})], iterations=50)
+    before = cp.pool.stats().evictions
+    started = cp.rebalance()
+    assert [(r.key, r.target.instance) for r in started] == [(key, 1 - src.instance)]
+    assert cp.pool.stats().evictions == before + 1  # a colder replica made room
+    cp.finish_replication(started[0])
+    assert {loc.instance for loc in tree.replicas(key)} == {0, 1}
+    cp.check()

@@ -353,3 +353,53 @@ def test_client_tables_stay_flat_over_many_iterations(cluster):
         assert max(sizes[100:]) <= 2, max(sizes[100:])  # at most a release still in flight
     finally:
         cp.abort(plans)
+
+
+# --------------------------------------------------------------- page hits (issue #19)
+
+
+@pytest.fixture(scope="module")
+def paged():
+    with LocalCluster(3, TINY, POOL_BYTES, segment_tokens=C, max_rows=256, page_tokens=2) as c:
+        yield c
+
+
+def test_a_page_hit_and_the_tail_it_copies_are_attended_exactly(paged):
+    """B shares A's first segment and 4 tokens (2 pages) of its second: its first
+    iteration reads those in place, later ones read its own tail, which the page copy
+    filled; every query equals attention over B's own tokens (run_iteration checks)."""
+    rng = random.Random(11)
+    a = [rng.randrange(3, 900) for _ in range(3 * C)]
+    b = a[: C + 4] + [rng.randrange(3, 900) for _ in range(C)]
+    tokens = {"pa": a, "pb": b}
+    run_iteration(paged, tokens, {"pa": 3 * C})
+    paged.control.finish_request("pa")
+    hit = paged.control.get_prefix_tree().match(b, max_tokens=len(b) - 1).hit_tokens
+    assert hit == C + 4
+    plans = run_iteration(paged, tokens, {"pb": 2}, first_prefix={"pb": hit})
+    assert [c.tokens for tp in plans.transfer_plans for c in tp.copies] == [4]
+    for _ in range(C - 2):  # decode over the copied pages; the tail seals on the way
+        run_iteration(paged, tokens, {"pb": 1})
+    paged.control.finish_request("pb")
+    paged.control.check()
+
+
+@pytest.mark.parametrize("src,dst", [(0, 1), (1, 2), (1, 1)])
+def test_a_page_copy_reaches_another_instance_in_every_layer(paged, src, dst):
+    """Copies between slots the control plane does not hand out (the last two): from the
+    home (0 -> 1), between two peers (1 -> 2: the source sends the rows on) and on one
+    peer (1 -> 1); the first 5 tokens of every layer arrive, the rest is untouched."""
+    from tokenlake.core.plans import PageCopy, PutItem, TransferPlan
+
+    last = paged.slots_per_instance - 1
+    s_src, s_dst = (last, last - 1) if src == dst else (last, last)
+    paged.slab(src)[s_src].copy_(torch.randn_like(paged.slab(src)[s_src]))
+    paged.slab(dst)[s_dst].zero_()
+    put = PutItem(0, last - 1, 0, 0, 1, None)  # a plan needs a row; a free slot takes it
+    tp = TransferPlan(0, 0, 0, 1, (put,), 0, (PageCopy(src, s_src, dst, s_dst, 5),))
+    client = paged.client(0)
+    client.init_transfer(tp)
+    client.put(0, TINY.num_layers).wait()
+    got, want = paged.slab(dst)[s_dst], paged.slab(src)[s_src]
+    assert torch.equal(got[..., :5, :], want[..., :5, :])
+    assert not got[..., 5:, :].any()

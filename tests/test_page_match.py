@@ -105,13 +105,14 @@ def test_a_diverging_request_stores_its_own_segment_for_later_requests():
     plans = cp.gen_plans([Batch((BatchRequest("b", b[C + 6:], b[: C + 6]),))], [1])
     ((copy,),) = [tp.copies for tp in plans.transfer_plans]
     src = {loc.instance: loc.slot for loc in m.partial_replicas}
-    assert copy.tokens == 6 and src[copy.instance] == copy.src_slot
+    assert copy.tokens == 6 and src[copy.src_instance] == copy.src_slot
+    assert copy.dst_instance == copy.src_instance  # the tail lands where it reads
     (qp,) = plans.query_plans
     (tail,) = qp.tails  # this iteration reads A's segment in place, 6 tokens of it
-    assert (tail.instance, tail.items[0].slots, tail.items[0].tokens) == (copy.instance, (copy.src_slot,), (6,))
+    assert (tail.instance, tail.items[0].slots, tail.items[0].tokens) == (copy.src_instance, (copy.src_slot,), (6,))
     (tp,) = plans.transfer_plans
     own = [p for p in tp.puts if p.slot == copy.dst_slot]
-    assert own and own[0].offset == 6 and own[0].instance == copy.instance
+    assert own and own[0].offset == 6 and own[0].instance == copy.dst_instance
     cp.complete(plans)
     cp.finish_request("b")
     cp.check()

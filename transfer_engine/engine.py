@@ -10,7 +10,8 @@ and executes:
   (``PEER_PUT``: one message per peer, one frame per layer and put item), and the
   compute engine is answered (``PUT_DONE``) when every store of those layers is done;
   the plan's page copies (a page hit's shared pages into the request's own tail) are
-  done in the same layers, here or by the peer that holds both slots;
+  done in the same layers by the transfer engine holding the source slot, which sends
+  the rows on (``PEER_PUT``) when the tail is on another instance;
 * ``COPY_SEGMENT``: one whole segment (all layers: one contiguous block of the slab)
   to a peer (``PEER_SEGMENT``), for replication or migration;
 * ``READ_SEGMENT``: one layer of some slots, returned as frames (``SEGMENT_DATA``);
@@ -72,8 +73,7 @@ class TransferEngine(EngineLoop):
             case Put():
                 self._put(identity, msg_id, message)
             case PeerPut():
-                self._store_peer_put(message)
-                self.reply(identity, PutDone(message.layer).encode(msg_id))
+                self._peer_put(identity, msg_id, message)
             case RegisterTransferPlan():
                 self._register(message)
                 self.reply(identity, PlanAck(message.plan).encode(msg_id))
@@ -127,30 +127,47 @@ class TransferEngine(EngineLoop):
         copies: list[SlotCopy] = []
         remote_copies: dict[int, list[SlotCopy]] = {}
         for cp in message.copies:
-            if cp.instance == self.spec.instance:
+            for inst in (cp.src_instance, cp.dst_instance):
+                if inst != self.spec.instance and inst not in self.peers:
+                    raise PlanError(f"instance {inst} is not in this cluster")
+            if cp.src_instance == self.spec.instance:
                 self._check_copy(cp)
                 copies.append(cp)
-            elif cp.instance in self.peers:
-                remote_copies.setdefault(cp.instance, []).append(cp)
             else:
-                raise PlanError(f"instance {cp.instance} is not in this cluster")
+                remote_copies.setdefault(cp.src_instance, []).append(cp)
         self.plans[message.plan] = TransferPlanState(
             rows, tuple(local), {i: tuple(p) for i, p in remote.items()}, tuple(copies),
             {i: tuple(c) for i, c in remote_copies.items()})
 
     def _check_copy(self, cp: SlotCopy) -> None:
-        for slot in (cp.src, cp.dst):
+        """A copy whose source is this instance (slots of the destination are checked
+        there, as a put)."""
+        if cp.src_instance != self.spec.instance:
+            raise PlanError(f"a page copy from instance {cp.src_instance} sent to {self.spec.instance}")
+        here = cp.dst_instance == self.spec.instance
+        for slot in (cp.src, cp.dst) if here else (cp.src,):
             if not 0 <= slot < self.num_slots:
                 raise PlanError(f"slot {slot} outside [0, {self.num_slots})")
-        if cp.src == cp.dst or not 0 < cp.tokens < self.C:
+        if (here and cp.src == cp.dst) or not 0 < cp.tokens < self.C:
             raise PlanError(f"a page copy of {cp.tokens} tokens from slot {cp.src} to {cp.dst} "
                             f"does not fit a {self.C}-token segment")
 
-    def _copy_pages(self, copies: tuple[SlotCopy, ...], layers: range) -> None:
-        """slab[dst, layers, :, :, :n] = slab[src, layers, :, :, :n] for each copy."""
+    def _copy_pages(self, copies: tuple[SlotCopy, ...], layers: range, pending) -> None:
+        """The copies whose source is this slab, for ``layers``: into this slab directly,
+        to another instance as a ``PEER_PUT`` of the rows (answered into ``pending``)."""
+        lo, hi = layers.start, layers.stop
+        out: dict[int, list[SlotCopy]] = {}
         for cp in copies:
-            n, lo, hi = cp.tokens, layers.start, layers.stop
-            self.slab[cp.dst, lo:hi, :, :, :n].copy_(self.slab[cp.src, lo:hi, :, :, :n])
+            if cp.dst_instance == self.spec.instance:
+                n = cp.tokens
+                self.slab[cp.dst, lo:hi, :, :, :n].copy_(self.slab[cp.src, lo:hi, :, :, :n])
+            else:
+                out.setdefault(cp.dst_instance, []).append(cp)
+        for inst, cps in out.items():
+            items = tuple(SlotWrite(cp.dst, 0, cp.tokens) for cp in cps)
+            rows = tuple(self.slab[cp.src, layer, :, :, : cp.tokens].permute(2, 0, 1, 3).contiguous()
+                         for layer in layers for cp in cps)
+            self.ask(inst, PeerPut(lo, hi - lo, items, rows), pending)
 
     # ----------------------------------------------------------------- puts
     def _write(self, slot: int, layer: int, offset: int, rows: torch.Tensor) -> None:
@@ -178,7 +195,19 @@ class TransferEngine(EngineLoop):
         for layer in layers:
             for p in plan.local:
                 self._write(p.slot, layer, p.offset, kv[layer, p.start : p.stop])
-        self._copy_pages(plan.copies, layers)
+        self._copy_pages(plan.copies, layers, pending)
+        if not pending.waiting:
+            done(pending)
+
+    def _peer_put(self, identity, msg_id: int, message: PeerPut) -> None:
+        """Stores a peer's rows and does the page copies whose source is here, answering
+        once the rows sent on (copies to a third instance) are stored too."""
+        self._store_peer_put(message)
+        pending = self.new_pending(PutDone)
+        done = lambda p: self.reply(identity, PutDone(message.layer).encode(msg_id))  # noqa: E731
+        pending.on_done = done
+        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
+        self._copy_pages(message.copies, self._check_layers(message.layer, message.layers), pending)
         if not pending.waiting:
             done(pending)
 
@@ -191,13 +220,10 @@ class TransferEngine(EngineLoop):
             if rows.dtype != self.slab.dtype or tuple(rows.shape) != (it.rows, *want):
                 raise PlanError(f"put rows must be {self.slab.dtype} [{it.rows}, {', '.join(map(str, want))}]")
         for cp in message.copies:
-            if cp.instance != self.spec.instance:
-                raise PlanError(f"a page copy for instance {cp.instance} sent to {self.spec.instance}")
             self._check_copy(cp)
         writes = ((layer, it) for layer in layers for it in message.items)
         for (layer, it), rows in zip(writes, message.kv):
             self._write(it.slot, layer, it.offset, rows)
-        self._copy_pages(message.copies, layers)
 
     # ------------------------------------------------------------- segments
     def _copy(self, identity, msg_id: int, message: CopySegment) -> None:

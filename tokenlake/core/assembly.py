@@ -45,7 +45,7 @@ class Prepared(NamedTuple):
     state: RequestState
     tail: tuple[int, int, int] | None  # (instance, slot, valid tokens) of the open tail
     puts: tuple[NewTokenPut, ...]
-    copy: tuple[int, int, int, int] | None = None  # a page hit's (instance, src, dst, tokens)
+    copy: tuple[int, int, int, int, int] | None = None  # a page hit's PageCopy fields
 
 
 @dataclass

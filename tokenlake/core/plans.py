@@ -136,13 +136,15 @@ class PutItem:
 
 @dataclass(frozen=True)
 class PageCopy:
-    """Copy the first ``tokens`` tokens (all layers) of ``src_slot`` into ``dst_slot`` on
-    ``instance``: a request whose prefix ends inside a cached segment (a page hit) gets
-    the shared pages at the head of its own open tail, then writes its own tokens after
-    them (docs/design.md §4)."""
+    """Copy the first ``tokens`` tokens (all layers) of ``src_slot`` on ``src_instance``
+    into ``dst_slot`` on ``dst_instance`` (the same instance unless its slots ran out): a
+    request whose prefix ends inside a cached segment (a page hit) gets the shared pages
+    at the head of its own open tail, then writes its own tokens after them
+    (docs/design.md §4)."""
 
-    instance: int
+    src_instance: int
     src_slot: int
+    dst_instance: int
     dst_slot: int
     tokens: int
 

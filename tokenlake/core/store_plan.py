@@ -12,9 +12,10 @@ gives every new token a slot:
 
 A new request whose declared prefix ends with a page hit (the first pages of a cached
 segment ``S``) reads those pages from ``S`` in place in its first iteration, and gets an
-open tail on the instance of the ``S`` replica it reads, into which the transfer plan
-copies ``S``'s pages (:class:`~tokenlake.core.plans.PageCopy`) while its own new tokens
-are written after them. From then on the tail is an ordinary open tail: it fills,
+open tail on the instance of the ``S`` replica it reads (elsewhere only when no instance
+holding ``S`` can give a slot), into which the transfer plan copies ``S``'s pages
+(:class:`~tokenlake.core.plans.PageCopy`) while its own new tokens are written after
+them. From then on the tail is an ordinary open tail: it fills,
 seals under its chained key, and every later request matches it (docs/design.md §4).
 
 Every change goes through the pool and is recorded in the iteration's
@@ -85,10 +86,11 @@ class StorePlanner:
 
     def _take_borrow(self, state: RequestState, tx: Transaction):
         """A new request's page hit on segment ``S``: a private tail on the instance of
-        the ``S`` replica it reads, headed by ``S``'s shared tokens. Returns the read of
-        this iteration ``(instance, slot, tokens)`` and the copy into the tail
-        ``(instance, src_slot, dst_slot, tokens)``. Raises :class:`CapacityError` when
-        no instance holding ``S`` can give a slot."""
+        the ``S`` replica it reads (or another holder's; failing those, wherever a new
+        tail goes), headed by ``S``'s shared tokens. Returns the read of this iteration
+        ``(instance, slot, tokens)`` and the copy into the tail (the fields of a
+        :class:`~tokenlake.core.plans.PageCopy`). Raises :class:`CapacityError` when no
+        slot can be had."""
         pool, key, n = self._pool, *state.borrow
         state.borrow = None
         locs = list(pool.tree.replicas(key))
@@ -101,16 +103,16 @@ class StorePlanner:
             except CapacityError:
                 continue
             break
-        else:
-            raise CapacityError(f"request {state.request_id!r}: no instance holding its page "
-                                "hit has a slot for its open tail")
+        else:  # every holder is full of what cannot be evicted: copy across instances
+            src = first
+            placement = pool.allocate_private(state.request_id, hint)
         tx.opened_tail(placement, state.request_id)
         pool.tree.touch(key, src.instance, pool.clock())
         shared = array("i")
         shared.frombytes(pool.tree.tokens(key)[: 4 * n])
         state.tail, state.tail_tokens = placement.location, shared.tolist()
         dst = placement.location
-        return (src.instance, src.slot, n), (src.instance, src.slot, dst.slot, n)
+        return (src.instance, src.slot, n), (src.instance, src.slot, dst.instance, dst.slot, n)
 
     def _place_new_tokens(
         self, state: RequestState, tokens: tuple[int, ...], tx: Transaction

@@ -63,27 +63,29 @@ class SlotWrite:
 
 @dataclass(frozen=True)
 class SlotCopy:
-    """Copy the first ``tokens`` tokens of ``src`` into ``dst`` on ``instance`` (a page
-    hit's shared pages). Wire form ``[instance, src, dst, tokens]``."""
+    """Copy the first ``tokens`` tokens of slot ``src`` on ``src_instance`` into slot
+    ``dst`` on ``dst_instance`` (a page hit's shared pages). Wire form ``[src_instance,
+    src, dst_instance, dst, tokens]``."""
 
-    instance: int
+    src_instance: int
     src: int
+    dst_instance: int
     dst: int
     tokens: int
 
     def to_wire(self) -> list:
-        return [self.instance, self.src, self.dst, self.tokens]
+        return [self.src_instance, self.src, self.dst_instance, self.dst, self.tokens]
 
     @classmethod
     def from_wire(cls, f: Fields, raw: Any, path: str) -> SlotCopy:
-        return cls(*(f.as_int(v, f"{path}[{i}]") for i, v in enumerate(f.as_list(raw, path, 4))))
+        return cls(*(f.as_int(v, f"{path}[{i}]") for i, v in enumerate(f.as_list(raw, path, 5))))
 
 
 @dataclass(frozen=True)
 class RegisterTransferPlan(WireMessage):
     """``REGISTER_TRANSFER_PLAN`` ``{"plan": int, "rows": int, "puts": [[instance, slot,
-    offset, start, stop], ...], "copies": [[instance, src, dst, tokens], ...] (optional,
-    default none)}``: a client registers a sub-batch's transfer plan with its home
+    offset, start, stop], ...], "copies": [[src_instance, src, dst_instance, dst, tokens],
+    ...] (optional, default none)}``: a client registers a sub-batch's transfer plan with its home
     transfer engine. Answered with ``PLAN_ACK``."""
 
     KIND = Kind.REGISTER_TRANSFER_PLAN
@@ -95,7 +97,8 @@ class RegisterTransferPlan(WireMessage):
     @classmethod
     def from_plan(cls, plan_id: int, plan: TransferPlan) -> RegisterTransferPlan:
         puts = tuple(PutTarget(p.instance, p.slot, p.offset, p.start, p.stop) for p in plan.puts)
-        copies = tuple(SlotCopy(c.instance, c.src_slot, c.dst_slot, c.tokens) for c in plan.copies)
+        copies = tuple(SlotCopy(c.src_instance, c.src_slot, c.dst_instance, c.dst_slot, c.tokens)
+                       for c in plan.copies)
         return cls(plan_id, plan.num_rows, puts, copies)
 
     def body(self) -> dict:
@@ -157,10 +160,11 @@ class PutDone(WireMessage):
 @dataclass(frozen=True, eq=False)  # tensors: equal only to itself
 class PeerPut(WireMessage):
     """``PEER_PUT`` ``{"layer": int, "layers": int, "items": [[slot, offset, rows],
-    ...], "copies": [[instance, src, dst, tokens], ...] (optional)}`` + one ``kv`` tensor
-    per layer and item, layer-major (``[rows, 2, kv_heads, head_dim]`` in the slab's
-    dtype): a home transfer engine's rows for a peer's slab, and the page copies the
-    peer does in those layers. Answered with :class:`PutDone`."""
+    ...], "copies": [slot copy, ...] (optional)}`` + one ``kv`` tensor per layer and
+    item, layer-major (``[rows, 2, kv_heads, head_dim]`` in the slab's dtype): a home
+    transfer engine's rows for a peer's slab, and the page copies whose source is the
+    peer, done in those layers (the peer sends rows for another instance on). Answered
+    with :class:`PutDone` once all of it is stored."""
 
     KIND = Kind.PEER_PUT
     layer: int

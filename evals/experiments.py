@@ -274,15 +274,34 @@ def load_balance(workload: str = "loogle", rate: float | None = None,
 def hit_rate(cache_gb: Sequence[float] = CACHE_GB, systems: Sequence[str] = MAIN_SYSTEMS,
              workload: str = "loogle", rate: float | None = None, scale: float = 1.0,
              config: SimConfig = PAPER_CLUSTER, seed: int = 0,
-             progress: Progress | None = None, workers: int = 1) -> ExperimentResult:
-    """Fig. 11: hit rate versus KV-cache GB per instance (at :data:`NEAR_KNEE_RATE`)."""
-    rate = NEAR_KNEE_RATE[workload] if rate is None else rate
-    reqs = at_rate(build_workload(workload, scale, seed), rate, seed)
+             progress: Progress | None = None, workers: int = 1,
+             trace: str | None = None) -> ExperimentResult:
+    """Fig. 11: hit rate versus KV-cache GB per instance (at :data:`NEAR_KNEE_RATE`).
+
+    With ``trace`` (a Mooncake-format file) its requests replace the workload, at the
+    trace's arrival times (or Poisson at ``rate``), and the summary adds the reuse
+    counted directly from the trace's block ids (``counted_reuse``: an unbounded cache
+    that hits whole blocks; ``counted_reuse_pages``: the same in whole pages of the
+    pool's default, with the last prompt token computed, what the pool can serve)."""
+    counted: dict[str, float] = {}
+    if trace is not None:
+        from evals.sim.trace import arrange, load_trace
+        from evals.workloads.mooncake import prefix_reuse
+        from tokenlake.core.config import DEFAULT_PAGE_TOKENS
+
+        reqs = arrange(load_trace(trace), rate, None, 1, seed)
+        workload = f"trace:{trace.rsplit('/', 1)[-1]}"
+        hit, total = prefix_reuse(reqs)
+        hit_p, _ = prefix_reuse(reqs, page=DEFAULT_PAGE_TOKENS)
+        counted = {"counted_reuse": hit / total, "counted_reuse_pages": hit_p / total}
+    else:
+        rate = NEAR_KNEE_RATE[workload] if rate is None else rate
+        reqs = at_rate(build_workload(workload, scale, seed), rate, seed)
     cells = [(gb, s) for gb in cache_gb for s in systems]
     jobs = [(f"hit-rate {gb} GB {s}", reqs, s, replace(config, cache_gb=gb)) for gb, s in cells]
     rows = [_row(res, workload=workload, rate=rate, cache_gb=gb)
             for (gb, _), res in zip(cells, run_jobs(jobs, progress, workers), strict=True)]
-    summary: dict[str, Any] = {"hit_rate": {}}
+    summary: dict[str, Any] = {"hit_rate": {}, **counted}
     for gb in cache_gb:
         at = {r["system"]: r["hit_rate"] for r in rows if r["cache_gb"] == gb}
         summary["hit_rate"][str(gb)] = at

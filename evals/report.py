@@ -144,6 +144,11 @@ def _report(res: ExperimentResult, figures: list[str]) -> str:
                   "|---" * (len(systems) + 1) + "|"]
         for gb, at in s["hit_rate"].items():
             lines.append(f"| {gb} | " + " | ".join(_fmt(at[x], True) for x in systems) + " |")
+        if "counted_reuse" in s:
+            lines += ["", f"Reuse counted from the trace's block ids (an unbounded cache): "
+                      f"{_fmt(s['counted_reuse'], True)}; in whole pages with the last prompt "
+                      f"token computed (what a pool can serve): "
+                      f"{_fmt(s['counted_reuse_pages'], True)}."]
         lines += ["", "| system | TokenLake / system (range over sizes) | paper |", "|---|---|---|"]
         for sys_, (lo, hi) in s.get("hit_rate_ratio_range", {}).items():
             paper = PAPER["hit_rate_ratio"].get(sys_)

@@ -165,6 +165,8 @@ def test_a_bad_port_range_from_the_environment_is_a_mistake_too(monkeypatch, cap
     (["eval", "hit-rate", "--workload", "loogle", "scbench"], "one workload"),
     (["eval", "load-balance", "--rates", "1", "2"], "one rate"),
     (["sim", "--trace", "missing.jsonl"], "not found"),
+    (["eval", "hit-rate", "--trace", "missing.jsonl"], "not found"),
+    (["eval", "e2e", "--trace", "missing.jsonl"], "hit-rate only"),
     (["bench", "sim", "--trace", "missing.jsonl"], "not found"),
 ])
 def test_mistakes_found_while_running_end_in_one_line_and_exit_2(argv, needle, tmp_path,

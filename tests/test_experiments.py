@@ -122,3 +122,27 @@ def test_mixed_takes_a_third_of_each_workload_at_its_own_lengths():
         assert len(mine) == len(alone)
     longest = max(r.input_length for r in mixed if r.request_id.startswith("loogle:"))
     assert longest > max(r.input_length for r in build_workload("loogle", scale=0.01))
+
+
+def test_hit_rate_on_a_trace_reports_the_counted_reuse_and_reaches_it_unbounded(tmp_path):
+    """``eval hit-rate --trace``: with a cache that holds everything and requests far
+    apart, TokenLake's hit rate is the reuse counted from the trace's block ids in whole
+    pages (the last prompt token computed), exactly."""
+    import json
+
+    from evals.experiments import hit_rate
+    from evals.sim.config import SimConfig
+
+    lines = []
+    for i in range(12):  # sessions of growing prompts sharing their first blocks
+        blocks = list(range(100 * (i % 3), 100 * (i % 3) + 1 + i // 3)) + [1000 + i]
+        length = 512 * (len(blocks) - 1) + 300  # the last block partial, and its own
+        lines.append(json.dumps({"timestamp": 60_000 * i, "input_length": length,
+                                 "output_length": 4, "hash_ids": blocks}))
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    res = hit_rate(cache_gb=(200.0,), systems=("tokenlake", "sglang-router"),
+                   config=SimConfig(instances=4), trace=str(trace))
+    at = res.summary["hit_rate"]["200.0"]
+    assert at["tokenlake"] == pytest.approx(res.summary["counted_reuse_pages"], abs=1e-12)
+    assert 0 < res.summary["counted_reuse_pages"] <= res.summary["counted_reuse"]

@@ -86,14 +86,17 @@ def _block_keys(r: Request, block_size: int) -> list[object]:
     return keys
 
 
-def prefix_reuse(requests: Iterable[Request], block_size: int | None = None) -> tuple[int, int]:
+def prefix_reuse(requests: Iterable[Request], block_size: int | None = None,
+                 page: int | None = None) -> tuple[int, int]:
     """(reusable tokens, input tokens) with an unbounded prefix cache.
 
     Requests are taken in the given order; each one's hits are its leading blocks
     already seen (the first unseen block ends the prefix match), counted as
     ``min(hit_blocks * block_size, input_length)`` tokens; then all its blocks are
     cached. ``block_size`` defaults to each request's own (token requests: 512).
-    Trace block ids and token blocks are different key spaces.
+    Trace block ids and token blocks are different key spaces. With ``page``, what a
+    cache that hits whole pages and computes at least the last prompt token can serve:
+    ``min(hit_blocks * block_size, input_length - 1)`` rounded down to a page.
     """
     seen: set[object] = set()
     hit = total = 0
@@ -105,7 +108,8 @@ def prefix_reuse(requests: Iterable[Request], block_size: int | None = None) -> 
             if k not in seen:
                 break
             h += 1
-        hit += min(h * bs, r.input_length)
+        hit += (min(h * bs, r.input_length - 1) // page * page if page
+                else min(h * bs, r.input_length))
         total += r.input_length
         seen.update(keys)
     return hit, total

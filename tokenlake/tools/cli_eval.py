@@ -79,6 +79,10 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                    help="hit-rate/elasticity: KV GB per instance to sweep (default 8 ... 48)")
     p.add_argument("--instances", type=positive(int), default=None,
                    help="GPUs (default: 8; multi-node 16)")
+    p.add_argument("--trace", default=None,
+                   help="hit-rate: a Mooncake-format JSONL trace instead of --workload, at "
+                        "its own arrival times (or --rates); the summary adds the reuse "
+                        "counted from its block ids")
     p.add_argument("--scale", type=positive(float), default=1.0,
                    help="shrink requests and contexts (0.1: quick)")
     p.add_argument("--seed", type=int, default=0, help="seed of workloads and arrivals")
@@ -119,6 +123,14 @@ def _experiment_kwargs(args: argparse.Namespace) -> dict:
             kw["rate"] = args.rates[0]
         if args.cache_gb and args.experiment in ("hit-rate", "elasticity"):
             kw["cache_gb"] = tuple(args.cache_gb)
+    if args.trace is not None:
+        if args.experiment != "hit-rate":
+            raise UsageError(f"eval {args.experiment}: --trace is for hit-rate only")
+        if args.workload:
+            raise UsageError("eval hit-rate: give --trace or --workload, not both")
+        if not os.path.isfile(args.trace):
+            raise UsageError(f"eval hit-rate: trace file not found: {args.trace}")
+        kw["trace"] = args.trace
     return kw
 
 

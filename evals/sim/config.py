@@ -55,6 +55,11 @@ class SimConfig:
             own arrival time and that finish; its TTFT counts from then. False replays
             every arrival time as given (open loop), so a turn may arrive while the
             previous one still computes, before its KV can be reused.
+        page_tokens: granularity of TokenLake's prefix hits inside a segment (None: the
+            pool's default, 16; ``segment_tokens``: whole segments only).
+        home_eviction: TokenLake's placement in a full pool: a new segment evicts at its
+            hash home (the default, paper §4.3); False takes the global LRU victim's slot
+            wherever it lives (the former rule, kept to compare the two).
         seed: seed of every random choice (replica selection, Poisson arrivals).
     """
 
@@ -75,6 +80,8 @@ class SimConfig:
     max_prefill_dop: int | None = None
     pool_slowdown: bool = False
     closed_sessions: bool = True
+    page_tokens: int | None = None
+    home_eviction: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

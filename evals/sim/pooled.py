@@ -58,7 +58,8 @@ class PooledBackend(Backend):
         super().__init__(setup, system, range(setup.instances), chunk_tokens=chunk)
         cfg = self.config
         pool = PoolConfig(setup.segment_tokens, f"{setup.model.name}/sim", setup.slots_per_instance,
-                          seed=cfg.seed)
+                          seed=cfg.seed, page_tokens=cfg.page_tokens,
+                          home_eviction=cfg.home_eviction)
         self.cp = ControlPlane(pool, setup.model, list(self.instance_ids),
                                clock=lambda: self.now, rng=random.Random(cfg.seed))
         self.tree = self.cp.get_prefix_tree()

@@ -27,6 +27,9 @@ class PoolConfig:
         replicate_low: ... until its load is at most mean x (1 + low) (hysteresis).
         max_replications: cap on copies started by one rebalance round.
         seed: seed of the RNG used for power-of-two-choices replica selection.
+        home_eviction: in a full pool a new segment evicts its hash home's least recently
+            used replica (paper §4.3, the default); False takes the global LRU victim's
+            slot wherever it lives (kept to compare the two rules).
         page_tokens: granularity of prefix hits inside a segment (docs/design.md §4):
             a match returns whole segments plus the matching leading pages of the next
             one. Must divide ``segment_tokens``; ``None`` (the default) means 16 where
@@ -45,6 +48,7 @@ class PoolConfig:
     max_replications: int = 64
     seed: int = 0
     page_tokens: int | None = None
+    home_eviction: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("segment_tokens", self.segment_tokens)

@@ -314,7 +314,7 @@ class CachePool:
                 slot = self.slots.allocate(inst)
                 if slot is not None:
                     return SegmentLocation(inst, slot), None
-        evicted = self.evict_one(home)
+        evicted = self.evict_one(home) if self.config.home_eviction else None
         if evicted is None:
             evicted = self.evict_one()
         if evicted is None:

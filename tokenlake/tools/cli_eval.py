@@ -206,6 +206,12 @@ def add_sim(p: argparse.ArgumentParser) -> None:
                    help="tokens per segment (default: the §4.2 threshold rule)")
     p.add_argument("--chunk-tokens", type=positive(int), default=512,
                    help="prefill chunk, tokens")
+    p.add_argument("--page-tokens", type=positive(int), default=None,
+                   help="TokenLake: prefix hits exact to this many tokens (default 16; the "
+                        "segment size: whole segments only)")
+    p.add_argument("--global-lru", action="store_true",
+                   help="TokenLake: a full pool evicts the global LRU victim instead of the "
+                        "new segment's home's (to compare the placement rules)")
     p.add_argument("--tp", type=positive(int), default=2, help="baselines' tensor parallelism")
     p.add_argument("--slo-scale", type=positive(float), default=10.0,
                    help="SLO as a multiple of the unloaded latency")
@@ -227,7 +233,8 @@ def _load_requests(args: argparse.Namespace):
         config = SimConfig(instances=args.instances, hardware=args.hardware, model=args.model,
                            cache_gb=args.cache_gb, segment_tokens=args.segment_tokens,
                            chunk_tokens=args.chunk_tokens, tp=args.tp,
-                           slo_scale=args.slo_scale, seed=args.seed)
+                           slo_scale=args.slo_scale, seed=args.seed,
+                           page_tokens=args.page_tokens, home_eviction=not args.global_lru)
         config.resolve()
         reqs = arrange(load_trace(args.trace, args.limit), args.rate, args.speedup,
                        args.repeat, args.seed)

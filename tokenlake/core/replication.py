@@ -194,6 +194,9 @@ class Replicator:
     def _start(self, d: ReplicationDecision, acc: dict[SegmentKey, int] | None = None
                ) -> Replication | None:
         pool = self._pool
+        src = {loc.instance: loc for loc in pool.tree.replicas(d.key)}.get(d.source)
+        if src is None:  # the source replica is still pending
+            return None
         slot = pool.slots.allocate(d.target)
         if slot is None and acc is not None:
             # Make room on the target only, and only for a hotter segment.
@@ -202,10 +205,6 @@ class Replicator:
                 pool.evict_one(d.target)
                 slot = pool.slots.allocate(d.target)
         if slot is None:
-            return None
-        src = {loc.instance: loc for loc in pool.tree.replicas(d.key)}.get(d.source)
-        if src is None:
-            pool.slots.free(d.target, slot)
             return None
         pool.tree.add_replica(d.key, d.target, slot, pool.clock())
         pool.tree.lease([d.key])  # keep the source until the copy is done

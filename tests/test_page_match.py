@@ -179,3 +179,22 @@ def test_replication_evicts_a_colder_replica_on_a_full_target():
     cp.finish_replication(started[0])
     assert {loc.instance for loc in tree.replicas(key)} == {0, 1}
     cp.check()
+
+
+# ------------------------------------------------ the radix tree the benchmark compares
+
+
+@settings(max_examples=80, deadline=None)
+@given(stored=st.lists(SEQ, min_size=1, max_size=8), query=SEQ)
+def test_the_benchmark_radix_tree_matches_the_longest_stored_prefix(stored, query):
+    from tokenlake.tools.bench_match import RadixStandIn
+
+    radix = RadixStandIn()
+    seen: list = []
+    for s in stored:
+        cached = radix.insert(list(s))
+        assert cached == max((_lcp(s, t) for t in seen), default=0)
+        seen.append(s)
+    values = radix.match_prefix(list(query))
+    assert len(values) == max(_lcp(query, s) for s in stored)
+    assert len(set(values)) == len(values)  # one slot per cached token

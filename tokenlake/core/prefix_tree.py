@@ -52,8 +52,8 @@ class _Replica:
 
 
 class _Node:
-    __slots__ = ("key", "parent", "index", "tokens", "children", "order", "replicas",
-                 "leases", "pins")
+    __slots__ = ("key", "parent", "index", "tokens", "kids", "bare", "order", "replicas",
+                 "locs", "leases", "pins")
 
     def __init__(self, key: SegmentKey, parent: SegmentKey | None, index: int,
                  tokens: bytes | None = None) -> None:
@@ -61,18 +61,32 @@ class _Node:
         self.parent = parent
         self.index = index  # position of the segment in its sequence (0 = first)
         self.tokens = tokens  # the segment's token ids as int32 bytes (None: unknown)
-        self.children: set[SegmentKey] = set()
+        # Children by their token bytes (what a match walks), and children inserted
+        # without tokens by key; None while there are none (most nodes are leaves).
+        self.kids: dict[bytes, _Node] | None = None
+        self.bare: dict[SegmentKey, _Node] | None = None
         # (tokens, key) of the children with tokens, sorted; only once there are two.
         self.order: list[tuple[bytes, SegmentKey]] | None = None
         self.replicas: dict[int, _Replica] = {}
+        self.locs: tuple[SegmentLocation, ...] = ()  # ready replicas, as match returns them
         self.leases = 0
         self.pins = 0
+
+    @property
+    def has_children(self) -> bool:
+        return bool(self.kids) or bool(self.bare)
+
+    def child_nodes(self) -> list[_Node]:
+        out = list(self.kids.values()) if self.kids else []
+        if self.bare:
+            out.extend(self.bare.values())
+        return out
 
     def ready_instances(self) -> list[int]:
         return [i for i, r in self.replicas.items() if r.ready]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SegmentLocation:
     """Where one ready replica of a segment lives."""
 
@@ -128,8 +142,7 @@ class PrefixTree:
         self.hasher = hasher
         self.page_tokens = page
         self._nodes: dict[SegmentKey, _Node] = {}
-        self._root = _Node(b"", None, -1)  # virtual: its children are the first segments
-        self._roots = self._root.children
+        self._root = _Node(hasher.root, None, -1)  # virtual: its children are first segments
         # Per instance: (last_access, -index, seq, key, instance) of evictable replicas.
         self._lru: dict[int, SortedList] = {}
         self._seq = itertools.count()
@@ -158,8 +171,8 @@ class PrefixTree:
 
     def children(self, key: SegmentKey | None) -> tuple[SegmentKey, ...]:
         """Children of ``key``; ``None`` names the (virtual) root."""
-        kids = self._roots if key is None else self._node(key).children
-        return tuple(kids)
+        node = self._root if key is None else self._node(key)
+        return tuple(n.key for n in node.child_nodes())
 
     def replicas(self, key: SegmentKey, ready_only: bool = True) -> tuple[SegmentLocation, ...]:
         reps = self._node(key).replicas
@@ -206,16 +219,27 @@ class PrefixTree:
         keys: list[SegmentKey] = []
         where: list[tuple[SegmentLocation, ...]] = []
         if max_segments:
-            nodes = self._nodes
-            for key in self.hasher.iter_keys(token_ids[: max_segments * c * width]):
-                node = nodes.get(key)
-                if node is None:
-                    break
-                locs = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)
+            # Walk the children by their token bytes (exact, no hashing); only children
+            # inserted without tokens are looked up by their chained key.
+            raw = token_bytes(token_ids[: max_segments * c * width])
+            step = 4 * c
+            node = self._root
+            for off in range(0, len(raw), step):
+                seg = raw[off : off + step]
+                kids = node.kids
+                child = kids.get(seg) if kids is not None else None
+                if child is None:
+                    if node.bare is None:
+                        break
+                    child = node.bare.get(self.hasher.keys(seg, parent=node.key)[0])
+                    if child is None:
+                        break
+                locs = child.locs
                 if not locs:
                     break
-                keys.append(key)
+                keys.append(child.key)
                 where.append(locs)
+                node = child
         whole = len(keys) * c
         if self.page_tokens < c and limit - whole >= self.page_tokens:
             nxt = token_ids[whole * width : min(limit, whole + c) * width]
@@ -233,7 +257,7 @@ class PrefixTree:
         as ``(key, tokens, ready replicas)``; ``None`` if no child shares a page.
         Tokens are compared exactly."""
         pnode = self._root if parent is None else self._nodes.get(parent)
-        if pnode is None or not pnode.children:
+        if pnode is None or not pnode.kids:
             return None
         seg = token_bytes(token_ids)
         page_bytes = 4 * self.page_tokens
@@ -244,17 +268,13 @@ class PrefixTree:
             i = bisect.bisect_left(pnode.order, (seg,))
             cands = [pnode.order[j][1] for j in (i - 1, i) if 0 <= j < len(pnode.order)]
         else:
-            cands = list(pnode.children)
+            cands = [n.key for n in pnode.kids.values()]
         best: tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None = None
         for key in cands:
             node = self._nodes[key]
-            if node.tokens is None:
-                continue
             pages = _common_pages(seg, node.tokens, page_bytes, max_pages)
-            if pages and (best is None or pages * self.page_tokens > best[1]):
-                locs = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)
-                if locs:
-                    best = (key, pages * self.page_tokens, locs)
+            if pages and node.locs and (best is None or pages * self.page_tokens > best[1]):
+                best = (key, pages * self.page_tokens, node.locs)
         return best
 
     def tokens(self, key: SegmentKey) -> bytes | None:
@@ -290,16 +310,20 @@ class PrefixTree:
         if pnode.tokens is not None and len(pnode.tokens) < 4 * self.hasher.segment_tokens:
             raise ValueError(f"segment {parent.hex()} is a tail: nothing follows it")
         node = self._nodes[key] = _Node(key, parent, index, raw)
-        pnode.children.add(key)
-        if pnode.order is not None:
-            if raw is not None:
+        if raw is None:
+            if pnode.bare is None:
+                pnode.bare = {}
+            pnode.bare[key] = node
+        else:
+            if pnode.kids is None:
+                pnode.kids = {}
+            pnode.kids[raw] = node
+            if pnode.order is not None:
                 bisect.insort(pnode.order, (raw, key))
-        elif len(pnode.children) > 1:
-            pnode.order = sorted((self._nodes[k].tokens, k) for k in pnode.children
-                                 if self._nodes[k].tokens is not None)
-        if parent is not None:
-            self._sync(pnode)
-        del node
+            elif len(pnode.kids) > 1:
+                pnode.order = sorted((t, n.key) for t, n in pnode.kids.items())
+        if parent is not None and len(pnode.kids or ()) + len(pnode.bare or ()) == 1:
+            self._sync(pnode)  # its first child: no longer a leaf
         return True
 
     def add_replica(
@@ -311,6 +335,8 @@ class PrefixTree:
             raise ValueError(f"segment {key.hex()} already has a replica on instance {instance}")
         node.replicas[instance] = _Replica(instance, slot, ready, now)
         self._sync(node)
+        if ready:
+            _relocate(node)
 
     def set_ready(self, key: SegmentKey, instance: int, now: float) -> None:
         """Marks a pending replica as stored in all layers; the segment becomes matchable."""
@@ -324,6 +350,7 @@ class PrefixTree:
             self._lru[rep.instance].remove(rep.lru_entry)
             rep.lru_entry = None
         self._sync(node)
+        _relocate(node)
 
     def touch(self, key: SegmentKey, instance: int, now: float) -> None:
         """Records an access of one replica at time ``now`` (for LRU)."""
@@ -345,13 +372,14 @@ class PrefixTree:
         rep = node.replicas.get(instance)
         if rep is None:
             raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
-        if len(node.replicas) == 1 and (node.children or node.pins or node.leases):
+        if len(node.replicas) == 1 and (node.has_children or node.pins or node.leases):
             raise ValueError(f"segment {key.hex()} is pinned, leased or has children")
         if rep.lru_entry is not None:
             self._lru[rep.instance].remove(rep.lru_entry)
         del node.replicas[instance]
         if node.replicas:
             self._sync(node)
+            _relocate(node)
         else:
             self._drop_node(node)
         return rep.slot
@@ -368,15 +396,15 @@ class PrefixTree:
         while stack:
             node = self._nodes[stack.pop()]
             order.append(node)
-            stack.extend(node.children)
+            stack.extend(n.key for n in node.child_nodes())
         for node in reversed(order):  # leaves first
             for inst, rep in node.replicas.items():
                 if rep.lru_entry is not None:
                     self._lru[rep.instance].remove(rep.lru_entry)
                 dropped.append((node.key, inst, rep.slot))
             node.replicas.clear()
-            node.children.clear()
-            node.order = None
+            node.kids = node.bare = node.order = None
+            node.locs = ()
             node.pins = node.leases = 0
             self._drop_node(node)
         return dropped
@@ -449,7 +477,7 @@ class PrefixTree:
         ready = 0
         for r in node.replicas.values():
             ready += r.ready
-        return ready > 1 or (ready == 1 and not node.children)
+        return ready > 1 or (ready == 1 and not node.has_children)
 
     def _sync(self, node: _Node) -> None:
         """Makes the LRU index agree with the node's current state."""
@@ -465,15 +493,22 @@ class PrefixTree:
 
     def _drop_node(self, node: _Node) -> None:
         del self._nodes[node.key]
+        node.locs = ()
         pnode = self._root if node.parent is None else self._nodes.get(node.parent)
         if pnode is None:
             return
-        pnode.children.discard(node.key)
-        if pnode.order is not None and node.tokens is not None:
-            i = bisect.bisect_left(pnode.order, (node.tokens, node.key))
-            del pnode.order[i]
-        if pnode is not self._root:
-            self._sync(pnode)
+        if node.tokens is None:
+            if pnode.bare is not None and pnode.bare.pop(node.key, None) is not None and not pnode.bare:
+                pnode.bare = None
+        elif pnode.kids is not None and pnode.kids.get(node.tokens) is node:
+            del pnode.kids[node.tokens]
+            if not pnode.kids:
+                pnode.kids = None
+            if pnode.order is not None:
+                i = bisect.bisect_left(pnode.order, (node.tokens, node.key))
+                del pnode.order[i]
+        if pnode is not self._root and not pnode.has_children:
+            self._sync(pnode)  # a leaf again
 
     def check(self) -> None:
         """Asserts the invariants listed in the module docstring (for tests)."""
@@ -482,26 +517,29 @@ class PrefixTree:
         assert len(in_lru) == len(entries)
         assert all(e[4] == inst for inst, lru in self._lru.items() for e in lru)
         for key, node in self._nodes.items():
-            if node.parent is not None:
-                assert node.parent in self._nodes, "orphaned suffix"
-                assert key in self._nodes[node.parent].children
+            pnode = self._root if node.parent is None else self._nodes.get(node.parent)
+            assert pnode is not None, "orphaned suffix"
+            if node.tokens is None:
+                assert pnode.bare is not None and pnode.bare.get(key) is node
             else:
-                assert key in self._roots
-            for child in node.children:
-                assert self._nodes[child].parent == key
+                assert pnode.kids is not None and pnode.kids.get(node.tokens) is node
+            for child in node.child_nodes():
+                assert child.parent == key and self._nodes.get(child.key) is child
+            want = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)
+            assert node.locs == want, "cached ready replicas out of date"
             ok = self._evictable(node)
             for inst, rep in node.replicas.items():
                 assert ((key, inst) in in_lru) == (ok and rep.ready), "LRU index out of date"
                 if rep.lru_entry is not None:
                     assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
-        assert all(k in self._nodes for k in self._roots)
+        assert all(self._nodes.get(n.key) is n for n in self._root.child_nodes())
         for node in [self._root, *self._nodes.values()]:
-            with_tokens = sorted((self._nodes[k].tokens, k) for k in node.children
-                                 if self._nodes[k].tokens is not None)
+            with_tokens = sorted((t, n.key) for t, n in (node.kids or {}).items())
             if node.order is not None:
                 assert node.order == with_tokens, "children's token order out of date"
             else:
-                assert len(node.children) <= 1, "two children without a token order"
+                assert len(with_tokens) <= 1, "two children without a token order"
+            assert node.kids is None or node.kids, "an empty children index"
 
 
 def _common_pages(a: bytes, b: bytes, page_bytes: int, max_pages: int) -> int:
@@ -516,3 +554,8 @@ def _common_pages(a: bytes, b: bytes, page_bytes: int, max_pages: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def _relocate(node: _Node) -> None:
+    """Refreshes the node's cached tuple of ready replicas (what a match returns)."""
+    node.locs = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)

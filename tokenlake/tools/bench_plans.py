@@ -130,15 +130,21 @@ def bench_match(
     }
 
 
-def bench_plans(instances=(8, 64, 256)) -> dict:
-    """All figures of ``tokenlake bench plans`` as one JSON-ready dict."""
+def bench_plans(instances=(8, 64, 256), radix: bool = True, inserts: int = 10_000) -> dict:
+    """All figures of ``tokenlake bench plans`` as one JSON-ready dict; with ``radix``
+    also the prefix tree beside a page-size-1 radix tree
+    (:func:`tokenlake.tools.bench_match.bench_match_vs_radix`)."""
+    from tokenlake.tools.bench_match import bench_match_vs_radix
+
     details = {str(n): bench_gen_plans(n) for n in instances}
     match = bench_match()
+    versus = bench_match_vs_radix(inserts=inserts) if radix else None
     return {
         "gen_plans_ms": {n: round(d["median_ms"], 3) for n, d in details.items()},
         "match_tokens_per_s": round(match["tokens_per_s_list"]),
         "gen_plans_detail": details,
         "match_detail": match,
+        "match_vs_radix": versus,
         "setup": {
             "requests": 64,
             "prefix_tokens": 32 * 1024,

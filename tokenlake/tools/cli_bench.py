@@ -70,18 +70,28 @@ def _json_flag(p: argparse.ArgumentParser, always: bool = False) -> None:
 def add_plans(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=positive(int), nargs="+", default=[8, 64, 256],
                    metavar="N", help="pool sizes to time gen_plans on")
+    p.add_argument("--inserts", type=positive(int), default=10_000,
+                   help="prompts of 4K tokens inserted in the radix comparison")
+    p.add_argument("--no-radix", action="store_true",
+                   help="skip the comparison with a page-size-1 radix tree")
     _json_flag(p)
     p.set_defaults(run=run_plans)
 
 
 def run_plans(args: argparse.Namespace) -> int:
-    result = bench_plans(tuple(args.instances))
+    result = bench_plans(tuple(args.instances), radix=not args.no_radix, inserts=args.inserts)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     for n, ms in result["gen_plans_ms"].items():
         print(f"gen_plans  N={n:>4}: {ms:8.3f} ms")
     print(f"prefix match: {result['match_tokens_per_s'] / 1e6:.1f} M tokens/s")
+    versus = result["match_vs_radix"]
+    if versus:
+        print("radix tree (page size 1) / TokenLake, time ratios (> 1: TokenLake faster) "
+              "and memory per cached token (TokenLake / radix):")
+        for name, ratio in versus["ratio"].items():
+            print(f"  {name:28s} {ratio:7.2f}x")
     return 0
 
 

@@ -79,6 +79,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                    help="hit-rate/elasticity: KV GB per instance to sweep (default 8 ... 48)")
     p.add_argument("--instances", type=positive(int), default=None,
                    help="GPUs (default: 8; multi-node 16)")
+    p.add_argument("--page-tokens", type=positive(int), default=None,
+                   help="TokenLake: prefix hits exact to this many tokens (default 16)")
     p.add_argument("--trace", default=None,
                    help="hit-rate: a Mooncake-format JSONL trace instead of --workload, at "
                         "its own arrival times (or --rates); the summary adds the reuse "
@@ -144,7 +146,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from evals.report import write
     from evals.sim.config import SimConfig
 
-    config = SimConfig(instances=16 if args.experiment == "multi-node" else 8)
+    config = SimConfig(instances=16 if args.experiment == "multi-node" else 8,
+                       page_tokens=args.page_tokens)
     if args.instances:
         config = replace(config, instances=args.instances)
     bar = _progress_bar(None, args.experiment, "run", args.quiet)

@@ -375,6 +375,7 @@ class PooledBackend(Backend):
     def extra(self) -> dict:
         st = self.cp.stats()
         return {"control_plane_hit_rate": st.hit_rate, "evictions": st.pool.evictions,
+                "placed_at_home": st.pool.placed_at_home / max(st.pool.placed, 1),
                 "replications": st.pool.replications, "segments": st.pool.segments,
                 "dedup_segments": st.pool.dedup_segments, "segment_tokens": self.c,
                 "plan_settles": self.planner.settles, "reused_decisions": self.reused_decisions,

@@ -85,6 +85,8 @@ class PoolStats:
     private_slots: int = 0  # open tails of running requests
     dedup_segments: int = 0  # inserts that found the segment already there
     evictions: int = 0  # replicas evicted to make room
+    placed: int = 0  # new segments placed by hash (place()) and stored
+    placed_at_home: int = 0  # ... of which on their hash home
     replications: int = 0  # replicas created by rebalancing
     reads: Mapping[int, int] = field(default_factory=dict)  # cumulative segment reads per instance
 
@@ -112,6 +114,7 @@ class CachePool:
         self.replicator = Replicator(self)
         self._private: dict[tuple[int, int], str] = {}  # (instance, slot) -> owner
         self._dedup = self._evictions = 0
+        self._placed = self._at_home = 0
         for inst in instances:
             self.add_instance(inst)
 
@@ -294,6 +297,12 @@ class CachePool:
         slot = self.tree.remove_replica(key, loc.instance)
         self._private[(loc.instance, slot)] = owner
 
+    def count_placement(self, key: SegmentKey, instance: int) -> None:
+        """A segment :meth:`place` gave a slot on ``instance`` was stored (statistics:
+        how many land on their hash home)."""
+        self._placed += 1
+        self._at_home += instance == self.ring.home(key)
+
     def count_dedup(self, n: int = 1) -> None:
         """Counts segments found cached instead of stored again (``n < 0``: undone)."""
         self._dedup += n
@@ -432,6 +441,8 @@ class CachePool:
             private_slots=len(self._private),
             dedup_segments=self._dedup,
             evictions=self._evictions,
+            placed=self._placed,
+            placed_at_home=self._at_home,
             replications=self.replicator.finished,
             reads={i: reads.get(i, 0) for i in self.instances},
         )

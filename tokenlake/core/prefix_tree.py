@@ -61,9 +61,10 @@ class _Node:
         self.parent = parent
         self.index = index  # position of the segment in its sequence (0 = first)
         self.tokens = tokens  # the segment's token ids as int32 bytes (None: unknown)
-        # Children by their token bytes (what a match walks), and children inserted
-        # without tokens by key; None while there are none (most nodes are leaves).
-        self.kids: dict[bytes, _Node] | None = None
+        # Children by their token bytes (what a match walks): None for a leaf, the child
+        # itself while it is the only one (most nodes), a dict from two on. Children
+        # inserted without tokens are kept by key in ``bare``.
+        self.kids: _Node | dict[bytes, _Node] | None = None
         self.bare: dict[SegmentKey, _Node] | None = None
         # (tokens, key) of the children with tokens, sorted; only once there are two.
         self.order: list[tuple[bytes, SegmentKey]] | None = None
@@ -74,10 +75,16 @@ class _Node:
 
     @property
     def has_children(self) -> bool:
-        return bool(self.kids) or bool(self.bare)
+        return self.kids is not None or bool(self.bare)
+
+    def token_children(self) -> list[_Node]:
+        kids = self.kids
+        if kids is None:
+            return []
+        return [kids] if type(kids) is _Node else list(kids.values())
 
     def child_nodes(self) -> list[_Node]:
-        out = list(self.kids.values()) if self.kids else []
+        out = self.token_children()
         if self.bare:
             out.extend(self.bare.values())
         return out
@@ -227,7 +234,10 @@ class PrefixTree:
             for off in range(0, len(raw), step):
                 seg = raw[off : off + step]
                 kids = node.kids
-                child = kids.get(seg) if kids is not None else None
+                if type(kids) is _Node:
+                    child = kids if kids.tokens == seg else None
+                else:
+                    child = kids.get(seg) if kids is not None else None
                 if child is None:
                     if node.bare is None:
                         break
@@ -257,7 +267,7 @@ class PrefixTree:
         as ``(key, tokens, ready replicas)``; ``None`` if no child shares a page.
         Tokens are compared exactly."""
         pnode = self._root if parent is None else self._nodes.get(parent)
-        if pnode is None or not pnode.kids:
+        if pnode is None or pnode.kids is None:
             return None
         seg = token_bytes(token_ids)
         page_bytes = 4 * self.page_tokens
@@ -268,7 +278,7 @@ class PrefixTree:
             i = bisect.bisect_left(pnode.order, (seg,))
             cands = [pnode.order[j][1] for j in (i - 1, i) if 0 <= j < len(pnode.order)]
         else:
-            cands = [n.key for n in pnode.kids.values()]
+            cands = [n.key for n in pnode.token_children()]
         best: tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None = None
         for key in cands:
             node = self._nodes[key]
@@ -310,19 +320,22 @@ class PrefixTree:
         if pnode.tokens is not None and len(pnode.tokens) < 4 * self.hasher.segment_tokens:
             raise ValueError(f"segment {parent.hex()} is a tail: nothing follows it")
         node = self._nodes[key] = _Node(key, parent, index, raw)
+        first = not pnode.has_children
         if raw is None:
             if pnode.bare is None:
                 pnode.bare = {}
             pnode.bare[key] = node
         else:
-            if pnode.kids is None:
-                pnode.kids = {}
-            pnode.kids[raw] = node
-            if pnode.order is not None:
+            kids = pnode.kids
+            if kids is None:
+                pnode.kids = node
+            elif type(kids) is _Node:
+                pnode.kids = {kids.tokens: kids, raw: node}
+                pnode.order = sorted(((kids.tokens, kids.key), (raw, key)))
+            else:
+                kids[raw] = node
                 bisect.insort(pnode.order, (raw, key))
-            elif len(pnode.kids) > 1:
-                pnode.order = sorted((t, n.key) for t, n in pnode.kids.items())
-        if parent is not None and len(pnode.kids or ()) + len(pnode.bare or ()) == 1:
+        if parent is not None and first:
             self._sync(pnode)  # its first child: no longer a leaf
         return True
 
@@ -500,11 +513,14 @@ class PrefixTree:
         if node.tokens is None:
             if pnode.bare is not None and pnode.bare.pop(node.key, None) is not None and not pnode.bare:
                 pnode.bare = None
-        elif pnode.kids is not None and pnode.kids.get(node.tokens) is node:
+        elif pnode.kids is node:
+            pnode.kids = None
+        elif type(pnode.kids) is dict and pnode.kids.get(node.tokens) is node:
             del pnode.kids[node.tokens]
-            if not pnode.kids:
-                pnode.kids = None
-            if pnode.order is not None:
+            if len(pnode.kids) == 1:  # back to a single child: no index
+                (pnode.kids,) = pnode.kids.values()
+                pnode.order = None
+            else:
                 i = bisect.bisect_left(pnode.order, (node.tokens, node.key))
                 del pnode.order[i]
         if pnode is not self._root and not pnode.has_children:
@@ -522,7 +538,8 @@ class PrefixTree:
             if node.tokens is None:
                 assert pnode.bare is not None and pnode.bare.get(key) is node
             else:
-                assert pnode.kids is not None and pnode.kids.get(node.tokens) is node
+                assert node in pnode.token_children() and (
+                    pnode.kids is node or pnode.kids.get(node.tokens) is node)
             for child in node.child_nodes():
                 assert child.parent == key and self._nodes.get(child.key) is child
             want = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)
@@ -534,12 +551,12 @@ class PrefixTree:
                     assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
         assert all(self._nodes.get(n.key) is n for n in self._root.child_nodes())
         for node in [self._root, *self._nodes.values()]:
-            with_tokens = sorted((t, n.key) for t, n in (node.kids or {}).items())
+            with_tokens = sorted((n.tokens, n.key) for n in node.token_children())
             if node.order is not None:
                 assert node.order == with_tokens, "children's token order out of date"
+                assert type(node.kids) is dict and len(node.kids) >= 2
             else:
                 assert len(with_tokens) <= 1, "two children without a token order"
-            assert node.kids is None or node.kids, "an empty children index"
 
 
 def _common_pages(a: bytes, b: bytes, page_bytes: int, max_pages: int) -> int:

@@ -188,6 +188,9 @@ class Transaction:
         for key, inst in self.commits:
             if key in pool.tree and key not in self._gone:
                 pool.commit(key, inst)
+        for entry in self._undo:
+            if type(entry) is _Placed and entry.key not in self._gone:
+                pool.count_placement(entry.key, entry.instance)
         for tail, owner in self.release_on_commit:
             pool.release_private(tail, owner)
         pool.unlease([k for k in self.borrows if k not in self._gone], missing_ok=True)

@@ -173,6 +173,9 @@ def test_the_settings_object_validates_itself():
     with pytest.raises(ConfigError, match="pool_mb must be an integer"):
         ServeSettings(pool_mb="256")
     assert ServeSettings(ray_cpus_per_instance=2).ray_cpus_per_instance == 2.0  # int for float
+    with pytest.raises(ConfigError, match="page_tokens .16. must divide segment_tokens .100."):
+        ServeSettings(segment_tokens=100)
+    assert ServeSettings(segment_tokens=100, page_tokens=100).page_tokens == 100
 
 
 # --------------------------------------------------------------------------- command line
@@ -268,6 +271,7 @@ def test_serve_passes_the_same_values_as_before(monkeypatch, capsys):
     (args, kwargs), = calls
     assert args == (4, "smollm2-135m", 256 << 20, RayOptions(address="auto"), 64, 1024)
     assert kwargs["restart"] is True and kwargs["json_lines"] is False
+    assert kwargs["page_tokens"] == 16
     assert run(["serve", "--ray", "local", "--no-restart"], capsys)[0] == 0
     assert calls[1][0][3] == RayOptions(address=None) and calls[1][1]["restart"] is False
     assert run(["serve", "--ray", "auto", "--place-timeout", "2.5"], capsys)[0] == 0

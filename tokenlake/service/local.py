@@ -155,6 +155,7 @@ def serve_local(
     insecure: bool = False,
     credentials: str | None = None,
     kv_layout: str = "tokenlake",
+    page_tokens: int | None = None,
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
@@ -172,7 +173,8 @@ def serve_local(
     control port's credentials go to ``credentials`` (see :func:`pool_service`).
     ``kv_layout="vllm-cpu"`` or ``"hf"``: a pool for vLLM's connector (load or query
     mode; the namespace keeps vLLM's KV apart), served without the HTTP API (vLLM
-    computes, not this process).
+    computes, not this process). ``page_tokens``: granularity of prefix hits (None: 16
+    where it divides ``segment_tokens``).
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
@@ -193,7 +195,7 @@ def serve_local(
             progress(f"starting {instances} instances (a query and a transfer engine each) ...")
             cluster = stack.enter_context(LocalCluster(
                 instances, model, pool_bytes, segment_tokens=segment_tokens, max_rows=max_rows,
-                host=engine_host, insecure=insecure, kv_layout=kv_layout))
+                host=engine_host, insecure=insecure, kv_layout=kv_layout, page_tokens=page_tokens))
             served = stack.enter_context(pool_service(
                 cluster, host=host, control_port=control_port, http_port=http_port,
                 model=weights, credentials=credentials))

@@ -127,6 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return serve(cfg.instances, cfg.model, cfg.pool_mb << 20, options, cfg.segment_tokens,
                      cfg.max_rows, restart=cfg.restart, json_lines=args.json,
+                     page_tokens=cfg.page_tokens,
                      out=lambda line: print(line, flush=True),
                      attach=_ray_service(cfg, args.json))
     except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had
@@ -193,7 +194,7 @@ def _serve_local(cfg, json_lines: bool) -> int:
                     cfg.max_rows, host=cfg.host, control_port=cfg.control_port,
                     http_port=cfg.http_port, engine=cfg.engine, engine_host=cfg.bind,
                     insecure=cfg.insecure, credentials=cfg.credentials,
-                    kv_layout=cfg.kv_layout, stop=stop, on_ready=ready,
+                    kv_layout=cfg.kv_layout, page_tokens=cfg.page_tokens, stop=stop, on_ready=ready,
                     progress=lambda line: emit("progress", line, message=line))
     except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

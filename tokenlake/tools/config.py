@@ -102,6 +102,9 @@ class ServeSettings:
     instances: int = _setting(4, "int", "pool instances", _positive, metavar="N")
     pool_mb: int = _setting(256, "int", "slab MiB per instance", _positive, metavar="MIB")
     segment_tokens: int = _setting(64, "int", "tokens per segment", _positive, metavar="TOKENS")
+    page_tokens: int = _setting(16, "int", "prefix hits exact to this many tokens; must divide "
+                                "segment_tokens (segment_tokens: whole segments only)", _positive,
+                                metavar="TOKENS")
     max_rows: int = _setting(1024, "int", "rows of each q/out/kv buffer", _positive,
                           metavar="ROWS")
     host: str = _setting("127.0.0.1", "str", "address of the control and HTTP ports",
@@ -162,6 +165,9 @@ class ServeSettings:
             fault = value is not None and f.metadata["check"] and f.metadata["check"](value)
             if fault:
                 raise ConfigError(f"{file_key(f.name)} {fault}")
+        if self.segment_tokens % self.page_tokens:
+            raise ConfigError(f"page_tokens ({self.page_tokens}) must divide segment_tokens "
+                              f"({self.segment_tokens})")
         if self.control_port == self.http_port != 0:
             raise ConfigError(f"control_port and http_port must differ, both are {self.http_port}")
 

@@ -83,16 +83,18 @@ def test_memory_term_counts_the_new_tokens_of_a_decode_step(setup):
     # rel=1e-12 tells apart.)
 
 
-def test_a_fully_cached_prompt_leaves_one_segment_to_compute(setup):
-    """The last segment of a fully cached prompt is recomputed (the match stops one token
-    short, so it keeps only whole segments before it): 576 inputs over a 576-token prefix.
-    Here the FLOP term wins the max."""
+def test_a_fully_cached_prompt_leaves_one_page_to_compute(setup):
+    """The last page of a fully cached prompt is recomputed (the match stops one token
+    short and keeps whole pages of 16): 16 inputs over a 1,136-token prefix. With whole
+    segments only it would be 576 inputs over 576 tokens."""
     cp, hw = setup
+    page = cp.config.page_tokens
+    assert page == 16
     doc = tuple(range(3, 3 + 2 * C))
     store(cp, "d", doc)
-    mem, flops = by_hand([(C, C)], hw)
-    assert flops > mem
-    assert cp.get_cache_load([doc], hw, LATENCY) == pytest.approx(flops, rel=1e-12)
+    mem, flops = by_hand([(page, 2 * C - page)], hw)
+    assert cp.get_cache_load([doc], hw, LATENCY) == pytest.approx(max(mem, flops), rel=1e-12)
+    assert max(mem, flops) != pytest.approx(max(by_hand([(C, C)], hw)), rel=1e-6)
 
 
 def test_no_requests_no_load(setup):

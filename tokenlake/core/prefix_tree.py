@@ -68,7 +68,7 @@ class _Node:
         self.bare: dict[SegmentKey, _Node] | None = None
         # (tokens, key) of the children with tokens, sorted; only once there are two.
         self.order: list[tuple[bytes, SegmentKey]] | None = None
-        self.replicas: dict[int, _Replica] = {}
+        self.replicas: list[_Replica] = []  # at most one per instance, in creation order
         self.locs: tuple[SegmentLocation, ...] = ()  # ready replicas, as match returns them
         self.leases = 0
         self.pins = 0
@@ -90,7 +90,13 @@ class _Node:
         return out
 
     def ready_instances(self) -> list[int]:
-        return [i for i, r in self.replicas.items() if r.ready]
+        return [r.instance for r in self.replicas if r.ready]
+
+    def replica(self, instance: int) -> _Replica | None:
+        for r in self.replicas:
+            if r.instance == instance:
+                return r
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +174,7 @@ class PrefixTree:
     def is_ready(self, key: SegmentKey) -> bool:
         """True when ``key`` is in the tree with at least one ready replica."""
         node = self._nodes.get(key)
-        return node is not None and any(r.ready for r in node.replicas.values())
+        return node is not None and bool(node.locs)
 
     def parent(self, key: SegmentKey) -> SegmentKey | None:
         return self._node(key).parent
@@ -182,13 +188,12 @@ class PrefixTree:
         return tuple(n.key for n in node.child_nodes())
 
     def replicas(self, key: SegmentKey, ready_only: bool = True) -> tuple[SegmentLocation, ...]:
-        reps = self._node(key).replicas
-        if len(reps) == 1:  # the common case, without the sort
-            ((i, r),) = reps.items()
-            return (SegmentLocation(i, r.slot),) if r.ready or not ready_only else ()
+        node = self._node(key)
+        if ready_only and len(node.locs) <= 1:  # the common case: cached
+            return node.locs
         return tuple(
-            SegmentLocation(i, r.slot)
-            for i, r in sorted(reps.items())
+            SegmentLocation(r.instance, r.slot)
+            for r in sorted(node.replicas, key=lambda r: r.instance)
             if r.ready or not ready_only
         )
 
@@ -200,7 +205,7 @@ class PrefixTree:
 
     def last_access(self, key: SegmentKey, instance: int) -> float:
         """Last access time of the replica of ``key`` on ``instance`` (LRU order)."""
-        rep = self._node(key).replicas.get(instance)
+        rep = self._node(key).replica(instance)
         if rep is None:
             raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
         return rep.last_access
@@ -344,9 +349,9 @@ class PrefixTree:
     ) -> None:
         """Records that ``slot`` on ``instance`` holds (or will hold) segment ``key``."""
         node = self._node(key)
-        if instance in node.replicas:
+        if node.replica(instance) is not None:
             raise ValueError(f"segment {key.hex()} already has a replica on instance {instance}")
-        node.replicas[instance] = _Replica(instance, slot, ready, now)
+        node.replicas.append(_Replica(instance, slot, ready, now))
         self._sync(node)
         if ready:
             _relocate(node)
@@ -354,7 +359,7 @@ class PrefixTree:
     def set_ready(self, key: SegmentKey, instance: int, now: float) -> None:
         """Marks a pending replica as stored in all layers; the segment becomes matchable."""
         node = self._node(key)
-        rep = node.replicas.get(instance)
+        rep = node.replica(instance)
         if rep is None:
             raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
         rep.ready = True
@@ -368,7 +373,9 @@ class PrefixTree:
     def touch(self, key: SegmentKey, instance: int, now: float) -> None:
         """Records an access of one replica at time ``now`` (for LRU)."""
         node = self._node(key)
-        rep = node.replicas[instance]
+        rep = node.replica(instance)
+        if rep is None:
+            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
         rep.last_access = max(rep.last_access, now)
         if rep.lru_entry is not None:
             self._lru[rep.instance].remove(rep.lru_entry)
@@ -382,14 +389,14 @@ class PrefixTree:
         ``ValueError``: that would orphan a suffix or pull data from under a plan.
         """
         node = self._node(key)
-        rep = node.replicas.get(instance)
+        rep = node.replica(instance)
         if rep is None:
             raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
         if len(node.replicas) == 1 and (node.has_children or node.pins or node.leases):
             raise ValueError(f"segment {key.hex()} is pinned, leased or has children")
         if rep.lru_entry is not None:
             self._lru[rep.instance].remove(rep.lru_entry)
-        del node.replicas[instance]
+        node.replicas.remove(rep)
         if node.replicas:
             self._sync(node)
             _relocate(node)
@@ -411,10 +418,10 @@ class PrefixTree:
             order.append(node)
             stack.extend(n.key for n in node.child_nodes())
         for node in reversed(order):  # leaves first
-            for inst, rep in node.replicas.items():
+            for rep in node.replicas:
                 if rep.lru_entry is not None:
                     self._lru[rep.instance].remove(rep.lru_entry)
-                dropped.append((node.key, inst, rep.slot))
+                dropped.append((node.key, rep.instance, rep.slot))
             node.replicas.clear()
             node.kids = node.bare = node.order = None
             node.locs = ()
@@ -488,14 +495,14 @@ class PrefixTree:
         if node.pins or node.leases:
             return False
         ready = 0
-        for r in node.replicas.values():
+        for r in node.replicas:
             ready += r.ready
         return ready > 1 or (ready == 1 and not node.has_children)
 
     def _sync(self, node: _Node) -> None:
         """Makes the LRU index agree with the node's current state."""
         ok = self._evictable(node)
-        for rep in node.replicas.values():
+        for rep in node.replicas:
             want = ok and rep.ready
             if want and rep.lru_entry is None:
                 rep.lru_entry = self._entry(node, rep)
@@ -542,10 +549,12 @@ class PrefixTree:
                     pnode.kids is node or pnode.kids.get(node.tokens) is node)
             for child in node.child_nodes():
                 assert child.parent == key and self._nodes.get(child.key) is child
-            want = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)
+            want = tuple(SegmentLocation(r.instance, r.slot) for r in node.replicas if r.ready)
             assert node.locs == want, "cached ready replicas out of date"
             ok = self._evictable(node)
-            for inst, rep in node.replicas.items():
+            assert len({r.instance for r in node.replicas}) == len(node.replicas)
+            for rep in node.replicas:
+                inst = rep.instance
                 assert ((key, inst) in in_lru) == (ok and rep.ready), "LRU index out of date"
                 if rep.lru_entry is not None:
                     assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
@@ -575,4 +584,4 @@ def _common_pages(a: bytes, b: bytes, page_bytes: int, max_pages: int) -> int:
 
 def _relocate(node: _Node) -> None:
     """Refreshes the node's cached tuple of ready replicas (what a match returns)."""
-    node.locs = tuple(SegmentLocation(i, r.slot) for i, r in node.replicas.items() if r.ready)
+    node.locs = tuple(SegmentLocation(r.instance, r.slot) for r in node.replicas if r.ready)

@@ -7,11 +7,9 @@ are stored; a segment is visible to :meth:`PrefixTree.match` only once it has a 
 replica.
 
 Hits are exact to a *page* (``page_tokens``, docs/design.md §4): a node keeps its
-segment's token ids, and :meth:`PrefixTree.match` returns, after the whole segments, the
-child of the last one whose leading pages equal the prompt's next tokens (compared
-token for token; the chained keys only ever name whole segments). A node's children
-with tokens are kept sorted by their token bytes, so the child sharing the most
-leading pages with a prompt is a neighbour of the prompt's place in that order.
+segment's token ids, and :meth:`PrefixTree.match` walks children by them, then returns
+the child whose leading pages equal the prompt's next tokens (compared token for token;
+chained keys only name whole segments). Node structures: :mod:`tokenlake.core.tree_nodes`.
 
 Invariants kept here (and checked by :meth:`PrefixTree.check`):
 
@@ -29,113 +27,24 @@ The tree is pure bookkeeping: which slot to take and what to evict is decided by
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from sortedcontainers import SortedList
 
 from tokenlake.core.errors import SegmentNotFound
 from tokenlake.core.segments import SegmentHasher, SegmentKey, token_bytes
+from tokenlake.core.tree_nodes import (
+    MatchResult,
+    Replica,
+    SegmentLocation,
+    TreeNode,
+    best_partial,
+    relocate,
+    walk,
+)
 
-
-class _Replica:
-    __slots__ = ("instance", "slot", "ready", "last_access", "lru_entry")
-
-    def __init__(self, instance: int, slot: int, ready: bool, now: float) -> None:
-        self.instance = instance
-        self.slot = slot
-        self.ready = ready
-        self.last_access = now
-        self.lru_entry: tuple | None = None
-
-
-class _Node:
-    __slots__ = ("key", "parent", "index", "tokens", "kids", "bare", "order", "replicas",
-                 "locs", "leases", "pins")
-
-    def __init__(self, key: SegmentKey, parent: SegmentKey | None, index: int,
-                 tokens: bytes | None = None) -> None:
-        self.key = key
-        self.parent = parent
-        self.index = index  # position of the segment in its sequence (0 = first)
-        self.tokens = tokens  # the segment's token ids as int32 bytes (None: unknown)
-        # Children by their token bytes (what a match walks): None for a leaf, the child
-        # itself while it is the only one (most nodes), a dict from two on. Children
-        # inserted without tokens are kept by key in ``bare``.
-        self.kids: _Node | dict[bytes, _Node] | None = None
-        self.bare: dict[SegmentKey, _Node] | None = None
-        # (tokens, key) of the children with tokens, sorted; only once there are two.
-        self.order: list[tuple[bytes, SegmentKey]] | None = None
-        self.replicas: list[_Replica] = []  # at most one per instance, in creation order
-        self.locs: tuple[SegmentLocation, ...] = ()  # ready replicas, as match returns them
-        self.leases = 0
-        self.pins = 0
-
-    @property
-    def has_children(self) -> bool:
-        return self.kids is not None or bool(self.bare)
-
-    def token_children(self) -> list[_Node]:
-        kids = self.kids
-        if kids is None:
-            return []
-        return [kids] if type(kids) is _Node else list(kids.values())
-
-    def child_nodes(self) -> list[_Node]:
-        out = self.token_children()
-        if self.bare:
-            out.extend(self.bare.values())
-        return out
-
-    def ready_instances(self) -> list[int]:
-        return [r.instance for r in self.replicas if r.ready]
-
-    def replica(self, instance: int) -> _Replica | None:
-        for r in self.replicas:
-            if r.instance == instance:
-                return r
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentLocation:
-    """Where one ready replica of a segment lives."""
-
-    instance: int  # instance id
-    slot: int  # slot number in that instance's slab
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """The longest cached prefix of a token sequence, exact to a page.
-
-    Attributes:
-        keys: keys of the matched whole segments, in sequence order.
-        replicas: for each matched segment, its ready replicas.
-        hit_tokens: tokens covered by the match (``len(keys) * C + partial_tokens``).
-        partial_key: the segment after the whole ones whose leading ``partial_tokens``
-            tokens (whole pages) equal the sequence's next tokens, or ``None``.
-        partial_tokens: tokens of ``partial_key`` that match (0 without one).
-        partial_replicas: the ready replicas of ``partial_key``.
-    """
-
-    keys: tuple[SegmentKey, ...]
-    replicas: tuple[tuple[SegmentLocation, ...], ...]
-    hit_tokens: int
-    partial_key: SegmentKey | None = None
-    partial_tokens: int = 0
-    partial_replicas: tuple[SegmentLocation, ...] = ()
-
-    @property
-    def num_segments(self) -> int:
-        return len(self.keys)
-
-    @property
-    def whole_tokens(self) -> int:
-        """Tokens of the whole matched segments (the hit without its partial pages)."""
-        return self.hit_tokens - self.partial_tokens
+__all__ = ["MatchResult", "PrefixTree", "SegmentLocation"]
 
 
 class PrefixTree:
@@ -154,8 +63,8 @@ class PrefixTree:
             raise ValueError(f"page_tokens={page_tokens!r} must be a positive divisor of C={c}")
         self.hasher = hasher
         self.page_tokens = page
-        self._nodes: dict[SegmentKey, _Node] = {}
-        self._root = _Node(hasher.root, None, -1)  # virtual: its children are first segments
+        self._nodes: dict[SegmentKey, TreeNode] = {}
+        self._root = TreeNode(hasher.root, None, -1)  # virtual: its children are first segments
         # Per instance: (last_access, -index, seq, key, instance) of evictable replicas.
         self._lru: dict[int, SortedList] = {}
         self._seq = itertools.count()
@@ -234,27 +143,7 @@ class PrefixTree:
             # Walk the children by their token bytes (exact, no hashing); only children
             # inserted without tokens are looked up by their chained key.
             raw = token_bytes(token_ids[: max_segments * c * width])
-            step = 4 * c
-            node = self._root
-            for off in range(0, len(raw), step):
-                seg = raw[off : off + step]
-                kids = node.kids
-                if type(kids) is _Node:
-                    child = kids if kids.tokens == seg else None
-                else:
-                    child = kids.get(seg) if kids is not None else None
-                if child is None:
-                    if node.bare is None:
-                        break
-                    child = node.bare.get(self.hasher.keys(seg, parent=node.key)[0])
-                    if child is None:
-                        break
-                locs = child.locs
-                if not locs:
-                    break
-                keys.append(child.key)
-                where.append(locs)
-                node = child
+            walk(self._root, raw, 4 * c, self.hasher, keys, where)
         whole = len(keys) * c
         if self.page_tokens < c and limit - whole >= self.page_tokens:
             nxt = token_ids[whole * width : min(limit, whole + c) * width]
@@ -275,22 +164,8 @@ class PrefixTree:
         if pnode is None or pnode.kids is None:
             return None
         seg = token_bytes(token_ids)
-        page_bytes = 4 * self.page_tokens
         max_pages = min(len(seg) // 4, self.hasher.segment_tokens - 1) // self.page_tokens
-        if max_pages < 1:
-            return None
-        if pnode.order is not None:
-            i = bisect.bisect_left(pnode.order, (seg,))
-            cands = [pnode.order[j][1] for j in (i - 1, i) if 0 <= j < len(pnode.order)]
-        else:
-            cands = [n.key for n in pnode.token_children()]
-        best: tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None = None
-        for key in cands:
-            node = self._nodes[key]
-            pages = _common_pages(seg, node.tokens, page_bytes, max_pages)
-            if pages and node.locs and (best is None or pages * self.page_tokens > best[1]):
-                best = (key, pages * self.page_tokens, node.locs)
-        return best
+        return best_partial(pnode, seg, self.page_tokens, max_pages) if max_pages else None
 
     def tokens(self, key: SegmentKey) -> bytes | None:
         """The token ids of segment ``key`` as int32 bytes (``None`` if not recorded)."""
@@ -324,22 +199,9 @@ class PrefixTree:
         pnode = self._root if parent is None else self._nodes[parent]
         if pnode.tokens is not None and len(pnode.tokens) < 4 * self.hasher.segment_tokens:
             raise ValueError(f"segment {parent.hex()} is a tail: nothing follows it")
-        node = self._nodes[key] = _Node(key, parent, index, raw)
+        node = self._nodes[key] = TreeNode(key, parent, index, raw)
         first = not pnode.has_children
-        if raw is None:
-            if pnode.bare is None:
-                pnode.bare = {}
-            pnode.bare[key] = node
-        else:
-            kids = pnode.kids
-            if kids is None:
-                pnode.kids = node
-            elif type(kids) is _Node:
-                pnode.kids = {kids.tokens: kids, raw: node}
-                pnode.order = sorted(((kids.tokens, kids.key), (raw, key)))
-            else:
-                kids[raw] = node
-                bisect.insort(pnode.order, (raw, key))
+        pnode.add_child(node)
         if parent is not None and first:
             self._sync(pnode)  # its first child: no longer a leaf
         return True
@@ -351,10 +213,10 @@ class PrefixTree:
         node = self._node(key)
         if node.replica(instance) is not None:
             raise ValueError(f"segment {key.hex()} already has a replica on instance {instance}")
-        node.replicas.append(_Replica(instance, slot, ready, now))
+        node.replicas.append(Replica(instance, slot, ready, now))
         self._sync(node)
         if ready:
-            _relocate(node)
+            relocate(node)
 
     def set_ready(self, key: SegmentKey, instance: int, now: float) -> None:
         """Marks a pending replica as stored in all layers; the segment becomes matchable."""
@@ -368,7 +230,7 @@ class PrefixTree:
             self._lru[rep.instance].remove(rep.lru_entry)
             rep.lru_entry = None
         self._sync(node)
-        _relocate(node)
+        relocate(node)
 
     def touch(self, key: SegmentKey, instance: int, now: float) -> None:
         """Records an access of one replica at time ``now`` (for LRU)."""
@@ -399,7 +261,7 @@ class PrefixTree:
         node.replicas.remove(rep)
         if node.replicas:
             self._sync(node)
-            _relocate(node)
+            relocate(node)
         else:
             self._drop_node(node)
         return rep.slot
@@ -412,7 +274,7 @@ class PrefixTree:
         """
         dropped: list[tuple[SegmentKey, int, int]] = []
         stack = [key]
-        order: list[_Node] = []
+        order: list[TreeNode] = []
         while stack:
             node = self._nodes[stack.pop()]
             order.append(node)
@@ -467,7 +329,7 @@ class PrefixTree:
         return sum(len(lru) for lru in self._lru.values())
 
     # -------------------------------------------------------------- internals
-    def _node(self, key: SegmentKey) -> _Node:
+    def _node(self, key: SegmentKey) -> TreeNode:
         try:
             return self._nodes[key]
         except KeyError:
@@ -488,10 +350,10 @@ class PrefixTree:
             if old == 0 or old + delta == 0:  # evictability changes only at zero
                 self._sync(n)
 
-    def _entry(self, node: _Node, rep: _Replica) -> tuple:
+    def _entry(self, node: TreeNode, rep: Replica) -> tuple:
         return (rep.last_access, -node.index, next(self._seq), node.key, rep.instance)
 
-    def _evictable(self, node: _Node) -> bool:
+    def _evictable(self, node: TreeNode) -> bool:
         if node.pins or node.leases:
             return False
         ready = 0
@@ -499,7 +361,7 @@ class PrefixTree:
             ready += r.ready
         return ready > 1 or (ready == 1 and not node.has_children)
 
-    def _sync(self, node: _Node) -> None:
+    def _sync(self, node: TreeNode) -> None:
         """Makes the LRU index agree with the node's current state."""
         ok = self._evictable(node)
         for rep in node.replicas:
@@ -511,25 +373,13 @@ class PrefixTree:
                 self._lru[rep.instance].remove(rep.lru_entry)
                 rep.lru_entry = None
 
-    def _drop_node(self, node: _Node) -> None:
+    def _drop_node(self, node: TreeNode) -> None:
         del self._nodes[node.key]
         node.locs = ()
         pnode = self._root if node.parent is None else self._nodes.get(node.parent)
         if pnode is None:
             return
-        if node.tokens is None:
-            if pnode.bare is not None and pnode.bare.pop(node.key, None) is not None and not pnode.bare:
-                pnode.bare = None
-        elif pnode.kids is node:
-            pnode.kids = None
-        elif type(pnode.kids) is dict and pnode.kids.get(node.tokens) is node:
-            del pnode.kids[node.tokens]
-            if len(pnode.kids) == 1:  # back to a single child: no index
-                (pnode.kids,) = pnode.kids.values()
-                pnode.order = None
-            else:
-                i = bisect.bisect_left(pnode.order, (node.tokens, node.key))
-                del pnode.order[i]
+        pnode.drop_child(node)
         if pnode is not self._root and not pnode.has_children:
             self._sync(pnode)  # a leaf again
 
@@ -567,21 +417,3 @@ class PrefixTree:
             else:
                 assert len(with_tokens) <= 1, "two children without a token order"
 
-
-def _common_pages(a: bytes, b: bytes, page_bytes: int, max_pages: int) -> int:
-    """How many leading pages of ``page_bytes`` bytes ``a`` and ``b`` share (at most
-    ``max_pages``): a binary search over prefix comparisons (each one a memcmp)."""
-    lo, hi = 0, min(max_pages, len(a) // page_bytes, len(b) // page_bytes)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        n = mid * page_bytes
-        if a[:n] == b[:n]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _relocate(node: _Node) -> None:
-    """Refreshes the node's cached tuple of ready replicas (what a match returns)."""
-    node.locs = tuple(SegmentLocation(r.instance, r.slot) for r in node.replicas if r.ready)

@@ -145,27 +145,16 @@ def bench_match_vs_radix(segment_tokens=(64, 512), repeats: int = 5, inserts: in
     cached_tokens = sum(map(len, contents))
     out: dict = {"cached_tokens": cached_tokens, "radix": {}, "tokenlake": {}, "ratio": {}}
 
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
     radix = RadixStandIn()
-    for p in contents:
-        radix.insert(p)
-    radix_bytes = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
+    radix_bytes = _allocated(lambda: [radix.insert(p) for p in contents])
     out["radix"]["bytes_per_cached_token"] = radix_bytes / cached_tokens
 
     for c in segment_tokens:
         hasher = SegmentHasher(c, f"bench-match/C{c}")
-        gc.collect()
-        tracemalloc.start()
-        base = tracemalloc.get_traced_memory()[0]
         tree = PrefixTree(hasher, page_tokens=16 if c % 16 == 0 else c)
         slots = [0]
-        for p in contents:
-            _tree_insert(tree, hasher, arrays[id(p)], slots)
-        tree_bytes = tracemalloc.get_traced_memory()[0] - base
-        tracemalloc.stop()
+        tree_bytes = _allocated(lambda t=tree, h=hasher, s=slots: [
+            _tree_insert(t, h, arrays[id(p)], s) for p in contents])
         mine = {"bytes_per_cached_token": tree_bytes / cached_tokens}
         theirs = out["radix"]
         cases = {"match_128k": (doc, 1), "match_8k": (eight_k[17], 1),
@@ -184,7 +173,25 @@ def bench_match_vs_radix(segment_tokens=(64, 512), repeats: int = 5, inserts: in
         out["tokenlake"][f"C{c}"] = mine
         out["ratio"][f"memory_C{c}"] = mine["bytes_per_cached_token"] / theirs["bytes_per_cached_token"]
 
-    # Inserting ``inserts`` unrelated 4K prompts into empty structures, in rounds.
+    out["inserts"] = _insert_times(out, segment_tokens, inserts, seed)
+    return out
+
+
+def _allocated(build: Callable[[], object]) -> int:
+    """Bytes that ``build()`` leaves allocated (tracemalloc)."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    kept = build()
+    size = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del kept
+    return size
+
+
+def _insert_times(out: dict, segment_tokens, inserts: int, seed: int) -> int:
+    """Inserting ``inserts`` unrelated 4K prompts into empty structures, in rounds of
+    200, alternately; fills ``out`` and returns the prompts inserted per structure."""
     rng = random.Random(seed + 1)
     fresh = [array("i", (rng.randrange(3, 32000) for _ in range(4096))) for _ in range(200)]
     as_lists = [p.tolist() for p in fresh]
@@ -209,5 +216,4 @@ def bench_match_vs_radix(segment_tokens=(64, 512), repeats: int = 5, inserts: in
         out["radix"]["insert_4k_ms"] = per_radix
         out["tokenlake"][f"C{c}"]["insert_4k_ms"] = per_mine
         out["ratio"][f"insert_4k_C{c}"] = per_radix / per_mine
-    out["inserts"] = rounds * len(fresh)
-    return out
+    return rounds * len(fresh)

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from token_util import common_prefix
 
 from tokenlake.tools.demo import DemoConfig, run_demo
 
@@ -18,15 +19,6 @@ WAVES = (("q0",), ("q1", "q2", "q3", "s0"), ("s1",))
 @pytest.fixture(scope="module")
 def report():
     return run_demo(CONFIG, progress=lambda *_: None)
-
-
-def common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_report_is_json_and_every_answer_equals_the_reference(report):

@@ -6,6 +6,7 @@ that follows it past the divergence hits that segment. Outputs equal the referen
 from __future__ import annotations
 
 import pytest
+from token_util import common_prefix
 
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.serving import GenerationRequest, Server
@@ -24,15 +25,11 @@ def model():
     return weights, load_tokenizer(), ReferenceEngine(weights)
 
 
-def _common(a, b) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def _expected_hit(prompt, stored, page: int) -> int:
     """What a page-exact match finds: the common prefix with the stored whole segments,
     whole pages of it, at least one prompt token left to compute."""
     held = len(stored) // C * C
-    n = min(_common(prompt, stored[:held]), len(prompt) - 1)
+    n = min(common_prefix(prompt, stored[:held]), len(prompt) - 1)
     whole = n // C * C
     return whole + (n - whole) // page * page
 

@@ -8,6 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from token_util import common_prefix
 
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.control import ControlPlane
@@ -35,10 +36,6 @@ def _store(cp: ControlPlane, rid: str, tokens) -> None:
     cp.check()
 
 
-def _lcp(a, b) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 # A small alphabet, so that prompts share prefixes of every length.
 SEQ = st.lists(st.integers(0, 2), min_size=1, max_size=4 * C)
 
@@ -56,7 +53,7 @@ def test_match_is_the_longest_stored_prefix_in_whole_pages(stored, queries, page
     tree = cp.get_prefix_tree()
     for q in queries:
         m = tree.match(q)
-        longest = max(_lcp(q, s) for s in stored)
+        longest = max(common_prefix(q, s) for s in stored)
         want = longest // page * page if page < C else longest // C * C
         if page < C:
             want = min(want, longest // page * page)
@@ -193,8 +190,8 @@ def test_the_benchmark_radix_tree_matches_the_longest_stored_prefix(stored, quer
     seen: list = []
     for s in stored:
         cached = radix.insert(list(s))
-        assert cached == max((_lcp(s, t) for t in seen), default=0)
+        assert cached == max((common_prefix(s, t) for t in seen), default=0)
         seen.append(s)
     values = radix.match_prefix(list(query))
-    assert len(values) == max(_lcp(query, s) for s in stored)
+    assert len(values) == max(common_prefix(query, s) for s in stored)
     assert len(set(values)) == len(values)  # one slot per cached token

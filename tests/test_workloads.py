@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from token_util import common_prefix
 
 from evals.workloads import (
     JsonArrayStream,
@@ -44,15 +45,6 @@ WS = WhitespaceTokenizer()
 
 def words(text: str) -> int:
     return len(text.split())
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def by_session(requests) -> dict[str, list[Request]]:

@@ -35,15 +35,16 @@ def test_report_is_json_and_every_answer_equals_the_reference(report):
 def test_hits_are_the_cached_segments_of_earlier_waves(report):
     """A request's hit is its longest common prefix with a sequence an earlier wave
     stored (prompt and output, but the last output token, whose KV is never computed),
-    rounded down to whole segments, at most the prompt less one token."""
-    c = report["segment_tokens"]
+    rounded down to whole pages, at most the prompt less one token."""
+    c, page = report["segment_tokens"], report["page_tokens"]
+    assert c % page == 0 and page < c
     by_id = {r["request_id"]: r for r in report["requests"]}
     stored: list[list[int]] = []
     for wave in WAVES:
         for rid in wave:
             prompt = by_id[rid]["prompt_token_ids"]
             shared = max((common_prefix(prompt, s) for s in stored), default=0)
-            assert by_id[rid]["hit_tokens"] == min(shared, len(prompt) - 1) // c * c, rid
+            assert by_id[rid]["hit_tokens"] == min(shared, len(prompt) - 1) // page * page, rid
         stored += [by_id[rid]["prompt_token_ids"] + by_id[rid]["output_token_ids"][:-1]
                    for rid in wave]
     # What the demo sets out to show: the document is reused, and the session's second

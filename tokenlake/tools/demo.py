@@ -65,6 +65,7 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
         server = Server(cluster, weights)
         prompts = _serve_workload(server, tok, config)
         stats = cluster.control.stats()
+        page_tokens = cluster.control.config.page_tokens
         results = server.results
         schedule = _schedule_summary(server)
     progress(f"served {len(results)} requests through {config.instances} instances "
@@ -79,6 +80,7 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
         "cv": coefficient_of_variation([pool.reads[i] for i in sorted(pool.reads)]),
         "hit_rate": stats.hit_rate,
         "segment_tokens": config.segment_tokens,
+        "page_tokens": page_tokens,
         "scheduler": schedule,
         "wall_s": time.monotonic() - t0,
     }
@@ -154,7 +156,8 @@ def print_report(report: dict) -> None:
     for i in report["instances"]:
         print(f"{i['instance']:>8}  {i['segments']:>8}  {i['accesses']:>14}")
     print(f"\naccess-load CV {report['cv']:.1%}   hit rate {report['hit_rate']:.1%}   "
-          f"C = {report['segment_tokens']} tokens   {report['wall_s']:.1f} s")
+          f"C = {report['segment_tokens']} tokens, hits exact to {report['page_tokens']}   "
+          f"{report['wall_s']:.1f} s")
     sch = report["scheduler"]
     dops = ", ".join(f"DoP {k}: {n}" for k, n in sch["prefill_batches_by_dop"].items())
     print(f"scheduler {sch['policy']}: {sch['iterations']} iterations; prefill batches {dops}; "

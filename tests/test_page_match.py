@@ -40,6 +40,10 @@ def _store(cp: ControlPlane, rid: str, tokens) -> None:
 SEQ = st.lists(st.integers(0, 2), min_size=1, max_size=4 * C)
 
 
+# Ids past 65,535: the tree stores tokens in 4 bytes from the first one on.
+WIDE_SEQ = st.lists(st.sampled_from([0, 1, 70_000, 2**31 - 1]), min_size=1, max_size=4 * C)
+
+
 @settings(max_examples=60, deadline=None)
 @given(stored=st.lists(SEQ, min_size=1, max_size=6), queries=st.lists(SEQ, min_size=1, max_size=6),
        page=st.sampled_from([1, 2, 4, C]))
@@ -47,6 +51,18 @@ def test_match_is_the_longest_stored_prefix_in_whole_pages(stored, queries, page
     """Against a brute-force oracle: after storing some prompts, a prompt's match is its
     longest common prefix with any stored one, in whole pages (whole segments only when
     the page is C), and the partial pages come from a segment whose tokens equal them."""
+    _check_against_oracle(stored, queries, page)
+
+
+@settings(max_examples=40, deadline=None)
+@given(stored=st.lists(st.one_of(SEQ, WIDE_SEQ), min_size=1, max_size=6),
+       queries=st.lists(st.one_of(SEQ, WIDE_SEQ), min_size=1, max_size=6),
+       page=st.sampled_from([1, 4]))
+def test_large_token_ids_match_exactly_before_and_after_the_tree_widens(stored, queries, page):
+    _check_against_oracle(stored, queries, page)
+
+
+def _check_against_oracle(stored, queries, page):
     cp = _control(page)
     for i, s in enumerate(stored):
         _store(cp, f"s{i}", s)
@@ -195,3 +211,20 @@ def test_the_benchmark_radix_tree_matches_the_longest_stored_prefix(stored, quer
     values = radix.match_prefix(list(query))
     assert len(values) == max(common_prefix(query, s) for s in stored)
     assert len(set(values)) == len(values)  # one slot per cached token
+
+
+def test_a_prompt_with_an_id_past_65535_matches_up_to_it_on_a_narrow_tree():
+    """The tree keeps 2-byte tokens while every id fits: a prompt holding a larger id
+    matches up to that id (which no stored segment can hold), never past it, and a
+    partial last segment is never taken for a whole one."""
+    cp = _control(page=2)
+    _store(cp, "a", tuple(range(10, 10 + 3 * C)))
+    tree = cp.get_prefix_tree()
+    prompt = tuple(range(10, 10 + C + 6)) + (70_000,) + tuple(range(10 + C + 7, 10 + 3 * C))
+    assert tree.match(prompt).hit_tokens == C + 6
+    assert tree.match(tuple(range(10, 10 + C // 2)) + (70_000,) * C).hit_tokens == C // 2
+    _store(cp, "t", (0, 0, 0, 0))  # a tail node of half a segment
+    assert tree.match((0, 0, 0, 0, 70_000, 0, 0, 0)).hit_tokens == 4
+    _store(cp, "w", (5, 70_000) * C)  # the tree widens; what it held still matches
+    assert tree.match(prompt).hit_tokens == C + 6
+    assert tree.match((5, 70_000) * C + (1,)).hit_tokens == 2 * C

@@ -38,6 +38,7 @@ from tokenlake.core.tree_nodes import (
     MatchResult,
     Replica,
     SegmentLocation,
+    TokenCodec,
     TreeNode,
     best_partial,
     relocate,
@@ -63,6 +64,7 @@ class PrefixTree:
             raise ValueError(f"page_tokens={page_tokens!r} must be a positive divisor of C={c}")
         self.hasher = hasher
         self.page_tokens = page
+        self._codec = TokenCodec()  # 2 bytes per token while every id fits
         self._nodes: dict[SegmentKey, TreeNode] = {}
         self._root = TreeNode(hasher.root, None, -1)  # virtual: its children are first segments
         # Per instance: (last_access, -index, seq, key, instance) of evictable replicas.
@@ -143,7 +145,8 @@ class PrefixTree:
             # Walk the children by their token bytes (exact, no hashing); only children
             # inserted without tokens are looked up by their chained key.
             raw = token_bytes(token_ids[: max_segments * c * width])
-            walk(self._root, raw, 4 * c, self.hasher, keys, where)
+            codec = self._codec
+            walk(self._root, codec.encode_prefix(raw), raw, c, codec.width, self.hasher, keys, where)
         whole = len(keys) * c
         if self.page_tokens < c and limit - whole >= self.page_tokens:
             nxt = token_ids[whole * width : min(limit, whole + c) * width]
@@ -163,13 +166,15 @@ class PrefixTree:
         pnode = self._root if parent is None else self._nodes.get(parent)
         if pnode is None or pnode.kids is None:
             return None
-        seg = token_bytes(token_ids)
-        max_pages = min(len(seg) // 4, self.hasher.segment_tokens - 1) // self.page_tokens
-        return best_partial(pnode, seg, self.page_tokens, max_pages) if max_pages else None
+        width = self._codec.width
+        seg = self._codec.encode_prefix(token_bytes(token_ids))
+        max_pages = min(len(seg) // width, self.hasher.segment_tokens - 1) // self.page_tokens
+        return best_partial(pnode, seg, self.page_tokens, width, max_pages) if max_pages else None
 
     def tokens(self, key: SegmentKey) -> bytes | None:
         """The token ids of segment ``key`` as int32 bytes (``None`` if not recorded)."""
-        return self._node(key).tokens
+        enc = self._node(key).tokens
+        return None if enc is None else self._codec.decode(enc)
 
     # ---------------------------------------------------------------- mutation
     def insert(self, key: SegmentKey, parent: SegmentKey | None, index: int,
@@ -197,14 +202,23 @@ class PrefixTree:
             raise ValueError(f"a segment has 1 to {self.hasher.segment_tokens} tokens, "
                              f"got {len(raw) // 4}")
         pnode = self._root if parent is None else self._nodes[parent]
-        if pnode.tokens is not None and len(pnode.tokens) < 4 * self.hasher.segment_tokens:
+        width = self._codec.width
+        if pnode.tokens is not None and len(pnode.tokens) < width * self.hasher.segment_tokens:
             raise ValueError(f"segment {parent.hex()} is a tail: nothing follows it")
-        node = self._nodes[key] = TreeNode(key, parent, index, raw)
+        enc = None if raw is None else self._codec.encode(raw)
+        if raw is not None and enc is None:  # an id of 65,536 or more: 4 bytes from now on
+            self._widen()
+            enc = raw
+        node = self._nodes[key] = TreeNode(key, parent, index, enc)
         first = not pnode.has_children
         pnode.add_child(node)
         if parent is not None and first:
             self._sync(pnode)  # its first child: no longer a leaf
         return True
+
+    def _widen(self) -> None:
+        """Every node's tokens from 2 to 4 bytes each, children indexed again."""
+        self._codec.widen([self._root, *self._nodes.values()])
 
     def add_replica(
         self, key: SegmentKey, instance: int, slot: int, now: float, ready: bool = False
@@ -390,17 +404,9 @@ class PrefixTree:
         assert len(in_lru) == len(entries)
         assert all(e[4] == inst for inst, lru in self._lru.items() for e in lru)
         for key, node in self._nodes.items():
-            pnode = self._root if node.parent is None else self._nodes.get(node.parent)
-            assert pnode is not None, "orphaned suffix"
-            if node.tokens is None:
-                assert pnode.bare is not None and pnode.bare.get(key) is node
-            else:
-                assert node in pnode.token_children() and (
-                    pnode.kids is node or pnode.kids.get(node.tokens) is node)
-            for child in node.child_nodes():
-                assert child.parent == key and self._nodes.get(child.key) is child
-            want = tuple(SegmentLocation(r.instance, r.slot) for r in node.replicas if r.ready)
-            assert node.locs == want, "cached ready replicas out of date"
+            assert node.parent is None or node.parent in self._nodes, "orphaned suffix"
+            node.check_links(self._root if node.parent is None else self._nodes[node.parent],
+                             self._nodes)
             ok = self._evictable(node)
             assert len({r.instance for r in node.replicas}) == len(node.replicas)
             for rep in node.replicas:
@@ -409,11 +415,4 @@ class PrefixTree:
                 if rep.lru_entry is not None:
                     assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
         assert all(self._nodes.get(n.key) is n for n in self._root.child_nodes())
-        for node in [self._root, *self._nodes.values()]:
-            with_tokens = sorted((n.tokens, n.key) for n in node.token_children())
-            if node.order is not None:
-                assert node.order == with_tokens, "children's token order out of date"
-                assert type(node.kids) is dict and len(node.kids) >= 2
-            else:
-                assert len(with_tokens) <= 1, "two children without a token order"
-
+        self._root.check_links(None, self._nodes)

@@ -8,9 +8,13 @@ docs/design.md §4).
 from __future__ import annotations
 
 import bisect
+import sys
+from array import array
 from dataclasses import dataclass
 
 from tokenlake.core.segments import SegmentHasher, SegmentKey
+
+_LITTLE = sys.byteorder == "little"
 
 
 class Replica:
@@ -33,7 +37,7 @@ class TreeNode:
         self.key = key
         self.parent = parent
         self.index = index  # position of the segment in its sequence (0 = first)
-        self.tokens = tokens  # the segment's token ids as int32 bytes (None: unknown)
+        self.tokens = tokens  # the segment's token ids, encoded (TokenCodec); None: unknown
         # Children by their token bytes (what a match walks): None for a leaf, the child
         # itself while it is the only one (most nodes), a dict from two on. Children
         # inserted without tokens are kept by key in ``bare``.
@@ -93,6 +97,29 @@ class TreeNode:
                 self.order = None
             else:
                 del self.order[bisect.bisect_left(self.order, (node.tokens, node.key))]
+
+    def check_links(self, parent: TreeNode | None, nodes: dict[SegmentKey, TreeNode]) -> None:
+        """Asserts this node's place under ``parent`` (None: it is the root), its
+        children's links back, its sorted children index and its cached ready replicas
+        (for tests)."""
+        if parent is not None:  # a node; ``nodes`` must hold its parent
+            if self.tokens is None:
+                assert parent.bare is not None and parent.bare.get(self.key) is self
+            else:
+                assert self in parent.token_children() and (
+                    parent.kids is self or parent.kids.get(self.tokens) is self)
+            want = tuple(SegmentLocation(r.instance, r.slot) for r in self.replicas if r.ready)
+            assert self.locs == want, "cached ready replicas out of date"
+            assert len({r.instance for r in self.replicas}) == len(self.replicas)
+        for child in self.child_nodes():
+            assert child.parent == (None if parent is None else self.key)
+            assert nodes.get(child.key) is child
+        with_tokens = sorted((n.tokens, n.key) for n in self.token_children())
+        if self.order is not None:
+            assert self.order == with_tokens, "children's token order out of date"
+            assert type(self.kids) is dict and len(self.kids) >= 2
+        else:
+            assert len(with_tokens) <= 1, "two children without a token order"
 
     def ready_instances(self) -> list[int]:
         return [r.instance for r in self.replicas if r.ready]
@@ -164,12 +191,12 @@ def relocate(node: TreeNode) -> None:
     node.locs = tuple(SegmentLocation(r.instance, r.slot) for r in node.replicas if r.ready)
 
 
-def best_partial(pnode: TreeNode, seg: bytes, page_tokens: int, max_pages: int
+def best_partial(pnode: TreeNode, seg: bytes, page_tokens: int, width: int, max_pages: int
                  ) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
     """The ready child of ``pnode`` whose leading pages equal the most leading pages of
-    ``seg`` (int32 bytes; at most ``max_pages``), as ``(key, tokens, ready replicas)``,
-    or ``None``. In the sorted order of the children's tokens the best child is one of
-    the two neighbours of ``seg``; the pages are compared exactly."""
+    ``seg`` (tokens encoded ``width`` bytes each; at most ``max_pages``), as ``(key,
+    tokens, ready replicas)``, or ``None``. In the sorted order of the children's tokens
+    the best child is one of the two neighbours of ``seg``; pages are compared exactly."""
     if pnode.order is not None:
         i = bisect.bisect_left(pnode.order, (seg,))
         cands = [pnode.kids[pnode.order[j][0]] for j in (i - 1, i) if 0 <= j < len(pnode.order)]
@@ -177,21 +204,22 @@ def best_partial(pnode: TreeNode, seg: bytes, page_tokens: int, max_pages: int
         cands = pnode.token_children()
     best: tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None = None
     for node in cands:
-        pages = common_pages(seg, node.tokens, 4 * page_tokens, max_pages)
+        pages = common_pages(seg, node.tokens, width * page_tokens, max_pages)
         if pages and node.locs and (best is None or pages * page_tokens > best[1]):
             best = (node.key, pages * page_tokens, node.locs)
     return best
 
 
-def walk(root: TreeNode, raw: bytes, step: int, hasher: SegmentHasher,
+def walk(root: TreeNode, enc: bytes, raw: bytes, c: int, width: int, hasher: SegmentHasher,
          keys: list[SegmentKey], where: list[tuple[SegmentLocation, ...]]) -> None:
-    """Follows ``raw`` (int32 token bytes, whole segments of ``step`` bytes) down from
-    ``root`` while each next segment is a ready child, appending its key and ready
-    replicas. Children are found by their token bytes (exact); only children inserted
-    without tokens are looked up by their chained key."""
-    node = root
-    for off in range(0, len(raw), step):
-        seg = raw[off : off + step]
+    """Follows the whole ``c``-token segments of ``enc`` (tokens encoded ``width`` bytes
+    each; ``raw``: the same as int32 bytes) down from ``root`` while each next segment is
+    a ready child, appending its key and ready replicas. Children are found by their
+    token bytes (exact); only children inserted without tokens are looked up by their
+    chained key."""
+    node, step = root, width * c
+    for off in range(0, len(enc) - step + 1, step):  # whole segments only
+        seg = enc[off : off + step]
         kids = node.kids
         if type(kids) is TreeNode:
             child = kids if kids.tokens == seg else None
@@ -200,7 +228,8 @@ def walk(root: TreeNode, raw: bytes, step: int, hasher: SegmentHasher,
         if child is None:
             if node.bare is None:
                 return
-            child = node.bare.get(hasher.keys(seg, parent=node.key)[0])
+            i = off // width * 4
+            child = node.bare.get(hasher.keys(raw[i : i + 4 * c], parent=node.key)[0])
             if child is None:
                 return
         locs = child.locs
@@ -209,3 +238,53 @@ def walk(root: TreeNode, raw: bytes, step: int, hasher: SegmentHasher,
         keys.append(child.key)
         where.append(locs)
         node = child
+
+
+class TokenCodec:
+    """How a tree stores token ids: 2 bytes each (little-endian uint16) while every id
+    it holds is below 65,536, 4 bytes (int32, the hashed form) otherwise. Either way a
+    prefix of tokens is a prefix of bytes, which the sorted children and the page
+    comparisons rely on. Narrowing reads every other 16-bit half of the int32 bytes
+    (a strided copy, no per-token Python work)."""
+
+    def __init__(self) -> None:
+        self.width = 2 if _LITTLE else 4
+
+    def encode(self, raw: bytes) -> bytes | None:
+        """``raw`` (int32 little-endian token bytes) in this codec; ``None`` when an id
+        does not fit (only while narrow)."""
+        if self.width == 4:
+            return raw
+        halves = memoryview(raw).cast("H")
+        if halves[1::2].tobytes().strip(b"\0"):
+            return None
+        return halves[0::2].tobytes()
+
+    def encode_prefix(self, raw: bytes) -> bytes:
+        """The longest leading run of ``raw``'s tokens that fits, encoded (ids that do
+        not fit cannot be in a narrow tree, so a match stops before them)."""
+        enc = self.encode(raw)
+        if enc is not None:
+            return enc
+        high = memoryview(raw).cast("H")[1::2].tobytes()
+        first = (len(high) - len(high.lstrip(b"\0"))) // 2
+        return self.encode(raw[: 4 * first]) or b""
+
+    def widen(self, nodes: list[TreeNode]) -> None:
+        """From 2 to 4 bytes per token: every node's tokens re-encoded and its children
+        indexed again (an id of 65,536 or more arrived)."""
+        kids = [n.token_children() for n in nodes]
+        for n in nodes:
+            if n.tokens is not None:
+                n.tokens = self.decode(n.tokens)
+        self.width = 4
+        for n, children in zip(nodes, kids):
+            n.kids = n.order = None
+            for child in children:
+                n.add_child(child)
+
+    def decode(self, enc: bytes) -> bytes:
+        """Encoded tokens back as int32 little-endian bytes."""
+        if self.width == 4:
+            return enc
+        return array("i", array("H", enc)).tobytes()

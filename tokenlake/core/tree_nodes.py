@@ -244,8 +244,8 @@ class TokenCodec:
     """How a tree stores token ids: 2 bytes each (little-endian uint16) while every id
     it holds is below 65,536, 4 bytes (int32, the hashed form) otherwise. Either way a
     prefix of tokens is a prefix of bytes, which the sorted children and the page
-    comparisons rely on. Narrowing reads every other 16-bit half of the int32 bytes
-    (a strided copy, no per-token Python work)."""
+    comparisons rely on. Narrowing is a numpy cast of the int32 bytes (no per-token
+    Python work)."""
 
     def __init__(self) -> None:
         self.width = 2 if _LITTLE else 4
@@ -255,20 +255,19 @@ class TokenCodec:
         does not fit (only while narrow)."""
         if self.width == 4:
             return raw
-        halves = memoryview(raw).cast("H")
-        if halves[1::2].tobytes().strip(b"\0"):
-            return None
-        return halves[0::2].tobytes()
+        ids = _as_uint32(raw)
+        return None if (ids > 0xFFFF).any() else ids.astype("<u2").tobytes()
 
     def encode_prefix(self, raw: bytes) -> bytes:
         """The longest leading run of ``raw``'s tokens that fits, encoded (ids that do
         not fit cannot be in a narrow tree, so a match stops before them)."""
-        enc = self.encode(raw)
-        if enc is not None:
-            return enc
-        high = memoryview(raw).cast("H")[1::2].tobytes()
-        first = (len(high) - len(high.lstrip(b"\0"))) // 2
-        return self.encode(raw[: 4 * first]) or b""
+        if self.width == 4:
+            return raw
+        ids = _as_uint32(raw)
+        wide = ids > 0xFFFF
+        if wide.any():
+            ids = ids[: int(wide.argmax())]
+        return ids.astype("<u2").tobytes()
 
     def widen(self, nodes: list[TreeNode]) -> None:
         """From 2 to 4 bytes per token: every node's tokens re-encoded and its children
@@ -288,3 +287,11 @@ class TokenCodec:
         if self.width == 4:
             return enc
         return array("i", array("H", enc)).tobytes()
+
+
+def _as_uint32(raw: bytes):
+    """int32 little-endian token bytes as a numpy uint32 view (imported here: importing
+    the control plane loads no numpy; a cast is a vectorised copy, no per-token Python)."""
+    import numpy as np
+
+    return np.frombuffer(raw, dtype="<u4")

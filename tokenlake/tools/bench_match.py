@@ -139,6 +139,8 @@ def bench_match_vs_radix(segment_tokens=(64, 512), repeats: int = 5, inserts: in
     """Match and insert times of ``PrefixTree`` at each ``C`` (page hits on) and of the
     radix stand-in on the same prompts, with their ratios, and the memory per cached
     token of each structure (tracemalloc, after building the same contents)."""
+    import numpy  # noqa: F401  (the tree narrows tokens with it: loaded before memory is measured)
+
     doc, branches, eight_k, unrelated = _workloads(seed)
     contents = [doc, *branches, *eight_k, *unrelated]
     arrays = {id(p): array("i", p) for p in contents}

@@ -11,6 +11,7 @@ from tokenlake.core.cost_model import LatencyModel
 from tokenlake.core.plans import (
     Batch,
     BatchRequest,
+    PageCopy,
     Plans,
     PutItem,
     QueryItem,
@@ -38,7 +39,8 @@ PLANS = Plans(
                   (QueryTask(1, (QueryItem("a", 0, 3, (2,), (5,)),)),)),
     ),
     transfer_plans=(
-        TransferPlan(0, 0, 1, 5, (PutItem(1, 2, 5, 0, 3, b"\x01" * 16), PutItem(0, 7, 0, 3, 5, None)), 2),
+        TransferPlan(0, 0, 1, 5, (PutItem(1, 2, 5, 0, 3, b"\x01" * 16), PutItem(0, 7, 0, 3, 5, None)), 2,
+                     (PageCopy(1, 2, 0, 7, 4),)),
     ),
     groups=((1,), (0, 1)),
 )
@@ -50,7 +52,8 @@ STATS = ControlStats(4, 128, 512, 4096, PoolStats(
 SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.CP_MATCH: m.CpMatch((5, 6, 7, 8), 3),
     Kind.CP_MATCHED: m.CpMatched(MatchResult(
-        (b"k" * 16, b"j" * 16), ((SegmentLocation(0, 3),), (SegmentLocation(1, 2), SegmentLocation(0, 9))), 16)),
+        (b"k" * 16, b"j" * 16), ((SegmentLocation(0, 3),), (SegmentLocation(1, 2), SegmentLocation(0, 9))),
+        28, b"p" * 16, 12, (SegmentLocation(1, 4),))),  # two whole segments of 8, then 12 tokens
     Kind.CP_CACHE_LOAD: m.CpCacheLoad(((1, 2, 3), ()), HARDWARE, LATENCY),
     Kind.CP_LOAD: m.CpLoad(0.25),
     Kind.CP_GEN_PLANS: m.CpGenPlans(

@@ -96,19 +96,22 @@ class RadixStandIn:
 
 
 def _tree_insert(tree: PrefixTree, hasher: SegmentHasher, prompt: array, slots: list[int]) -> int:
-    """What the control plane records for a new prompt: a node per whole segment (its
-    chained key and tokens) with one ready replica; returns the segments added."""
+    """What the control plane records for a new prompt, as ``gen_plans`` and ``complete``
+    do it: a node per whole segment (its chained key and tokens) with a pending replica,
+    then every replica marked stored; returns the segments added."""
     c = hasher.segment_tokens
     raw = prompt.tobytes()
     step = 4 * c
-    parent, added = None, 0
+    parent, added = None, []
     for i, key in enumerate(hasher.iter_keys(raw)):
         if tree.insert(key, parent, i, raw[i * step : (i + 1) * step]):
-            tree.add_replica(key, i % 8, slots[0], 0.0, ready=True)
+            tree.add_replica(key, i % 8, slots[0], 0.0)
             slots[0] += 1
-            added += 1
+            added.append((key, i % 8))
         parent = key
-    return added
+    for key, inst in added:
+        tree.set_ready(key, inst, 0.0)
+    return len(added)
 
 
 def _workloads(seed: int):

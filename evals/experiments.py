@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from evals.sim.config import SimConfig
+from evals.sim.engine import SimulationError
 from evals.sim.metrics import SimResult
 from evals.sim.systems import simulate
 from evals.workloads import (
@@ -184,8 +185,15 @@ _FORKED_JOBS: list[Job] = []  # what forked workers read (set only while a pool 
 
 
 def _simulate_job(i: int) -> SimResult:
-    _, reqs, system, config = _FORKED_JOBS[i]
-    return simulate(reqs, system, config)
+    return _simulate(*_FORKED_JOBS[i])
+
+
+def _simulate(label: str, reqs: Sequence[Request], system: str, config: SimConfig) -> SimResult:
+    """One job; a run that cannot finish raises :class:`SimulationError` naming it."""
+    try:
+        return simulate(reqs, system, config)
+    except SimulationError as exc:
+        raise SimulationError(f"{label}: {exc}") from None
 
 
 def run_jobs(jobs: Sequence[Job], progress: Progress | None = None,
@@ -193,14 +201,15 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None,
     """Simulates every job, in ``workers`` processes (forked, so the requests are not
     copied to them); results in job order. Each simulation is seeded by its config, so
     the results do not depend on ``workers``. ``progress(label, len(jobs))`` as each one
-    ends."""
+    ends. The first run that cannot finish raises :class:`SimulationError` naming its
+    label (the runs not started yet are cancelled)."""
     global _FORKED_JOBS
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     if workers == 1 or len(jobs) < 2:
         out = []
         for label, reqs, system, config in jobs:
-            out.append(simulate(reqs, system, config))
+            out.append(_simulate(label, reqs, system, config))
             if progress:
                 progress(label, len(jobs))
         return out
@@ -210,11 +219,15 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None,
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx) as pool:
             futures = {pool.submit(_simulate_job, i): i for i in range(len(jobs))}
-            for fut in as_completed(futures):
-                i = futures[fut]
-                results[i] = fut.result()
-                if progress:
-                    progress(jobs[i][0], len(jobs))
+            try:
+                for fut in as_completed(futures):
+                    i = futures[fut]
+                    results[i] = fut.result()
+                    if progress:
+                        progress(jobs[i][0], len(jobs))
+            except SimulationError:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
     finally:
         _FORKED_JOBS = []
     return results  # type: ignore[return-value]

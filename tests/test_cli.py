@@ -311,3 +311,20 @@ def test_bench_sim_replays_a_given_trace(tmp_path, capsys):
     assert code == 0
     result = json.loads(out)
     assert result["requests"] == 8 and result["repeat"] == 2 and result["trace"] == "t.jsonl"
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_an_experiment_whose_run_cannot_finish_ends_in_one_line_and_exit_1(tmp_path, capsys,
+                                                                          jobs):
+    """A request larger than a router worker's memory: the experiment names the run that
+    failed, in one line, and exits 1 (not a usage mistake, not a traceback), also with
+    runs in parallel processes."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 60000, "output_length": 2, '
+                     '"hash_ids": ' + str(list(range(118))) + '}\n')
+    code, _, err = run(["eval", "hit-rate", "--trace", str(trace), "--cache-gb", "5",
+                        "--systems", "tokenlake", "sglang-router", "--jobs", jobs, "--quiet",
+                        "--no-plots", "--out", str(tmp_path / "out")], capsys)
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("tokenlake: eval hit-rate failed: hit-rate 5.0 GB sglang-router: ")
+    assert "KV tokens" in err

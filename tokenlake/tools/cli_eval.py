@@ -137,7 +137,8 @@ def _experiment_kwargs(args: argparse.Namespace) -> dict:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """0 when written; ``validate``: 1 when the simulator and the engines disagree."""
+    """0 when written; 1 (one line on stderr) when a simulation cannot finish;
+    ``validate``: 1 when the simulator and the engines disagree."""
     if args.experiment == "validate":
         return _run_validate(args)
     kw = _experiment_kwargs(args)
@@ -158,10 +159,15 @@ def run_eval(args: argparse.Namespace) -> int:
             bar.set_postfix_str(label, refresh=False)
             bar.update(1)
 
+    from evals.sim.engine import SimulationError
+
     try:
         res = EXPERIMENTS[args.experiment](progress=progress, config=config, **kw)
     except ValueError as exc:  # an input the experiment refuses (ConfigError included)
         raise UsageError(f"eval {args.experiment}: {exc}") from None
+    except SimulationError as exc:  # a run could not finish: not a usage mistake
+        print(f"tokenlake: eval {args.experiment} failed: {exc}", file=sys.stderr)
+        return 1
     finally:
         if bar is not None:
             bar.close()

@@ -22,13 +22,9 @@ DOC = ("The river Lumen runs 212 kilometres from the Grey Hills to the sea at Ke
 
 
 @pytest.fixture(scope="module")
-def model():
-    from tokenlake.model.llama.reference import ReferenceEngine
-    from tokenlake.model.llama.tokenizer import load_tokenizer
-    from tokenlake.model.llama.weights import load_weights
-
-    weights = load_weights()
-    return weights, load_tokenizer(), ReferenceEngine(weights)
+def model(smollm2):
+    """The shipped model, its tokenizer and reference engine (conftest's ``smollm2``)."""
+    return smollm2
 
 
 @pytest.fixture(scope="module")

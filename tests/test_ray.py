@@ -320,13 +320,9 @@ NEW = 4  # generated tokens per request (the reference engine is slow on 2 cores
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    from tokenlake.model.llama.reference import ReferenceEngine
-    from tokenlake.model.llama.tokenizer import load_tokenizer
-    from tokenlake.model.llama.weights import load_weights
-
-    weights = load_weights()
-    return weights, load_tokenizer(), ReferenceEngine(weights)
+def smollm(smollm2):
+    """The shipped model, its tokenizer and reference engine (conftest's ``smollm2``)."""
+    return smollm2
 
 
 def _short_prompts(tok) -> list[tuple[int, ...]]:

@@ -13,13 +13,9 @@ NEW = 6
 
 
 @pytest.fixture(scope="module")
-def model():
-    from tokenlake.model.llama.reference import ReferenceEngine
-    from tokenlake.model.llama.tokenizer import load_tokenizer
-    from tokenlake.model.llama.weights import load_weights
-
-    weights = load_weights()
-    return weights, load_tokenizer(), ReferenceEngine(weights)
+def model(smollm2):
+    """The shipped model, its tokenizer and reference engine (conftest's ``smollm2``)."""
+    return smollm2
 
 
 def _prompts(tok):

@@ -171,13 +171,12 @@ class CachePool:
             raise ValueError(f"segment {key.hex()} has no other ready replica")
         self.abort(key, instance)
 
-    def allocate_private(self, owner: str, hint: bytes, instance: int | None = None,
-                         exact: bool = False) -> Placement:
-        """A private slot for an open tail, placed by hashing ``hint`` on the ring, or
-        on ``instance`` when given (as a segment at its home; with ``exact`` only there:
-        a free slot or its least recently used evictable replica's). ``created`` is
-        always True. Raises :class:`CapacityError` when no slot can be had."""
-        if exact:
+    def allocate_private(self, owner: str, hint: bytes, instance: int | None = None) -> Placement:
+        """A private slot for an open tail, placed by hashing ``hint`` on the ring, or,
+        when ``instance`` is given, on that instance only (a free slot or its least
+        recently used evictable replica's). ``created`` is always True. Raises
+        :class:`CapacityError` when no slot can be had."""
+        if instance is not None:
             if instance not in self.slots.instances:
                 raise ConfigError(f"unknown instance {instance}")
             slot, evicted = self.slots.allocate(instance), None
@@ -190,7 +189,7 @@ class CachePool:
             self._private[(instance, slot)] = owner
             return Placement(SegmentLocation(instance, slot), True, evicted)
         digest = hashlib.blake2b(hint, digest_size=16).digest()
-        loc, evicted = self._take_slot(digest, instance)
+        loc, evicted = self._take_slot(digest)
         self._private[(loc.instance, loc.slot)] = owner
         return Placement(loc, True, evicted)
 
@@ -259,13 +258,11 @@ class CachePool:
         self._dedup += n
 
     # ------------------------------------------------------------- eviction
-    def _take_slot(
-        self, key: SegmentKey, at: int | None = None
-    ) -> tuple[SegmentLocation, Eviction | None]:
-        """A slot at ``key``'s home (or at ``at``): a free one there, else a free one
-        along the ring, else the slot of the home's least recently used evictable
-        replica, else that of the pool's."""
-        home = self.ring.home(key) if at is None else at
+    def _take_slot(self, key: SegmentKey) -> tuple[SegmentLocation, Eviction | None]:
+        """A slot at ``key``'s home: a free one there, else a free one along the ring,
+        else the slot of the home's least recently used evictable replica, else that
+        of the pool's."""
+        home = self.ring.home(key)
         slot = self.slots.allocate(home)
         if slot is not None:
             return SegmentLocation(home, slot), None

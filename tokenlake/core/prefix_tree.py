@@ -336,10 +336,8 @@ class PrefixTree:
         entry = min(firsts)
         return entry[3], entry[4]
 
-    def evictable_count(self, instance: int | None = None) -> int:
-        """Evictable replicas (on ``instance`` only, if given)."""
-        if instance is not None:
-            return len(self._lru.get(instance, ()))
+    def evictable_count(self) -> int:
+        """Evictable replicas, over every instance."""
         return sum(len(lru) for lru in self._lru.values())
 
     # -------------------------------------------------------------- internals

@@ -108,8 +108,7 @@ class Replicator:
         decisions = plan_replication(
             heavy, acc, self._holders, expected_load(acc, self._holders), pool.instances,
             high=pool.config.replicate_high, low=pool.config.replicate_low,
-            max_decisions=pool.config.max_replications,
-            has_room=lambda inst: self._has_room(inst, acc),
+            max_decisions=pool.config.max_replications, has_room=self._has_room,
         )
         return [r for d in decisions if (r := self._start(d, acc)) is not None]
 
@@ -185,7 +184,7 @@ class Replicator:
     def _holders(self, key: SegmentKey) -> list[int]:
         return [loc.instance for loc in self._pool.tree.replicas(key, ready_only=False)]
 
-    def _has_room(self, instance: int, acc: dict[SegmentKey, int]) -> bool:
+    def _has_room(self, instance: int) -> bool:
         """A free slot on ``instance``, or an evictable replica there (whether it is
         colder than the segment to copy is checked when the copy starts)."""
         pool = self._pool

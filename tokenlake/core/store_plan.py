@@ -99,7 +99,7 @@ class StorePlanner:
         hint = state.request_id.encode() + len(state.chain).to_bytes(8, "little")
         for src in locs:
             try:
-                placement = pool.allocate_private(state.request_id, hint, src.instance, exact=True)
+                placement = pool.allocate_private(state.request_id, hint, src.instance)
             except CapacityError:
                 continue
             break

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import sys
-from array import array
 from dataclasses import dataclass
 
 from tokenlake.core.segments import SegmentHasher, SegmentKey
@@ -283,10 +282,13 @@ class TokenCodec:
                 n.add_child(child)
 
     def decode(self, enc: bytes) -> bytes:
-        """Encoded tokens back as int32 little-endian bytes."""
+        """Encoded tokens back as int32 little-endian bytes (a numpy cast, as
+        :meth:`encode`: it runs for every eviction)."""
         if self.width == 4:
             return enc
-        return array("i", array("H", enc)).tobytes()
+        import numpy as np
+
+        return np.frombuffer(enc, dtype="<u2").astype("<i4").tobytes()
 
 
 def _as_uint32(raw: bytes):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenlake.core.errors import PlanError
-from tokenlake.dataplane.engine import EngineLoop, EngineSpec
+from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
 from tokenlake.dataplane.messages import (
     CopyDone,
     CopySegment,
@@ -55,8 +55,8 @@ class TransferPlanState:
     rows: int
     local: tuple[PutTarget, ...]
     remote: dict[int, tuple[PutTarget, ...]]
-    copies: tuple[SlotCopy, ...] = ()
-    remote_copies: dict[int, tuple[SlotCopy, ...]] | None = None
+    copies: tuple[SlotCopy, ...]
+    remote_copies: dict[int, tuple[SlotCopy, ...]]
 
 
 class TransferEngine(EngineLoop):
@@ -181,11 +181,8 @@ class TransferEngine(EngineLoop):
             raise PlanError(f"unknown transfer plan {message.plan} on instance {self.spec.instance}")
         layers = self._check_layers(message.layer, message.layers)
         kv = self.kv
-        pending = self.new_pending(PutDone)
-        done = lambda p: self.reply(identity, PutDone(layers.start).encode(msg_id))  # noqa: E731
-        pending.on_done = done
-        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
-        remote_copies = plan.remote_copies or {}
+        pending = self._answer(identity, msg_id, PutDone(layers.start))
+        remote_copies = plan.remote_copies
         for inst in plan.remote.keys() | remote_copies.keys():  # remote first: they store while we do
             puts = plan.remote.get(inst, ())
             items = tuple(SlotWrite(p.slot, p.offset, p.stop - p.start) for p in puts)
@@ -197,19 +194,24 @@ class TransferEngine(EngineLoop):
                 self._write(p.slot, layer, p.offset, kv[layer, p.start : p.stop])
         self._copy_pages(plan.copies, layers, pending)
         if not pending.waiting:
-            done(pending)
+            pending.on_done(pending)
 
     def _peer_put(self, identity, msg_id: int, message: PeerPut) -> None:
         """Stores a peer's rows and does the page copies whose source is here, answering
         once the rows sent on (copies to a third instance) are stored too."""
         self._store_peer_put(message)
-        pending = self.new_pending(PutDone)
-        done = lambda p: self.reply(identity, PutDone(message.layer).encode(msg_id))  # noqa: E731
-        pending.on_done = done
-        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
+        pending = self._answer(identity, msg_id, PutDone(message.layer))
         self._copy_pages(message.copies, self._check_layers(message.layer, message.layers), pending)
         if not pending.waiting:
-            done(pending)
+            pending.on_done(pending)
+
+    def _answer(self, identity, msg_id: int, answer: WireMessage) -> Pending:
+        """A :class:`Pending` for the peers asked on behalf of request ``msg_id``: its
+        ``on_done`` replies ``answer``, a failure replies the error."""
+        pending = self.new_pending(type(answer))
+        pending.on_done = lambda p: self.reply(identity, answer.encode(msg_id))
+        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
+        return pending
 
     def _store_peer_put(self, message: PeerPut) -> None:
         layers = self._check_layers(message.layer, message.layers)
@@ -230,9 +232,7 @@ class TransferEngine(EngineLoop):
         src, dst_inst, dst = message.slot, message.target, message.target_slot
         if not 0 <= src < self.num_slots:
             raise PlanError(f"slot {src} outside [0, {self.num_slots})")
-        pending = self.new_pending(CopyDone)
-        pending.on_done = lambda p: self.reply(identity, CopyDone(dst).encode(msg_id))
-        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
+        pending = self._answer(identity, msg_id, CopyDone(dst))
         if dst_inst == self.spec.instance:
             raise PlanError("a segment copy needs another instance as target")
         self.ask(dst_inst, PeerSegment(dst, self.slab[src]), pending)

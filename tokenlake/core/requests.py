@@ -241,16 +241,12 @@ class RequestTable:
             load[loc.instance] = load.get(loc.instance, 0) + 1
             if loc.instance != state.chosen[i]:
                 if picks is None:
-                    picks = [next(loc for loc in self._locs(state, pool, j)
+                    picks = [next(loc for loc in pool.tree.replicas(state.keys[j])
                                   if loc.instance == inst)
                              for j, inst in enumerate(state.chosen)]
                 picks[i] = loc
         if picks is not None:
             self._set_resolution(state, picks)
-
-    @staticmethod
-    def _locs(state: RequestState, pool: CachePool, i: int) -> tuple[SegmentLocation, ...]:
-        return pool.tree.replicas(state.keys[i])
 
     def _set_resolution(self, state: RequestState, picks: Sequence[SegmentLocation]) -> None:
         c = self._c

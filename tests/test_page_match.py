@@ -147,23 +147,36 @@ def test_a_finished_tail_is_kept_for_page_hits_and_released_with_less_than_a_pag
 # ---------------------------------------------------------------- placement
 
 
-def test_in_a_full_pool_new_segments_land_on_their_home():
-    """Once the pool is full, every new segment takes its hash home's least recently
-    used slot (paper §4.3), not the global LRU victim's wherever it lives."""
+@pytest.mark.parametrize("choices", [1, 2])
+def test_in_a_full_pool_new_segments_land_where_their_hash_places_them(choices):
+    """Once the pool is full, every new segment takes the slot of the least recently
+    used replica among its home and the next ``choices - 1`` instances on the ring
+    (1: always the home, paper §4.3), not the global LRU victim's wherever it lives."""
     now = [0.0]
-    pool = CachePool(PoolConfig(4, "home-test", 8, page_tokens=4), range(4), clock=lambda: now[0])
+    config = PoolConfig(4, "home-test", 8, page_tokens=4, eviction_choices=choices)
+    pool = CachePool(config, range(4), clock=lambda: now[0])
     rng = random.Random(3)
-    homes = []
+    homes, global_lru = [], []
     for i in range(200):
         now[0] += 1.0
         key = rng.randbytes(16)
+        full = i >= 32  # the pool (4 x 8 slots) is full from here on
+        if full:
+            cands = list(pool.ring.preference(key))[:choices]
+            victims = [pool.tree.lru_victim(inst) for inst in cands]
+            ages = [pool.tree.last_access(k, inst) for k, inst in victims]
+            want = cands[ages.index(min(ages))]
+            oldest = pool.tree.lru_victim()
+            global_lru.append(pool.tree.last_access(*oldest) == min(ages))
         placed = pool.place(key, None, 0, tuple(rng.randrange(1000) for _ in range(4)))
         pool.commit(key, placed.location.instance)
-        if i >= 32:  # the pool (4 x 8 slots) is full from here on
-            homes.append(placed.location.instance == pool.ring.home(key))
-            assert placed.evicted is not None and placed.evicted.instance == placed.location.instance
+        if full:
+            assert placed.location.instance == want
+            assert placed.evicted is not None and placed.evicted.instance == want
+            homes.append(want == pool.ring.home(key))
         pool.check()
-    assert all(homes)
+    assert all(homes) if choices == 1 else 0 < sum(homes) < len(homes)
+    assert not all(global_lru)  # the global LRU victim was elsewhere at times
 
 
 def test_replication_evicts_a_colder_replica_on_a_full_target():

@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import random
 from collections import Counter
+from collections.abc import Collection
 
 import pytest
 from hypothesis import event, settings
@@ -53,9 +54,11 @@ TOKENS = st.builds(
 DT = st.sampled_from([0.0, 0.0, 0.5, 1.0, 4.0])
 
 
-def make_pool(slots: int = CAPACITY, instances=(0, 1, 2), now=None) -> tuple[CachePool, list]:
+def make_pool(slots: int = CAPACITY, instances=(0, 1, 2), now=None,
+              eviction_choices: int = 2) -> tuple[CachePool, list]:
     clock = now if now is not None else [0.0]
-    cfg = PoolConfig(segment_tokens=C, namespace="pool-props", slots_per_instance=slots, vnodes=8)
+    cfg = PoolConfig(segment_tokens=C, namespace="pool-props", slots_per_instance=slots, vnodes=8,
+                     eviction_choices=eviction_choices)
     return CachePool(cfg, list(instances), lambda: clock[0], random.Random(0)), clock
 
 
@@ -78,8 +81,8 @@ class PoolModel(NodeModel):
         return self.capacity[inst] - len(self.used_slots(inst))
 
     def lru_candidates(self, protect: bytes | None = None,
-                       instance: int | None = None) -> list[tuple[bytes, int]]:
-        ev = [v for v in self.evictable(protect) if instance is None or v[1] == instance]
+                       instances: Collection[int] | None = None) -> list[tuple[bytes, int]]:
+        ev = [v for v in self.evictable(protect) if instances is None or v[1] in instances]
         if not ev:
             return []
         best = min(self.lru_order(v) for v in ev)
@@ -97,9 +100,11 @@ class PoolModel(NodeModel):
 
 
 class PoolMachine(RuleBasedStateMachine):
+    eviction_choices = 2  # a full pool evicts at the home or the next instance on the ring
+
     @initialize()
     def setup(self):
-        self.pool, self.clock = make_pool()
+        self.pool, self.clock = make_pool(eviction_choices=self.eviction_choices)
         self.tree = self.pool.tree
         self.model = PoolModel({i: CAPACITY for i in self.pool.instances})
         self.next_instance = itertools.count(3)
@@ -120,13 +125,14 @@ class PoolMachine(RuleBasedStateMachine):
     def expect_take(self, ring_key: bytes, protect: bytes | None):
         """What ``_take_slot`` must do: ('free', instance), ('evict', candidates) or
         'full': the home if free, else the first free instance in ring order, else the
-        home's least recently used evictable replica, else the pool's."""
+        least recently used evictable replica on the first ``eviction_choices``
+        instances in ring order, else the pool's."""
         pref = list(self.pool.ring.preference(ring_key))
         assert sorted(pref) == sorted(self.model.capacity)
         for inst in pref:
             if self.model.free(inst) > 0:
                 return "free", inst
-        cands = self.model.lru_candidates(protect, instance=pref[0]) \
+        cands = self.model.lru_candidates(protect, pref[: self.pool.config.eviction_choices]) \
             or self.model.lru_candidates(protect)
         return ("evict", cands) if cands else ("full", None)
 
@@ -427,7 +433,7 @@ class PoolMachine(RuleBasedStateMachine):
             if t.slot in self.model.used_slots(t.instance):
                 # A full target made room: its least recently used evictable replica went.
                 assert self.model.free(t.instance) == 0
-                cands = self.model.lru_candidates(instance=t.instance)
+                cands = self.model.lru_candidates(instances=(t.instance,))
                 victims = [(k, i) for k, n in self.model.nodes.items()
                            for i, r in n.replicas.items() if (i, r.slot) == (t.instance, t.slot)]
                 assert len(victims) == 1 and victims[0] in cands and victims[0][0] != rep.key
@@ -552,6 +558,14 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=100, stateful_step_count=100, deadline=None)
+
+
+class HomeOnlyPoolMachine(PoolMachine):
+    eviction_choices = 1  # a full pool evicts at the home only
+
+
+TestHomeOnlyPoolMachine = HomeOnlyPoolMachine.TestCase
+TestHomeOnlyPoolMachine.settings = settings(max_examples=40, stateful_step_count=100, deadline=None)
 
 
 # ------------------------------------------------------- regression tests

@@ -125,19 +125,35 @@ def test_hit_rate_equals_a_direct_count_with_an_unbounded_cache(system):
 
 
 def test_concurrent_arrivals_reuse_what_is_already_stored():
-    """Two requests on one 12-block document arriving together: the second may only
-    reuse segments the first has already stored, so it hits less than with a gap."""
+    """First come first served, two requests on one 12-block document arriving together:
+    the second may only reuse segments the first has already stored, so it hits less
+    than with a gap."""
+    fcfs = replace(BIG, admission="fcfs")
     doc = tuple(range(12))
     a = Request("a", 0.0, 12 * BS, 4, block_hashes=doc)
     b = Request("b", 0.0, 12 * BS, 4, block_hashes=doc)
-    together = simulate([a, b], "tokenlake", BIG)
-    later = simulate([a, Request("b", 30.0, 12 * BS, 4, block_hashes=doc)], "tokenlake", BIG)
+    together = simulate([a, b], "tokenlake", fcfs)
+    later = simulate([a, Request("b", 30.0, 12 * BS, 4, block_hashes=doc)], "tokenlake", fcfs)
     assert later.hit_tokens == (12 * BS - 1) // 16 * 16  # whole segments, then pages
     assert together.hit_tokens < later.hit_tokens
     # Arriving while the first is half way through its prompt: it reuses what is
     # stored by then (the first request's plan is settled to show it), not more.
-    half = simulate([a, Request("b", 0.05, 12 * BS, 4, block_hashes=doc)], "tokenlake", BIG)
+    half = simulate([a, Request("b", 0.05, 12 * BS, 4, block_hashes=doc)], "tokenlake", fcfs)
     assert 0 < half.hit_tokens < later.hit_tokens
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.05])
+def test_cache_first_admission_waits_for_a_prefix_in_flight(gap):
+    """Cache-first (the default): the second request on the document waits for the
+    segments the first computes and hits all of them, as if it came later; first come
+    first served it is admitted at once and computes them again."""
+    doc = tuple(range(12))
+    a = Request("a", 0.0, 12 * BS, 4, block_hashes=doc)
+    b = Request("b", gap, 12 * BS, 4, block_hashes=doc)
+    waited = simulate([a, b], "tokenlake", BIG)
+    assert waited.hit_tokens == (12 * BS - 1) // 16 * 16
+    fcfs = simulate([a, b], "tokenlake", replace(BIG, admission="fcfs"))
+    assert fcfs.hit_tokens < waited.hit_tokens
 
 
 @pytest.mark.parametrize("system", ["tokenlake", "sglang-router", "mooncake-1p3d"])
@@ -148,7 +164,9 @@ def test_closed_sessions_send_the_next_turn_after_the_answer(system):
     doc = tuple(range(12))
     t1 = Request("s-0", 0.0, 12 * BS, 4, block_hashes=doc, session_id="s", turn=0)
     t2 = Request("s-1", 0.01, 14 * BS, 4, block_hashes=doc + (50, 51), session_id="s", turn=1)
-    cfg = replace(BIG, tp=4) if system == "sglang-router" else BIG  # one worker
+    # One router worker; TokenLake first come first served (cache-first admission would
+    # hold the open-loop turn 2 for turn 1's segments: the test above).
+    cfg = replace(BIG, tp=4) if system == "sglang-router" else replace(BIG, admission="fcfs")
     closed = simulate([t1, t2], system, cfg)
     opened = simulate([t1, t2], system, replace(cfg, closed_sessions=False))
     want = 12 * BS if system != "tokenlake" else 12 * BS // 256 * 256

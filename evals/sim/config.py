@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.admission import ADMISSION_RULES
 from tokenlake.core.cost_model import LatencyModel, default_segment_tokens
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import HardwareProfile, ModelSpec, load_hardware, load_model
@@ -60,6 +61,14 @@ class SimConfig:
         home_eviction: TokenLake's placement in a full pool: a new segment evicts at its
             hash home (the default, paper §4.3); False takes the global LRU victim's slot
             wherever it lives (the former rule, kept to compare the two).
+        eviction_choices: with ``home_eviction``, instances whose LRU victims compete
+            (2: the home and the next on the ring, the default; 1: the home only).
+        admission: TokenLake's admission order in a full pool (:mod:`scheduler.admission`):
+            ``cache-first`` (the default: overdue requests oldest first, then the longest
+            ready prefix first; a request whose next segment is being computed waits for
+            it) or ``fcfs`` (arrival order; the former rule, kept to compare).
+        admission_patience: a request waiting longer than this multiple of its TTFT SLO
+            is overdue: cache-first admission then takes it first, oldest first.
         seed: seed of every random choice (replica selection, Poisson arrivals).
     """
 
@@ -82,10 +91,13 @@ class SimConfig:
     closed_sessions: bool = True
     page_tokens: int | None = None
     home_eviction: bool = True
+    eviction_choices: int = 2
+    admission: str = "cache-first"
+    admission_patience: float = 2.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("instances", "chunk_tokens", "tp"):
+        for name in ("instances", "chunk_tokens", "tp", "eviction_choices"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
@@ -97,7 +109,10 @@ class SimConfig:
             raise ConfigError(f"segment_tokens must be a positive int, got {self.segment_tokens!r}")
         if self.cache_gb is not None and not self.cache_gb > 0:
             raise ConfigError(f"cache_gb must be > 0, got {self.cache_gb!r}")
-        for name in ("slo_scale", "cv_window_s", "rebalance_s", "router_evict_s"):
+        if self.admission not in ADMISSION_RULES:
+            raise ConfigError(f"admission must be one of {ADMISSION_RULES}, got {self.admission!r}")
+        for name in ("slo_scale", "cv_window_s", "rebalance_s", "router_evict_s",
+                     "admission_patience"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("input_token_slo_s", "output_token_slo_s"):

@@ -98,6 +98,13 @@ class PoolPlanner:
             if r.admitted:
                 batch.append(BatchRequest(r.request_id, r.tokens[start:]))
             else:
+                held = self.tree.match(r.tokens[: r.hit]).hit_tokens
+                if held < r.hit:
+                    # Part of its hit was evicted since it was found (a settle of the same
+                    # decision stored segments first): it computes those tokens too (its
+                    # run, made for the larger hit, ends short; the next run does the rest).
+                    self.b.tracker.set_hit(r, held)
+                    start = r.context
                 batch.append(BatchRequest(r.request_id, r.tokens[start:], r.tokens[:r.hit]))
                 admits.append(r)
         plans = self._gen(batch)

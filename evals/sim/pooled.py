@@ -19,9 +19,9 @@ changes every batch iterates at its own pace: a decode batch is not held up by a
 prefill chunk elsewhere (PD disaggregation). Between two decisions only the requests'
 lengths grow (the DP would re-sort by them; see docs/simulator.md).
 
-Admission: the DP has no memory model, so new requests are admitted first come first
-served while the pool can hold their prompt and output next to those already admitted
-(as SGLang reserves memory).
+Admission: the DP has no memory model, so new requests are admitted while the pool can
+hold their prompt and output next to those already admitted (as SGLang reserves
+memory), cache-first (:mod:`scheduler.admission`) or first come first served.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from evals.sim.timing import (
     pool_comm_s,
 )
 from evals.sim.trace import prompt_array
+from scheduler.admission import admission_order, waits_for_flight
 from scheduler.api import BatchDecision, InstanceView, Snapshot
 from scheduler.latency import slowdown
 from tokenlake.core.config import PoolConfig
@@ -59,7 +60,8 @@ class PooledBackend(Backend):
         cfg = self.config
         pool = PoolConfig(setup.segment_tokens, f"{setup.model.name}/sim", setup.slots_per_instance,
                           seed=cfg.seed, page_tokens=cfg.page_tokens,
-                          home_eviction=cfg.home_eviction)
+                          home_eviction=cfg.home_eviction,
+                          eviction_choices=cfg.eviction_choices)
         self.cp = ControlPlane(pool, setup.model, list(self.instance_ids),
                                clock=lambda: self.now, rng=random.Random(cfg.seed))
         self.tree = self.cp.get_prefix_tree()
@@ -208,8 +210,10 @@ class PooledBackend(Backend):
         self.blocked.add(r)
 
     def _admissible(self) -> list[SimRequest]:
-        """Admitted requests plus, first come first served, new ones the pool can hold.
-        As SGLang reserves memory: a request holds its uncached prompt, its output and
+        """Admitted requests plus new ones the pool can hold, offered admission in the
+        order of ``config.admission`` (:mod:`scheduler.admission`: cache-first by
+        default, or first come first served); a cache-first request whose next segment
+        is being computed waits for it. As SGLang reserves memory: a request holds its uncached prompt, its output and
         one open tail; reused prefixes count once however many requests share them.
         Admission stops at the first request that does not fit, as SGLang's scheduler
         stops adding waiting requests to a batch, and as the baselines' workers do
@@ -219,25 +223,36 @@ class PooledBackend(Backend):
         this one reuses), and a settle can take an admission back or admit again; the
         count then starts over on the new state (each settle makes segments visible, so
         this ends)."""
+        rule = self.config.admission
         while True:
             version = self._reservations
             held = self._reserved + len(self._shared) * self.c
             out = [r for r in self.tracker.running() if r.blocked is None]
-            for r in self.tracker.waiting():  # no copy: a settle is caught before next()
-                if r.blocked is not None:
-                    continue
-                ready = self._ready_prefix(r)
-                if held + self._need(r, ready) > self.cap:
+            ready = {r.request_id: self._ready_prefix(r)
+                     for r in self.tracker.waiting() if r.blocked is None}
+            order = admission_order((r for r in self.tracker.waiting() if r.blocked is None),
+                                    lambda r, ready=ready: ready[r.request_id], self._overdue, rule)
+            claimed: set[bytes] = set()  # segments the requests admitted here will compute
+            for r in order:
+                if held + self._need(r, ready[r.request_id]) > self.cap:
                     return out
                 # One walk of the prompt's segments: ready_hit goes on where _ready_prefix
                 # stopped. The hit is kept: its view, its load and its admission use it.
-                self.tracker.set_hit(r, self.planner.ready_hit(r, ready // self.c))
+                self.tracker.set_hit(r, self.planner.ready_hit(r, ready[r.request_id] // self.c))
                 if self._reservations != version:
                     break  # a settle changed the admissions (and the queue): count again
+                n = r.hit // self.c
+                if waits_for_flight(r.keys[n] if n < len(r.keys) else None,
+                                    (self.planner.pending, claimed), self._overdue(r), rule):
+                    continue  # it hits that segment once stored (scheduler/admission.py)
+                claimed.update(r.keys[n:])
                 held += self._need(r, r.hit)
                 out.append(r)
             else:
                 return out
+
+    def _overdue(self, r: SimRequest) -> bool:
+        return self.now - r.arrival_s > self.config.admission_patience * r.ttft_slo_s
 
     def _need(self, r: SimRequest, hit: int) -> int:
         fresh = sum(1 for k in r.keys[: hit // self.c] if k not in self._shared)

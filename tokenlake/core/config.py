@@ -27,9 +27,13 @@ class PoolConfig:
         replicate_low: ... until its load is at most mean x (1 + low) (hysteresis).
         max_replications: cap on copies started by one rebalance round.
         seed: seed of the RNG used for power-of-two-choices replica selection.
-        home_eviction: in a full pool a new segment evicts its hash home's least recently
-            used replica (paper §4.3, the default); False takes the global LRU victim's
-            slot wherever it lives (kept to compare the two rules).
+        home_eviction: in a full pool a new segment evicts where its hash places it
+            (paper §4.3, the default; see ``eviction_choices``); False takes the global
+            LRU victim's slot wherever it lives (kept to compare the rules).
+        eviction_choices: with ``home_eviction``, a full pool evicts the least recently
+            used of the LRU victims on this many instances, the home and the next ones
+            along the ring (2, the default: two choices, docs/design.md §4; 1: the home
+            only).
         page_tokens: granularity of prefix hits inside a segment (docs/design.md §4):
             a match returns whole segments plus the matching leading pages of the next
             one. Must divide ``segment_tokens``; ``None`` (the default) means 16 where
@@ -49,9 +53,11 @@ class PoolConfig:
     seed: int = 0
     page_tokens: int | None = None
     home_eviction: bool = True
+    eviction_choices: int = 2
 
     def __post_init__(self) -> None:
         _positive_int("segment_tokens", self.segment_tokens)
+        _positive_int("eviction_choices", self.eviction_choices)
         if self.page_tokens is None:
             page = DEFAULT_PAGE_TOKENS if self.segment_tokens % DEFAULT_PAGE_TOKENS == 0 \
                 else self.segment_tokens

@@ -29,6 +29,7 @@ Time comes from an injected clock and randomness from an injected ``random.Rando
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -260,8 +261,8 @@ class CachePool:
     # ------------------------------------------------------------- eviction
     def _take_slot(self, key: SegmentKey) -> tuple[SegmentLocation, Eviction | None]:
         """A slot at ``key``'s home: a free one there, else a free one along the ring,
-        else the slot of the home's least recently used evictable replica, else that
-        of the pool's."""
+        else the slot of the least recently used evictable replica on the home and the
+        next ``eviction_choices - 1`` instances along the ring, else that of the pool's."""
         home = self.ring.home(key)
         slot = self.slots.allocate(home)
         if slot is not None:
@@ -271,7 +272,11 @@ class CachePool:
                 slot = self.slots.allocate(inst)
                 if slot is not None:
                     return SegmentLocation(inst, slot), None
-        evicted = self.evict_one(home) if self.config.home_eviction else None
+        evicted = None
+        if self.config.home_eviction:
+            choices = self.config.eviction_choices
+            evicted = self.evict_one(home if choices == 1 else
+                                     tuple(itertools.islice(self.ring.preference(key), choices)))
         if evicted is None:
             evicted = self.evict_one()
         if evicted is None:
@@ -282,9 +287,10 @@ class CachePool:
         inst = evicted.instance
         return SegmentLocation(inst, self.slots.allocate(inst)), evicted
 
-    def evict_one(self, instance: int | None = None) -> Eviction | None:
-        """Evicts the least recently used evictable replica (on ``instance`` only, if
-        given), freeing its slot; ``None`` if nothing is evictable there."""
+    def evict_one(self, instance: int | tuple[int, ...] | None = None) -> Eviction | None:
+        """Evicts the least recently used evictable replica (on ``instance`` only, or on
+        those instances, if given), freeing its slot; ``None`` if nothing is evictable
+        there."""
         victim = self.tree.lru_victim(instance)
         if victim is None:
             return None

@@ -324,13 +324,15 @@ class PrefixTree:
         self._adjust(keys, "leases", -1)
 
     # -------------------------------------------------------------------- LRU
-    def lru_victim(self, instance: int | None = None) -> tuple[SegmentKey, int] | None:
+    def lru_victim(self, instance: int | tuple[int, ...] | None = None
+                   ) -> tuple[SegmentKey, int] | None:
         """The least recently used evictable replica as ``(key, instance)`` (on
-        ``instance`` only, if given), or ``None``."""
-        if instance is not None:
+        ``instance`` only, or on those instances, if given), or ``None``."""
+        if isinstance(instance, int):
             lru = self._lru.get(instance)
             return (lru[0][3], lru[0][4]) if lru else None
-        firsts = [lru[0] for lru in self._lru.values() if lru]
+        pools = self._lru.values() if instance is None else (self._lru.get(i) for i in instance)
+        firsts = [lru[0] for lru in pools if lru]
         if not firsts:
             return None
         entry = min(firsts)

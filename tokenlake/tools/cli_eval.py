@@ -16,6 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from scheduler.admission import ADMISSION_RULES
 from tokenlake.core.specs import list_hardware, list_models
 from tokenlake.tools.cli_args import UsageError, positive
 
@@ -81,6 +82,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                    help="GPUs (default: 8; multi-node 16)")
     p.add_argument("--page-tokens", type=positive(int), default=None,
                    help="TokenLake: prefix hits exact to this many tokens (default 16)")
+    p.add_argument("--admission", choices=ADMISSION_RULES, default="cache-first",
+                   help="TokenLake's admission order in a full pool (scheduler/admission.py; "
+                        "fcfs: arrival order, to compare)")
     p.add_argument("--trace", default=None,
                    help="hit-rate: a Mooncake-format JSONL trace instead of --workload, at "
                         "its own arrival times (or --rates); the summary adds the reuse "
@@ -148,7 +152,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from evals.sim.config import SimConfig
 
     config = SimConfig(instances=16 if args.experiment == "multi-node" else 8,
-                       page_tokens=args.page_tokens)
+                       page_tokens=args.page_tokens, admission=args.admission)
     if args.instances:
         config = replace(config, instances=args.instances)
     bar = _progress_bar(None, args.experiment, "run", args.quiet)
@@ -221,6 +225,12 @@ def add_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-lru", action="store_true",
                    help="TokenLake: a full pool evicts the global LRU victim instead of the "
                         "new segment's home's (to compare the placement rules)")
+    p.add_argument("--eviction-choices", type=positive(int), default=2,
+                   help="TokenLake: a full pool evicts the LRU victim of the home and the next "
+                        "N-1 instances on the ring (1: the home only)")
+    p.add_argument("--admission", choices=ADMISSION_RULES, default="cache-first",
+                   help="TokenLake's admission order in a full pool (scheduler/admission.py; "
+                        "fcfs: arrival order, to compare)")
     p.add_argument("--tp", type=positive(int), default=2, help="baselines' tensor parallelism")
     p.add_argument("--slo-scale", type=positive(float), default=10.0,
                    help="SLO as a multiple of the unloaded latency")
@@ -243,7 +253,8 @@ def _load_requests(args: argparse.Namespace):
                            cache_gb=args.cache_gb, segment_tokens=args.segment_tokens,
                            chunk_tokens=args.chunk_tokens, tp=args.tp,
                            slo_scale=args.slo_scale, seed=args.seed,
-                           page_tokens=args.page_tokens, home_eviction=not args.global_lru)
+                           page_tokens=args.page_tokens, home_eviction=not args.global_lru,
+                           admission=args.admission, eviction_choices=args.eviction_choices)
         config.resolve()
         reqs = arrange(load_trace(args.trace, args.limit), args.rate, args.speedup,
                        args.repeat, args.seed)

@@ -183,3 +183,27 @@ def test_a_full_pool_makes_new_requests_wait_not_fail(model):
         assert cluster.control.live_requests == ()
     for i, p in enumerate(prompts):
         assert results[f"f{i}"].output_ids == ref.generate(list(p), NEW, stop_ids=()).output_ids
+
+
+def test_a_full_pool_offers_admission_to_the_cached_prefix_first(model):
+    """With admissions limited (the pool was full), the request whose prompt the pool
+    holds goes before an older one that hits nothing, unless the older one has waited
+    past its patience (scheduler/admission.py)."""
+    weights, tok, ref = model
+    spec = weights.config.to_model_spec("smollm2-135m")
+    doc = tuple(range(100, 100 + 3 * C))
+    now = [0.0]
+    with LocalCluster(1, spec, 8 << 20, segment_tokens=C, max_rows=512) as cluster:
+        server = Server(cluster, weights, clock=lambda: now[0])
+        server.run([GenerationRequest("doc", doc + (7,), 1, ())])
+        server.submit(GenerationRequest("old", tuple(range(300, 340)), 1, ()))
+        now[0] = 1.0
+        server.submit(GenerationRequest("new", doc + (8, 9), 1, ()))
+        server.admit_limit = 1
+        assert [v.request_id for v in server.snapshot().requests] == ["new"]
+        assert server.snapshot().requests[0].context_tokens == 3 * C
+        now[0] = 1.0 + server.admission_patience_s  # "old" waited past its patience
+        assert [v.request_id for v in server.snapshot().requests] == ["old"]
+        server.admit_limit = None
+        server.run()
+        cluster.control.check()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler.admission import admission_order
 from scheduler.api import InstanceView, Snapshot
 from scheduler.goodput import GoodputScheduler
 from tokenlake.core.cost_model import LatencyModel
@@ -182,6 +183,7 @@ class Server:
         self.rebalance_every = rebalance_every
         self.replications = 0
         self.admit_limit: int | None = None  # most new admissions per iteration (see step)
+        self.admission_patience_s = 30.0  # then a waiting request goes first (scheduler/admission.py)
         self.admission_holds = 0  # iterations skipped because the pool was full
         self._admitted_now: list[_Live] = []
 
@@ -211,8 +213,9 @@ class Server:
         and the pool agree. When the pool is full (``CapacityError``) while other
         requests run, no new request is admitted until one of those finishes: the
         iteration is skipped, not failed: it is tried again with half as many new
-        admissions, and with none (admission waits for room) once a single one does not
-        fit beside the running requests; a request that finishes lifts the limit."""
+        admissions (cache-first: :mod:`scheduler.admission`), and with none (admission waits
+        for room) once a single one does not fit beside the running requests; a request
+        that finishes lifts the limit."""
         self._admitted_now = []
         batches, dops, prefilling = self._ask_policy()
         if not batches:
@@ -309,8 +312,10 @@ class Server:
         for live in tracker.waiting():
             tracker.set_hit(live, self._match(live.prompt))
         waiting, running = tracker.views()
-        if self.admit_limit is not None:  # the pool was full: admit fewer, oldest first
-            waiting = waiting[: self.admit_limit]
+        if self.admit_limit is not None:  # the pool was full: admit fewer, cache-first
+            late = self.clock() - self.admission_patience_s
+            waiting = tuple(admission_order(waiting, lambda v: v.context_tokens,
+                                            lambda v: v.arrival_s < late))[: self.admit_limit]
         load = tracker.cache_load(tracker.values(), self.cluster.n_instances,
                                   self.control.model, self.hardware, self.latency)
         instances = tuple(InstanceView(i) for i in range(self.compute_slots))

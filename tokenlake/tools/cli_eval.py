@@ -85,6 +85,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=ADMISSION_RULES, default="cache-first",
                    help="TokenLake's admission order in a full pool (scheduler/admission.py; "
                         "fcfs: arrival order, to compare)")
+    p.add_argument("--eviction-choices", type=positive(int), default=2,
+                   help="TokenLake: a full pool evicts the LRU victim of the home and the next "
+                        "N-1 instances on the ring (1: the home only)")
     p.add_argument("--trace", default=None,
                    help="hit-rate: a Mooncake-format JSONL trace instead of --workload, at "
                         "its own arrival times (or --rates); the summary adds the reuse "
@@ -152,7 +155,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from evals.sim.config import SimConfig
 
     config = SimConfig(instances=16 if args.experiment == "multi-node" else 8,
-                       page_tokens=args.page_tokens, admission=args.admission)
+                       page_tokens=args.page_tokens, admission=args.admission,
+                       eviction_choices=args.eviction_choices)
     if args.instances:
         config = replace(config, instances=args.instances)
     bar = _progress_bar(None, args.experiment, "run", args.quiet)

@@ -26,9 +26,11 @@ Choices made here (the paper leaves them open):
   cache load (:mod:`scheduler.latency`).
 * **Infeasible SLO.** If no plan meets every SLO, the DP is re-run without the SLO
   (throughput-first, to avoid head-of-line blocking) and ``Decision.note`` says so.
-* **Memory.** The prefill DP keeps two ``(M_p+1)^2 x D`` float64 tensors; when one
-  would exceed ``MAX_TENSOR_BYTES`` (256 MiB, e.g. ~720 prefill requests with all 64
-  DoPs) the DoPs are restricted to powers of two and the note says so.
+* **Memory.** The prefill DP uses three ``(M_p+1)^2 x D`` float64 tensors and a bool
+  one; when one would exceed ``MAX_TENSOR_BYTES`` (256 MiB, e.g. ~720 prefill requests
+  with all 64 DoPs) the DoPs are restricted to powers of two and the note says so. Up
+  to ``KEEP_CELLS`` cells they are kept between decisions (one set per thread): fresh
+  arrays of that size cost more in page faults than the DP's arithmetic.
 * **Fewer free instances than phases.** With one free instance and both phases waiting,
   only the decode phase is scheduled (it protects the TBT) and the note says so.
 
@@ -42,12 +44,13 @@ number of DoP choices (``N``, or ``log2 N`` with ``prefill_dops="pow2"``).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from scheduler.api import BatchDecision, Decision, RequestView, Snapshot
-from scheduler.latency import batch_times, slowdown, work_terms
+from scheduler.latency import slowdown, work_terms
 
 DEFAULT_CHUNK_TOKENS = 512
 SLO_RTOL = 1 + 1e-9  # a batch meets an SLO it equals up to rounding
@@ -55,7 +58,7 @@ MAX_TENSOR_BYTES = 256 << 20  # above this the exact prefill DP switches to pow2
 
 
 def _tensor_bytes(m_req: int, n_dops: int) -> int:
-    """Bytes of one ``(i, dop, j)`` float64 tensor of the DP (it keeps two)."""
+    """Bytes of one ``(i, dop, j)`` float64 tensor of the DP (it uses three)."""
     return (m_req + 1) ** 2 * n_dops * 8
 
 
@@ -119,15 +122,27 @@ class _PhaseDP:
         lat = snap.latency
         work = work_terms(lat, np.array(self.news), np.array([r.context_tokens for r in reqs]))
         wp = np.concatenate(([0.0], np.cumsum(work)))
-        idx = np.arange(size)
-        count = (idx[:, None] - idx[None, :]).astype(np.float64)  # [i, j] = i - j
-        invalid = count <= 0
-        times = batch_times(lat, wp, dops, snap.cache_load)  # [i, m, j]
-        cost = times * count[:, None, :]
+        ws = _workspace(size, len(dops))
+        count, invalid = ws.count[:size, :size], ws.invalid[:size, :size]  # [i, j] = i - j
+        times = ws.times(size, len(dops))  # [i, m, j], as scheduler.latency.batch_times
+        diff, fixed = ws.diff[:size, :size], ws.fixed[:size, :size]
+        scale = slowdown(snap.cache_load)
+        np.subtract(wp[:, None], wp[None, :], out=diff)
+        diff *= scale
+        np.multiply(count, lat.c_request, out=fixed)
+        fixed += lat.c_const
+        fixed *= scale
+        np.multiply(diff[:, None, :], 1.0 / np.asarray(dops, dtype=np.float64)[None, :, None],
+                    out=times)
+        times += fixed[:, None, :]
+        cost = ws.cost(size, len(dops))
+        np.multiply(times, count[:, None, :], out=cost)
         np.copyto(cost, np.inf, where=invalid[:, None, :])  # j >= i is no batch
         if use_slo:
-            limit = _min_slo(reqs) * SLO_RTOL  # [i, j]
-            np.copyto(cost, np.inf, where=times > limit[:, None, :])
+            limit = _min_slo(reqs) * SLO_RTOL  # [i, j], or one number for all
+            over = ws.over(size, len(dops))
+            np.greater(times, limit if np.ndim(limit) == 0 else limit[:, None, :], out=over)
+            np.copyto(cost, np.inf, where=over)
         dop_int = np.asarray(dops, dtype=np.int64)
         # Rows i in blocks: block [i0, i1) only needs j < i1 (skips most of j >= i).
         step = max(16, -(-size // 4))
@@ -137,7 +152,9 @@ class _PhaseDP:
             prev = self.f[:, k - dop_int[:mk]].T  # [m, j] = f[j, k - dops[m]]
             # f(., n) is read by no later k: only f(M, n) is needed.
             for i0, i1 in blocks if k < n else [(m_req, size)]:
-                cand = (prev[None, :, :i1] + cost[i0:i1, :mk, :i1]).reshape(i1 - i0, mk * i1)
+                cand = ws.cand(i1 - i0, mk, i1)
+                np.add(prev[None, :, :i1], cost[i0:i1, :mk, :i1], out=cand)
+                cand = cand.reshape(i1 - i0, mk * i1)
                 best = np.argmin(cand, axis=1)
                 self.f[i0:i1, k] = cand[np.arange(i1 - i0), best]
                 self.arg_m[i0:i1, k] = dop_int[best // i1]
@@ -222,16 +239,72 @@ class _PhaseDP:
         return out
 
 
-def _min_slo(reqs: list[RequestView]) -> np.ndarray:
-    """``[i, j]`` = smallest TBT SLO among ``reqs[j:i]`` (inf where there is none)."""
+def _min_slo(reqs: list[RequestView]) -> np.ndarray | float:
+    """``[i, j]`` = smallest TBT SLO among ``reqs[j:i]`` (inf where there is none); one
+    number when every request has the same SLO (or none)."""
     slo = np.array([np.inf if r.tbt_slo_s is None else r.tbt_slo_s for r in reqs])
     size = len(reqs) + 1
     if (slo == slo[0]).all():  # one SLO for all (or none): no range minimum needed
-        return np.full((size, size), slo[0])
+        return float(slo[0])
     # a[i, j] = slo[j] for j < i, else inf; accumulate from j = i-1 down to 0.
     a = np.where(np.arange(size)[None, :] < np.arange(size)[:, None],
                  np.concatenate((slo, [np.inf]))[None, :], np.inf)
     return np.minimum.accumulate(a[:, ::-1], axis=1)[:, ::-1]
+
+
+class _Workspace:
+    """The DP's large arrays, kept between decisions (one per thread): a fresh array of
+    a few hundred KB costs more in page faults (the allocator hands such blocks back to
+    the system when freed) than the arithmetic done in it. Views of the first ``size``
+    rows and columns; ``count`` and ``invalid`` depend on the position only, so their
+    views are already filled."""
+
+    def __init__(self, size: int, n_dops: int) -> None:
+        self.size, self.n_dops = size, n_dops
+        idx = np.arange(size, dtype=np.float64)
+        self.count = idx[:, None] - idx[None, :]
+        self.invalid = self.count <= 0
+        self.diff = np.empty((size, size))
+        self.fixed = np.empty((size, size))
+        cells = size * n_dops * size
+        self._times, self._cost = np.empty(cells), np.empty(cells)
+        self._over, self._cand = np.empty(cells, dtype=bool), np.empty(cells)
+
+    def times(self, size: int, d: int) -> np.ndarray:
+        return self._times[: size * d * size].reshape(size, d, size)
+
+    def cost(self, size: int, d: int) -> np.ndarray:
+        return self._cost[: size * d * size].reshape(size, d, size)
+
+    def over(self, size: int, d: int) -> np.ndarray:
+        return self._over[: size * d * size].reshape(size, d, size)
+
+    def cand(self, rows: int, d: int, cols: int) -> np.ndarray:
+        return self._cand[: rows * d * cols].reshape(rows, d, cols)
+
+
+_WORKSPACES = threading.local()
+
+
+#: Largest ``(i, dop, j)`` tensor (cells) a thread keeps between decisions: 2M cells are
+#: 16 MB per array (e.g. 500 requests at 8 DoPs); larger problems get fresh arrays.
+KEEP_CELLS = 1 << 21
+
+
+def _workspace(size: int, n_dops: int) -> _Workspace:
+    """This thread's workspace, grown by a quarter more than asked when too small; a
+    problem over :data:`KEEP_CELLS` gets arrays of its own, not kept."""
+    ws = getattr(_WORKSPACES, "ws", None)
+    if ws is not None and ws.size >= size and ws.n_dops >= n_dops:
+        return ws
+    d = max(n_dops, ws.n_dops if ws is not None else 1)
+    grown = max(size + size // 4, ws.size if ws is not None else 0)
+    if grown * grown * d > KEEP_CELLS:
+        grown, d = size, n_dops
+    ws = _Workspace(grown, d)
+    if grown * grown * d <= KEEP_CELLS:
+        _WORKSPACES.ws = ws
+    return ws
 
 
 class GoodputScheduler:

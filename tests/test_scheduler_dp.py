@@ -10,6 +10,7 @@ import itertools
 import math
 import random
 import re
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -484,3 +485,25 @@ def test_degenerate_latency_model_matches_brute_force(seed, dp_path):
     sol = GoodputScheduler(chunk_tokens=CHUNK).solve(snap)
     check_structure(snap, sol)
     assert sol.total_latency_s == pytest.approx(brute_force(snap, use_slo=False), rel=1e-9)
+
+
+def test_the_dp_workspace_is_reused_and_capped(monkeypatch):
+    """Decisions reuse one thread's arrays (grown as needed, same results as fresh ones);
+    a problem over KEEP_CELLS gets arrays that are not kept."""
+    import scheduler.goodput as goodput
+    from scheduler.bench import make_snapshot
+
+    monkeypatch.setattr(goodput, "_WORKSPACES", threading.local())
+    monkeypatch.setattr(goodput, "SMALL_DP_STEPS", -1)  # the numpy path
+    sched = GoodputScheduler()
+    small, large = make_snapshot(40, 4, seed=1), make_snapshot(120, 4, seed=2)
+    first = sched.schedule(small)
+    kept = goodput._WORKSPACES.ws
+    assert sched.schedule(large) == sched.schedule(large)
+    grown = goodput._WORKSPACES.ws
+    assert grown is not kept and grown.size >= 121
+    assert sched.schedule(small) == first and goodput._WORKSPACES.ws is grown
+    monkeypatch.setattr(goodput, "_WORKSPACES", threading.local())
+    monkeypatch.setattr(goodput, "KEEP_CELLS", 100)
+    assert sched.schedule(large) == sched.schedule(large)
+    assert getattr(goodput._WORKSPACES, "ws", None) is None

@@ -261,3 +261,27 @@ def _timed(fn, *args):
     t0 = time.perf_counter()
     fn(*args)
     return time.perf_counter() - t0
+
+
+def test_from_counts_builds_the_node_the_constructor_builds():
+    query, put = {5: 300, 1: 0, 3: 70}, {3: 30, 9: 4096}
+    fast, checked = DispatchNode.from_counts(2, 1, query, put), DispatchNode(2, 1, query, put)
+    assert fast == checked and hash(fast) == hash(checked)
+    assert list(fast.query_bytes) == [1, 3, 5] and list(fast.put_bytes) == [3, 9]
+    assert (fast._keys, fast._vals, fast.total_bytes) == (checked._keys, checked._vals, 4496)
+    with pytest.raises(TypeError):
+        fast.query_bytes[7] = 1  # read-only, as the constructor's
+
+
+def test_plan_items_built_for_every_request_stay_frozen_dataclasses():
+    import dataclasses
+
+    from tokenlake.core.plans import PutItem, QueryItem, RowSpan
+
+    items = [RowSpan("a", 0, 3, 16, 16), QueryItem("a", 0, 3, (4,), (8,)),
+             PutItem(1, 2, 5, 0, 3, None)]
+    for item in items:
+        again = type(item)(**dataclasses.asdict(item))
+        assert again == item and hash(again) == hash(item) and repr(again) == repr(item)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            item.start = 9

@@ -98,7 +98,7 @@ class PartAssembler:
                 parts.append(self.build(b, p, batch, offsets, prepared, lo, hi))
         qb, kb = self._query_row_bytes, self._kv_row_bytes
         nodes = [
-            DispatchNode(
+            DispatchNode.from_counts(
                 part.batch, part.part,
                 {i: qb * r for i, r in part.query_rows.items()},
                 {i: kb * r for i, r in part.put_rows.items()},
@@ -149,7 +149,7 @@ class PartAssembler:
         tails: dict[int, list[QueryItem]] = {}
         put_rows: dict[int, int] = {}
         tail_rows: dict[int, int] = {}  # q rows that only a tail (no sealed slot) draws there
-        members = []
+        members, sig = [], []  # sig: what the sealed segments' tasks depend on
         for req, off in zip(batch.requests, offsets):
             n_new = len(req.new_token_ids)
             a, z = (off, off + n_new) if lo <= off and off + n_new <= hi else (max(lo, off), min(hi, off + n_new))
@@ -161,6 +161,7 @@ class PartAssembler:
             rid, state = req.request_id, prep.state
             spans.append(RowSpan(rid, start, stop, prep.prefix_tokens + first, prep.prefix_tokens))
             members.append((state, start, stop))
+            sig.append((rid, state.version, start, stop))
             if prep.tail is not None:
                 inst, slot, n = prep.tail
                 tails.setdefault(inst, []).append(QueryItem(rid, start, stop, (slot,), (n,)))
@@ -176,7 +177,7 @@ class PartAssembler:
                     puts.append(PutItem(put.instance, put.slot, put.offset + pa - put.start,
                                         start + pa - first, start + pz - first, put.key))
                     put_rows[put.instance] = put_rows.get(put.instance, 0) + pz - pa
-        tasks, sealed_rows, accesses = self._sealed(members)
+        tasks, sealed_rows, accesses = self._sealed(members, tuple(sig))
         query_rows = dict(sealed_rows)
         for inst, rows in tail_rows.items():
             query_rows[inst] = query_rows.get(inst, 0) + rows
@@ -186,9 +187,9 @@ class PartAssembler:
             tuple(puts), tuple(copies), accesses, query_rows, put_rows,
         )
 
-    def _sealed(self, members: list[tuple[RequestState, int, int]]):
-        """Query tasks over sealed segments for ``(state, start, stop)`` members, cached."""
-        key = tuple((s.request_id, s.version, start, stop) for s, start, stop in members)
+    def _sealed(self, members: list[tuple[RequestState, int, int]], key: tuple):
+        """Query tasks over sealed segments for ``(state, start, stop)`` members, cached
+        under ``key`` (each member's request id, resolution version, start and stop)."""
         hit = self._cur.get(key) or self._prev.get(key)
         if hit is None:
             by_inst: dict[int, list[QueryItem]] = {}

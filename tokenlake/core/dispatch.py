@@ -114,6 +114,30 @@ class DispatchNode:
         object.__setattr__(self, "_vals", array("q", [b for _, b in traffic]).tobytes())
         object.__setattr__(self, "_total", total)
 
+    @classmethod
+    def from_counts(cls, batch: int, part: int, query_bytes: dict[int, int],
+                    put_bytes: dict[int, int]) -> DispatchNode:
+        """The same node as the constructor makes, without checking its inputs: for the
+        control plane's own counts (plain non-negative ints below 2**62 per entry), on
+        the per-iteration path where validation costs more than the rest."""
+        node = object.__new__(cls)
+        put = object.__setattr__
+        put(node, "batch", batch)
+        put(node, "part", part)
+        put(node, "query_bytes", MappingProxyType(dict(sorted(query_bytes.items()))))
+        put(node, "put_bytes", MappingProxyType(dict(sorted(put_bytes.items()))))
+        merged = dict(query_bytes)
+        for k, b in put_bytes.items():
+            merged[k] = merged.get(k, 0) + b
+        traffic = sorted(item for item in merged.items() if item[1])
+        total = sum(b for _, b in traffic)
+        if total > _MAX_INT:
+            raise PlanError(f"node ({batch}, {part}) moves {total} bytes, over 2**62")
+        put(node, "_keys", array("q", [k for k, _ in traffic]).tobytes())
+        put(node, "_vals", array("q", [b for _, b in traffic]).tobytes())
+        put(node, "_total", total)
+        return node
+
     def __hash__(self) -> int:  # MappingProxyType is unhashable; hash the sorted items
         return hash(
             (self.batch, self.part, tuple(self.query_bytes.items()), tuple(self.put_bytes.items()))

@@ -120,6 +120,7 @@ class AccessWindow:
         self._closed: deque[tuple[int, Counter, Counter]] = deque()
         self._open_bucket: int | None = None
         self._open_chains: dict[int, list] = {}  # id(keys) -> [keys, per_instance, count]
+        self._open_insts: Counter | None = None  # per-instance reads of the open chains, cached
         self._total: Counter = Counter()  # per-instance reads since creation, closed buckets
         self._segments: Counter = Counter()  # sum over closed buckets
         self._instances: Counter = Counter()  # sum over closed buckets
@@ -147,6 +148,7 @@ class AccessWindow:
         """:meth:`record` for several ``(keys, per_instance)`` chains at once."""
         self._advance(now)
         open_chains = self._open_chains
+        self._open_insts = None
         for keys, per_instance in chains:
             entry = open_chains.get(id(keys))
             if entry is None:
@@ -162,7 +164,7 @@ class AccessWindow:
             self._segments.update(segs)
             self._instances.update(insts)
             self._total.update(insts)
-            self._open_chains = {}
+            self._open_chains, self._open_insts = {}, None
         self._open_bucket = bucket
         oldest = int((now - self.window_s) // self.bucket_s)
         while self._closed and self._closed[0][0] <= oldest:
@@ -180,11 +182,15 @@ class AccessWindow:
         return segs
 
     def _open_instance_counts(self) -> Counter:
-        insts: Counter = Counter()
-        for _, per_instance, count in self._open_chains.values():
-            for inst, n in per_instance.items():
-                insts[inst] += n * count
-        return insts
+        """Per-instance reads of the open bucket's chains (computed once per change:
+        every replica choice of an iteration asks for the instances' load)."""
+        if self._open_insts is None:
+            insts: Counter = Counter()
+            for _, per_instance, count in self._open_chains.values():
+                for inst, n in per_instance.items():
+                    insts[inst] += n * count
+            self._open_insts = insts
+        return self._open_insts
 
     def total_instance_accesses(self, now: float) -> Counter:
         """Segment reads served by each instance since the window was created."""
@@ -205,6 +211,7 @@ class AccessWindow:
         """Drops the per-instance counts of a removed instance."""
         self._instances.pop(instance, None)
         self._total.pop(instance, None)
+        self._open_insts = None
         for entry in self._open_chains.values():
             if instance in entry[1]:
                 entry[1] = {i: n for i, n in entry[1].items() if i != instance}

@@ -112,33 +112,59 @@ class ExperimentResult:
 # --------------------------------------------------------------------------- workloads
 
 
-def build_workload(name: str, scale: float = 1.0, seed: int = 0) -> list[Request]:
+#: Speedups of a trace's own arrival times that ``e2e --trace`` tries without ``--rates``.
+TRACE_SPEEDUPS = (1, 2, 4, 8, 16)
+
+
+def _trace_grid(trace: str, rates: Sequence[float] | None,
+                seed: int) -> tuple[str, list[tuple[float, list[Request]]]]:
+    """``(label, [(rate, requests), ...])`` of a Mooncake-format trace for ``e2e``."""
+    from evals.sim.trace import arrange, load_trace
+
+    reqs = load_trace(trace)
+    label = f"trace:{trace.rsplit('/', 1)[-1]}"
+    if rates:
+        return label, [(rate, arrange(reqs, rate, None, 1, seed)) for rate in rates]
+    span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
+    if not span > 0:
+        raise ValueError(f"{trace}: every request arrives at once; give --rates")
+    return label, [(round(len(reqs) * f / span, 3), arrange(reqs, None, f, 1, seed))
+                   for f in TRACE_SPEEDUPS]
+
+
+def build_workload(name: str, scale: float = 1.0, seed: int = 0,
+                   zipf: float = 0.0) -> list[Request]:
     """The workload's requests (arrival times are set later by :func:`at_rate`).
 
     ``scale`` multiplies request counts (:data:`BASE_REQUESTS`) and context lengths
     (1.0: 1,000 LooGLE questions on ~24K-token documents, 600 SCBench turns on
     ~32K-token contexts, 3,000 ShareGPT turns behind a 3,000-token system prompt).
     ``mixed`` is a third of the requests of each, at their own context lengths.
+    ``zipf`` > 0 skews the popularity of LooGLE's documents (``loogle`` and the LooGLE
+    third of ``mixed``; see :func:`~evals.workloads.loogle.synthetic_loogle`).
     """
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
+    if zipf and name not in ("loogle", "mixed"):
+        raise ValueError(f"zipf skews LooGLE's documents; workload {name!r} has none")
     if name == "mixed":  # 1:1:1, ids prefixed so that they stay unique
         out = []
         for part in WORKLOADS:
-            for r in _build(part, scale / 3, scale, seed):
+            for r in _build(part, scale / 3, scale, seed, zipf):
                 out.append(replace(r, request_id=f"{part}:{r.request_id}",
                                    session_id=None if r.session_id is None else f"{part}:{r.session_id}"))
         return out
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS + ('mixed',))}")
-    return _build(name, scale, scale, seed)
+    return _build(name, scale, scale, seed, zipf)
 
 
-def _build(name: str, count_scale: float, length_scale: float, seed: int) -> list[Request]:
+def _build(name: str, count_scale: float, length_scale: float, seed: int,
+           zipf: float = 0.0) -> list[Request]:
     n = max(4, round(BASE_REQUESTS[name] * count_scale))
     if name == "loogle":
-        return list(synthetic_loogle(n, seed=seed, doc_tokens=max(512, round(24000 * length_scale)))
-                    .requests())
+        return list(synthetic_loogle(n, seed=seed, doc_tokens=max(512, round(24000 * length_scale)),
+                                     zipf=zipf).requests())
     if name == "scbench":
         return list(synthetic_scbench(n, seed=seed, mode="multi-turn",
                                       context_tokens=max(512, round(32768 * length_scale))).requests())
@@ -239,15 +265,26 @@ def run_jobs(jobs: Sequence[Job], progress: Progress | None = None,
 def e2e(workloads: Sequence[str] = WORKLOADS, systems: Sequence[str] = MAIN_SYSTEMS,
         rates: dict[str, Sequence[float]] | None = None, scale: float = 1.0,
         config: SimConfig = PAPER_CLUSTER, seed: int = 0,
-        progress: Progress | None = None, workers: int = 1) -> ExperimentResult:
-    """Fig. 9: latency and SLO attainment versus rate; P90 goodput and its ratios."""
+        progress: Progress | None = None, workers: int = 1, zipf: float = 0.0,
+        trace: str | None = None) -> ExperimentResult:
+    """Fig. 9: latency and SLO attainment versus rate; P90 goodput and its ratios
+    (``zipf``: LooGLE's document skew, for ``loogle`` and ``mixed``). With ``trace`` (a
+    Mooncake-format file) its requests are the one workload: Poisson at each of
+    ``rates["trace"]`` if given, else the trace's own times sped up by
+    :data:`TRACE_SPEEDUPS`, each point labelled with its mean rate."""
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"p90_goodput": {}, "p90_goodput_ratio": {}}
     jobs, labels = [], []
+    if trace is not None:
+        label, grid = _trace_grid(trace, (rates or {}).get("trace"), seed)
+        workloads, points = (label,), {label: grid}
+    else:
+        points = {}
+        for w in workloads:
+            base = build_workload(w, scale, seed, zipf if w in ("loogle", "mixed") else 0.0)
+            points[w] = [(rate, at_rate(base, rate, seed)) for rate in (rates or DEFAULT_RATES)[w]]
     for w in workloads:
-        base = build_workload(w, scale, seed)
-        for rate in (rates or DEFAULT_RATES)[w]:
-            reqs = at_rate(base, rate, seed)
+        for rate, reqs in points[w]:
             for s in systems:
                 jobs.append((f"e2e {w} {s} {rate}/s", reqs, s, config))
                 labels.append({"workload": w, "rate": rate})
@@ -260,17 +297,18 @@ def e2e(workloads: Sequence[str] = WORKLOADS, systems: Sequence[str] = MAIN_SYST
         if "tokenlake" in good:
             summary["p90_goodput_ratio"][w] = {s: _ratio(good["tokenlake"], g)
                                                for s, g in good.items() if s != "tokenlake"}
-    return ExperimentResult("e2e", rows, summary, config=_config(config, scale, seed))
+    return ExperimentResult("e2e", rows, summary, config=_config(config, scale, seed, zipf))
 
 
 def load_balance(workload: str = "loogle", rate: float | None = None,
                  systems: Sequence[str] = MAIN_SYSTEMS, scale: float = 1.0,
                  config: SimConfig = PAPER_CLUSTER, seed: int = 0,
-                 progress: Progress | None = None, workers: int = 1) -> ExperimentResult:
+                 progress: Progress | None = None, workers: int = 1,
+                 zipf: float = 0.0) -> ExperimentResult:
     """Fig. 10: CV of per-instance cache accesses over time, at one rate (default:
     :data:`NEAR_KNEE_RATE`)."""
     rate = NEAR_KNEE_RATE[workload] if rate is None else rate
-    reqs = at_rate(build_workload(workload, scale, seed), rate, seed)
+    reqs = at_rate(build_workload(workload, scale, seed, zipf), rate, seed)
     rows, series = [], {}
     jobs = [(f"load-balance {s}", reqs, s, config) for s in systems]
     for s, res in zip(systems, run_jobs(jobs, progress, workers), strict=True):
@@ -281,14 +319,14 @@ def load_balance(workload: str = "loogle", rate: float | None = None,
         tl = summary["mean_cv"]["tokenlake"]
         summary["cv_ratio_to_tokenlake"] = {s: _ratio(cv, tl) for s, cv in summary["mean_cv"].items()
                                             if s != "tokenlake"}
-    return ExperimentResult("load-balance", rows, summary, series, _config(config, scale, seed))
+    return ExperimentResult("load-balance", rows, summary, series, _config(config, scale, seed, zipf))
 
 
 def hit_rate(cache_gb: Sequence[float] = CACHE_GB, systems: Sequence[str] = MAIN_SYSTEMS,
              workload: str = "loogle", rate: float | None = None, scale: float = 1.0,
              config: SimConfig = PAPER_CLUSTER, seed: int = 0,
              progress: Progress | None = None, workers: int = 1,
-             trace: str | None = None) -> ExperimentResult:
+             trace: str | None = None, zipf: float = 0.0) -> ExperimentResult:
     """Fig. 11: hit rate versus KV-cache GB per instance (at :data:`NEAR_KNEE_RATE`).
 
     With ``trace`` (a Mooncake-format file) its requests replace the workload, at the
@@ -309,7 +347,7 @@ def hit_rate(cache_gb: Sequence[float] = CACHE_GB, systems: Sequence[str] = MAIN
         counted = {"counted_reuse": hit / total, "counted_reuse_pages": hit_p / total}
     else:
         rate = NEAR_KNEE_RATE[workload] if rate is None else rate
-        reqs = at_rate(build_workload(workload, scale, seed), rate, seed)
+        reqs = at_rate(build_workload(workload, scale, seed, zipf), rate, seed)
     cells = [(gb, s) for gb in cache_gb for s in systems]
     jobs = [(f"hit-rate {gb} GB {s}", reqs, s, replace(config, cache_gb=gb)) for gb, s in cells]
     rows = [_row(res, workload=workload, rate=rate, cache_gb=gb)
@@ -325,17 +363,18 @@ def hit_rate(cache_gb: Sequence[float] = CACHE_GB, systems: Sequence[str] = MAIN
                 if s != "tokenlake" and h > 0:
                     ratios.setdefault(s, []).append(at["tokenlake"] / h)
         summary["hit_rate_ratio_range"] = {s: (min(v), max(v)) for s, v in ratios.items()}
-    return ExperimentResult("hit-rate", rows, summary, config=_config(config, scale, seed))
+    return ExperimentResult("hit-rate", rows, summary, config=_config(config, scale, seed, zipf))
 
 
 def elasticity(cache_gb: Sequence[float] = CACHE_GB, workload: str = "loogle",
                rate: float | None = None, scale: float = 1.0, config: SimConfig = PAPER_CLUSTER,
                seed: int = 0, progress: Progress | None = None,
-               workers: int = 1) -> ExperimentResult:
+               workers: int = 1, zipf: float = 0.0) -> ExperimentResult:
     """Fig. 12: pooling (TokenLake-xPyD vs MoonCake-xPyD) and elasticity (TokenLake vs
     TokenLake-xPyD) as mean input-token latency versus cache size."""
     systems = ("tokenlake", "tokenlake-1p3d", "tokenlake-3p1d", "mooncake-1p3d", "mooncake-3p1d")
-    res = hit_rate(cache_gb, systems, workload, rate, scale, config, seed, progress, workers)
+    res = hit_rate(cache_gb, systems, workload, rate, scale, config, seed, progress, workers,
+                   zipf=zipf)
     summary: dict[str, Any] = {"input_token_latency_s": {}, "gain": {}}
     for gb in cache_gb:
         at = {r["system"]: r["input_token_latency_s"] for r in res.rows if r["cache_gb"] == gb}
@@ -352,11 +391,11 @@ def elasticity(cache_gb: Sequence[float] = CACHE_GB, workload: str = "loogle",
 def multi_node(rates: Sequence[float] | None = None, scale: float = 1.0,
                systems: Sequence[str] = MAIN_SYSTEMS, config: SimConfig = MULTI_NODE_CLUSTER,
                seed: int = 0, progress: Progress | None = None,
-               workers: int = 1) -> ExperimentResult:
+               workers: int = 1, zipf: float = 0.0) -> ExperimentResult:
     """Fig. 13: 16 instances, the three workloads mixed 1:1:1 (the MoonCake baselines keep
     their 1:3 and 3:1 prefill:decode ratios, i.e. 2P6D and 6P2D workers at TP=2)."""
     res = e2e(("mixed",), systems, {"mixed": rates or DEFAULT_RATES["mixed"]}, scale, config,
-              seed, progress, workers)
+              seed, progress, workers, zipf)
     return replace(res, name="multi-node")
 
 
@@ -369,9 +408,11 @@ EXPERIMENTS: dict[str, Callable[..., ExperimentResult]] = {
 }
 
 
-def _config(config: SimConfig, scale: float, seed: int) -> dict[str, Any]:
-
-    return {"sim": asdict(config), "scale": scale, "seed": seed}
+def _config(config: SimConfig, scale: float, seed: int, zipf: float = 0.0) -> dict[str, Any]:
+    out = {"sim": asdict(config), "scale": scale, "seed": seed}
+    if zipf:
+        out["zipf"] = zipf
+    return out
 
 
 def mean_or_none(values: Sequence[float]) -> float | None:

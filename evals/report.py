@@ -116,12 +116,34 @@ def _plots(res: ExperimentResult, out: Path) -> list[str]:
 # --------------------------------------------------------------------------- markdown
 
 
+def warnings(res: ExperimentResult) -> list[str]:
+    """What makes ``res``'s ratios incomparable with the paper's: a scale below 1, or a
+    rate grid that saturates (every system meets the SLO at the highest rate tried, so
+    no P90 goodput and no ratio is known)."""
+    out = []
+    scale = res.config.get("scale")
+    if scale is not None and scale < 1:
+        out.append(f"scale {scale} < 1: requests and contexts are shrunk, so latencies, hit "
+                   "rates and ratios cannot be compared with the paper's.")
+    if res.name in ("e2e", "multi-node"):
+        for w, good in res.summary.get("p90_goodput", {}).items():
+            top = max((r["rate"] for r in res.rows if r["workload"] == w), default=None)
+            if top is not None and good and all(g is not None and g >= top for g in good.values()):
+                out.append(f"{w}: every system met the SLO at the highest rate tried ({top} "
+                           "req/s): the grid saturates; "
+                           "give higher --rates: the P90 goodputs are only lower bounds and their ratios mean nothing.")
+    return out
+
+
 def _report(res: ExperimentResult, figures: list[str]) -> str:
     lines = [f"# Experiment `{res.name}`", "",
              "Simulated (evals/sim): the real TokenLake control plane and scheduling "
              "policies, modelled compute and transfer times. Setup: "
              f"`{json.dumps(res.config.get('sim', {}), sort_keys=True)}`, scale "
-             f"{res.config.get('scale')}, seed {res.config.get('seed')}.", ""]
+             f"{res.config.get('scale')}, seed {res.config.get('seed')}"
+             + (f", LooGLE document skew Zipf {res.config['zipf']}" if res.config.get("zipf") else "")
+             + ".", ""]
+    lines += [f"> **Warning:** {w}" for w in warnings(res)] + ([""] if warnings(res) else [])
     s = res.summary
     if res.name in ("e2e", "multi-node"):
         lines += ["## P90 goodput (req/s) and TokenLake's ratio", "",

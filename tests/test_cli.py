@@ -166,7 +166,11 @@ def test_a_bad_port_range_from_the_environment_is_a_mistake_too(monkeypatch, cap
     (["eval", "load-balance", "--rates", "1", "2"], "one rate"),
     (["sim", "--trace", "missing.jsonl"], "not found"),
     (["eval", "hit-rate", "--trace", "missing.jsonl"], "not found"),
-    (["eval", "e2e", "--trace", "missing.jsonl"], "hit-rate only"),
+    (["eval", "e2e", "--trace", "missing.jsonl"], "not found"),
+    (["eval", "load-balance", "--trace", "missing.jsonl"], "for hit-rate and e2e"),
+    (["eval", "e2e", "--trace", "missing.jsonl", "--workload", "loogle"], "not both"),
+    (["eval", "hit-rate", "--workload", "scbench", "--zipf", "1"], "has none"),
+    (["eval", "hit-rate", "--zipf", "-1"], "> 0"),
     (["bench", "sim", "--trace", "missing.jsonl"], "not found"),
 ])
 def test_mistakes_found_while_running_end_in_one_line_and_exit_2(argv, needle, tmp_path,

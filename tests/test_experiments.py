@@ -146,3 +146,56 @@ def test_hit_rate_on_a_trace_reports_the_counted_reuse_and_reaches_it_unbounded(
     at = res.summary["hit_rate"]["200.0"]
     assert at["tokenlake"] == pytest.approx(res.summary["counted_reuse_pages"], abs=1e-12)
     assert 0 < res.summary["counted_reuse_pages"] <= res.summary["counted_reuse"]
+
+
+def test_zipf_skews_loogle_documents_and_zero_keeps_the_uniform_counts():
+    from collections import Counter
+
+    from evals.workloads.loogle import synthetic_loogle
+
+    def per_doc(reqs):
+        return Counter(r.request_id.rsplit("-q", 1)[0] for r in reqs)
+
+    uniform = list(synthetic_loogle(300, seed=4, doc_tokens=64).requests())
+    assert uniform == list(synthetic_loogle(300, seed=4, doc_tokens=64, zipf=0.0).requests())
+    skewed = list(synthetic_loogle(300, seed=4, doc_tokens=64, zipf=1.2).requests())
+    assert skewed == list(synthetic_loogle(300, seed=4, doc_tokens=64, zipf=1.2).requests())
+    assert len(skewed) == 300 and len({r.request_id for r in skewed}) == 300
+    top_u, top_s = per_doc(uniform).most_common(1)[0][1], per_doc(skewed).most_common(1)[0][1]
+    assert top_u <= 25 < top_s  # uniform counts are at most 25; the head is hot
+    docs = {}
+    for r in skewed:  # the questions of one document share it as an exact prefix
+        docs.setdefault(r.request_id.rsplit("-q", 1)[0], set()).add(r.token_ids[:40])
+    assert all(len(p) == 1 for p in docs.values()) and len(docs) > 1
+    with pytest.raises(ValueError, match="skews LooGLE"):
+        build_workload("sharegpt", scale=0.01, zipf=1.0)
+    with pytest.raises(ValueError, match="zipf"):
+        synthetic_loogle(10, zipf=-1.0)
+
+
+def test_e2e_on_a_trace_and_the_report_warnings(tmp_path):
+    """``eval e2e --trace``: the trace's own times sped up, each point labelled with its
+    mean rate; a grid where every system meets the SLO at the top rate, and a scale
+    below 1, are warned about in the report."""
+    from evals.experiments import TRACE_SPEEDUPS
+    from evals.report import warnings
+
+    lines = [json.dumps({"timestamp": 2_000 * i, "input_length": 600, "output_length": 2,
+                         "hash_ids": [i % 3, 50 + i]}) for i in range(10)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    res = e2e(systems=("tokenlake",), config=SimConfig(instances=2), trace=str(trace))
+    label = "trace:t.jsonl"
+    rates = [r["rate"] for r in res.rows]
+    assert rates == [round(10 * f / 18.0, 3) for f in TRACE_SPEEDUPS]
+    assert all(r["workload"] == label and r["requests"] == 10 for r in res.rows)
+    assert res.summary["p90_goodput"][label]["tokenlake"] == max(rates)  # easy load
+    assert any("saturates" in w for w in warnings(res))
+    write(res, tmp_path / "out")
+    assert "saturates" in (tmp_path / "out" / "report.md").read_text()
+    small = e2e(("loogle",), ("tokenlake",), {"loogle": (1.0,)}, scale=0.01,
+                config=SimConfig(instances=2))
+    assert any("scale 0.01 < 1" in w for w in warnings(small))
+    poisson = e2e(systems=("tokenlake",), rates={"trace": (0.5, 2.0)},
+                  config=SimConfig(instances=2), trace=str(trace))
+    assert [r["rate"] for r in poisson.rows] == [0.5, 2.0]

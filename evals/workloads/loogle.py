@@ -121,7 +121,7 @@ def synthetic_loogle(n: int = 100, *, seed: int = 0, doc_tokens: int = 24000,
                      doc_spread: float = 0.25, questions: tuple[int, int] = (6, 25),
                      question_tokens: tuple[int, int] = (20, 60),
                      answer_tokens: tuple[int, int] = (10, 80), vocab_size: int = 49152,
-                     rate: float = 1.0) -> RequestList:
+                     rate: float = 1.0, zipf: float = 0.0) -> RequestList:
     """``n`` LooGLE-shaped requests of random tokens, deterministic under ``seed``.
 
     Documents have ``doc_tokens * (1 +- doc_spread)`` tokens (uniform), each gets a
@@ -130,6 +130,11 @@ def synthetic_loogle(n: int = 100, *, seed: int = 0, doc_tokens: int = 24000,
     given inclusive ranges. Token ids are drawn from ``[17, vocab_size)`` (above
     SmolLM2's control tokens). The questions of one document share its tokens as an
     exact prefix; different documents share nothing.
+
+    ``zipf`` > 0 skews document popularity instead: as many documents as the uniform
+    counts would make on average (``n`` over the mean of ``questions``), and each
+    question asks document ``d`` (0-based rank) with probability proportional to
+    ``(d + 1) ** -zipf``; 0 (the default) keeps the uniform counts above.
     """
     for name, (lo, hi) in (("questions", questions), ("question_tokens", question_tokens),
                            ("answer_tokens", answer_tokens)):
@@ -137,9 +142,15 @@ def synthetic_loogle(n: int = 100, *, seed: int = 0, doc_tokens: int = 24000,
             raise ValueError(f"{name} must be a range 1 <= lo <= hi, got {(lo, hi)}")
     if n < 1 or doc_tokens < 1 or not 0 <= doc_spread < 1 or vocab_size <= 17:
         raise ValueError("need n >= 1, doc_tokens >= 1, 0 <= doc_spread < 1, vocab_size > 17")
+    if not zipf >= 0:
+        raise ValueError(f"zipf must be >= 0, got {zipf}")
     rng = np.random.default_rng(seed)
     lo_doc = max(1, round(doc_tokens * (1 - doc_spread)))
     hi_doc = max(lo_doc, round(doc_tokens * (1 + doc_spread)))
+    if zipf > 0:
+        requests = _zipf_questions(n, rng, zipf, (lo_doc, hi_doc), questions, question_tokens,
+                                   answer_tokens, vocab_size)
+        return RequestList("loogle-synthetic", with_poisson_arrivals(requests, rate, seed))
     requests: list[Request] = []
     d = 0
     while len(requests) < n:
@@ -154,3 +165,25 @@ def synthetic_loogle(n: int = 100, *, seed: int = 0, doc_tokens: int = 24000,
                                     token_ids=prompt))
         d += 1
     return RequestList("loogle-synthetic", with_poisson_arrivals(requests, rate, seed))
+
+
+def _zipf_questions(n: int, rng: np.random.Generator, zipf: float, doc_range: tuple[int, int],
+                    questions: tuple[int, int], question_tokens: tuple[int, int],
+                    answer_tokens: tuple[int, int], vocab_size: int) -> list[Request]:
+    """:func:`synthetic_loogle`'s questions with Zipf document popularity."""
+    n_docs = max(1, round(n / ((questions[0] + questions[1]) / 2)))
+    weights = np.arange(1, n_docs + 1, dtype=np.float64) ** -zipf
+    picks = rng.choice(n_docs, size=n, p=weights / weights.sum())
+    docs: dict[int, tuple[int, ...]] = {}
+    asked: dict[int, int] = {}
+    out = []
+    for d in picks.tolist():
+        if d not in docs:
+            docs[d] = tuple(rng.integers(17, vocab_size, int(rng.integers(doc_range[0], doc_range[1] + 1))).tolist())
+        j = asked.get(d, 0)
+        asked[d] = j + 1
+        q_len = int(rng.integers(question_tokens[0], question_tokens[1] + 1))
+        prompt = docs[d] + tuple(rng.integers(17, vocab_size, q_len).tolist())
+        out.append(Request(f"loogle-syn-{d}-q{j}", 0.0, len(prompt),
+                           int(rng.integers(answer_tokens[0], answer_tokens[1] + 1)), token_ids=prompt))
+    return out

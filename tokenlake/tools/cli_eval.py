@@ -89,9 +89,13 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                    help="TokenLake: a full pool evicts the LRU victim of the home and the next "
                         "N-1 instances on the ring (1: the home only)")
     p.add_argument("--trace", default=None,
-                   help="hit-rate: a Mooncake-format JSONL trace instead of --workload, at "
-                        "its own arrival times (or --rates); the summary adds the reuse "
-                        "counted from its block ids")
+                   help="hit-rate, e2e: a Mooncake-format JSONL trace instead of --workload. "
+                        "hit-rate: at its own arrival times (or --rates), the summary adds the "
+                        "reuse counted from its block ids; e2e: Poisson at each of --rates, or "
+                        "its own times sped up 1, 2, 4, 8, 16x")
+    p.add_argument("--zipf", type=float, default=0.0,
+                   help="skew of LooGLE's document popularity: question i asks document d "
+                        "with probability ~ (d+1)^-S (0: uniform counts, the default)")
     p.add_argument("--scale", type=positive(float), default=1.0,
                    help="shrink requests and contexts (0.1: quick)")
     p.add_argument("--seed", type=int, default=0, help="seed of workloads and arrivals")
@@ -133,13 +137,24 @@ def _experiment_kwargs(args: argparse.Namespace) -> dict:
         if args.cache_gb and args.experiment in ("hit-rate", "elasticity"):
             kw["cache_gb"] = tuple(args.cache_gb)
     if args.trace is not None:
-        if args.experiment != "hit-rate":
-            raise UsageError(f"eval {args.experiment}: --trace is for hit-rate only")
+        if args.experiment not in ("hit-rate", "e2e"):
+            raise UsageError(f"eval {args.experiment}: --trace is for hit-rate and e2e")
         if args.workload:
-            raise UsageError("eval hit-rate: give --trace or --workload, not both")
+            raise UsageError(f"eval {args.experiment}: give --trace or --workload, not both")
         if not os.path.isfile(args.trace):
-            raise UsageError(f"eval hit-rate: trace file not found: {args.trace}")
+            raise UsageError(f"eval {args.experiment}: trace file not found: {args.trace}")
         kw["trace"] = args.trace
+        if args.experiment == "e2e":
+            kw.pop("workloads", None)
+            kw["rates"] = {"trace": tuple(args.rates)} if args.rates else None
+    if args.zipf:
+        if not args.zipf > 0 or args.trace is not None:
+            raise UsageError("--zipf takes a number > 0 and skews LooGLE's documents (no --trace)")
+        named = args.workload or ("loogle",)
+        if args.experiment != "e2e" and not set(named) & {"loogle", "mixed"}:
+            raise UsageError(f"eval {args.experiment}: --zipf skews LooGLE's documents; "
+                             f"workload {named[0]} has none")
+        kw["zipf"] = args.zipf
     return kw
 
 

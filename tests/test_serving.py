@@ -143,22 +143,57 @@ def test_a_policy_that_schedules_nothing_is_an_error_not_a_hang(model):
             server.step()
 
 
-def test_one_local_compute_engine_gets_one_batch_per_iteration(model):
-    """By default the policy sees one slot on a LocalCluster (one compute engine runs
-    every batch in turn): decode requests are batched together, not split."""
+def test_one_local_compute_engine_runs_one_batch_per_phase(model):
+    """By default the policy sees two slots on a LocalCluster (one compute engine runs
+    every batch in turn): a prefill and a decode batch may share an iteration, and the
+    DoP 1 batches of a phase run as one: decode requests are batched together."""
+    from tokenlake.serving.server import one_per_phase
+
     weights, tok, ref = model
     spec = weights.config.to_model_spec("smollm2-135m")
     prompts = _prompts(tok)
     with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
         server = Server(cluster, weights, chunk_tokens=64)
-        assert server.compute_slots == 1
+        assert server.compute_slots == 2
         server.run([GenerationRequest(f"o{i}", p, 3, ()) for i, p in enumerate(prompts)])
         with pytest.raises(ValueError):
             Server(cluster, weights, compute_slots=3)
-    assert all(len(d.batches) == 1 for d in server.decisions)
-    assert max(len(d.batches[0].request_ids) for d in server.decisions if d.batches[0].phase == "decode") == 3
+    ran = [one_per_phase(d.batches) for d in server.decisions]
+    assert all(len({b.phase for b in r}) == len(r) for r in ran)  # one batch per phase
+    assert max(len(b.request_ids) for r in ran for b in r if b.phase == "decode") == 3
     for i, p in enumerate(prompts):
         assert server.results[f"o{i}"].output_ids == list(ref.generate(list(p), 3, stop_ids=()).output_ids)
+
+
+def test_one_per_phase_joins_the_dop1_batches_of_a_phase_in_order():
+    from scheduler.api import BatchDecision as B
+    from tokenlake.serving.server import one_per_phase
+
+    got = one_per_phase([B(("a",), "decode", 1, (1,)), B(("p",), "prefill", 2, (64,)),
+                         B(("b", "c"), "decode", 1, (1, 1)), B(("q",), "prefill", 1, (32,)),
+                         B(("r",), "prefill", 1, (16,))])
+    assert got == [B(("a", "b", "c"), "decode", 1, (1, 1, 1)), B(("p",), "prefill", 2, (64,)),
+                   B(("q", "r"), "prefill", 1, (32, 16))]
+
+
+def test_a_new_request_gets_its_first_token_while_another_decodes(model):
+    """The goodput DP on one local engine: a request arriving while another decodes is
+    prefilled beside that decode, not after it finishes; both answers stay exact."""
+    weights, tok, ref = model
+    spec = weights.config.to_model_spec("smollm2-135m")
+    prompts = _prompts(tok)
+    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+        server = Server(cluster, weights, chunk_tokens=64)
+        first = server.submit(GenerationRequest("long", prompts[0], 16, ()))
+        while not first.output_ids:
+            server.step()
+        second = server.submit(GenerationRequest("new", prompts[1], 2, ()))
+        while not second.output_ids:
+            server.step()
+        assert not first.done and len(first.output_ids) < 16
+        server.run()
+    assert first.output_ids == list(ref.generate(list(prompts[0]), 16, stop_ids=()).output_ids)
+    assert second.output_ids == list(ref.generate(list(prompts[1]), 2, stop_ids=()).output_ids)
 
 
 def test_a_full_pool_makes_new_requests_wait_not_fail(model):

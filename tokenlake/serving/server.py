@@ -22,74 +22,43 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from scheduler.admission import admission_order
-from scheduler.api import InstanceView, Snapshot
+from scheduler.api import BatchDecision, InstanceView, Snapshot
 from scheduler.goodput import GoodputScheduler
 from tokenlake.core.cost_model import LatencyModel
-from tokenlake.core.errors import CapacityError, TokenLakeError
+from tokenlake.core.errors import CapacityError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_hardware
 from tokenlake.model.compute import ComputeEngine
-from tokenlake.serving.sampling import GREEDY, SamplingParams, next_token
+from tokenlake.serving.requests import BadRequest, GenerationRequest, RequestResult, check_request
+from tokenlake.serving.sampling import next_token
 from tokenlake.serving.tracker import DECODE, WAITING, RequestTracker, TrackedRequest
+
+__all__ = ["BadRequest", "GenerationRequest", "RequestResult", "Server", "check_request"]
 
 #: The measured latency model of the CPU compute engine (``tokenlake profile-latency``).
 DEFAULT_LATENCY = "cpu_smollm2-135m"
 
 
-class BadRequest(TokenLakeError, ValueError):
-    """A request the server cannot serve (empty, unknown token ids, too long)."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """``prompt_ids`` to continue for at most ``max_new_tokens``, greedily unless
-    ``sampling`` says otherwise; a token in ``stop_ids`` ends it (and is output)."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int = 32
-    stop_ids: tuple[int, ...] = (2,)
-    sampling: SamplingParams = GREEDY
-
-
-@dataclass
-class RequestResult:
-    """What happened to one request (filled in as it runs)."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    output_ids: list[int] = field(default_factory=list)
-    hit_tokens: int = 0  # prompt tokens served from the pool at admission
-    prefill_tokens: int = 0  # prompt tokens computed
-    logits: list[torch.Tensor] = field(default_factory=list)  # last-row logits per output token
-    done: bool = False
-    finish_reason: str | None = None  # "stop" (a stop id), "length" or "abort" once done
-
-
-def check_request(req: GenerationRequest, cfg, used_ids) -> None:
-    """Raises :class:`BadRequest` unless ``req`` can run on a model of config ``cfg``
-    (vocabulary, context) with an id not among ``used_ids``. Both servers call it."""
-    rid = req.request_id
-    if rid in used_ids:
-        raise BadRequest(f"request id {rid!r} was already used")
-    if not req.prompt_ids:
-        raise BadRequest(f"request {rid!r}: empty prompt")
-    bad = [t for t in req.prompt_ids if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise BadRequest(f"request {rid!r}: token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
-    if not isinstance(req.sampling, SamplingParams):
-        raise BadRequest(f"request {rid!r}: sampling must be SamplingParams")
-    if req.max_new_tokens < 1:
-        raise BadRequest(f"request {rid!r}: max_new_tokens must be >= 1")
-    total = len(req.prompt_ids) + req.max_new_tokens
-    if total > cfg.max_context:
-        raise BadRequest(f"request {rid!r}: {total} tokens exceed the context limit "
-                         f"{cfg.max_context}")
+def one_per_phase(batches: Sequence[BatchDecision]) -> list[BatchDecision]:
+    """``batches`` with the DoP 1 batches of each phase joined into one (at the first's
+    place, requests in the policy's order): for one engine that computes them in turn."""
+    out: list[BatchDecision] = []
+    first: dict[str, int] = {}
+    for b in batches:
+        at = first.get(b.phase) if b.dop == 1 else None
+        if at is None:
+            if b.dop == 1:
+                first[b.phase] = len(out)
+            out.append(b)
+        else:
+            prev = out[at]
+            out[at] = BatchDecision(prev.request_ids + b.request_ids, b.phase, 1,
+                                    prev.new_tokens + b.new_tokens)
+    return out
 
 
 class _Live(TrackedRequest):
@@ -131,10 +100,13 @@ class Server:
         clock: arrival times and the snapshot's ``now_s``.
         compute_slots: how many batches the policy may run per iteration (the
             instances it sees). Default: one per instance when the engine computes
-            batches in parallel (``engine.parallel``, the Ray compute actors), else 1:
-            the single local :class:`ComputeEngine` computes batches one after the
-            other, so splitting work into more batches only adds weight passes (the
-            control plane still spreads segments and queries over every instance).
+            batches in parallel (``engine.parallel``, the Ray compute actors), else 2
+            (at most the instances): the single local :class:`ComputeEngine` computes
+            batches one after the other, so a prefill batch and a decode batch can
+            share an iteration (a new request does not wait for running decodes to
+            finish) and the DoP 1 batches of one phase run as one (splitting them would
+            only add weight passes; the control plane still spreads segments and queries
+            over every instance).
         engine: what runs the iterations, anything with ``run(plans, batches) ->
             IterationOutput`` (default: ``cluster.compute_engine()`` when the cluster
             has one that is not None, e.g. a ``RayCluster`` with compute actors, else a
@@ -167,9 +139,9 @@ class Server:
         if engine is None and hasattr(cluster, "compute_engine"):
             engine = cluster.compute_engine()
         self.engine = engine if engine is not None else ComputeEngine(weights, cluster)
-        if compute_slots is None:  # batches that can compute at the same time
-            parallel = getattr(self.engine, "parallel", False)
-            compute_slots = cluster.n_instances if parallel else 1
+        self.parallel = getattr(self.engine, "parallel", False)  # batches computed at once
+        if compute_slots is None:
+            compute_slots = cluster.n_instances if self.parallel else min(2, cluster.n_instances)
         if not 1 <= compute_slots <= cluster.n_instances:
             raise ValueError(f"compute_slots must be in [1, {cluster.n_instances}], got {compute_slots}")
         self.compute_slots = compute_slots
@@ -334,7 +306,7 @@ class Server:
                                f"{len(snap.requests)} requests on free instances ({decision.note})")
         self.decisions.append(decision)
         batches, dops, prefilling = [], [], {}
-        for b in decision.batches:
+        for b in decision.batches if self.parallel else one_per_phase(decision.batches):
             reqs: list[BatchRequest] = []
             rows = 0  # a sub-batch's rows must fit the instance buffers: keep the batch within
             for rid, n in zip(b.request_ids, b.new_tokens):

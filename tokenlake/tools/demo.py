@@ -15,6 +15,7 @@ from importlib import resources
 from tokenlake.core.placement import coefficient_of_variation
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.serving import GenerationRequest, Server
+from tokenlake.serving.server import one_per_phase
 
 SYSTEM = (
     "You are the reading assistant of the Port Veldon town library. You answer questions about "
@@ -112,8 +113,10 @@ def _serve_workload(server: Server, tok, config: DemoConfig) -> dict[str, tuple[
 
 
 def _schedule_summary(server: Server) -> dict:
-    """What the policy decided: iterations, prefill batches per DoP, decode batches."""
-    batches = [b for d in server.decisions for b in d.batches]
+    """What ran: iterations, prefill batches per DoP, decode batches (the policy's
+    batches, joined per phase as one local engine runs them)."""
+    batches = [b for d in server.decisions
+               for b in (d.batches if server.parallel else one_per_phase(d.batches))]
     prefill_dops = sorted({b.dop for b in batches if b.phase == "prefill"})
     return {
         "policy": server.policy.name,

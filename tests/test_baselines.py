@@ -414,3 +414,16 @@ def test_fcfs_decode_batch_first_then_prefills_in_arrival_order():
     ]
     busy = api.Snapshot(4.0, waiting, (), (api.InstanceView(0, busy=True),), 0.0, lat)
     assert FCFS().schedule(busy).batches == ()
+
+
+def test_least_load_router_picks_the_fewest_in_flight_whatever_is_cached():
+    from scheduler.baselines.least_load import LeastLoadRouter
+
+    router = LeastLoadRouter(["w0", "w1", "w2"])
+    assert [router.route(f"r{i}", (1, 2, 3)) for i in range(4)] == ["w0", "w1", "w2", "w0"]
+    router.finish("r1")
+    assert router.route("r4", (1, 2, 3)) == "w1"  # the one with a request fewer
+    with pytest.raises(ValueError):
+        router.route("r4")
+    with pytest.raises(ValueError):
+        LeastLoadRouter([])

@@ -124,6 +124,59 @@ def test_hit_rate_equals_a_direct_count_with_an_unbounded_cache(system):
     assert res.hit_tokens > 0
 
 
+def test_banaserve_hits_any_cached_prefix_whatever_worker_serves_it():
+    """The global store (issue #20's baseline): with a store that holds everything and
+    requests far apart, every request hits its longest cached prefix at token
+    granularity, on whichever of the two workers load-based routing picks; each hit's KV
+    is fetched, and that time is charged to the request's first chunk."""
+    from evals.sim.systems import make_backend
+
+    reqs = make_trace(24, seed=3, gap_s=30.0)
+    res = simulate(reqs, "banaserve", BIG)
+    assert res.extra["workers"] == 2
+    assert res.hit_tokens == direct_hit_tokens(reqs, 1) > 0
+    hits = per_request_hits(reqs)
+    assert res.extra["kv_fetches"] == len(hits) and sum(hits) == res.hit_tokens
+    backend = make_backend("banaserve", BIG)
+    assert res.extra["kv_fetch_s"] == pytest.approx(sum(backend.fetch_s_of(n) for n in hits))
+
+
+def test_banaserve_charges_the_prefix_fetch_to_the_first_token(monkeypatch):
+    """Layer-wise prefetch hides a fetch behind compute only partly: the second request
+    on a document waits at least one layer's share of the fetch beyond its compute."""
+    from evals.sim.global_store import GlobalStoreBackend
+
+    doc = tuple(range(24))
+    reqs = [Request("a", 0.0, 24 * BS, 2, block_hashes=doc),
+            Request("b", 30.0, 24 * BS, 2, block_hashes=doc)]
+    fetched = simulate(reqs, "banaserve", BIG)
+    fetch_s = fetched.extra["kv_fetch_s"]
+    assert fetched.extra["kv_fetches"] == 1 and fetch_s > 0
+    monkeypatch.setattr(GlobalStoreBackend, "fetch_s_of", lambda self, n: 0.0)
+    free = simulate(reqs, "banaserve", BIG)
+    assert free.hit_tokens == fetched.hit_tokens
+    layers = BIG.resolve().model.num_layers
+    gap = (fetched.mean_ttft_s - free.mean_ttft_s) * 2  # b's TTFT; a's is the same
+    assert gap >= fetch_s / layers * (1 - 1e-9)
+
+
+def per_request_hits(reqs: list[Request]) -> list[int]:
+    """Each request's longest prefix shared with an earlier one (one token left), > 0."""
+    out, earlier = [], []
+    for r in sorted(reqs, key=lambda r: r.arrival_s):
+        toks = r.tokens()
+        best = 0
+        for e in earlier:
+            k, limit = 0, min(len(e), len(toks) - 1)
+            while k < limit and e[k] == toks[k]:
+                k += 1
+            best = max(best, k)
+        if best:
+            out.append(best)
+        earlier.append(toks)
+    return out
+
+
 def test_concurrent_arrivals_reuse_what_is_already_stored():
     """First come first served, two requests on one 12-block document arriving together:
     the second may only reuse segments the first has already stored, so it hits less

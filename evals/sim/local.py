@@ -119,8 +119,9 @@ def admit_in_order(worker: Worker, reqs: list[SimRequest]) -> list[SimRequest]:
     return ready
 
 
-def local_prefill_run(b: Backend, reqs: list[SimRequest], tp: int) -> Run:
-    """Chunked prefill of ``reqs`` on one worker until the first prompt completes."""
+def local_prefill_run(b: Backend, reqs: list[SimRequest], tp: int, first_extra_s: float = 0.0) -> Run:
+    """Chunked prefill of ``reqs`` on one worker until the first prompt completes
+    (``first_extra_s``: added to the first chunk, e.g. a prefix fetch it waits for)."""
     chunk = b.config.chunk_tokens
     done = [r.prefilled for r in reqs]  # all admitted
     k = min(-(-(r.prompt_len - d) // chunk) for r, d in zip(reqs, done))
@@ -128,6 +129,7 @@ def local_prefill_run(b: Backend, reqs: list[SimRequest], tp: int) -> Run:
               for r, d in zip(reqs, done)]
     durations = [iteration_s(b.lat, [(c[j], d + j * chunk) for c, d in zip(chunks, done)], tp, 1.0)
                  for j in range(k)]
+    durations[0] += first_extra_s
     return Run(reqs, "prefill", (reqs[0].worker,), 1, ChunkSchedule(b.now, durations), k, chunks)
 
 
@@ -238,12 +240,15 @@ class RoutedBackend(Backend):
         if phase == "prefill":
             ready = admit_in_order(worker, reqs)
             if ready:
-                self.start_run(local_prefill_run(self, ready, self.tp))
+                self.start_run(self.prefill_run(ready))
                 return
             reqs = [r for r in self.tracker.values() if r.worker == w and r.phase == "decode"
                     and r.run is None]
         if reqs:
             self.start_run(local_decode_run(self, reqs, self.tp))
+
+    def prefill_run(self, ready: list[SimRequest]) -> Run:
+        return local_prefill_run(self, ready, self.tp)
 
     def commit(self, run: Run, j0: int, j1: int) -> None:
         local_reads(self, run, j0, j1)

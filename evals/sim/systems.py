@@ -8,6 +8,7 @@
 | ``round-robin`` | :class:`RoundRobinRouter` via :class:`RoutedPolicy` | per-worker radix caches |
 | ``flowkv`` | :class:`FlowKVRouter` (load score) via :class:`RoutedPolicy` | per-worker radix caches |
 | ``mooncake-1p3d`` / ``-3p1d`` | :class:`XPyDRouter`, KV moved P -> D | prefill workers' radix caches |
+| ``banaserve`` | :class:`LeastLoadRouter` (load only), TP workers | one global store, prefixes fetched layer by layer |
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from evals.sim.config import SimConfig
+from evals.sim.global_store import GlobalStoreBackend
 from evals.sim.local import FlowKVAdapter, RoutedBackend
 from evals.sim.metrics import SimResult
 from evals.sim.pooled import PooledBackend
@@ -26,7 +28,7 @@ from scheduler.baselines.round_robin import RoundRobinRouter
 from scheduler.goodput import GoodputScheduler
 
 SYSTEMS = ("tokenlake", "tokenlake-1p3d", "tokenlake-3p1d", "sglang-router", "round-robin",
-           "flowkv", "mooncake-1p3d", "mooncake-3p1d")
+           "flowkv", "mooncake-1p3d", "mooncake-3p1d", "banaserve")
 
 
 def make_backend(system: str, config: SimConfig):
@@ -63,6 +65,8 @@ def make_backend(system: str, config: SimConfig):
     if system in ("mooncake-1p3d", "mooncake-3p1d"):
 
         return XPyDBackend(setup, system, system.split("-")[1])
+    if system == "banaserve":
+        return GlobalStoreBackend(setup, system)
     raise ValueError(f"unknown system {system!r}; valid: {', '.join(SYSTEMS)}")
 
 

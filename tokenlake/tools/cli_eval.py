@@ -22,7 +22,7 @@ from tokenlake.tools.cli_args import UsageError, positive
 
 #: ``evals.sim.systems.SYSTEMS``: the systems the simulator runs.
 SYSTEM_NAMES = ("tokenlake", "tokenlake-1p3d", "tokenlake-3p1d", "sglang-router",
-                "round-robin", "flowkv", "mooncake-1p3d", "mooncake-3p1d")
+                "round-robin", "flowkv", "mooncake-1p3d", "mooncake-3p1d", "banaserve")
 #: ``evals.experiments.EXPERIMENTS``: the §7 experiments (``validate`` is added to them).
 EXPERIMENT_NAMES = ("e2e", "load-balance", "hit-rate", "elasticity", "multi-node")
 #: ``evals.experiments.DEFAULT_RATES``: the workloads; ``e2e`` takes the first three

@@ -83,6 +83,18 @@ class Run:
         return j1 - j0 if c is None else sum(c[j0:j1])
 
 
+class RunSet(dict):
+    """The runs in progress, in start order: a set whose iteration order does not depend
+    on memory addresses (a ``set`` of runs hashes them by identity), so that a
+    simulation replays identically in every process."""
+
+    def add(self, run: Run) -> None:
+        self[run] = None
+
+    def discard(self, run: Run) -> None:
+        self.pop(run, None)
+
+
 class Backend:
     """Event loop plus the run lifecycle; subclasses add placement, caches and policy."""
 
@@ -101,7 +113,7 @@ class Backend:
         # most prompt tokens a request prefills per iteration (default: the config's).
         self.tracker = RequestTracker(chunk_tokens or self.config.chunk_tokens)
         self.busy: dict = {}  # instance -> run
-        self.runs: set[Run] = set()
+        self.runs = RunSet()
         self.state = 0  # bumps whenever the waiting set or the idle instances change
         self._sig = None
         self.events = self.iterations = self.scheduler_calls = self.plan_calls = 0

@@ -10,8 +10,9 @@ fewest requests in flight). Modelled here on the colocated workers of
   over the memory of all workers that their running requests leave; a request's hit is
   its longest prefix there when its worker admits it; prompts go in when their prefill
   ends, prompt plus output when the request finishes.
-* **Memory.** A running request holds its whole prompt (the fetched prefix too: its
-  decode attends over it every step) and its output on its worker.
+* **Memory.** As SGLang reserves it: a running request holds its uncached prompt and
+  its output on its worker; its fetched prefix counts in the store (a copy fetched to a
+  worker is a replica there, shared by the requests that use it), once.
 * **Fetch.** The hit's KV comes over the network from where it is stored: on average the
   share ``(W - 1) / W`` held by the other ``W - 1`` workers, at the worker's bandwidth
   (``tp x net_bw``, each GPU fetching its shard), plus a round trip. Layer by layer, layer
@@ -28,15 +29,16 @@ from scheduler.baselines.least_load import LeastLoadRouter
 
 
 class StoreWorker(Worker):
-    """A worker whose cache is the global store, trimmed to what every worker leaves."""
+    """A worker whose cache is the global store, trimmed to what all workers' running
+    requests leave."""
 
     def __init__(self, capacity: int, tracker, store: LocalCache, peers: list[Worker]) -> None:
-        super().__init__(capacity, tracker, holds_output=True, caches=False)
+        super().__init__(capacity, tracker)
         self.cache = store
         self.peers = peers
 
     def cache_limit(self) -> int:
-        return sum(w.capacity - w.held() for w in self.peers)
+        return sum(Worker.cache_limit(w) for w in self.peers)
 
 
 class GlobalStoreBackend(RoutedBackend):

@@ -12,6 +12,7 @@ from array import array
 from dataclasses import replace
 
 import pytest
+from token_util import common_prefix
 
 from evals.sim.config import SimConfig
 from evals.sim.metrics import Recorder
@@ -46,27 +47,29 @@ def make_trace(n: int = 24, seed: int = 0, gap_s: float = 0.5, docs: int = 4,
     return reqs
 
 
+def shared_prefixes(reqs: list[Request]) -> list[int]:
+    """In arrival order, each request's longest prefix shared with an earlier one, with
+    at least one token of it left to compute (0 if it shares nothing)."""
+    out, earlier = [], []
+    for r in sorted(reqs, key=lambda r: r.arrival_s):
+        toks = r.tokens()
+        out.append(max((common_prefix(e, toks[:-1]) for e in earlier), default=0))
+        earlier.append(toks)
+    return out
+
+
 def direct_hit_tokens(reqs: list[Request], c: int, page: int | None = None) -> int:
     """Prefix hits with an unbounded cache and nothing concurrent, at least one token
     left to compute. Without ``page``: every whole ``c``-token segment of the prompt that
     an earlier prompt also had (same tokens before and in it). With ``page``: the longest
     prefix shared with any earlier prompt, in whole pages (the pool keeps every earlier
     prompt: its whole segments, and its last partial segment as a tail)."""
+    if page:
+        return sum(n // page * page for n in shared_prefixes(reqs))
     seen: set[tuple[int, ...]] = set()
-    earlier: list[tuple[int, ...]] = []
     hits = 0
     for r in sorted(reqs, key=lambda r: r.arrival_s):
         toks = r.tokens()
-        if page:
-            longest = 0
-            for e in earlier:
-                k, limit = 0, min(len(e), len(toks) - 1)
-                while k < limit and e[k] == toks[k]:
-                    k += 1
-                longest = max(longest, k)
-            hits += longest // page * page
-            earlier.append(toks)
-            continue
         segs = [toks[: (i + 1) * c] for i in range(len(toks) // c)]
         n = 0
         while n < len(segs) and n < (len(toks) - 1) // c and segs[n] in seen:
@@ -135,7 +138,7 @@ def test_banaserve_hits_any_cached_prefix_whatever_worker_serves_it():
     res = simulate(reqs, "banaserve", BIG)
     assert res.extra["workers"] == 2
     assert res.hit_tokens == direct_hit_tokens(reqs, 1) > 0
-    hits = per_request_hits(reqs)
+    hits = [n for n in shared_prefixes(reqs) if n]
     assert res.extra["kv_fetches"] == len(hits) and sum(hits) == res.hit_tokens
     backend = make_backend("banaserve", BIG)
     assert res.extra["kv_fetch_s"] == pytest.approx(sum(backend.fetch_s_of(n) for n in hits))
@@ -158,23 +161,6 @@ def test_banaserve_charges_the_prefix_fetch_to_the_first_token(monkeypatch):
     layers = BIG.resolve().model.num_layers
     gap = (fetched.mean_ttft_s - free.mean_ttft_s) * 2  # b's TTFT; a's is the same
     assert gap >= fetch_s / layers * (1 - 1e-9)
-
-
-def per_request_hits(reqs: list[Request]) -> list[int]:
-    """Each request's longest prefix shared with an earlier one (one token left), > 0."""
-    out, earlier = [], []
-    for r in sorted(reqs, key=lambda r: r.arrival_s):
-        toks = r.tokens()
-        best = 0
-        for e in earlier:
-            k, limit = 0, min(len(e), len(toks) - 1)
-            while k < limit and e[k] == toks[k]:
-                k += 1
-            best = max(best, k)
-        if best:
-            out.append(best)
-        earlier.append(toks)
-    return out
 
 
 def test_concurrent_arrivals_reuse_what_is_already_stored():

@@ -50,8 +50,7 @@ def admission_order(waiting: Iterable[R], cached: Callable[[R], int],
     reqs = list(waiting)
     if check_rule(rule) == "fcfs":
         return reqs
-    keyed = [(0, 0, i) if overdue(r) else (1, -cached(r), i) for i, r in enumerate(reqs)]
-    return [reqs[k[2]] for k in sorted(keyed)]
+    return sorted(reqs, key=lambda r: (0, 0) if overdue(r) else (1, -cached(r)))  # stable
 
 
 def waits_for_flight(next_key: Hashable | None, in_flight: Iterable[Container],

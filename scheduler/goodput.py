@@ -124,7 +124,7 @@ class _PhaseDP:
         wp = np.concatenate(([0.0], np.cumsum(work)))
         ws = _workspace(size, len(dops))
         count, invalid = ws.count[:size, :size], ws.invalid[:size, :size]  # [i, j] = i - j
-        times = ws.times(size, len(dops))  # [i, m, j], as scheduler.latency.batch_times
+        times = ws.take("times", size, len(dops), size)  # [i, m, j], as scheduler.latency.batch_times
         diff, fixed = ws.diff[:size, :size], ws.fixed[:size, :size]
         scale = slowdown(snap.cache_load)
         np.subtract(wp[:, None], wp[None, :], out=diff)
@@ -135,12 +135,12 @@ class _PhaseDP:
         np.multiply(diff[:, None, :], 1.0 / np.asarray(dops, dtype=np.float64)[None, :, None],
                     out=times)
         times += fixed[:, None, :]
-        cost = ws.cost(size, len(dops))
+        cost = ws.take("cost", size, len(dops), size)
         np.multiply(times, count[:, None, :], out=cost)
         np.copyto(cost, np.inf, where=invalid[:, None, :])  # j >= i is no batch
         if use_slo:
             limit = _min_slo(reqs) * SLO_RTOL  # [i, j], or one number for all
-            over = ws.over(size, len(dops))
+            over = ws.take("over", size, len(dops), size)
             np.greater(times, limit if np.ndim(limit) == 0 else limit[:, None, :], out=over)
             np.copyto(cost, np.inf, where=over)
         dop_int = np.asarray(dops, dtype=np.int64)
@@ -152,7 +152,7 @@ class _PhaseDP:
             prev = self.f[:, k - dop_int[:mk]].T  # [m, j] = f[j, k - dops[m]]
             # f(., n) is read by no later k: only f(M, n) is needed.
             for i0, i1 in blocks if k < n else [(m_req, size)]:
-                cand = ws.cand(i1 - i0, mk, i1)
+                cand = ws.take("cand", i1 - i0, mk, i1)
                 np.add(prev[None, :, :i1], cost[i0:i1, :mk, :i1], out=cand)
                 cand = cand.reshape(i1 - i0, mk * i1)
                 best = np.argmin(cand, axis=1)
@@ -267,20 +267,12 @@ class _Workspace:
         self.diff = np.empty((size, size))
         self.fixed = np.empty((size, size))
         cells = size * n_dops * size
-        self._times, self._cost = np.empty(cells), np.empty(cells)
-        self._over, self._cand = np.empty(cells, dtype=bool), np.empty(cells)
+        self._flat = {"times": np.empty(cells), "cost": np.empty(cells),
+                      "over": np.empty(cells, dtype=bool), "cand": np.empty(cells)}
 
-    def times(self, size: int, d: int) -> np.ndarray:
-        return self._times[: size * d * size].reshape(size, d, size)
-
-    def cost(self, size: int, d: int) -> np.ndarray:
-        return self._cost[: size * d * size].reshape(size, d, size)
-
-    def over(self, size: int, d: int) -> np.ndarray:
-        return self._over[: size * d * size].reshape(size, d, size)
-
-    def cand(self, rows: int, d: int, cols: int) -> np.ndarray:
-        return self._cand[: rows * d * cols].reshape(rows, d, cols)
+    def take(self, name: str, rows: int, d: int, cols: int) -> np.ndarray:
+        """A contiguous ``(rows, d, cols)`` view of the flat array ``name``."""
+        return self._flat[name][: rows * d * cols].reshape(rows, d, cols)
 
 
 _WORKSPACES = threading.local()

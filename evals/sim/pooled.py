@@ -213,8 +213,8 @@ class PooledBackend(Backend):
         """Admitted requests plus new ones the pool can hold, offered admission in the
         order of ``config.admission`` (:mod:`scheduler.admission`: cache-first by
         default, or first come first served); a cache-first request whose next segment
-        is being computed waits for it. As SGLang reserves memory: a request holds its uncached prompt, its output and
-        one open tail; reused prefixes count once however many requests share them.
+        is being computed waits for it. As SGLang reserves memory: a request holds its
+        uncached prompt, its output and one open tail; reused prefixes count once however many requests share them.
         Admission stops at the first request that does not fit, as SGLang's scheduler
         stops adding waiting requests to a batch, and as the baselines' workers do
         (``evals/sim/local.py``, ``evals/sim/xpyd.py``).
@@ -228,17 +228,14 @@ class PooledBackend(Backend):
             version = self._reservations
             held = self._reserved + len(self._shared) * self.c
             out = [r for r in self.tracker.running() if r.blocked is None]
-            ready = {r.request_id: self._ready_prefix(r)
-                     for r in self.tracker.waiting() if r.blocked is None}
-            order = admission_order((r for r in self.tracker.waiting() if r.blocked is None),
-                                    lambda r, ready=ready: ready[r.request_id], self._overdue, rule)
+            ready = {r: self._ready_prefix(r) for r in self.tracker.waiting() if r.blocked is None}
             claimed: set[bytes] = set()  # segments the requests admitted here will compute
-            for r in order:
-                if held + self._need(r, ready[r.request_id]) > self.cap:
+            for r in admission_order(ready, ready.__getitem__, self._overdue, rule):
+                if held + self._need(r, ready[r]) > self.cap:
                     return out
                 # One walk of the prompt's segments: ready_hit goes on where _ready_prefix
                 # stopped. The hit is kept: its view, its load and its admission use it.
-                self.tracker.set_hit(r, self.planner.ready_hit(r, ready[r.request_id] // self.c))
+                self.tracker.set_hit(r, self.planner.ready_hit(r, ready[r] // self.c))
                 if self._reservations != version:
                     break  # a settle changed the admissions (and the queue): count again
                 n = r.hit // self.c

@@ -273,10 +273,9 @@ class CachePool:
                 if slot is not None:
                     return SegmentLocation(inst, slot), None
         evicted = None
-        if self.config.home_eviction:
-            choices = self.config.eviction_choices
-            evicted = self.evict_one(home if choices == 1 else
-                                     tuple(itertools.islice(self.ring.preference(key), choices)))
+        if self.config.home_eviction:  # the home first in ring order, then the next ones
+            evicted = self.evict_one(
+                tuple(itertools.islice(self.ring.preference(key), self.config.eviction_choices)))
         if evicted is None:
             evicted = self.evict_one()
         if evicted is None:

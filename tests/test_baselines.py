@@ -414,6 +414,15 @@ def test_fcfs_decode_batch_first_then_prefills_in_arrival_order():
     ]
     busy = api.Snapshot(4.0, waiting, (), (api.InstanceView(0, busy=True),), 0.0, lat)
     assert FCFS().schedule(busy).batches == ()
+    # A fixed prefill DoP: as many instances as are left, never more rows than tokens.
+    wide = api.Snapshot(4.0, waiting + (api.RequestView("w3", "prefill", 0, 2, 4.0),), running,
+                        tuple(api.InstanceView(i) for i in range(6)), 0.0, lat)
+    d = FCFS(chunk_tokens=64, prefill_dop=2).schedule(wide)
+    d.check(wide)
+    assert [(b.request_ids, b.dop) for b in d.batches] == [
+        (("d1", "d2"), 1), (("p1",), 2), (("w1",), 2), (("w2",), 1)]  # 1 instance left for w2
+    with pytest.raises(ValueError, match="prefill_dop"):
+        FCFS(prefill_dop=0)
 
 
 def test_least_load_router_picks_the_fewest_in_flight_whatever_is_cached():

@@ -371,10 +371,31 @@ def test_generation_through_compute_actors_equals_the_reference(compute_pool, sm
     assert server.results["p1"].hit_tokens > 0 and server.results["p1"].hit_tokens % 16 == 0
 
 
+def test_a_dop_2_prefill_on_two_compute_actors_equals_the_reference(compute_pool, smollm):
+    """Every prefill chunk is split over both instances' compute actors, which compute
+    their halves at once and pass the crossing request's K/V rows between them; greedy
+    output and logits equal the plain engine's."""
+    from scheduler.baselines.fcfs import FCFS
+
+    weights, tok, ref = smollm
+    server = Server(compute_pool, weights, chunk_tokens=64, keep_logits=True, policy=FCFS(64, prefill_dop=2))
+    prompts = _short_prompts(tok)[:2]
+    for i, p in enumerate(prompts):  # one at a time: each prefill has both instances
+        server.run([GenerationRequest(f"s{i}", p, NEW, (tok.eos_id,))])
+    prefills = [b for d in server.decisions for b in d.batches if b.phase == "prefill"]
+    assert prefills and all(b.dop == 2 for b in prefills)
+    for i, prompt in enumerate(prompts):
+        expected = ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,))
+        assert server.results[f"s{i}"].output_ids == list(expected.output_ids)
+        for got, want in zip(server.results[f"s{i}"].logits, expected.logits):
+            assert (got - want).abs().max().item() < 1e-4
+
+
 def test_a_killed_compute_actor_is_engine_unavailable(compute_pool):
     """A compute actor killed between iterations: ``run`` raises EngineUnavailable (it
     waits for the other actor first), the pool itself is unharmed, the actor can be
-    restarted; DoP > 1 is refused before anything runs; close() ends every actor."""
+    restarted; plans that do not cover the batches given are refused before anything
+    runs; close() ends every actor."""
     cluster, cp = compute_pool, compute_pool.control
     engine = cluster.compute_engine()
     batches = [Batch((BatchRequest("k0", tuple(range(3, 40))),)),
@@ -398,8 +419,8 @@ def test_a_killed_compute_actor_is_engine_unavailable(compute_pool):
     assert set(out.logits) == {"k0", "k1"} and out.logits["k0"].shape == (cluster.model.vocab_size,)
 
     plans = cp.gen_plans([Batch((BatchRequest("k2", tuple(range(100, 140))),))], [2])
-    with pytest.raises(PlanError, match="DoP 2"):
-        engine.run(plans, [Batch((BatchRequest("k2", tuple(range(100, 140))),))])
+    with pytest.raises(PlanError, match="cover batches"):
+        engine.run(plans, [])
     cp.abort(plans)
     for rid in ("k0", "k1"):
         cp.finish_request(rid)

@@ -90,9 +90,10 @@ class Server:
             (0: never).
         policy: a :class:`scheduler.api.Policy` deciding every iteration's batches,
             phases and DoPs (default: the goodput DP, :class:`scheduler.goodput.
-            GoodputScheduler` with ``chunk_tokens`` and prefill DoP 1, since one compute
-            engine computes every batch here; :class:`scheduler.baselines.fcfs.FCFS`
-            is first-come-first-served). A prefill batch is trimmed to the cluster's
+            GoodputScheduler` with ``chunk_tokens``; prefill DoP up to every compute slot
+            when the engine computes in parallel, else 1, since one engine computing
+            every batch in turn gains nothing from a split; :class:`scheduler.baselines.
+            fcfs.FCFS` is first-come-first-served). A prefill batch is trimmed to the cluster's
             ``max_rows`` new tokens (the size of its buffers).
         latency: the policy's :class:`~tokenlake.core.cost_model.LatencyModel` (default: the
             measured CPU model ``cpu_smollm2-135m``); hardware: profile for the cache load.
@@ -100,7 +101,8 @@ class Server:
         clock: arrival times and the snapshot's ``now_s``.
         compute_slots: how many batches the policy may run per iteration (the
             instances it sees). Default: one per instance when the engine computes
-            batches in parallel (``engine.parallel``, the Ray compute actors), else 2
+            batches in parallel (``engine.parallel``: the Ray compute actors, a
+            :class:`~tokenlake.model.compute.ParallelComputeEngine`), else 2
             (at most the instances): the single local :class:`ComputeEngine` computes
             batches one after the other, so a prefill batch and a decode batch can
             share an iteration (a new request does not wait for running decodes to
@@ -126,9 +128,6 @@ class Server:
         if chunk_tokens > cluster.max_rows:
             raise ValueError(f"chunk_tokens={chunk_tokens} exceeds the cluster's max_rows={cluster.max_rows}")
 
-        # One compute engine computes every batch of a local cluster: spreading a prefill
-        # over k instances adds messages and saves nothing (tokenlake.tools.latency_profile).
-        self.policy = GoodputScheduler(chunk_tokens=chunk_tokens, max_prefill_dop=1) if policy is None else policy
         self.latency = latency if latency is not None else LatencyModel.load(DEFAULT_LATENCY)
         self.hardware = load_hardware(hardware)
         self.tbt_slo_s = tbt_slo_s
@@ -145,6 +144,12 @@ class Server:
         if not 1 <= compute_slots <= cluster.n_instances:
             raise ValueError(f"compute_slots must be in [1, {cluster.n_instances}], got {compute_slots}")
         self.compute_slots = compute_slots
+        # One engine computing every batch in turn gains nothing from spreading a prefill
+        # over k instances (more messages, the same work); engines that compute at once
+        # (one per instance) run a DoP k prefill's k sub-batches in parallel.
+        if policy is None:
+            policy = GoodputScheduler(chunk_tokens=chunk_tokens, max_prefill_dop=None if self.parallel else 1)
+        self.policy = policy
         self.cfg = weights.config
         self.chunk_tokens = chunk_tokens
         self.keep_logits = keep_logits

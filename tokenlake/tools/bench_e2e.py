@@ -6,16 +6,24 @@ threshold rule (§4.2) applied to the measured ``cpu`` hardware profile (1,088 t
 below it a remote segment query costs more in messaging than it saves in compute, which
 on a CPU with zmq messaging (~90 us per hop) is a much larger C than on NVLink GPUs.
 Decode is measured at several batch sizes, the reference engine batched the same way.
+``dop_ttft`` is the time to first token of a cold prompt prefilled with a fixed degree
+of parallelism (``FCFS(prefill_dop=k)``) on one compute engine per instance
+(:class:`~tokenlake.model.compute.ParallelComputeEngine`): every DoP once per round, the
+order reversed every other round, medians and ranges, and each DoP's speed-up over the
+first DoP given.
 Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
+from scheduler.baselines.fcfs import FCFS
 from tokenlake.core.cost_model import default_segment_tokens
 from tokenlake.core.specs import load_hardware
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.model.compute import ParallelComputeEngine
 from tokenlake.model.llama.reference import ReferenceEngine
 from tokenlake.model.llama.tokenizer import load_tokenizer
 from tokenlake.model.llama.weights import load_weights
@@ -60,8 +68,32 @@ def _reference_decode(ref, prompts: list[tuple[int, ...]], steps: int) -> float:
     return len(prompts) * steps / (time.perf_counter() - t0)
 
 
+def dop_ttft(cluster, weights, prompts: dict[int, list[tuple[int, ...]]], chunk_tokens: int) -> dict:
+    """Cold TTFT (ms) of ``prompts[dop][round]`` at each fixed prefill DoP, rounds
+    interleaved (every DoP once per round) so that drift on a shared machine hits all."""
+    engine = ParallelComputeEngine(weights, cluster)
+    times: dict[int, list[float]] = {d: [] for d in prompts}
+    try:
+        for r in range(len(next(iter(prompts.values())))):
+            for dop in (list(prompts) if r % 2 == 0 else list(prompts)[::-1]):
+                first: dict[str, float] = {}
+                server = Server(cluster, weights, chunk_tokens=chunk_tokens, engine=engine,
+                                policy=FCFS(chunk_tokens, prefill_dop=dop), rebalance_every=0,
+                                on_token=lambda rid, _t, first=first: first.setdefault(rid, time.perf_counter()))
+                t0 = time.perf_counter()
+                server.run([GenerationRequest(f"dop{dop}-{r}", prompts[dop][r], 1, ())])
+                assert all(b.dop == min(dop, cluster.n_instances) for d in server.decisions for b in d.batches)
+                times[dop].append((first[f"dop{dop}-{r}"] - t0) * 1e3)
+    finally:
+        engine.close()
+    base = statistics.median(next(iter(times.values())))
+    return {str(d): {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
+                     "speedup_vs_first": base / statistics.median(t)} for d, t in times.items()}
+
+
 def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int = 1024,
-              instances: int = 4, segment_tokens: int | None = None, decode_batches: tuple[int, ...] = (1, 8)) -> dict:
+              instances: int = 4, segment_tokens: int | None = None, decode_batches: tuple[int, ...] = (1, 8),
+              dops: tuple[int, ...] = (1, 2, 4), dop_tokens: int = 2048, rounds: int = 3) -> dict:
 
     weights, tok = load_weights(), load_tokenizer()
     spec = weights.config.to_model_spec("smollm2-135m")
@@ -90,6 +122,9 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         hit = server.results["warm"].hit_tokens
         questions = [prompt(f"What does section {i + 1} say about the keeper?") for i in range(max(decode_batches))]
         pool = {b: _pool_decode(server, questions[:b], decode_tokens, f"d{b}-") for b in decode_batches}
+        cold = _long_document(tok, dop_tokens)
+        by_dop = {d: [tuple(tok.encode(f"Run {d}.{r}. {cold}")) for r in range(rounds)] for d in dops}
+        parallel = dop_ttft(cluster, weights, by_dop, chunk_tokens) if dops else {}
     ref = ReferenceEngine(weights)
     reference = {b: _reference_decode(ref, questions[:b], decode_tokens) for b in decode_batches}
     main = decode_batches[0]
@@ -103,8 +138,22 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         "decode_by_batch": {str(b): {"pool_tok_s": pool[b], "reference_tok_s": reference[b],
                                      "ratio": pool[b] / reference[b]} for b in decode_batches},
         "prompt_tokens": len(cached_prompt),
+        "dop_ttft": parallel,
+        "dop_prompt_tokens": len(by_dop[dops[0]][0]) if dops else 0,
         "cached_hit_tokens": hit,
         "setup": {"instances": instances, "segment_tokens": segment_tokens, "chunk_tokens": chunk_tokens,
                   "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)", "decode_batch": main,
                   "decode_tokens": decode_tokens},
     }
+
+
+def summary(result: dict) -> str:
+    """The human-readable lines of a :func:`bench_e2e` result."""
+    lines = [f"TTFT cached {result['cached_ttft_ms']:.0f} ms vs recompute "
+             f"{result['recompute_ttft_ms']:.0f} ms; decode {result['pool_decode_tok_s']:.1f} tok/s "
+             f"(pool) vs {result['reference_decode_tok_s']:.1f} (reference)"]
+    first = next(iter(result["dop_ttft"]), None)
+    for dop, row in result["dop_ttft"].items():
+        lines.append(f"cold TTFT at DoP {dop}: {row['median_ms']:.0f} ms ({row['min_ms']:.0f}-"
+                     f"{row['max_ms']:.0f}), {row['speedup_vs_first']:.2f}x DoP {first}")
+    return "\n".join(lines)

@@ -178,21 +178,27 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
     p.add_argument("--decode-batches", type=positive(int), nargs="+", default=[1, 8],
                    metavar="B", help="decode batch sizes to measure; the first is the headline")
+    p.add_argument("--dops", type=positive(int), nargs="*", default=[1, 2, 4], metavar="K",
+                   help="prefill DoPs whose cold TTFT to compare, one compute engine per instance "
+                        "(none: skip); the first is the baseline of the ratios")
+    p.add_argument("--dop-tokens", type=positive(int), default=2048, help="prompt tokens of the DoP runs")
+    p.add_argument("--rounds", type=positive(int), default=3, help="runs per DoP, interleaved")
     _json_flag(p)
     p.set_defaults(run=run_e2e)
 
 
 def run_e2e(args: argparse.Namespace) -> int:
     # torch and the model: only when this benchmark runs
-    from tokenlake.tools.bench_e2e import bench_e2e
+    from tokenlake.tools.bench_e2e import bench_e2e, summary
 
-    result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches))
+    if any(d > args.instances for d in args.dops):
+        raise SystemExit(f"tokenlake bench e2e: error: --dops must not exceed --instances ({args.instances})")
+    result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
+                       dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"TTFT cached {result['cached_ttft_ms']:.0f} ms vs recompute "
-          f"{result['recompute_ttft_ms']:.0f} ms; decode {result['pool_decode_tok_s']:.1f} tok/s "
-          f"(pool) vs {result['reference_decode_tok_s']:.1f} (reference)")
+    print(summary(result))
     return 0
 
 

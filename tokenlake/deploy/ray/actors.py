@@ -174,10 +174,13 @@ class ComputeActor:
         if weights_loader is None:  # the model layer: torch and the weights package
             from tokenlake.model.llama.weights import load_weights as weights_loader
         torch.set_num_threads(max(1, int(threads)))
+        from tokenlake.deploy.ray.exchange import Mailboxes  # torch: loaded above
+
         self.instance = instance
         self.weights = weights_loader()
         self.client = None
         self.engine = None
+        self.mail = Mailboxes(instance)
 
     def open(self, info: dict[str, Any]) -> ProcessRef:
         """(Re)opens the instance's client from :meth:`RayCluster.client_info`; checks
@@ -199,18 +202,31 @@ class ComputeActor:
         self.engine = ComputeEngine(self.weights, _OwnInstance(self.client))
         return ProcessRef.this()
 
-    def run(self, plans, batches) -> tuple[list[str], Any, dict[str, int]]:
-        """One iteration's sub-batches homed here (``plans`` number ``batches`` from 0);
+    def run(self, plans, batches, peers=None) -> tuple[list[str], Any, dict[str, int]]:
+        """One iteration's sub-batches homed here (``plans`` holds theirs only, with the
+        iteration's ``groups``; ``batches`` maps their batch numbers to batches);
         returns when their puts are stored: request ids, their last-row logits as one
-        [requests, vocab] float32 numpy array, and the pool hit per request."""
+        [requests, vocab] float32 numpy array, and the pool hit per request. ``peers``
+        are the compute actors of later sub-batches of this actor's DoP > 1 batches
+        (``{instance: handle}``), which get the K/V rows they need from here."""
         import torch  # loaded in __init__ already
 
         if self.engine is None:
             raise EngineUnavailable(f"the compute actor of instance {self.instance} has no client")
-        out = self.engine.run(plans, batches)
+        exchange = self.mail.start(plans.iteration, plans.groups, peers or {})
+        try:
+            out = self.engine.run(plans, batches, exchange)
+        finally:
+            self.mail.finish(plans.iteration)
         ids = list(out.logits)
         logits = torch.stack([out.logits[r] for r in ids]).numpy() if ids else None
         return ids, logits, dict(out.prefix_tokens)
+
+    @ray.method(concurrency_group="exchange")
+    def kv_in(self, iteration: int, batch: int, part: int, layer: int, request_id: str, k, v) -> None:
+        """K/V rows of layer ``layer`` pushed by the actor of sub-batch ``(batch, part)``
+        (runs beside :meth:`run`, in its own concurrency group)."""
+        self.mail.deliver(iteration, batch, part, layer, request_id, k, v)
 
     def alive(self) -> bool:
         return True
@@ -227,4 +243,6 @@ class ComputeActor:
 
 
 EngineActorRemote = ray.remote(max_restarts=0)(EngineActor)
-ComputeActorRemote = ray.remote(max_restarts=0)(ComputeActor)
+#: ``kv_in`` has a concurrency group of its own: rows for a sub-batch arrive while its
+#: ``run`` waits for them; every other method runs one at a time, as before.
+ComputeActorRemote = ray.remote(max_restarts=0, concurrency_groups={"exchange": 1})(ComputeActor)

@@ -4,7 +4,6 @@ opens and stops those actors for a :class:`~tokenlake.deploy.ray.RayCluster`."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,36 +31,33 @@ class ComputeActorSource(Protocol):
         """The handle of ``instance``'s compute actor (``EngineUnavailable`` if none)."""
 
 
-def _batches_by_home(plans: Plans, n_batches: int) -> dict[int, list[int]]:
-    """``{home instance: [batch, ...]}``; a batch spread over several homes (DoP > 1) or
-    plans that do not cover exactly batches ``0..n_batches-1`` are a ``PlanError``."""
-    homes: dict[int, set[int]] = {}
-    for qp in plans.query_plans:
-        homes.setdefault(qp.batch, set()).add(qp.home)
-    if set(homes) != set(range(n_batches)):
-        raise PlanError(f"the plans cover batches {sorted(homes)}, not the {n_batches} given")
-    for b, hs in sorted(homes.items()):
-        if len(hs) > 1:
-            raise PlanError(
-                f"batch {b} is spread over instances {sorted(hs)} (DoP {len(hs)}); the Ray "
-                "compute actors compute a batch on its home instance only: schedule with "
-                "DoP 1 (e.g. GoodputScheduler(max_prefill_dop=1), the Server's default)")
+def _parts_by_home(plans: Plans, n_batches: int) -> dict[int, list[int]]:
+    """``{home instance: [index into plans.query_plans, ...]}``; plans that do not cover
+    exactly batches ``0..n_batches-1`` are a ``PlanError``."""
+    covered = {qp.batch for qp in plans.query_plans}
+    if covered != set(range(n_batches)):
+        raise PlanError(f"the plans cover batches {sorted(covered)}, not the {n_batches} given")
     by_home: dict[int, list[int]] = {}
-    for b in range(n_batches):
-        by_home.setdefault(next(iter(homes[b])), []).append(b)
+    for k, qp in enumerate(plans.query_plans):
+        by_home.setdefault(qp.home, []).append(k)
     return by_home
 
 
-def _sub_plans(plans: Plans, batches: list[int]) -> Plans:
-    """The plans of ``batches`` only, renumbered ``0..k-1`` in that order (what one
-    compute actor sees of the iteration)."""
-    local = {b: k for k, b in enumerate(batches)}
-    return Plans(plans.iteration,
-                 tuple(dataclasses.replace(p, batch=local[p.batch]) for p in plans.query_plans
-                       if p.batch in local),
-                 tuple(dataclasses.replace(p, batch=local[p.batch]) for p in plans.transfer_plans
-                       if p.batch in local),
-                 tuple(plans.groups[b] for b in batches))
+def _sub_plans(plans: Plans, parts: list[int]) -> Plans:
+    """The sub-batch plans ``parts`` (indices) only, with the iteration's ``groups``:
+    what one compute actor sees of the iteration."""
+    return Plans(plans.iteration, tuple(plans.query_plans[k] for k in parts),
+                 tuple(plans.transfer_plans[k] for k in parts), plans.groups)
+
+
+def _later_homes(plans: Plans, parts: list[int]) -> set[int]:
+    """The homes of the sub-batches after ``parts`` in their batches (DoP > 1): the
+    actors that receive K/V rows from these parts."""
+    out: set[int] = set()
+    for k in parts:
+        qp = plans.query_plans[k]
+        out.update(plans.groups[qp.batch][qp.part + 1 :])
+    return out
 
 
 class RayComputeEngine:
@@ -69,17 +65,15 @@ class RayComputeEngine:
     :class:`~tokenlake.model.compute.ComputeEngine` (``run(plans, batches) ->
     IterationOutput``), so :class:`~tokenlake.serving.Server` can use either.
 
-    Each batch goes to the compute actor of its home instance (several batches with the
+    Each sub-batch goes to the compute actor of its home instance (several with the
     same home run there one after the other); the actors of one iteration run in
     parallel, and :meth:`run` returns when all of them are done (every put stored).
-
-    Limits: a batch with DoP > 1 (sub-batches on several homes) is refused with a
-    ``PlanError`` before anything runs: its sub-batches form one sequence-parallel
-    computation, which the actors cannot split yet. Schedule with prefill DoP 1 (the
-    ``Server``'s default policy does). A dead or missing compute actor is an
+    The sub-batches of a DoP > 1 batch compute at once on their actors, which pass a
+    crossing request's K/V rows to the later ones layer by layer
+    (:mod:`tokenlake.deploy.ray.exchange`). A dead or missing compute actor is an
     ``EngineUnavailable``; so is an iteration not finished within ``timeout_s``.
 
-    ``batches_run[i]`` counts the batches computed by instance i's actor.
+    ``batches_run[i]`` counts the sub-batches computed by instance i's actor.
     ``parallel = True`` tells the ``Server`` that batches on different instances
     compute at the same time (one batch per instance and iteration).
     """
@@ -94,12 +88,15 @@ class RayComputeEngine:
     def run(self, plans: Plans, batches: list[Batch]) -> IterationOutput:
         from tokenlake.model.compute import IterationOutput  # the model layer: torch
 
-        by_home = _batches_by_home(plans, len(batches))
+        by_home = _parts_by_home(plans, len(batches))
         if not batches:
             return IterationOutput({}, {})
         actors = {home: self.cluster.compute_actor(home) for home in by_home}  # before sending
-        refs = {home: actors[home].run.remote(_sub_plans(plans, bs), [batches[b] for b in bs])
-                for home, bs in by_home.items()}
+        refs = {}
+        for home, parts in by_home.items():
+            mine = {plans.query_plans[k].batch for k in parts}
+            peers = {h: actors[h] for h in _later_homes(plans, parts) if h != home}
+            refs[home] = actors[home].run.remote(_sub_plans(plans, parts), {b: batches[b] for b in mine}, peers)
         return self._collect(refs, by_home)
 
     def _collect(self, refs: dict[int, Any], by_home: dict[int, list[int]]) -> IterationOutput:

@@ -176,14 +176,19 @@ def test_one_per_phase_joins_the_dop1_batches_of_a_phase_in_order():
                    B(("q", "r"), "prefill", 1, (32, 16))]
 
 
-def test_a_new_request_gets_its_first_token_while_another_decodes(model):
-    """The goodput DP on one local engine: a request arriving while another decodes is
-    prefilled beside that decode, not after it finishes; both answers stay exact."""
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-engine", "engine-per-instance"])
+def test_a_new_request_gets_its_first_token_while_another_decodes(model, parallel):
+    """The goodput DP on one local engine, or on an engine per instance: a request
+    arriving while another decodes is prefilled beside that decode, not after it
+    finishes; both answers stay exact."""
+    from tokenlake.model.compute import ParallelComputeEngine
+
     weights, tok, ref = model
     spec = weights.config.to_model_spec("smollm2-135m")
     prompts = _prompts(tok)
     with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
-        server = Server(cluster, weights, chunk_tokens=64)
+        engine = ParallelComputeEngine(weights, cluster) if parallel else None
+        server = Server(cluster, weights, chunk_tokens=64, engine=engine)
         first = server.submit(GenerationRequest("long", prompts[0], 16, ()))
         while not first.output_ids:
             server.step()
@@ -192,6 +197,8 @@ def test_a_new_request_gets_its_first_token_while_another_decodes(model):
             server.step()
         assert not first.done and len(first.output_ids) < 16
         server.run()
+        if engine is not None:
+            engine.close()
     assert first.output_ids == list(ref.generate(list(prompts[0]), 16, stop_ids=()).output_ids)
     assert second.output_ids == list(ref.generate(list(prompts[1]), 2, stop_ids=()).output_ids)
 

@@ -132,7 +132,7 @@ class _PhaseDP:
         np.multiply(count, lat.c_request, out=fixed)
         fixed += lat.c_const
         fixed *= scale
-        np.multiply(diff[:, None, :], 1.0 / np.asarray(dops, dtype=np.float64)[None, :, None],
+        np.multiply(diff[:, None, :], 1.0 / np.asarray([lat.speedup(d) for d in dops])[None, :, None],
                     out=times)
         times += fixed[:, None, :]
         cost = ws.take("cost", size, len(dops), size)
@@ -182,7 +182,7 @@ class _PhaseDP:
             x, p = float(new_i), float(r.context_tokens)
             wp.append(wp[-1] + (c_new * x + c_np * x * p + c_sq * x * x + c_p * p))
         scale = slowdown(snap.cache_load)
-        inv = [1.0 / float(d) for d in dops]
+        inv = [1.0 / lat.speedup(d) for d in dops]
         slo = [inf if r.tbt_slo_s is None else r.tbt_slo_s for r in reqs]
         # cost[i][m][j] for j < i: requests[j:i] on dops[m] instances, x its size.
         cost: list[list[list[float]]] = [[]]

@@ -53,7 +53,7 @@ def batch_times(latency: LatencyModel, work_prefix: np.ndarray, dops: Sequence[i
     count = (idx[:, None] - idx[None, :]).astype(np.float64)  # [i, j] = i - j
     diff = (wp[:, None] - wp[None, :]) * scale  # [i, j]: the work that divides by the DoP
     fixed = (latency.c_const + latency.c_request * count) * scale
-    inv_dops = 1.0 / np.asarray(dops, dtype=np.float64)
+    inv_dops = 1.0 / np.asarray([latency.speedup(d) for d in dops], dtype=np.float64)
     times = diff[:, None, :] * inv_dops[None, :, None]
     times += fixed[:, None, :]
     return times

@@ -174,6 +174,15 @@ def test_k_divides_only_proportional_terms() -> None:
     assert model.predict(batch, k=4) == pytest.approx(1.0 + 6.0 * 2 + proportional / 4)
     with pytest.raises(ConfigError):
         model.predict(batch, k=0)
+    # A measured speed-up replaces k (the last value for larger k).
+    slow = LatencyModel(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, dop_speedup=(1.0, 1.25))
+    assert slow.predict(batch, k=2) == pytest.approx(1.0 + 6.0 * 2 + proportional / 1.25)
+    assert slow.predict(batch, k=4) == slow.predict(batch, k=2)
+    assert slow.speedup(1) == 1.0 and model.speedup(3) == 3.0
+    for bad in ((1.25,), (1.0, 0.0), (1.0, float("nan"))):
+        with pytest.raises(ConfigError, match="dop_speedup"):
+            LatencyModel(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, dop_speedup=bad)
+    assert LatencyModel.from_dict(slow.to_dict(), slow.dop_speedup) == slow
 
 
 def test_latency_model_validation_and_round_trip() -> None:

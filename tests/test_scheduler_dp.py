@@ -14,6 +14,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scheduler.api import (
@@ -274,6 +275,18 @@ def test_max_prefill_dop_caps_dop():
     snap = snapshot(reqs, 8)
     assert GoodputScheduler().schedule(snap).batches[0].dop == 8  # elastic: takes all
     assert GoodputScheduler(max_prefill_dop=3).schedule(snap).batches[0].dop == 3
+
+
+def test_a_measured_dop_speedup_is_what_the_dp_plans_with():
+    """Instances that share a machine's cores (measured speed-up near 1) make a split
+    pay nothing: the DP keeps the prefill on one instance, which it splits over all
+    eight under perfect parallelism; the batch times divide by the speed-up."""
+    reqs = [RequestView("p", "prefill", 100_000, 4000, 0.0)]
+    shared = replace(LAT, dop_speedup=(1.0,) + (0.98,) * 7)
+    assert GoodputScheduler().schedule(snapshot(reqs, 8, latency=shared)).batches[0].dop == 1
+    wp = np.array([0.0, 1.0])
+    times = batch_times(shared, wp, [1, 2, 4], 0.0)
+    assert times[1, :, 0] == pytest.approx(shared.c_const + shared.c_request + np.array([1, 1 / 0.98, 1 / 0.98]))
 
 
 def test_chunked_prefill_caps_new_tokens():

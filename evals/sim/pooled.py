@@ -31,13 +31,7 @@ import random
 
 from evals.sim.engine import Backend, Run, SimRequest, SimulationError
 from evals.sim.pool_plans import PoolPlanner
-from evals.sim.timing import (
-    ChunkSchedule,
-    DecodeSchedule,
-    decode_coefficients,
-    iteration_s,
-    pool_comm_s,
-)
+from evals.sim.run_timing import RunTiming
 from evals.sim.trace import prompt_array
 from scheduler.admission import admission_order, waits_for_flight
 from scheduler.api import BatchDecision, InstanceView, Snapshot
@@ -76,6 +70,7 @@ class PooledBackend(Backend):
         self.blocked: set[SimRequest] = set()  # waiting for a request to finish (memory)
         self.free_at = dict.fromkeys(self.instance_ids, 0.0)
         self.planner = PoolPlanner(self)
+        self.timing = RunTiming(self)
         self._decide_at, self._version = None, 0
         self._last: tuple = (None, ())  # the last decision's requests and batches
         self.reused_decisions = 0
@@ -121,6 +116,7 @@ class PooledBackend(Backend):
         self.cp.finish_request(req.request_id)
         self.reserve(req, -1)
         self.planner.forget(req)
+        self.timing.forget(req)
         req.tokens = req.keys = None
         for r in self.blocked:
             r.blocked = None
@@ -181,9 +177,11 @@ class PooledBackend(Backend):
         for r in run.reqs:
             r.run = None
         if t < run.sched.t0:
+            self.timing.stop(run)
             return  # never started: requests and instances are as they were
         k = max(min(run.sched.first_end_at_or_after(t), run.k_end), run.plan_from)
         self._advance(run, k)
+        self.timing.stop(run)
         end = run.sched.end(k)
         for r in run.reqs:
             r.ready_s, r.worker = end, run.group[0]
@@ -195,6 +193,7 @@ class PooledBackend(Backend):
     def _advance(self, run: Run, k: int) -> None:
         """The requests of ``run`` have done its iterations up to ``k``."""
         if k > run.plan_from:
+            self.timing.charge(run, run.plan_from, k)
             self.planner.commit(run, run.plan_from, k)
             self.iterations += k - run.plan_from
             self._progress(run, run.plan_from, k)
@@ -309,13 +308,10 @@ class PooledBackend(Backend):
                    if (r := self.tracker.get(rid)) is None or r.phase == "decode" and b.phase != "decode"]
         if changed:
             self._request_decision(self.now)
-        groups = self._assign(batches, {i for run in kept for i in run.group})
-        runs = []
-        for b, group in zip(batches, groups):
-            reqs = [self.tracker[rid] for rid in b.request_ids]
-            t0 = max([self.now] + [self.free_at[i] for i in group] + [r.ready_s for r in reqs])
-            runs.append(self._decode_run(reqs, group, t0, slow) if b.phase == "decode"
-                        else self._prefill_run(reqs, group, b.dop, t0, slow))
+        taken = {i for run in kept for i in run.group}
+        runs = [self._decode_run([self.tracker[rid] for rid in b.request_ids]) if b.phase == "decode"
+                else self._prefill_run([self.tracker[rid] for rid in b.request_ids], b.dop)
+                for b in batches]
         try:
             self.planner.prepare(runs, kept)
         except CapacityError:
@@ -326,6 +322,14 @@ class PooledBackend(Backend):
             for r in new:
                 self._block(r)
             return False
+        # The plans exist now: where each request's prefix is read is known.
+        groups = (self._assign(batches, taken) if self.fixed else
+                  self.timing.place(runs, [i for i in self.instance_ids if i not in taken]))
+        starts = []
+        for run, group in zip(runs, groups):
+            run.group = group
+            starts.append(max([self.now] + [self.free_at[i] for i in group] + [r.ready_s for r in run.reqs]))
+        self.timing.time(runs, starts, slow)
         for run in runs:
             self.runs.add(run)
             for inst in run.group:
@@ -343,9 +347,10 @@ class PooledBackend(Backend):
         return True
 
     def _assign(self, batches: tuple[BatchDecision, ...], taken: set[int]) -> list[tuple[int, ...]]:
-        """Instances per batch (``taken`` are busy): a decode batch keeps its first
-        request's last instance when it can; the rest take the instances free earliest
-        (of their role)."""
+        """Instances per batch of a fixed PD split (``taken`` are busy): a decode batch
+        keeps its first request's last instance when it can; the rest take the instances
+        of their role free earliest. (Plain TokenLake uses the dispatch:
+        :meth:`~evals.sim.run_timing.RunTiming.place`.)"""
         out: list[tuple[int, ...] | None] = [None] * len(batches)
         allowed = [tuple(self.fixed.allowed_instances(b)) if self.fixed else self.instance_ids
                    for b in batches]
@@ -362,33 +367,28 @@ class PooledBackend(Backend):
                 taken.update(free)
         return out
 
-    def _decode_run(self, reqs, group, t0: float, slow: float) -> Run:
-        s = self.setup
-        ctx = [r.context for r in reqs]
-        comm = pool_comm_s(s.model, s.hardware, s.instances, [(1, x) for x in ctx], 1, self.c)
-        a, b = decode_coefficients(self.lat, ctx, 1, slow, comm)
+    def _decode_run(self, reqs) -> Run:
+        """Steps until the first request of the batch is done (placed and timed by
+        :meth:`_launch` once the plans exist)."""
         k = min(r.output_len - r.generated for r in reqs)
-        return Run(reqs, "decode", group, 1, DecodeSchedule(t0, a, b, k), k)
+        return Run(reqs, "decode", (), 1, None, k)
 
-    def _prefill_run(self, reqs, group, dop: int, t0: float, slow: float) -> Run:
+    def _prefill_run(self, reqs, dop: int) -> Run:
         """Chunks until the first prompt of the batch is complete."""
-        s, chunk = self.setup, self.chunk
+        chunk = self.chunk
         done = [r.context for r in reqs]  # prompt tokens cached (hit while waiting)
         k = min(-(-(r.prompt_len - d) // chunk) for r, d in zip(reqs, done))
         chunks = [[min(chunk, r.prompt_len - d - j * chunk) for j in range(k)]
                   for r, d in zip(reqs, done)]
-        def duration(j: int) -> float:
-            items = [(c[j - 1], d + (j - 1) * chunk) for c, d in zip(chunks, done)]
-            return (iteration_s(self.lat, items, dop, slow)
-                    + pool_comm_s(s.model, s.hardware, s.instances, items, dop, self.c))
-
-        return Run(reqs, "prefill", group, dop, ChunkSchedule(t0, fn=duration, k_max=k), k, chunks)
+        return Run(reqs, "prefill", (), dop, None, k, chunks)
 
     def extra(self) -> dict:
         st = self.cp.stats()
+        busy = self.timing.load.busy_s
         return {"control_plane_hit_rate": st.hit_rate, "evictions": st.pool.evictions,
                 "placed_at_home": st.pool.placed_at_home / max(st.pool.placed, 1),
                 "replications": st.pool.replications, "segments": st.pool.segments,
                 "dedup_segments": st.pool.dedup_segments, "segment_tokens": self.c,
                 "plan_settles": self.planner.settles, "reused_decisions": self.reused_decisions,
-                "slots_per_instance": self.setup.slots_per_instance, "chunk_tokens": self.chunk}
+                "slots_per_instance": self.setup.slots_per_instance, "chunk_tokens": self.chunk,
+                "query_busy_s": [busy[i] for i in self.instance_ids]}

@@ -128,11 +128,11 @@ def decode_coefficients(lat: LatencyModel, contexts: Sequence[int], k: int,
                         slow: float, comm_s: float) -> tuple[float, float]:
     """``(a, b)`` of a :class:`DecodeSchedule` for requests with these prefix lengths
     at the first step, on ``k`` instances, slowed by ``slow``, plus ``comm_s`` per step."""
-    n, ctx = len(contexts), sum(contexts)
+    n, ctx, s = len(contexts), sum(contexts), lat.speedup(k)
     per_token = lat.c_new_prefix + lat.c_prefix
     a = slow * (lat.c_const + lat.c_request * n
-                + ((lat.c_new + lat.c_new_sq) * n + per_token * ctx) / k) + comm_s
-    return a, slow * per_token * n / k
+                + ((lat.c_new + lat.c_new_sq) * n + per_token * ctx) / s) + comm_s
+    return a, slow * per_token * n / s
 
 
 def iteration_s(lat: LatencyModel, items: Sequence[tuple[int, int]], k: int, slow: float) -> float:
@@ -145,7 +145,7 @@ def iteration_s(lat: LatencyModel, items: Sequence[tuple[int, int]], k: int, slo
         prefix += p
     return slow * (lat.c_const + lat.c_request * len(items)
                    + (lat.c_new * new + lat.c_new_prefix * new_prefix + lat.c_new_sq * new_sq
-                      + lat.c_prefix * prefix) / k)
+                      + lat.c_prefix * prefix) / lat.speedup(k))
 
 
 @functools.lru_cache(maxsize=65536)

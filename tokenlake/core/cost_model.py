@@ -106,14 +106,17 @@ def _check_k(k: int) -> None:
         raise ConfigError(f"k (instances) must be an int >= 1, got {k!r}")
 
 
-def batch_features(requests: BatchTokens, k: int = 1) -> tuple[float, ...]:
+def batch_features(requests: BatchTokens, k: int = 1, speedup: float | None = None) -> tuple[float, ...]:
     """Features of a batch, in the order of :class:`LatencyModel`'s coefficients.
 
-    ``(1, S_new/k, S_new*prefix/k, S_new^2/k, S_prefix/k, num_requests)``: the
-    token-proportional terms are shared by the ``k`` instances; the fixed iteration cost
-    and the per-request cost are paid in full on each instance, so they do not divide.
+    ``(1, S_new/s, S_new*prefix/s, S_new^2/s, S_prefix/s, num_requests)``: the
+    token-proportional terms are shared by the ``k`` instances, which compute them ``s``
+    times faster than one (``speedup``; default ``k``, perfect parallelism); the fixed
+    iteration cost and the per-request cost are paid in full on each instance, so they
+    do not divide.
     """
     _check_k(k)
+    s = float(k) if speedup is None else speedup
     new = new_prefix = new_sq = prefix = 0.0
     for n, p in requests:
         if n < 0 or p < 0:
@@ -122,7 +125,7 @@ def batch_features(requests: BatchTokens, k: int = 1) -> tuple[float, ...]:
         new_prefix += n * p
         new_sq += n * n
         prefix += p
-    return (1.0, new / k, new_prefix / k, new_sq / k, prefix / k, float(len(requests)))
+    return (1.0, new / s, new_prefix / s, new_sq / s, prefix / s, float(len(requests)))
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,15 @@ class LatencyModel:
     + c_prefix*S_p) / k`` where, over the n requests of the batch, ``S_new`` sums new
     tokens, ``S_np`` sums new*prefix tokens, ``S_nn`` sums new^2 and ``S_p`` sums prefix
     tokens. All coefficients are non-negative seconds per unit of their feature.
+
+    ``dop_speedup[k-1]``, when given, is how much faster ``k`` instances compute the
+    divided terms than one, as measured (``tokenlake profile-latency``): ``/ k`` above
+    becomes ``/ dop_speedup[k-1]`` (the last value for larger ``k``). Empty: ``k``, the
+    perfect parallelism of instances with their own devices. On a machine whose
+    instances share a few cores it is near 1 (docs/scheduling.md). ``query_message_s``
+    and ``query_work_scale``: what one query message costs a query engine, and its busy
+    time per second of the prefix terms (measured; the simulator charges both to the
+    instances' busy time, :mod:`evals.sim.instance_load`).
     """
 
     c_const: float  # s per iteration
@@ -141,12 +153,28 @@ class LatencyModel:
     c_new_sq: float  # s per (new token)^2
     c_prefix: float  # s per prefix token
     c_request: float  # s per request
+    dop_speedup: tuple[float, ...] = ()
+    query_message_s: float = 0.0  # a query engine's handling time per query message (measured)
+    query_work_scale: float = 1.0  # its busy time per second of the prefix terms (measured)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
+        for f in fields(self)[:6]:
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"LatencyModel.{f.name} must be finite and >= 0, got {value!r}")
+        sp = tuple(float(x) for x in self.dop_speedup)
+        if sp and (sp[0] != 1.0 or not all(math.isfinite(x) and x > 0 for x in sp)):
+            raise ConfigError(f"dop_speedup must start with 1.0 and be finite and > 0, got {list(sp)}")
+        object.__setattr__(self, "dop_speedup", sp)
+        for name in ("query_message_s", "query_work_scale"):
+            q = getattr(self, name)
+            if not isinstance(q, (int, float)) or not math.isfinite(q) or q < 0:
+                raise ConfigError(f"{name} must be finite and >= 0, got {q!r}")
+
+    def speedup(self, k: int) -> float:
+        """How many times faster ``k`` instances compute the divided terms than one."""
+        sp = self.dop_speedup
+        return float(k) if not sp else sp[min(k, len(sp)) - 1]
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -156,7 +184,8 @@ class LatencyModel:
 
     def predict(self, requests: BatchTokens, k: int = 1) -> float:
         """Iteration time in seconds of ``requests`` ((new, prefix) token pairs) on k instances."""
-        return sum(c * x for c, x in zip(self.coefficients, batch_features(requests, k), strict=True))
+        return sum(c * x for c, x in zip(self.coefficients, batch_features(requests, k, self.speedup(k)),
+                                          strict=True))
 
     @classmethod
     def fit(cls, samples: Iterable[LatencySample]) -> LatencyModel:
@@ -184,16 +213,20 @@ class LatencyModel:
         return cls(*(float(c) for c in coef / scale))
 
     def to_dict(self) -> dict[str, float]:
-        """The coefficients by field name (JSON-serialisable)."""
-        return asdict(self)
+        """The coefficients by field name (JSON-serialisable; ``dop_speedup`` apart)."""
+        out = asdict(self)
+        del out["dop_speedup"], out["query_message_s"], out["query_work_scale"]
+        return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LatencyModel:
+    def from_dict(cls, data: dict[str, Any], dop_speedup=(), query_message_s: float = 0.0,
+                  query_work_scale: float = 1.0) -> LatencyModel:
         """Inverse of :meth:`to_dict`; unknown or missing keys raise :class:`ConfigError`."""
-        names = [f.name for f in fields(cls)]
+        names = [f.name for f in fields(cls)][:6]
         if sorted(data) != sorted(names):
             raise ConfigError(f"LatencyModel needs exactly the keys {names}, got {sorted(data)}")
-        return cls(**{k: float(v) for k, v in data.items()})
+        return cls(**{k: float(v) for k, v in data.items()}, dop_speedup=tuple(dop_speedup),
+                   query_message_s=float(query_message_s), query_work_scale=float(query_work_scale))
 
     @classmethod
     def load(cls, name: str) -> LatencyModel:
@@ -203,7 +236,9 @@ class LatencyModel:
         if name not in valid:
             raise ConfigError(f"unknown latency model {name!r}; valid names: {', '.join(valid)}")
         data = json.loads(folder.joinpath(f"{name}.json").read_text(encoding="utf-8"))
-        return cls.from_dict(data["coefficients"])
+        qe = data.get("query_engine", {})
+        return cls.from_dict(data["coefficients"], data.get("dop_speedup", ()),
+                             qe.get("message_s", 0.0), qe.get("work_scale", 1.0))
 
 
 def fit_report(model: LatencyModel, samples: Iterable[LatencySample]) -> dict[str, float]:

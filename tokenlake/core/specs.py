@@ -144,7 +144,10 @@ class HardwareProfile:
     float32 on the CPU); ``mem_bw``: device memory bandwidth, bytes/s; ``net_bw``:
     instance-to-instance bandwidth of one transfer, bytes/s; ``net_latency_s``: one-way
     latency of one message, seconds; ``mem_bytes``: device memory, bytes; ``notes``:
-    where the numbers come from.
+    where the numbers come from. ``shared_host``: every instance of a cluster runs on
+    this one machine's cores (the ``cpu`` profile), so the instances' query engines do
+    not work in parallel: the simulator adds their work up instead of waiting for the
+    busiest (:mod:`evals.sim.instance_load`).
     """
 
     name: str
@@ -154,6 +157,7 @@ class HardwareProfile:
     net_latency_s: float
     mem_bytes: float
     notes: str = ""
+    shared_host: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:

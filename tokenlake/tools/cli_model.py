@@ -145,6 +145,13 @@ def add_profile_latency(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segment-tokens", type=positive(int), default=None,
                    help="tokens per segment (default: the §4.2 rule on the cpu profile)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled batches")
+    extra = p.add_mutually_exclusive_group()
+    extra.add_argument("--dop-speedup", action="store_true",
+                       help="only measure the speed-up of a prefill at DoP 1..--instances on one compute "
+                            "engine per instance and add it to the existing --out file")
+    extra.add_argument("--query-engine", action="store_true",
+                       help="only measure what a query message costs a query engine (with the "
+                            "existing --out file's coefficients) and add it to that file")
     p.set_defaults(run=run_profile_latency)
 
 
@@ -152,6 +159,28 @@ def run_profile_latency(args: argparse.Namespace) -> int:
     def progress(i: int, n: int) -> None:
         print(f"\rsample {i}/{n}", end="", file=sys.stderr, flush=True)
 
+    if args.dop_speedup or args.query_engine:
+        try:
+            with open(args.out, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"tokenlake profile-latency: error: --dop-speedup and --query-engine add "
+                             f"to an existing profile; cannot read {args.out}: {exc}") from None
+        seg = args.segment_tokens or doc.get("setup", {}).get("segment_tokens")
+        if args.dop_speedup:
+            key, got = "dop_speedup", latency_profile.measure_dop_speedup(
+                args.instances, segment_tokens=seg, seed=args.seed, progress=progress)
+        else:
+            key, got = "query_engine", latency_profile.measure_query_engine(
+                doc["coefficients"], args.instances, segment_tokens=seg, seed=args.seed, progress=progress)
+        doc.update(got)
+        print(file=sys.stderr)
+        doc[f"{key}_generated_by"] = args.command_line
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+            fh.write("\n")
+        print(json.dumps({key: doc[key]}, indent=2))
+        return 0
     doc = latency_profile.profile(args.samples, args.instances, args.max_prefix,
                                   args.segment_tokens, args.seed, progress=progress)
     print(file=sys.stderr)

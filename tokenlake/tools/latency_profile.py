@@ -14,6 +14,12 @@ pool holds only the seed document throughout.
 
 writes the coefficients, the fit report and the sampled grid as data; the scheduler of
 the serving loop loads them with ``LatencyModel.load("cpu_smollm2-135m")``.
+
+    tokenlake profile-latency --out tokenlake/data/latency/cpu_smollm2-135m.json --dop-speedup
+
+adds the measured speed-up of a prefill chunk at DoP 1..N on one compute engine per
+instance (:func:`measure_dop_speedup`) to that file (``dop_speedup``, which
+:class:`~tokenlake.core.cost_model.LatencyModel` divides by instead of the DoP).
 """
 
 from __future__ import annotations
@@ -122,3 +128,139 @@ def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
         "samples": [{"requests": [list(r) for r in s.requests], "k": s.k, "seconds": s.seconds}
                     for s in samples],
     }
+
+
+def measure_dop_speedup(instances: int = 4, rows: tuple[int, ...] = (512, 1024), prefix: int = 2048,
+                        segment_tokens: int | None = None, repeats: int = 3, seed: int = 0,
+                        progress=None) -> dict[str, Any]:
+    """How much faster a prefill chunk of ``rows`` new tokens over a cached ``prefix``
+    computes at DoP ``k`` than at DoP 1, for ``k = 1 .. instances``, on one compute engine
+    per instance (:class:`~tokenlake.model.compute.ParallelComputeEngine`): best of
+    ``repeats`` runs each, the DoPs interleaved within every repeat, the median ratio
+    over ``rows``. Returns ``{"dop_speedup": [1.0, s_2, ...], "dop_setup": {...}}``."""
+    import statistics
+
+    from tokenlake.deploy.local import LocalCluster
+    from tokenlake.model.compute import ParallelComputeEngine
+    from tokenlake.model.llama.weights import load_weights
+
+    weights = load_weights()
+    spec = weights.config.to_model_spec("smollm2-135m")
+    C = segment_tokens or default_segment_tokens(spec, load_hardware("cpu"))
+    prefix -= prefix % C
+    rng = random.Random(seed)
+    doc = tuple(rng.randrange(100, weights.config.vocab_size) for _ in range(prefix))
+    max_rows = max(rows)
+    seg_bytes = spec.num_layers * 2 * spec.num_kv_heads * C * spec.head_dim * 4
+    best: dict[tuple[int, int], float] = {}
+    with LocalCluster(instances, spec, (prefix // C // instances + 2 * instances + 8) * seg_bytes,
+                      segment_tokens=C, max_rows=max_rows) as cluster:
+        cp, engine = cluster.control, ParallelComputeEngine(weights, cluster)
+        try:
+            for i in range(0, prefix, max_rows):  # the cached document
+                batch = Batch((BatchRequest("seed", doc[i : i + max_rows]),))
+                plans = cp.gen_plans([batch], [1])
+                engine.run(plans, [batch])
+                cp.complete(plans)
+            cp.finish_request("seed")
+            for rep in range(repeats):
+                for n in rows:
+                    for k in range(1, instances + 1):
+                        batch = Batch((BatchRequest(f"d{rep}-{n}-{k}", tuple(rng.randrange(100, 30000)
+                                                                           for _ in range(n)), doc),))
+                        t0 = time.perf_counter()
+                        plans = cp.gen_plans([batch], [k])
+                        engine.run(plans, [batch])
+                        took = time.perf_counter() - t0
+                        cp.abort(plans)
+                        best[(n, k)] = min(best.get((n, k), float("inf")), took)
+                if progress:
+                    progress(rep + 1, repeats)
+        finally:
+            engine.close()
+    speedup = [1.0] + [statistics.median(best[(n, 1)] / best[(n, k)] for n in rows)
+                       for k in range(2, instances + 1)]
+    return {"dop_speedup": speedup,
+            "dop_setup": {"instances": instances, "rows": list(rows), "prefix": prefix,
+                          "segment_tokens": C, "repeats": repeats,
+                          "seconds": {f"{n}x{k}": best[(n, k)] for n, k in sorted(best)}}}
+
+
+def measure_query_engine(coefficients: dict[str, float], instances: int = 4, prefix: int = 2048,
+                         segment_tokens: int | None = None, repeats: int = 3, seed: int = 0,
+                         progress=None) -> dict[str, Any]:
+    """What one query message costs a query engine: decode batches and prefill chunks over
+    a cached ``prefix`` run through the pool (one compute engine), and each instance's
+    query-engine busy time (``engine_stats``) is set against the attention work the
+    latency model's prefix terms (``coefficients``) give it, times ``work_scale``, plus
+    ``message_s`` per message it handled (per layer and sub-batch: the home takes the
+    compute engine's query and each remote holder's reply, a remote holder the home's
+    query); both fitted by non-negative least squares on relative error. (``work_scale``
+    is not 1: the prefix terms are fitted on whole iterations, in which the instances'
+    query engines work at once on two cores.) Returns ``{"query_engine": {"message_s",
+    "work_scale", "residual", "setup"}}``; ``residual`` is the mean relative error of that
+    model over the (sample, instance) pairs."""
+    from tokenlake.deploy.local import LocalCluster
+    from tokenlake.model.compute import ComputeEngine
+    from tokenlake.model.llama.weights import load_weights
+
+    weights = load_weights()
+    spec = weights.config.to_model_spec("smollm2-135m")
+    C = segment_tokens or default_segment_tokens(spec, load_hardware("cpu"))
+    prefix -= prefix % C
+    rng = random.Random(seed)
+    doc = tuple(rng.randrange(100, weights.config.vocab_size) for _ in range(prefix))
+    c_np, c_p = coefficients["c_new_prefix"], coefficients["c_prefix"]
+    seg_bytes = spec.num_layers * 2 * spec.num_kv_heads * C * spec.head_dim * 4
+    shapes = [(1, 1), (4, 1), (8, 1), (1, 128), (1, 256)]  # (requests, new tokens each)
+    rows: list[tuple[float, float, int]] = []  # (busy, attention work, messages)
+    with LocalCluster(instances, spec, (prefix // C // instances + 4 * instances + 8) * seg_bytes,
+                      segment_tokens=C, max_rows=512) as cluster:
+        cp, engine = cluster.control, ComputeEngine(weights, cluster)
+        for i in range(0, prefix, 512):
+            batch = Batch((BatchRequest("seed", doc[i : i + 512]),))
+            plans = cp.gen_plans([batch], [1])
+            engine.run(plans, [batch])
+            cp.complete(plans)
+        cp.finish_request("seed")
+        for rep in range(repeats):
+            for n_req, new in shapes:
+                batch = Batch(tuple(BatchRequest(f"q{rep}-{n_req}-{new}-{j}",
+                                                 tuple(rng.randrange(100, 30000) for _ in range(new)), doc)
+                                    for j in range(n_req)))
+                plans = cp.gen_plans([batch], [1])
+                before = {i: p.busy_s for (role, i), p in cluster.engine_stats().items() if role == "query"}
+                engine.run(plans, [batch])
+                after = {i: p.busy_s for (role, i), p in cluster.engine_stats().items() if role == "query"}
+                cp.abort(plans)
+                work, msgs = _plan_query_load(plans, spec.num_layers, c_np, c_p)
+                rows.extend((after[i] - before[i], work.get(i, 0.0), msgs.get(i, 0)) for i in after)
+            if progress:
+                progress(rep + 1, repeats)
+    import numpy as np
+    from scipy.optimize import nnls
+
+    busy = np.array([b for b, _, _ in rows])
+    x = np.array([[m, w] for _, w, m in rows]) / busy[:, None]  # relative error, as the model fit
+    (alpha, scale), _ = nnls(x, np.ones(len(rows)))
+    resid = [abs(scale * w + alpha * m - b) / b for b, w, m in rows if b > 0]
+    return {"query_engine": {"message_s": float(alpha), "work_scale": float(scale),
+                             "residual": sum(resid) / len(resid),
+                             "setup": {"instances": instances, "prefix": prefix, "segment_tokens": C,
+                                       "shapes": shapes, "repeats": repeats}}}
+
+
+def _plan_query_load(plans, layers: int, c_np: float, c_p: float) -> tuple[dict[int, float], dict[int, int]]:
+    """Attention work (s) and query messages per instance of one iteration's plans."""
+    work: dict[int, float] = {}
+    msgs: dict[int, int] = {}
+    for qp in plans.query_plans:
+        remote = set()
+        for inst, items in qp.tasks_by_instance().items():
+            for it in items:
+                work[inst] = work.get(inst, 0.0) + (c_np * (it.stop - it.start) + c_p) * sum(it.tokens)
+            if inst != qp.home:
+                remote.add(inst)
+                msgs[inst] = msgs.get(inst, 0) + layers
+        msgs[qp.home] = msgs.get(qp.home, 0) + layers * (1 + len(remote))
+    return work, msgs

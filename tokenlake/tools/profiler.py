@@ -196,7 +196,7 @@ def profile_cpu(mem_mib: int = 256, matmul_n: int = 2048, transfer_mib: int = 64
     )
     return HardwareProfile(name=name, flops=_sig(flops), mem_bw=_sig(mem_bw), net_bw=_sig(net_bw),
                            net_latency_s=_sig(latency), mem_bytes=_physical_memory_bytes(),
-                           notes=notes)
+                           notes=notes, shared_host=True)
 
 
 def write_profile(profile: HardwareProfile, path: str, merge: bool) -> None:

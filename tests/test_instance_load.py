@@ -115,3 +115,31 @@ def test_a_hot_instance_slows_the_requests_and_replication_relieves_it():
     spread_busy = spread.extra["query_busy_s"]
     assert max(spread_busy) / sum(spread_busy) < max(busy) / sum(busy)
     assert spread.mean_tbt_s < alone.mean_tbt_s
+
+
+def test_the_runs_of_one_decision_are_timed_to_their_fixed_point():
+    """Two decode runs on instances 0 and 1, each reading half its prefix from the other's
+    instance: each loads the other's query engine by ``q`` per iteration of ``T``, so
+    ``T (1 - q/T) = C + q`` settles at ``T = C + 2q`` (plus communication). Timing each
+    run once against the other's time alone would give ``(C + q)^2 / C``."""
+    from types import SimpleNamespace
+
+    from evals.sim.engine import Run
+    from evals.sim.run_timing import RunTiming
+
+    model, hw = load_model("llama-2-7b"), load_hardware("a100-80gb")
+    lat = LatencyModel(c_const=0.01, c_new=0.0, c_new_prefix=0.0, c_new_sq=0.0, c_prefix=1e-6, c_request=0.0)
+    prefix = 8000  # tokens on each instance: q = 8 ms of query work there per iteration
+    reads = {"a": {0: prefix, 1: prefix}, "b": {0: prefix, 1: prefix}}
+    backend = SimpleNamespace(
+        setup=SimpleNamespace(latency=lat, model=model, hardware=hw, segment_tokens=64),
+        instance_ids=[0, 1], planner=SimpleNamespace(reads=reads, grown={}),
+        cp=SimpleNamespace(requests={}, home=lambda key: 0), chunk=512)
+    timing = RunTiming(backend)
+    runs = [Run([SimpleNamespace(request_id=rid)], "decode", (g,), 1, None, 4) for rid, g in (("a", 0), ("b", 1))]
+    timing.time(runs, [0.0, 0.0])
+    c, q = 0.01, 1e-6 * prefix
+    comm = timing.load.comm_s([1], [reads["a"]], [1.0], (0,), 1)
+    for run in runs:
+        assert run.sched.duration(1) == pytest.approx(c + 2 * q + comm, rel=0.02)
+        assert run.sched.duration(1) < (c + q) ** 2 / c

@@ -67,6 +67,34 @@ def _grid(rng: random.Random, n_samples: int, max_prefix: int, segment: int, ins
     return out
 
 
+class _Setup:
+    """What every measurement here starts from: SmolLM2's weights and spec, the segment
+    size, a random document of ``prefix`` tokens (a whole number of segments) and the
+    seeded random stream the samples draw from."""
+
+    def __init__(self, segment_tokens: int | None, prefix: int, seed: int) -> None:
+        from tokenlake.model.llama.weights import load_weights  # torch: only when measuring
+
+        self.weights = load_weights()
+        self.spec = spec = self.weights.config.to_model_spec("smollm2-135m")
+        self.C = segment_tokens or default_segment_tokens(spec, load_hardware("cpu"))
+        self.prefix = prefix - prefix % self.C
+        self.rng = random.Random(seed)
+        self.doc = tuple(self.rng.randrange(100, self.weights.config.vocab_size) for _ in range(self.prefix))
+        self.seg_bytes = spec.num_layers * 2 * spec.num_kv_heads * self.C * spec.head_dim * 4
+
+    def seed_document(self, cluster, engine, rows: int) -> None:
+        """Puts the document into the pool (``rows`` tokens an iteration): every sample's
+        cached prefix comes from it."""
+        cp = cluster.control
+        for i in range(0, self.prefix, rows):
+            batch = Batch((BatchRequest("seed", self.doc[i : i + rows]),))
+            plans = cp.gen_plans([batch], [1])
+            engine.run(plans, [batch])
+            cp.complete(plans)
+        cp.finish_request("seed")
+
+
 def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
             segment_tokens: int | None = None, seed: int = 0, repeats: int = 2,
             progress=None) -> dict[str, Any]:
@@ -78,30 +106,17 @@ def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
     # torch to print its help.
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.model.compute import ComputeEngine
-    from tokenlake.model.llama.weights import load_weights
 
-    weights = load_weights()
-    spec = weights.config.to_model_spec("smollm2-135m")
-    hw = load_hardware("cpu")
-    C = segment_tokens or default_segment_tokens(spec, hw)
-    max_prefix -= max_prefix % C
+    st = _Setup(segment_tokens, max_prefix, seed)
+    weights, spec, C, max_prefix, rng, doc = st.weights, st.spec, st.C, st.prefix, st.rng, st.doc
     max_rows = 1024
-    rng = random.Random(seed)
-    doc = tuple(rng.randrange(100, weights.config.vocab_size) for _ in range(max_prefix))
     grid = _grid(rng, n_samples, max_prefix, C, instances, max_rows)
-    seg_bytes = spec.num_layers * 2 * spec.num_kv_heads * C * spec.head_dim * 4
     slots = max_prefix // C + 2 * 16 + 8  # the document plus every sample's open tails
     samples: list[LatencySample] = []
-    with LocalCluster(instances, spec, (slots // instances + 8) * seg_bytes, segment_tokens=C,
+    with LocalCluster(instances, spec, (slots // instances + 8) * st.seg_bytes, segment_tokens=C,
                       max_rows=max_rows) as cluster:
         cp, engine = cluster.control, ComputeEngine(weights, cluster)
-        seed_batch = [Batch((BatchRequest("seed", doc[i : i + max_rows]),))
-                      for i in range(0, max_prefix, max_rows)]
-        for batch in seed_batch:  # the cached document every sample's prefix comes from
-            plans = cp.gen_plans([batch], [1])
-            engine.run(plans, [batch])
-            cp.complete(plans)
-        cp.finish_request("seed")
+        st.seed_document(cluster, engine, max_rows)
         for idx, (reqs, k) in enumerate(grid):
             best = float("inf")
             for rep in range(repeats):
@@ -142,27 +157,16 @@ def measure_dop_speedup(instances: int = 4, rows: tuple[int, ...] = (512, 1024),
 
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.model.compute import ParallelComputeEngine
-    from tokenlake.model.llama.weights import load_weights
 
-    weights = load_weights()
-    spec = weights.config.to_model_spec("smollm2-135m")
-    C = segment_tokens or default_segment_tokens(spec, load_hardware("cpu"))
-    prefix -= prefix % C
-    rng = random.Random(seed)
-    doc = tuple(rng.randrange(100, weights.config.vocab_size) for _ in range(prefix))
+    st = _Setup(segment_tokens, prefix, seed)
+    spec, C, prefix, rng, doc = st.spec, st.C, st.prefix, st.rng, st.doc
     max_rows = max(rows)
-    seg_bytes = spec.num_layers * 2 * spec.num_kv_heads * C * spec.head_dim * 4
     best: dict[tuple[int, int], float] = {}
-    with LocalCluster(instances, spec, (prefix // C // instances + 2 * instances + 8) * seg_bytes,
+    with LocalCluster(instances, spec, (prefix // C // instances + 2 * instances + 8) * st.seg_bytes,
                       segment_tokens=C, max_rows=max_rows) as cluster:
-        cp, engine = cluster.control, ParallelComputeEngine(weights, cluster)
+        cp, engine = cluster.control, ParallelComputeEngine(st.weights, cluster)
         try:
-            for i in range(0, prefix, max_rows):  # the cached document
-                batch = Batch((BatchRequest("seed", doc[i : i + max_rows]),))
-                plans = cp.gen_plans([batch], [1])
-                engine.run(plans, [batch])
-                cp.complete(plans)
-            cp.finish_request("seed")
+            st.seed_document(cluster, engine, max_rows)
             for rep in range(repeats):
                 for n in rows:
                     for k in range(1, instances + 1):
@@ -202,27 +206,16 @@ def measure_query_engine(coefficients: dict[str, float], instances: int = 4, pre
     model over the (sample, instance) pairs."""
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.model.compute import ComputeEngine
-    from tokenlake.model.llama.weights import load_weights
 
-    weights = load_weights()
-    spec = weights.config.to_model_spec("smollm2-135m")
-    C = segment_tokens or default_segment_tokens(spec, load_hardware("cpu"))
-    prefix -= prefix % C
-    rng = random.Random(seed)
-    doc = tuple(rng.randrange(100, weights.config.vocab_size) for _ in range(prefix))
+    st = _Setup(segment_tokens, prefix, seed)
+    spec, C, prefix, rng, doc = st.spec, st.C, st.prefix, st.rng, st.doc
     c_np, c_p = coefficients["c_new_prefix"], coefficients["c_prefix"]
-    seg_bytes = spec.num_layers * 2 * spec.num_kv_heads * C * spec.head_dim * 4
     shapes = [(1, 1), (4, 1), (8, 1), (1, 128), (1, 256)]  # (requests, new tokens each)
     rows: list[tuple[float, float, int]] = []  # (busy, attention work, messages)
-    with LocalCluster(instances, spec, (prefix // C // instances + 4 * instances + 8) * seg_bytes,
+    with LocalCluster(instances, spec, (prefix // C // instances + 4 * instances + 8) * st.seg_bytes,
                       segment_tokens=C, max_rows=512) as cluster:
-        cp, engine = cluster.control, ComputeEngine(weights, cluster)
-        for i in range(0, prefix, 512):
-            batch = Batch((BatchRequest("seed", doc[i : i + 512]),))
-            plans = cp.gen_plans([batch], [1])
-            engine.run(plans, [batch])
-            cp.complete(plans)
-        cp.finish_request("seed")
+        cp, engine = cluster.control, ComputeEngine(st.weights, cluster)
+        st.seed_document(cluster, engine, 512)
         for rep in range(repeats):
             for n_req, new in shapes:
                 batch = Batch(tuple(BatchRequest(f"q{rep}-{n_req}-{new}-{j}",

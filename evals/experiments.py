@@ -39,6 +39,7 @@ from evals.sim.config import SimConfig
 from evals.sim.engine import SimulationError
 from evals.sim.metrics import SimResult
 from evals.sim.systems import simulate
+from evals.sim.trace import trace_grid
 from evals.workloads import (
     load_sharegpt,
     synthetic_loogle,
@@ -47,7 +48,7 @@ from evals.workloads import (
 )
 from evals.workloads.base import Request
 
-MAIN_SYSTEMS = ("tokenlake", "sglang-router", "mooncake-1p3d", "mooncake-3p1d")
+MAIN_SYSTEMS = ("tokenlake", "sglang-router", "mooncake-1p3d", "mooncake-3p1d", "banaserve")
 WORKLOADS = ("loogle", "scbench", "sharegpt")
 
 #: The paper's §7 figures the report puts beside ours (8 x A100, Llama-2-7B).
@@ -78,9 +79,9 @@ BASE_REQUESTS = {"loogle": 1000, "scbench": 600, "sharegpt": 3000}
 #: 4-8, 3P1D 8-16, TokenLake and 1P3D 16-32; the mix on 16 instances: router 8-12, both
 #: MoonCakes 12-16, TokenLake 24-32.
 DEFAULT_RATES = {
-    "loogle": (1, 2, 3, 4, 5, 6, 7, 8, 10),
+    "loogle": (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12),
     "scbench": (0.5, 1, 2, 3, 4, 6, 8, 10, 12),
-    "sharegpt": (4, 8, 16, 32, 48, 64, 96, 128),
+    "sharegpt": (4, 8, 16, 24, 32, 48, 64, 96, 128),
     "mixed": (1, 2, 4, 6, 8, 12, 16, 24, 32),
 }
 
@@ -110,26 +111,6 @@ class ExperimentResult:
 
 
 # --------------------------------------------------------------------------- workloads
-
-
-#: Speedups of a trace's own arrival times that ``e2e --trace`` tries without ``--rates``.
-TRACE_SPEEDUPS = (1, 2, 4, 8, 16)
-
-
-def _trace_grid(trace: str, rates: Sequence[float] | None,
-                seed: int) -> tuple[str, list[tuple[float, list[Request]]]]:
-    """``(label, [(rate, requests), ...])`` of a Mooncake-format trace for ``e2e``."""
-    from evals.sim.trace import arrange, load_trace
-
-    reqs = load_trace(trace)
-    label = f"trace:{trace.rsplit('/', 1)[-1]}"
-    if rates:
-        return label, [(rate, arrange(reqs, rate, None, 1, seed)) for rate in rates]
-    span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
-    if not span > 0:
-        raise ValueError(f"{trace}: every request arrives at once; give --rates")
-    return label, [(round(len(reqs) * f / span, 3), arrange(reqs, None, f, 1, seed))
-                   for f in TRACE_SPEEDUPS]
 
 
 def build_workload(name: str, scale: float = 1.0, seed: int = 0,
@@ -193,6 +174,22 @@ def _row(result, **labels) -> dict[str, Any]:
 def _p90_goodput(rows: list[dict], target: float = 0.9) -> float:
     ok = [r["rate"] for r in rows if r["slo_attainment"] >= target]
     return max(ok) if ok else 0.0
+
+
+#: What the knee summary keeps of a run.
+KNEE_KEYS = ("hit_rate", "mean_ttft_s", "p90_tbt_s", "slo_attainment", "ttft_slo_attainment",
+             "tbt_slo_attainment", "tbt_miss_waited")
+
+
+def _at_knee(rows: list[dict], knee: float) -> dict[str, Any]:
+    """A system at its own knee (its P90 goodput rate: ``None`` without one) and at the
+    next rate of the grid, where it missed: on input latency (TTFT), time between tokens
+    (TBT), and for TBT whether waiting between batches."""
+    by_rate = {r["rate"]: r for r in rows}
+    above = min((rate for rate in by_rate if rate > knee), default=None)
+    return {"rate": knee or None,
+            "knee": {k: by_rate[knee][k] for k in KNEE_KEYS} if knee in by_rate else None,
+            "next": None if above is None else {"rate": above, **{k: by_rate[above][k] for k in KNEE_KEYS}}}
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -271,12 +268,12 @@ def e2e(workloads: Sequence[str] = WORKLOADS, systems: Sequence[str] = MAIN_SYST
     (``zipf``: LooGLE's document skew, for ``loogle`` and ``mixed``). With ``trace`` (a
     Mooncake-format file) its requests are the one workload: Poisson at each of
     ``rates["trace"]`` if given, else the trace's own times sped up by
-    :data:`TRACE_SPEEDUPS`, each point labelled with its mean rate."""
+    :data:`evals.sim.trace.TRACE_SPEEDUPS`, each point labelled with its mean rate."""
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"p90_goodput": {}, "p90_goodput_ratio": {}}
     jobs, labels = [], []
     if trace is not None:
-        label, grid = _trace_grid(trace, (rates or {}).get("trace"), seed)
+        label, grid = trace_grid(trace, (rates or {}).get("trace"), seed)
         workloads, points = (label,), {label: grid}
     else:
         points = {}
@@ -294,6 +291,9 @@ def e2e(workloads: Sequence[str] = WORKLOADS, systems: Sequence[str] = MAIN_SYST
         good = {s: _p90_goodput([r for r in rows if r["workload"] == w and r["system"] == s])
                 for s in systems}
         summary["p90_goodput"][w] = good
+        summary.setdefault("at_knee", {})[w] = {
+            s: _at_knee([r for r in rows if r["workload"] == w and r["system"] == s], good[s])
+            for s in systems}
         if "tokenlake" in good:
             summary["p90_goodput_ratio"][w] = {s: _ratio(good["tokenlake"], g)
                                                for s, g in good.items() if s != "tokenlake"}

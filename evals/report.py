@@ -155,6 +155,7 @@ def _report(res: ExperimentResult, figures: list[str]) -> str:
                 lines.append(f"| {w} | {sys_} | {_fmt(g)} | {_times(ratio)} | {_times(paper)} |")
         lines += ["", "`inf`: the baseline met the 90% SLO at none of the rates tried. A system "
                   "that met it at the highest rate tried has a P90 goodput of at least that rate.", ""]
+        lines += _knee_table(s.get("at_knee", {}))
     if res.name == "load-balance":
         lines += ["## Mean CV of per-instance cache accesses", "", "| system | ours | paper |", "|---|---|---|"]
         for sys_, cv in s["mean_cv"].items():
@@ -190,6 +191,27 @@ def _report(res: ExperimentResult, figures: list[str]) -> str:
         lines += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
     lines += ["Rows of every run: `rows.csv`; everything: `results.json`.", ""]
     return "\n".join(lines)
+
+
+def _knee_table(at_knee: dict) -> list[str]:
+    """Each system at its own knee, and what it missed at the next rate of the grid."""
+    if not at_knee:
+        return []
+    lines = ["## Each system at its own knee", "",
+             "| workload | system | knee (req/s) | hit rate there | mean TTFT (s) | p90 TBT (ms) "
+             "| next rate | SLO met there: TTFT / TBT | TBT misses waiting between batches |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for w, systems in at_knee.items():
+        for sys_, k in systems.items():
+            at, nxt = k["knee"], k["next"]
+            here = (f"{_fmt(at['hit_rate'], True)} | {_fmt(at['mean_ttft_s'])} | "
+                    f"{at['p90_tbt_s'] * 1e3:.1f}") if at else "- | - | -"
+            there = (f"{_fmt(nxt['rate'])} | {_fmt(nxt['ttft_slo_attainment'], True)} / "
+                     f"{_fmt(nxt['tbt_slo_attainment'], True)} | "
+                     f"{_fmt(nxt['tbt_miss_waited'], True)}") if nxt else "- | - | -"
+            lines.append(f"| {w} | {sys_} | {_fmt(k['rate']) if k['rate'] else 'none'} | {here} | {there} |")
+    return lines + ["", "A system without a knee met the SLO at no rate; its next rate is the "
+                    "lowest tried.", ""]
 
 
 def write(res: ExperimentResult, out: Path, plots: bool = True) -> dict[str, str]:

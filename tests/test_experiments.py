@@ -57,6 +57,17 @@ def test_small_e2e_experiment_writes_rows_report_and_figure(tmp_path):
     assert res.summary["p90_goodput_ratio"] == {"loogle": pytest.approx(ratio)}
     # The case exercises both ends: a goodput inside the grid and one of zero.
     assert any(rates[0] < g < rates[-1] for g in good.values()) and 0.0 in good.values()
+    for s in systems:  # each system at its own knee, and at the next rate up
+        k = res.summary["at_knee"]["loogle"][s]
+        mine = {r["rate"]: r for r in res.rows if r["system"] == s}
+        if good[s]:
+            assert k["rate"] == good[s] and k["knee"]["hit_rate"] == mine[good[s]]["hit_rate"]
+        else:
+            assert k["rate"] is None and k["knee"] is None
+        above = [x for x in rates if x > good[s]]
+        if above:
+            assert k["next"]["rate"] == above[0] and k["next"]["slo_attainment"] < 0.9
+            assert k["next"]["tbt_slo_attainment"] == mine[above[0]]["tbt_slo_attainment"]
     files = write(res, tmp_path)
     with open(files["rows"], newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -67,6 +78,7 @@ def test_small_e2e_experiment_writes_rows_report_and_figure(tmp_path):
     assert "P90 goodput" in report
     for s in systems:  # the report's table shows the goodputs computed above
         assert f"| loogle | {s} | {good[s]:.2f} |" in report
+    assert "Each system at its own knee" in report
     assert (tmp_path / "e2e_loogle.png").stat().st_size > 1000
 
 
@@ -183,8 +195,8 @@ def test_e2e_on_a_trace_and_the_report_warnings(tmp_path):
     """``eval e2e --trace``: the trace's own times sped up, each point labelled with its
     mean rate; a grid where every system meets the SLO at the top rate, and a scale
     below 1, are warned about in the report."""
-    from evals.experiments import TRACE_SPEEDUPS
     from evals.report import warnings
+    from evals.sim.trace import TRACE_SPEEDUPS
 
     lines = [json.dumps({"timestamp": 2_000 * i, "input_length": 600, "output_length": 2,
                          "hash_ids": [i % 3, 50 + i]}) for i in range(10)]

@@ -90,18 +90,19 @@ def test_communication_counts_only_instances_outside_the_run():
     assert got == pytest.approx(want)
 
 
-def _hot_document(n=24, doc_tokens=8192, out=48):
-    """``n`` questions on one document, all arriving at once: the document's few
+def _hot_document(n=24, doc_tokens=8192, out=48, every_s=0.05):
+    """``n`` questions on one document, one every ``every_s``: the document's few
     segments sit on few instances, which serve every query."""
     doc = tuple(range(7, 7 + doc_tokens))
-    return [Request(f"h{i}", 0.0, doc_tokens + 16, out, token_ids=doc + tuple(range(90_000 + 16 * i, 90_016 + 16 * i)))
-            for i in range(n)]
+    return [Request(f"h{i}", i * every_s, doc_tokens + 16, out,
+                    token_ids=doc + tuple(range(90_000 + 16 * i, 90_016 + 16 * i))) for i in range(n)]
 
 
 def test_a_hot_instance_slows_the_requests_and_replication_relieves_it():
-    """One document of 2 segments read by 24 concurrent requests: without replication
+    """One document of 2 segments read by 24 overlapping requests: without replication
     its two holders do all the query work and every decode step waits for them; with
-    heavy-hitter replication the reads spread and decoding is faster. (Under the old
+    heavy-hitter replication the reads of the requests planned after it spread (the
+    simulator picks a decode's replicas when it plans it) and decoding is faster. (Under the old
     model, where a batch paid its own prefix attention wherever it lived, replication
     could not change a simulated latency.)"""
     cfg = SimConfig(instances=4, cache_gb=20.0, segment_tokens=4096, chunk_tokens=512, tp=1,

@@ -48,9 +48,9 @@ class SimConfig:
         router_evict_s: period of sgl-router's approximate-tree eviction.
         max_prefill_dop: cap on the DoP of TokenLake's prefill batches (None: N).
         pool_slowdown: also slow TokenLake's simulated iterations by ``1/(1-L)`` as the DP
-            assumes (``scheduler/latency.py``). Off by default: the latency model already
-            charges each batch its whole prefix attention, which is the pool's work
-            (balanced over the instances), so that would count it twice.
+            assumes (``scheduler/latency.py``). Off by default: the simulator already
+            charges the prefix attention to the query engines of the instances that serve
+            it (``evals/sim/instance_load.py``), so that would count it twice.
         closed_sessions: a multi-turn session's next turn is sent only when its previous
             turn has finished (a chat client waits for the answer), at the later of its
             own arrival time and that finish; its TTFT counts from then. False replays
@@ -69,6 +69,11 @@ class SimConfig:
             it) or ``fcfs`` (arrival order; the former rule, kept to compare).
         admission_patience: a request waiting longer than this multiple of its TTFT SLO
             is overdue: cache-first admission then takes it first, oldest first.
+        decode_first: TokenLake places a decision's decode batches first, among the
+            instances free now, then its prefill sub-batches among the rest (True, the
+            default); False matches every batch in one round by bytes alone (the rule
+            before, kept to compare: decode batches then often wait for a prefill
+            iteration to end, docs/evaluation.md "What sets TokenLake's knee").
         seed: seed of every random choice (replica selection, Poisson arrivals).
     """
 
@@ -94,6 +99,7 @@ class SimConfig:
     eviction_choices: int = 2
     admission: str = "cache-first"
     admission_patience: float = 2.0
+    decode_first: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

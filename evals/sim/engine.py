@@ -44,7 +44,7 @@ class SimRequest(TrackedRequest):
     xPyD: KV bytes)."""
 
     __slots__ = ("idx", "source", "output_len", "first_token_s", "last_token_s", "tbt_sum",
-                 "tbt_count", "tbt_max", "run", "blocked", "ttft_slo_s", "tokens", "keys",
+                 "tbt_count", "tbt_max", "tbt_max_waited", "run", "blocked", "ttft_slo_s", "tokens", "keys",
                  "worker", "aux", "ready_s")
 
     def __init__(self, idx: int, source: Request) -> None:
@@ -52,6 +52,7 @@ class SimRequest(TrackedRequest):
         self.idx, self.source, self.output_len = idx, source, source.output_length
         self.first_token_s = self.last_token_s = 0.0
         self.tbt_sum, self.tbt_count, self.tbt_max = 0.0, 0, 0.0
+        self.tbt_max_waited = False  # the longest TBT spans a wait between two batches
         self.run = self.blocked = self.tokens = self.keys = self.worker = self.aux = None
         self.ttft_slo_s = self.tbt_slo_s = 0.0
         self.ready_s = self.arrival_s  # when its last iteration ends (it may run again)
@@ -253,8 +254,9 @@ class Backend:
         decoding = [r for r, c in zip(run.reqs, run.chunks) if c is None]
         if decoding:
             t1 = sched.end(j0 + 1)
+            step = t1 - sched.end(j0)
             for r in decoding:
-                rec.gap(r, t1)
+                rec.gap(r, t1, step)
             rec.steps(sched, j0 + 2, j1, decoding)
             for r in decoding:
                 tracker.advance_decode(r, j1 - j0)

@@ -45,6 +45,9 @@ class SimResult:
     slo_attainment: float
     ttft_slo_attainment: float
     tbt_slo_attainment: float
+    #: of the requests that missed the TBT SLO, the share whose longest gap spans a wait
+    #: between two batches (descheduled while others ran) rather than one slow step
+    tbt_miss_waited: float
     throughput_rps: float  # finished requests / (last finish - first arrival)
     output_tokens_per_s: float
     input_tokens: int
@@ -86,14 +89,15 @@ class Recorder:
         self.input_tokens = self.hit_tokens = self.prefill_tokens = self.generated = 0
 
     # ---------------------------------------------------------------- TBTs
-    def gap(self, req, t: float) -> None:
-        """A token of ``req`` at ``t`` (its first is recorded by :meth:`first_token`)."""
+    def gap(self, req, t: float, step: float = 0.0) -> None:
+        """A token of ``req`` at ``t`` (its first is recorded by :meth:`first_token`) from
+        a step of ``step`` seconds: the rest of the gap the request waited unscheduled."""
         d = t - req.last_token_s
         self._gaps.append(d)
         req.tbt_sum += d
         req.tbt_count += 1
         if d > req.tbt_max:
-            req.tbt_max = d
+            req.tbt_max, req.tbt_max_waited = d, d - step > step
         req.last_token_s = t
 
     def steps(self, sched, j_from: int, j_to: int, reqs) -> None:
@@ -116,7 +120,7 @@ class Recorder:
             r.tbt_sum += total
             r.tbt_count += n
             if longest > r.tbt_max:
-                r.tbt_max = longest
+                r.tbt_max, r.tbt_max_waited = longest, False
             r.last_token_s = end
 
     def first_token(self, req, t: float) -> None:
@@ -127,7 +131,8 @@ class Recorder:
         self.rows.append((req.arrival_s, req.last_token_s, req.prompt_len, req.output_len,
                           ttft, req.tbt_sum, req.tbt_count,
                           ttft <= ttft_slo_s * (1 + 1e-9),
-                          req.tbt_count == 0 or req.tbt_max <= tbt_slo_s * (1 + 1e-9)))
+                          req.tbt_count == 0 or req.tbt_max <= tbt_slo_s * (1 + 1e-9),
+                          req.tbt_max_waited))
         self.input_tokens += req.prompt_len
         self.hit_tokens += req.hit
         self.generated += req.output_len
@@ -179,6 +184,7 @@ class Recorder:
         arrival, last, inp, out, ttft, tsum, tcount = arr.T
         ok_in = np.array([r[7] for r in rows])
         ok_out = np.array([r[8] for r in rows])
+        waited = np.array([r[9] for r in rows])
         vals, wts = self.tbt_samples()
         multi = tcount > 0
         span = float(last.max() - arrival.min())
@@ -197,6 +203,7 @@ class Recorder:
             "slo_attainment": float((ok_in & ok_out).mean()),
             "ttft_slo_attainment": float(ok_in.mean()),
             "tbt_slo_attainment": float(ok_out.mean()),
+            "tbt_miss_waited": float(waited[~ok_out].mean()) if (~ok_out).any() else 0.0,
             "throughput_rps": len(rows) / span if span > 0 else 0.0,
             "output_tokens_per_s": float(out.sum()) / span if span > 0 else 0.0,
             "input_tokens": self.input_tokens,

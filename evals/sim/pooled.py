@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 from evals.sim.engine import Backend, Run, SimRequest, SimulationError
 from evals.sim.pool_plans import PoolPlanner
@@ -308,6 +309,7 @@ class PooledBackend(Backend):
                    if (r := self.tracker.get(rid)) is None or r.phase == "decode" and b.phase != "decode"]
         if changed:
             self._request_decision(self.now)
+        batches = self._without_prefilling(batches)
         taken = {i for run in kept for i in run.group}
         runs = [self._decode_run([self.tracker[rid] for rid in b.request_ids]) if b.phase == "decode"
                 else self._prefill_run([self.tracker[rid] for rid in b.request_ids], b.dop)
@@ -345,6 +347,19 @@ class PooledBackend(Backend):
                     t = t if end is None else end
             self._request_decision(t)
         return True
+
+    def _without_prefilling(self, batches: tuple[BatchDecision, ...]) -> tuple[BatchDecision, ...]:
+        """``batches`` less the decode-batch members whose last prompt chunk is still
+        computing (its first token comes later): the batch does not wait for them; a
+        decision follows when the first of them is out."""
+        late = {rid: r.first_token_s for b in batches if b.phase == "decode"
+                for rid in b.request_ids if (r := self.tracker[rid]).first_token_s > self.now}
+        if late:
+            self._request_decision(min(late.values()))
+        keeps = [[n for n, rid in enumerate(b.request_ids) if rid not in late] for b in batches]
+        return tuple(b if len(k) == len(b.request_ids) else replace(
+            b, request_ids=tuple(b.request_ids[n] for n in k), new_tokens=tuple(b.new_tokens[n] for n in k))
+            for b, k in zip(batches, keeps) if k)
 
     def _assign(self, batches: tuple[BatchDecision, ...], taken: set[int]) -> list[tuple[int, ...]]:
         """Instances per batch of a fixed PD split (``taken`` are busy): a decode batch

@@ -97,11 +97,31 @@ class RunTiming:
                         put[i] = put.get(i, 0) + rows * kv_row // len(dest)
                 nodes.append(DispatchNode.from_counts(b, p, query, put))
                 owner.append(b)
-        homes = dispatch(nodes, list(free))
+        homes = self._match(nodes, [runs[b].phase == "decode" for b in owner], list(free))
         groups: list[list[int]] = [[] for _ in runs]
         for b, home in zip(owner, homes):
             groups[b].append(home)
         return [tuple(g) for g in groups]
+
+    def _match(self, nodes, decode: list[bool], free: list[int]) -> list[int]:
+        """The dispatch in two rounds (``config.decode_first``): decode batches among the
+        instances free now (at least as many as they need, the soonest free), then the
+        prefill sub-batches among the rest. A decode step is far shorter than its TBT
+        SLO and a prefill iteration often longer, so a decode batch placed on an
+        instance still finishing a prefill iteration misses its SLO waiting."""
+        dec = [n for n, d in enumerate(decode) if d]
+        pre = [n for n, d in enumerate(decode) if not d]
+        if not (self.b.config.decode_first and dec and pre):
+            return list(dispatch(nodes, free))
+        now, free_at = self.b.now, self.b.free_at
+        soon = sorted(free, key=lambda i: (max(free_at[i], now), i))
+        cut = min(max(len(dec), sum(1 for i in free if free_at[i] <= now)), len(free) - len(pre))
+        first = dispatch([nodes[n] for n in dec], soon[:cut])
+        rest = [i for i in free if i not in set(first)]
+        out = [0] * len(nodes)
+        for n, home in zip(dec + pre, (*first, *dispatch([nodes[n] for n in pre], rest))):
+            out[n] = home
+        return out
 
     def _destinations(self, r: SimRequest, chunks) -> list[int]:
         """Where ``r``'s new KV of its first iteration goes (hash homes of the segments a

@@ -88,3 +88,21 @@ def decode_tokens(index: int, start: int, count: int) -> array:
     if base + start + count < _MOD:
         return array("i", range(base + start, base + start + count))
     return array("i", [(base + j) % _MOD for j in range(start, start + count)])
+
+
+#: Speedups of a trace's own arrival times that ``e2e --trace`` tries without ``--rates``.
+TRACE_SPEEDUPS = (1, 2, 4, 8, 16)
+
+
+def trace_grid(trace: str, rates: Sequence[float] | None,
+               seed: int) -> tuple[str, list[tuple[float, list[Request]]]]:
+    """``(label, [(rate, requests), ...])`` of a Mooncake-format trace for ``e2e``."""
+    reqs = load_trace(trace)
+    label = f"trace:{trace.rsplit('/', 1)[-1]}"
+    if rates:
+        return label, [(rate, arrange(reqs, rate, None, 1, seed)) for rate in rates]
+    span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
+    if not span > 0:
+        raise ValueError(f"{trace}: every request arrives at once; give --rates")
+    return label, [(round(len(reqs) * f / span, 3), arrange(reqs, None, f, 1, seed))
+                   for f in TRACE_SPEEDUPS]

@@ -30,7 +30,7 @@ EXPERIMENT_NAMES = ("e2e", "load-balance", "hit-rate", "elasticity", "multi-node
 WORKLOAD_NAMES = ("loogle", "scbench", "sharegpt", "mixed")
 E2E_WORKLOADS = WORKLOAD_NAMES[:3]
 #: ``evals.experiments.MAIN_SYSTEMS``: the systems an experiment compares by default.
-MAIN_SYSTEMS = ("tokenlake", "sglang-router", "mooncake-1p3d", "mooncake-3p1d")
+MAIN_SYSTEMS = ("tokenlake", "sglang-router", "mooncake-1p3d", "mooncake-3p1d", "banaserve")
 #: What ``tokenlake sim`` prints without ``--json``.
 SUMMARY = ("system", "requests", "hit_rate", "cv", "mean_ttft_s", "p90_ttft_s", "mean_tbt_s",
            "p90_tbt_s", "input_token_latency_s", "output_token_latency_s", "slo_attainment",
@@ -88,6 +88,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-choices", type=positive(int), default=2,
                    help="TokenLake: a full pool evicts the LRU victim of the home and the next "
                         "N-1 instances on the ring (1: the home only)")
+    p.add_argument("--no-decode-first", action="store_true",
+                   help="TokenLake: match every batch to instances by bytes alone (default: "
+                        "decode batches first, on the instances free now; to compare)")
     p.add_argument("--trace", default=None,
                    help="hit-rate, e2e: a Mooncake-format JSONL trace instead of --workload. "
                         "hit-rate: at its own arrival times (or --rates), the summary adds the "
@@ -173,7 +176,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     config = SimConfig(instances=16 if args.experiment == "multi-node" else 8,
                        page_tokens=args.page_tokens, admission=args.admission,
-                       eviction_choices=args.eviction_choices)
+                       eviction_choices=args.eviction_choices,
+                       decode_first=not args.no_decode_first)
     if args.instances:
         config = replace(config, instances=args.instances)
     bar = _progress_bar(None, args.experiment, "run", args.quiet)
@@ -261,6 +265,9 @@ def add_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=ADMISSION_RULES, default="cache-first",
                    help="TokenLake's admission order in a full pool (scheduler/admission.py; "
                         "fcfs: arrival order, to compare)")
+    p.add_argument("--no-decode-first", action="store_true",
+                   help="TokenLake: match every batch to instances by bytes alone (default: "
+                        "decode batches first, on the instances free now; to compare)")
     p.add_argument("--tp", type=positive(int), default=2, help="baselines' tensor parallelism")
     p.add_argument("--slo-scale", type=positive(float), default=10.0,
                    help="SLO as a multiple of the unloaded latency")
@@ -284,7 +291,8 @@ def _load_requests(args: argparse.Namespace):
                            chunk_tokens=args.chunk_tokens, tp=args.tp,
                            slo_scale=args.slo_scale, seed=args.seed,
                            page_tokens=args.page_tokens, home_eviction=not args.global_lru,
-                           admission=args.admission, eviction_choices=args.eviction_choices)
+                           admission=args.admission, eviction_choices=args.eviction_choices,
+                           decode_first=not args.no_decode_first)
         config.resolve()
         reqs = arrange(load_trace(args.trace, args.limit), args.rate, args.speedup,
                        args.repeat, args.seed)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
 from evals.sim.engine import Run, SimRequest
 from evals.sim.instance_load import Held, InstanceLoad, compute_s
 from evals.sim.timing import ChunkSchedule, DecodeSchedule
@@ -23,6 +26,11 @@ Work = dict[int, float]
 #: Rounds of re-timing the runs of one decision against each other's load, and the
 #: relative change of every iteration time below which they count as settled.
 ROUNDS, SETTLED = 8, 0.01
+
+
+#: Bytes one second of a decode batch's wait weighs against in its placement: any wait
+#: outweighs every byte count a batch can have.
+WAIT_BYTES_PER_S = 1e15
 
 
 class RunTiming:
@@ -97,29 +105,36 @@ class RunTiming:
                         put[i] = put.get(i, 0) + rows * kv_row // len(dest)
                 nodes.append(DispatchNode.from_counts(b, p, query, put))
                 owner.append(b)
-        homes = self._match(nodes, [runs[b].phase == "decode" for b in owner], list(free))
+        homes = self._match(nodes, [runs[b] for b in owner], list(free))
         groups: list[list[int]] = [[] for _ in runs]
         for b, home in zip(owner, homes):
             groups[b].append(home)
         return [tuple(g) for g in groups]
 
-    def _match(self, nodes, decode: list[bool], free: list[int]) -> list[int]:
-        """The dispatch in two rounds (``config.decode_first``): decode batches among the
-        instances free now (at least as many as they need, the soonest free), then the
-        prefill sub-batches among the rest. A decode step is far shorter than its TBT
-        SLO and a prefill iteration often longer, so a decode batch placed on an
-        instance still finishing a prefill iteration misses its SLO waiting."""
-        dec = [n for n, d in enumerate(decode) if d]
-        pre = [n for n, d in enumerate(decode) if not d]
+    def _match(self, nodes, runs, free: list[int]) -> list[int]:
+        """The dispatch in two rounds (``config.decode_first``). First the decode
+        batches: each to an instance free by the time its requests are ready (their
+        current iterations end), fewest bytes leaving their home among those; then the
+        prefill sub-batches among the other instances, by the dispatch. A decode step is
+        far shorter than its TBT SLO and a prefill iteration often longer, so a decode
+        batch matched by bytes alone to an instance still finishing an iteration misses
+        its SLO waiting."""
+        dec = [n for n, run in enumerate(runs) if run.phase == "decode"]
+        pre = [n for n, run in enumerate(runs) if run.phase != "decode"]
         if not (self.b.config.decode_first and dec and pre):
             return list(dispatch(nodes, free))
         now, free_at = self.b.now, self.b.free_at
-        soon = sorted(free, key=lambda i: (max(free_at[i], now), i))
-        cut = min(max(len(dec), sum(1 for i in free if free_at[i] <= now)), len(free) - len(pre))
-        first = dispatch([nodes[n] for n in dec], soon[:cut])
-        rest = [i for i in free if i not in set(first)]
+        cost = np.empty((len(dec), len(free)))
+        for row, n in enumerate(dec):
+            ready = max([now] + [r.ready_s for r in runs[n].reqs])
+            node = nodes[n]
+            cost[row] = [max(0.0, free_at[i] - ready) * WAIT_BYTES_PER_S
+                         + node.total_bytes - node.local_bytes(i) for i in free]
         out = [0] * len(nodes)
-        for n, home in zip(dec + pre, (*first, *dispatch([nodes[n] for n in pre], rest))):
+        for row, col in zip(*linear_sum_assignment(cost)):
+            out[dec[row]] = free[col]
+        taken = {out[n] for n in dec}
+        for n, home in zip(pre, dispatch([nodes[n] for n in pre], [i for i in free if i not in taken])):
             out[n] = home
         return out
 

@@ -90,7 +90,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                         "N-1 instances on the ring (1: the home only)")
     p.add_argument("--no-decode-first", action="store_true",
                    help="TokenLake: match every batch to instances by bytes alone (default: "
-                        "decode batches first, on the instances free now; to compare)")
+                        "decode batches first, where they need not wait; to compare)")
     p.add_argument("--trace", default=None,
                    help="hit-rate, e2e: a Mooncake-format JSONL trace instead of --workload. "
                         "hit-rate: at its own arrival times (or --rates), the summary adds the "
@@ -267,7 +267,7 @@ def add_sim(p: argparse.ArgumentParser) -> None:
                         "fcfs: arrival order, to compare)")
     p.add_argument("--no-decode-first", action="store_true",
                    help="TokenLake: match every batch to instances by bytes alone (default: "
-                        "decode batches first, on the instances free now; to compare)")
+                        "decode batches first, where they need not wait; to compare)")
     p.add_argument("--tp", type=positive(int), default=2, help="baselines' tensor parallelism")
     p.add_argument("--slo-scale", type=positive(float), default=10.0,
                    help="SLO as a multiple of the unloaded latency")

@@ -225,6 +225,35 @@ def test_pool_too_small_for_a_request_is_refused(model):
         assert "pool" in r.json()["error"]["message"] and room is not None
 
 
+def test_an_engine_per_instance_serves_the_same_answers_splitting_prefills(model):
+    """``compute="per-instance"`` (``tokenlake serve --compute per-instance``): one compute
+    engine per instance, the goodput DP free to split a prefill over both instances;
+    the answers equal the reference engine's."""
+    from tokenlake.model.compute import ParallelComputeEngine
+
+    weights, tok, _ = model
+    spec = weights.config.to_model_spec(SERVED_MODEL)
+    with LocalCluster(2, spec, 32 << 20, segment_tokens=C, max_rows=512) as cluster, \
+            pool_service(cluster, control_port=0, http_port=0, model=(weights, tok),
+                         chunk_tokens=128, compute="per-instance") as svc, \
+            openai.OpenAI(base_url=svc.http.url + "/v1", api_key="unused", max_retries=0,
+                          timeout=120) as c:
+        server = svc.http.loop.server
+        assert isinstance(server.engine, ParallelComputeEngine) and server.compute_slots == 2
+        for q in ("How long is the river Lumen?", "Name the towns of its delta."):
+            msgs = _chat(q)
+            r = c.chat.completions.create(model=SERVED_MODEL, messages=msgs, max_tokens=8,
+                                          temperature=0)
+            assert r.choices[0].message.content == _reference_text(
+                model, tok.apply_chat_template(msgs), 8)[0]
+        assert any(b.phase == "prefill" and b.dop == 2 for d in server.decisions for b in d.batches)
+    with pytest.raises(ValueError, match="per-instance"):
+        with LocalCluster(1, spec, 8 << 20, segment_tokens=C, max_rows=256) as cluster, \
+                pool_service(cluster, control_port=0, http_port=0, model=(weights, tok),
+                             compute="each"):
+            pass
+
+
 def test_the_reference_baseline_answers_the_same(model, client):
     weights, tok, _ = model
     msgs = _chat("How long is the river Lumen?")

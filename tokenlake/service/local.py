@@ -71,13 +71,19 @@ def _model_info(weights, tokenizer, max_request_tokens: int | None = None) -> Mo
 @contextlib.contextmanager
 def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAULT_CONTROL_PORT,
                  http_port: int = DEFAULT_HTTP_PORT, model=None,
-                 chunk_tokens: int = 512, credentials: str | None = None) -> Iterator[Served]:
+                 chunk_tokens: int = 512, credentials: str | None = None,
+                 compute: str = "one") -> Iterator[Served]:
     """Serves the started ``cluster``: its control plane on ``host:control_port`` and,
     when ``model`` (``(weights, tokenizer)``) is given, the HTTP API on ``host:http_port``
     (0: any free port). The control port's credentials (the member's CURVE keys) are
     written to ``credentials`` (default: where ``tokenlake.connect`` looks for this port,
     :func:`tokenlake.dataplane.credentials.default_path`), mode 0600, and removed when
-    the block ends. Everything stops when the block ends (the cluster stays up)."""
+    the block ends. Everything stops when the block ends (the cluster stays up).
+
+    ``compute`` (a :class:`LocalCluster`; Ray clusters bring their compute actors):
+    ``"one"`` compute engine for every instance, driven by continuous batching, or
+    ``"per-instance"`` (:class:`~tokenlake.model.compute.ParallelComputeEngine`): the
+    goodput DP, whose DoP k prefills run their k sub-batches at once."""
     from scheduler.continuous import ContinuousBatching
     from tokenlake.serving.server import Server
 
@@ -92,7 +98,14 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
         weights, tokenizer = model
         shared = control.shared_control()
         chunk = min(chunk_tokens, cluster.max_rows)
+        if compute not in ("one", "per-instance"):
+            raise ValueError(f"compute must be 'one' or 'per-instance', got {compute!r}")
         engine = cluster.compute_engine() if hasattr(cluster, "compute_engine") else None
+        if engine is None and compute == "per-instance":
+            from tokenlake.model.compute import ParallelComputeEngine
+
+            engine = ParallelComputeEngine(weights, cluster)
+            stack.callback(engine.close)
         parallel = getattr(engine, "parallel", False)
         # one local compute engine: continuous batching (scheduler/continuous.py); compute
         # actors that run batches in parallel (Ray): the goodput DP
@@ -156,6 +169,7 @@ def serve_local(
     credentials: str | None = None,
     kv_layout: str = "tokenlake",
     page_tokens: int | None = None,
+    compute: str = "one",
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
@@ -174,7 +188,7 @@ def serve_local(
     ``kv_layout="vllm-cpu"`` or ``"hf"``: a pool for vLLM's connector (load or query
     mode; the namespace keeps vLLM's KV apart), served without the HTTP API (vLLM
     computes, not this process). ``page_tokens``: granularity of prefix hits (None: 16
-    where it divides ``segment_tokens``).
+    where it divides ``segment_tokens``). ``compute``: see :func:`pool_service`.
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
@@ -198,7 +212,7 @@ def serve_local(
                 host=engine_host, insecure=insecure, kv_layout=kv_layout, page_tokens=page_tokens))
             served = stack.enter_context(pool_service(
                 cluster, host=host, control_port=control_port, http_port=http_port,
-                model=weights, credentials=credentials))
+                model=weights, credentials=credentials, compute=compute))
         on_ready(served)
         try:
             stop.wait()

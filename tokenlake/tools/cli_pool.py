@@ -194,7 +194,8 @@ def _serve_local(cfg, json_lines: bool) -> int:
                     cfg.max_rows, host=cfg.host, control_port=cfg.control_port,
                     http_port=cfg.http_port, engine=cfg.engine, engine_host=cfg.bind,
                     insecure=cfg.insecure, credentials=cfg.credentials,
-                    kv_layout=cfg.kv_layout, page_tokens=cfg.page_tokens, stop=stop, on_ready=ready,
+                    kv_layout=cfg.kv_layout, page_tokens=cfg.page_tokens, compute=cfg.compute,
+                    stop=stop, on_ready=ready,
                     progress=lambda line: emit("progress", line, message=line))
     except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

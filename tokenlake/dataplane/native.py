@@ -1,0 +1,91 @@
+"""The native CPU kernel of partial attention over slab slots (``csrc/``), built as a torch
+C++ extension (docs/design.md §4 "Attention backends").
+
+:func:`load` compiles ``csrc/slab_attention_cpu.cpp`` once (``make`` does it when it sets
+the virtualenv up; otherwise the first call does) into ``build/native`` beside the
+checkout, with torch's own extension builder (g++ and ninja), and returns the module, or
+None where it cannot be built (no compiler, an installed package without ``csrc/``).
+:func:`slab_attention` has the contract of
+:func:`tokenlake.dataplane.attention_slab.slab_partial_attention` for CPU slabs and is
+tested against the float64 reference (tests/test_native_kernel.py). Nothing calls it on
+the serving path yet: a first measurement puts it at 0.5-0.9x the torch few-row path
+(issue #21's speed work decides when it replaces it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from tokenlake.dataplane.attention import Partial, Tensor
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = ROOT / "csrc" / "slab_attention_cpu.cpp"
+BUILD_DIR = ROOT / "build" / "native"
+NAME = "tokenlake_slab_attention_cpu"
+FLAGS = ["-O3", "-fopenmp-simd", "-std=c++17"]
+#: Slab dtypes the kernel reads (K/V); q and the results are float32.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def load(verbose: bool = False):
+    """The compiled kernel module, building it on first use; None if it cannot be built
+    (logged once)."""
+    global _module, _tried
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        if not SOURCE.is_file():
+            log.info("no %s: the native kernel is not available", SOURCE)
+            return None
+        try:
+            from torch.utils import cpp_extension
+
+            BUILD_DIR.mkdir(parents=True, exist_ok=True)
+            _module = cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS,
+                                         build_directory=str(BUILD_DIR), verbose=verbose)
+        except Exception as exc:  # a missing compiler or ninja, a failed build
+            log.warning("native slab attention kernel not built (%s): using the torch path",
+                        exc)
+            _module = None
+        return _module
+
+
+def available() -> bool:
+    """True when the kernel is built (or builds now)."""
+    return load() is not None
+
+
+def slab_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[int],
+                   tokens: Sequence[int], scale: float) -> Partial:
+    """The kernel's partial attention of ``q`` ``[rows, q_heads, E]`` over the first
+    ``tokens[i]`` tokens of ``slots[i]`` of ``layer``: float32 ``o`` and natural-log
+    ``lse`` (``-inf`` where no slot has a token). Raises RuntimeError when the kernel is
+    not available and ValueError (from the kernel's checks) for a call that does not fit."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError("the native slab attention kernel is not built")
+    idx = torch.as_tensor(list(slots), dtype=torch.int64)
+    cnt = torch.as_tensor(list(tokens), dtype=torch.int64)
+    try:
+        o, lse = mod.slab_attention(q.float().contiguous(), slab, int(layer), idx, cnt, float(scale))
+    except RuntimeError as exc:  # TORCH_CHECK failures: the call does not fit
+        raise ValueError(str(exc).splitlines()[0]) from None
+    return Partial(o, lse)
+
+
+if __name__ == "__main__":  # `make` builds the kernel when it sets the virtualenv up
+    built = load()
+    print("native slab attention kernel: " + (f"built ({built.isa()})" if built is not None
+                                               else "not built (the torch path serves)"))

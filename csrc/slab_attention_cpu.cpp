@@ -75,9 +75,11 @@ inline __attribute__((always_inline)) float exp_neg(float x) {
   return p * scale;
 }
 
-template <typename T>
+// kE > 0: the head dimension as a compile-time constant (64 and 128 are instantiated):
+// the inner loops then unroll fully, without peeling, remainders or alias checks.
+template <typename T, int kE>
 inline __attribute__((always_inline)) void run_task(const Task& t) {
-  const int64_t E = t.head_dim, R = t.rows;
+  const int64_t E = kE > 0 ? kE : t.head_dim, R = t.rows;
   const T* slab = static_cast<const T*>(t.slab);
   float* kbuf = t.scratch;
   float* vbuf = kbuf + kBlock * E;
@@ -98,9 +100,9 @@ inline __attribute__((always_inline)) void run_task(const Task& t) {
       const int64_t nb = std::min(kBlock, n - b0);
       const float* k = widen<T>(K + b0 * E, kbuf, nb * E);
       for (int64_t j = 0; j < nb; ++j) {
-        const float* kj = k + j * E;
+        const float* __restrict kj = k + j * E;
         for (int64_t r = 0; r < R; ++r) {
-          const float* qr = t.q + r * E;
+          const float* __restrict qr = t.q + r * E;
           float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
           for (int64_t e = 0; e < E; ++e) acc += qr[e] * kj[e];
@@ -121,14 +123,14 @@ inline __attribute__((always_inline)) void run_task(const Task& t) {
         }
         t.l[r] = t.l[r] * corr + sum;
         t.m[r] = mb;
-        float* orow = t.o + r * E;
+        float* __restrict orow = t.o + r * E;
         if (corr != 1.f) {
 #pragma omp simd
           for (int64_t e = 0; e < E; ++e) orow[e] *= corr;
         }
         for (int64_t j = 0; j < nb; ++j) {
           const float p = sr[j];
-          const float* vj = v + j * E;
+          const float* __restrict vj = v + j * E;
 #pragma omp simd
           for (int64_t e = 0; e < E; ++e) orow[e] += p * vj[e];
         }
@@ -138,17 +140,17 @@ inline __attribute__((always_inline)) void run_task(const Task& t) {
 }
 
 #define TL_VARIANT(NAME, TARGET)                                          \
-  template <typename T>                                                   \
+  template <typename T, int kE>                                           \
   __attribute__((target(TARGET), noinline)) void NAME(const Task& t) {    \
-    run_task<T>(t);                                                       \
+    run_task<T, kE>(t);                                                   \
   }
 
 TL_VARIANT(task_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 TL_VARIANT(task_avx2, "avx2,fma,f16c")
 
-template <typename T>
+template <typename T, int kE>
 __attribute__((noinline)) void task_base(const Task& t) {
-  run_task<T>(t);
+  run_task<T, kE>(t);
 }
 
 enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -169,13 +171,20 @@ Isa& forced_isa() {
   return isa;
 }
 
-template <typename T>
-void (*pick(Isa isa))(const Task&) {
+template <typename T, int kE>
+void (*pick_e(Isa isa))(const Task&) {
   switch (isa) {
-    case Isa::kAvx512: return &task_avx512<T>;
-    case Isa::kAvx2: return &task_avx2<T>;
-    default: return &task_base<T>;
+    case Isa::kAvx512: return &task_avx512<T, kE>;
+    case Isa::kAvx2: return &task_avx2<T, kE>;
+    default: return &task_base<T, kE>;
   }
+}
+
+template <typename T>
+void (*pick(Isa isa, int64_t head_dim))(const Task&) {
+  if (head_dim == 128) return pick_e<T, 128>(isa);
+  if (head_dim == 64) return pick_e<T, 64>(isa);
+  return pick_e<T, 0>(isa);
 }
 
 }  // namespace
@@ -224,9 +233,9 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, torch::
   std::vector<float> scratch_all(tasks * scratch);
   void (*fn)(const Task&) = nullptr;
   const Isa isa = forced_isa();
-  if (dtype == torch::kFloat32) fn = pick<float>(isa);
-  else if (dtype == torch::kBFloat16) fn = pick<c10::BFloat16>(isa);
-  else fn = pick<c10::Half>(isa);
+  if (dtype == torch::kFloat32) fn = pick<float>(isa, E);
+  else if (dtype == torch::kBFloat16) fn = pick<c10::BFloat16>(isa, E);
+  else fn = pick<c10::Half>(isa, E);
   const void* base = slab.data_ptr();
   const float* qp = qg.data_ptr<float>();
 

@@ -113,3 +113,18 @@ def test_an_instruction_set_above_the_cpus_is_refused(kernel):
         pytest.skip("this CPU has every variant")
     with pytest.raises(RuntimeError, match="does not support"):
         kernel.set_isa("avx512")
+
+
+def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
+    """A tiny run of ``tokenlake bench kernel``: its JSON has the memory bandwidth and a
+    row per (dtype, rows, tokens) with the kernel's and torch's GB/s."""
+    from tokenlake.tools.bench_kernel import bench_kernel
+
+    out = bench_kernel(tokens=(1024,), rows=(1, 2), dtypes=("float32", "bfloat16"), repeats=1,
+                       buffer_gib=0.05)
+    assert out["memory_read_gbps"] > 0 and out["isa"] == kernel.isa()
+    assert [(r["dtype"], r["rows"], r["tokens"]) for r in out["results"]] == [
+        ("float32", 1, 1024), ("float32", 2, 1024), ("bfloat16", 1, 1024), ("bfloat16", 2, 1024)]
+    for r in out["results"]:
+        assert r["kernel_gbps"] > 0 and r["torch_gbps"] > 0 and r["torch_slab_gbps"] > 0
+        assert r["kernel_vs_torch"] == pytest.approx(r["kernel_gbps"] / r["torch_gbps"])

@@ -8,8 +8,8 @@ None where it cannot be built (no compiler, an installed package without ``csrc/
 :func:`slab_attention` has the contract of
 :func:`tokenlake.dataplane.attention_slab.slab_partial_attention` for CPU slabs and is
 tested against the float64 reference (tests/test_native_kernel.py). Nothing calls it on
-the serving path yet: a first measurement puts it at 0.5-0.9x the torch few-row path
-(issue #21's speed work decides when it replaces it).
+the serving path yet: ``tokenlake bench kernel`` puts it well below issue #21's targets
+for several query rows (its speed work decides when it replaces the torch path).
 """
 
 from __future__ import annotations

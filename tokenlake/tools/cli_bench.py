@@ -1,5 +1,5 @@
-"""``tokenlake bench {plans,query-vs-fetch,e2e,scheduler,sim,serve}``: benchmarks that
-print figures (they assert nothing; README.md quotes them).
+"""``tokenlake bench {plans,query-vs-fetch,kernel,e2e,scheduler,sim,serve,...}``: benchmarks
+that print figures (they assert nothing; README.md quotes them).
 
 Each benchmark's work lives beside what it measures (``tokenlake/tools/bench_*.py``,
 ``scheduler/bench.py``, ``evals/sim/bench.py``); this module parses the arguments and
@@ -16,6 +16,7 @@ import os
 import shlex
 import sys
 
+from tokenlake.tools.bench_kernel import add_kernel
 from tokenlake.tools.bench_plans import bench_plans
 from tokenlake.tools.cli_args import UsageError, at_least, fraction, positive
 from tokenlake.tools.cli_eval import SYSTEM_NAMES
@@ -24,13 +25,13 @@ WORKLOADS = ("loogle", "sharegpt", "mooncake")  # tokenlake/tools/bench_serve_lo
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Adds ``bench`` and its six benchmarks to the command tree."""
     bench = sub.add_parser("bench", help="benchmarks (print figures; not tests)",
                            description="Benchmarks: they print figures and assert nothing.")
     what = bench.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
     add_plans(what.add_parser("plans", help="gen_plans latency and prefix-match throughput"))
     add_query_vs_fetch(what.add_parser(
         "query-vs-fetch", help="one decode query through the pool vs fetching the prefix KV"))
+    add_kernel(what.add_parser("kernel", help="the csrc slab-attention kernel vs memory bandwidth and torch"))
     add_curve(what.add_parser(
         "curve", help="what CURVE costs a query and a put (secure vs insecure pool, JSON)"))
     add_vllm(what.add_parser(

@@ -1,0 +1,138 @@
+"""``tokenlake bench kernel``: KV bytes read per second by the csrc slab-attention kernel
+(issue #21) against this machine's memory read bandwidth and torch's own CPU attention,
+all measured in one run.
+
+Per (dtype, query rows, tokens): a slab of full slots holding ``tokens`` tokens of a
+Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head_dim 128), one decode-like query
+of ``rows`` rows, and three calls timed alternately (median of ``repeats``): the kernel
+(:func:`tokenlake.dataplane.native.slab_attention`), torch's CPU attention
+(``scaled_dot_product_attention`` on the same K/V, gathered into one contiguous tensor
+before timing) and the torch few-row slab path the pool uses today. Bandwidth is
+``2 x tokens x kv_heads x head_dim x bytes`` over the time. The machine's memory read
+bandwidth is the best of several multi-threaded reductions over a 1 GiB buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 32, 8, 128, 512
+DTYPES = ("float32", "bfloat16")  # torch is imported only when the benchmark runs
+
+
+def _median_s(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call, calls interleaved so that drift hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def memory_read_gbps(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
+    """GB/s of the best of several multi-threaded read-only passes over ``gib`` GiB."""
+    import torch
+
+    buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    half = buf.numel() // 2
+    methods = {"sum": lambda: buf.sum(), "amax": lambda: buf.amax(),
+               "dot": lambda: torch.dot(buf[:half], buf[half:2 * half])}  # each byte once
+    times = _median_s(methods, repeats)
+    return {name: buf.numel() * 4 / min(ts) / 1e9 for name, ts in times.items()}
+
+
+def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "bfloat16"),
+                 repeats: int = 7, buffer_gib: float = 1.0) -> dict:
+    """The JSON of ``tokenlake bench kernel`` (module docstring)."""
+    import torch
+
+    from tokenlake.dataplane import native
+    from tokenlake.dataplane.attention_slab import slab_partial_attention
+
+    mod = native.load()
+    if mod is None:
+        raise RuntimeError("the native kernel is not built (g++ and ninja are needed)")
+    bw = memory_read_gbps(buffer_gib)
+    results = []
+    for dname in dtypes:
+        for n in tokens:
+            slots = -(-n // CAPACITY)
+            slab = torch.randn(slots, 1, 2, KV_HEADS, CAPACITY, HEAD_DIM).to(getattr(torch, dname))
+            for r in rows:
+                row = _measure(native, slab_partial_attention, slab, r, repeats)
+                row["kernel_vs_bandwidth"] = row["kernel_gbps"] / max(bw.values())
+                results.append({"dtype": dname, **row})
+    return {"memory_read_gbps": max(bw.values()), "memory_read_methods_gbps": bw,
+            "isa": mod.isa(), "threads": torch.get_num_threads(),
+            "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                      "slot_tokens": CAPACITY},
+            "results": results}
+
+
+def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> dict:
+    """One row of the results: the three calls on ``slab`` with ``rows`` query rows."""
+    import torch
+
+    slots = slab.shape[0]
+    ids, counts = list(range(slots)), [CAPACITY] * slots
+    k = slab[:, 0, 0].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM).unsqueeze(0).contiguous()
+    v = slab[:, 0, 1].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM).unsqueeze(0).contiguous()
+    kv_bytes = 2 * slots * CAPACITY * KV_HEADS * HEAD_DIM * slab.element_size()
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM)
+    qs = q.transpose(0, 1).unsqueeze(0).to(slab.dtype)  # [1, Hq, rows, E]
+    scale = HEAD_DIM ** -0.5
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    times = _median_s({
+        "kernel": lambda: native.slab_attention(q, slab, 0, ids, counts, scale),
+        "torch": lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True),
+        "torch_slab": lambda: slab_partial_attention(q, slab, 0, ids, counts, scale),
+    }, repeats)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"rows": rows, "tokens": slots * CAPACITY,
+            "kernel_gbps": kv_bytes / med["kernel"] / 1e9,
+            "torch_gbps": kv_bytes / med["torch"] / 1e9,
+            "torch_slab_gbps": kv_bytes / med["torch_slab"] / 1e9,
+            "kernel_ms": med["kernel"] * 1e3,
+            "kernel_ms_range": [min(times["kernel"]) * 1e3, max(times["kernel"]) * 1e3],
+            "kernel_vs_torch": med["torch"] / med["kernel"]}
+
+
+def add_kernel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768, 65536],
+                   help="prefix tokens per measurement (rounded up to whole 512-token slots)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="query rows")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
+                   help="K/V dtypes of the slab")
+    p.add_argument("--repeats", type=int, default=7, help="timed calls of each, interleaved")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.set_defaults(run=run_kernel)
+
+
+def run_kernel(args: argparse.Namespace) -> int:
+    from tokenlake.tools.cli_args import UsageError
+
+    if min(args.tokens) < 1 or min(args.rows) < 1 or args.repeats < 1:
+        raise UsageError("bench kernel: --tokens, --rows and --repeats must be positive")
+    try:
+        result = bench_kernel(tuple(args.tokens), tuple(args.rows), tuple(args.dtypes), args.repeats)
+    except RuntimeError as exc:
+        raise UsageError(f"bench kernel: {exc}") from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"memory read bandwidth {result['memory_read_gbps']:.1f} GB/s "
+          f"({result['threads']} threads, kernel isa {result['isa']})")
+    for row in result["results"]:
+        print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: kernel "
+              f"{row['kernel_gbps']:5.1f} GB/s ({row['kernel_vs_bandwidth']:.0%} of bandwidth), "
+              f"torch {row['torch_gbps']:5.1f} GB/s, torch slab path {row['torch_slab_gbps']:5.1f} "
+              f"GB/s: kernel / torch {row['kernel_vs_torch']:.2f}x")
+    return 0

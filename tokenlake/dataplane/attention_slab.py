@@ -137,9 +137,9 @@ def _slab_cuda(q: Tensor, slab: Tensor, layer: int, work: list[tuple[int, int]],
 # ---------------------------------------------------------------------------- benchmark
 
 
-def _time_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
-    """``{name: (min, median)}`` wall times in ms of each ``fn()``, runs interleaved (so
-    load from other processes hits all alike) after one warm-up call each."""
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Wall seconds of ``repeats`` calls of each ``fn()``, the calls interleaved (so load
+    from other processes hits all alike), after one warm-up call each."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
@@ -147,8 +147,14 @@ def _time_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tu
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: (min(ts), sorted(ts)[len(ts) // 2]) for name, ts in times.items()}
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _time_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
+    """``{name: (min, median)}`` wall times in ms of :func:`interleaved_times`."""
+    return {name: (min(ts) * 1e3, sorted(ts)[len(ts) // 2] * 1e3)
+            for name, ts in interleaved_times(fns, repeats).items()}
 
 
 def bench_slab_attention(q_heads: int = 32, kv_heads: int = 32, head_dim: int = 128,

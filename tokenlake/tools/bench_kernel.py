@@ -17,35 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
 
 Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 32, 8, 128, 512
 DTYPES = ("float32", "bfloat16")  # torch is imported only when the benchmark runs
-
-
-def _median_s(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each call, calls interleaved so that drift hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def memory_read_gbps(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
     """GB/s of the best of several multi-threaded read-only passes over ``gib`` GiB."""
     import torch
 
+    from tokenlake.dataplane.attention_slab import interleaved_times
+
     buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
     half = buf.numel() // 2
     methods = {"sum": lambda: buf.sum(), "amax": lambda: buf.amax(),
                "dot": lambda: torch.dot(buf[:half], buf[half:2 * half])}  # each byte once
-    times = _median_s(methods, repeats)
+    times = interleaved_times(methods, repeats)
     return {name: buf.numel() * 4 / min(ts) / 1e9 for name, ts in times.items()}
 
 
@@ -81,6 +68,8 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
     """One row of the results: the three calls on ``slab`` with ``rows`` query rows."""
     import torch
 
+    from tokenlake.dataplane.attention_slab import interleaved_times
+
     slots = slab.shape[0]
     ids, counts = list(range(slots)), [CAPACITY] * slots
     k = slab[:, 0, 0].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM).unsqueeze(0).contiguous()
@@ -90,7 +79,7 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
     qs = q.transpose(0, 1).unsqueeze(0).to(slab.dtype)  # [1, Hq, rows, E]
     scale = HEAD_DIM ** -0.5
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    times = _median_s({
+    times = interleaved_times({
         "kernel": lambda: native.slab_attention(q, slab, 0, ids, counts, scale),
         "torch": lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True),
         "torch_slab": lambda: slab_partial_attention(q, slab, 0, ids, counts, scale),

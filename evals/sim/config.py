@@ -72,9 +72,9 @@ class SimConfig:
         decode_first: TokenLake places a decision's decode batches first, each on an
             instance free by the time its requests are ready, then its prefill
             sub-batches among the rest (True, the default); False matches every batch in
-            one round by bytes alone (the rule
-            before, kept to compare: decode batches then often wait for a prefill
-            iteration to end, docs/evaluation.md "What sets TokenLake's knee").
+            one round by bytes alone (the rule before, kept to compare: decode batches
+            then often wait for a prefill iteration to end, docs/evaluation.md "What sets
+            TokenLake's knee").
         seed: seed of every random choice (replica selection, Poisson arrivals).
     """
 

@@ -19,7 +19,7 @@ from evals.sim.engine import Run, SimRequest
 from evals.sim.instance_load import Held, InstanceLoad, compute_s
 from evals.sim.timing import ChunkSchedule, DecodeSchedule
 from tokenlake.core.cost_model import comm_bytes_per_query_layer
-from tokenlake.core.dispatch import DispatchNode, dispatch, split_tokens
+from tokenlake.core.dispatch import DispatchNode, dispatch, edge_weight, split_tokens
 
 Work = dict[int, float]
 
@@ -128,8 +128,8 @@ class RunTiming:
         for row, n in enumerate(dec):
             ready = max([now] + [r.ready_s for r in runs[n].reqs])
             node = nodes[n]
-            cost[row] = [max(0.0, free_at[i] - ready) * WAIT_BYTES_PER_S
-                         + node.total_bytes - node.local_bytes(i) for i in free]
+            cost[row] = [max(0.0, free_at[i] - ready) * WAIT_BYTES_PER_S - edge_weight(node, i)
+                         for i in free]
         out = [0] * len(nodes)
         for row, col in zip(*linear_sum_assignment(cost)):
             out[dec[row]] = free[col]

@@ -62,11 +62,6 @@ def load(verbose: bool = False):
         return _module
 
 
-def available() -> bool:
-    """True when the kernel is built (or builds now)."""
-    return load() is not None
-
-
 def slab_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[int],
                    tokens: Sequence[int], scale: float) -> Partial:
     """The kernel's partial attention of ``q`` ``[rows, q_heads, E]`` over the first

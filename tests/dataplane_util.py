@@ -66,19 +66,23 @@ def execute(cluster, plans, tokens: dict[str, list[int]], new: dict[str, int], m
     return results
 
 
-def reference_prefix(tokens: list[int], prefix_tokens: int, q: torch.Tensor, layer: int, model: ModelSpec = TINY):
-    kv = token_kv(tokens[:prefix_tokens], 0, layer, model).to(torch.float64)
+def reference_prefix(tokens: list[int], prefix_tokens: int, q: torch.Tensor, layer: int, model: ModelSpec = TINY,
+                     kv_dtype: torch.dtype = torch.float32):
+    """float64 attention of ``q`` over the prefix's K/V as a pool of ``kv_dtype`` stores
+    them (rounded to it once)."""
+    kv = token_kv(tokens[:prefix_tokens], 0, layer, model).to(kv_dtype).to(torch.float64)
     return partial_attention_ref(q.to(torch.float64), kv[:, 0], kv[:, 1])
 
 
-def full_attention_check(tokens, span, q, o, lse, layer, model: ModelSpec = TINY):
+def full_attention_check(tokens, span, q, o, lse, layer, model: ModelSpec = TINY,
+                         kv_dtype: torch.dtype = torch.float32):
     """Pool prefix partial merged with causal self-attention over the span's own rows
     equals monolithic causal attention over [prefix ; new] (the compute engine's job).
     Valid when the span starts at the request's first new token."""
     p, n = span.prefix_tokens, span.stop - span.start
-    new_kv = token_kv(tokens[p : p + n], p, layer, model)
+    new_kv = token_kv(tokens[p : p + n], p, layer, model).to(kv_dtype)
     so, slse = partial_attention_ref(q.double(), new_kv[:, 0].double(), new_kv[:, 1].double(), causal=True)
     mo, mlse = merge(o.double(), lse.double(), so, slse)
-    all_kv = token_kv(tokens[: p + n], 0, layer, model).double()
+    all_kv = token_kv(tokens[: p + n], 0, layer, model).to(kv_dtype).double()
     ro, rlse = partial_attention_ref(q.double(), all_kv[:, 0], all_kv[:, 1], causal=True)
     return (mo - ro).abs().max().item(), (mlse - rlse).abs().max().item()

@@ -275,7 +275,7 @@ def test_the_commands_named_in_the_shipped_data_parse():
 def test_demo_exits_1_when_an_answer_differs_from_the_reference(monkeypatch, capsys):
     """A wrong answer is not a usage mistake: exit 1 (the demo module is faked, no model)."""
     fake = type(sys)("tokenlake.tools.demo")
-    fake.DemoConfig = lambda instances: instances
+    fake.DemoConfig = lambda instances, kv_dtype: instances
     fake.print_report = lambda report: None
     fake.run_demo = lambda config, progress: {"reference_match": config == 3}
     monkeypatch.setitem(sys.modules, "tokenlake.tools.demo", fake)

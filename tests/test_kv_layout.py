@@ -16,7 +16,7 @@ from tokenlake.core.errors import ConfigError
 
 
 def test_the_layout_is_part_of_the_namespace():
-    pools = {k: pool_control(1, TINY, POOL_BYTES, C, 4, clock=lambda: 0.0, kv_layout=k)
+    pools = {k: pool_control(1, TINY, POOL_BYTES, C, "float32", clock=lambda: 0.0, kv_layout=k)
              for k in KV_LAYOUTS}
     assert set(KV_LAYOUTS) == {"tokenlake", "vllm-cpu", "hf"}
     assert pools["vllm-cpu"].config.namespace.endswith("/vllm-cpu")
@@ -29,7 +29,7 @@ def test_the_layout_is_part_of_the_namespace():
                 assert pools[a].config.namespace != pools[b].config.namespace
                 assert keys[a].isdisjoint(keys[b]), (a, b)
     with pytest.raises(ConfigError, match="kv_layout"):
-        pool_control(1, TINY, POOL_BYTES, C, 4, clock=lambda: 0.0, kv_layout="paged")
+        pool_control(1, TINY, POOL_BYTES, C, "float32", clock=lambda: 0.0, kv_layout="paged")
 
 
 def test_serve_for_vllm_offers_the_control_port_with_its_layout():

@@ -110,6 +110,20 @@ def test_both_launchers_share_one_buffer_layout(ray_pool, local_pool):
         assert ray_pool.slab(i).shape == local_pool.slab(i).shape == shapes["slab"]
 
 
+def test_a_bfloat16_pool_on_ray_queries_replicates_and_migrates(ray_session):
+    """Issue #21: the Ray hosts create the slab and put buffers in the pool's dtype, and
+    queries, replicas and migrations read and copy it as the local launcher does."""
+    import torch
+
+    with RayCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=256, peer_timeout_s=1.0,
+                    start_timeout_s=60.0, options=OPTIONS, kv_dtype="bfloat16") as pool:
+        assert all(pool.slab(i).dtype == torch.bfloat16 for i in pool.instances)
+        assert pool.client_info(0)["buffers"]["kv"]["dtype"] == "bfloat16"
+        pool_scenario(pool)
+        replication_scenario(pool)
+        migration_scenario(pool)
+
+
 # ------------------------------------------------------------- fitting the cluster
 
 def _nodes(*cpus: float, gpus: float = 0.0) -> list[NodeResources]:

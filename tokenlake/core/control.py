@@ -293,25 +293,37 @@ class ControlPlane:
 #: vLLM's K/V rows in Hugging Face's head order, attended in the pool (its query mode).
 #: Part of the namespace: no two of them ever match each other.
 KV_LAYOUTS = ("tokenlake", "vllm-cpu", "hf")
+#: The element types a pool may hold its K/V in, with their bytes and the short name
+#: the namespace carries (a pool's segments never match another dtype's).
+KV_DTYPES: dict[str, tuple[int, str]] = {"float32": (4, "f32"), "bfloat16": (2, "bf16"), "float16": (2, "f16")}
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    """``kv_dtype`` if it is one of :data:`KV_DTYPES`, else ``ConfigError``."""
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype must be one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+    return kv_dtype
 
 
 def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_tokens: int,
-                 dtype_bytes: int, clock: Callable[[], float], seed: int = 0,
+                 kv_dtype: str, clock: Callable[[], float], seed: int = 0,
                  kv_layout: str = "tokenlake", page_tokens: int | None = None) -> ControlPlane:
     """The control plane of a cluster of ``n_instances`` slabs of ``pool_bytes`` each,
-    holding as many whole segments of ``dtype_bytes`` elements as fit (the launchers'
-    shared sizing), in the namespace of ``model``, ``segment_tokens`` and ``kv_layout``
-    (:data:`KV_LAYOUTS`), with page hits of ``page_tokens`` (``None``: the default);
-    ``ConfigError`` without instances, for an unknown layout, or when no segment fits."""
+    holding as many whole segments of ``kv_dtype`` (:data:`KV_DTYPES`) elements as fit
+    (the launchers' shared sizing), in the namespace of ``model``, ``kv_dtype``,
+    ``segment_tokens`` and ``kv_layout`` (:data:`KV_LAYOUTS`), with page hits of
+    ``page_tokens`` (``None``: the default); ``ConfigError`` without instances, for an
+    unknown dtype or layout, or when no segment fits."""
     if n_instances < 1:
         raise ConfigError("need at least one instance")
     if kv_layout not in KV_LAYOUTS:
         raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    dtype_bytes, short = KV_DTYPES[check_kv_dtype(kv_dtype)]
     seg_bytes = model.num_layers * 2 * model.num_kv_heads * segment_tokens * model.head_dim * dtype_bytes
     slots = pool_bytes // seg_bytes
     if slots < 1:
         raise ConfigError(f"pool_bytes={pool_bytes} holds no {seg_bytes}-byte segment")
-    namespace = f"{model.name}/f32/C{segment_tokens}"
+    namespace = f"{model.name}/{short}/C{segment_tokens}"
     if kv_layout != "tokenlake":
         namespace += f"/{kv_layout}"
     config = PoolConfig(segment_tokens, namespace, slots, seed=seed, page_tokens=page_tokens)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tokenlake.core.control import pool_control
+from tokenlake.core.control import check_kv_dtype, pool_control
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane.shm_files import BufferSpec
@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 #: The reply class a request expects (a :class:`~tokenlake.dataplane.messages.WireMessage`).
 Reply = TypeVar("Reply", bound="WireMessage")
 
-#: dtype of every shared buffer: the CPU engines compute in float32.
+#: dtype of the buffers the compute engine and the query engine exchange rows and
+#: partial results in (q, out_o, out_lse): attention math is float32 everywhere. The
+#: slab and the put buffer (kv) hold K/V in the pool's ``kv_dtype``.
 BUFFER_DTYPE = "float32"
-DTYPE_BYTES = 4
 #: The buffers each engine role maps (its instance's slab, and its compute engine's
 #: home buffers: q rows and partial outputs for a query engine, new KV for a transfer one).
 ENGINE_BUFFERS: dict[str, tuple[str, ...]] = {
@@ -48,8 +49,9 @@ CLIENT_BUFFERS = ("q", "out_o", "out_lse", "kv")
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """The shared buffers of one instance: names and shapes, all ``BUFFER_DTYPE``
-    (float32), C-contiguous. ``R`` is ``max_rows``, the tokens of one sub-batch.
+    """The shared buffers of one instance: names and shapes, C-contiguous; ``slab`` and
+    ``kv`` in ``kv_dtype`` (a key of :data:`~tokenlake.core.control.KV_DTYPES`), the
+    rest ``BUFFER_DTYPE`` (float32). ``R`` is ``max_rows``, the tokens of one sub-batch.
 
     ========= =============================================== ==========================
     name      shape                                           holds
@@ -66,6 +68,11 @@ class BufferLayout:
     slots: int  # segments per slab
     segment_tokens: int  # C
     max_rows: int  # R
+    kv_dtype: str = "float32"
+
+    def dtype(self, name: str) -> str:
+        """The element type of buffer ``name``."""
+        return self.kv_dtype if name in ("slab", "kv") else BUFFER_DTYPE
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """``{name: shape}`` in creation order (slab first)."""
@@ -81,7 +88,7 @@ class BufferLayout:
     def specs(self, prefix: str, instance: int) -> dict[str, BufferSpec]:
         """``{name: spec}`` of ``instance``'s buffers, named ``<prefix><name>-<instance>``
         (``prefix`` is a cluster prefix of :func:`tokenlake.dataplane.shm_files.cluster_prefix`)."""
-        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, BUFFER_DTYPE)
+        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, self.dtype(name))
                 for name, shape in self.shapes().items()}
 
 
@@ -101,6 +108,9 @@ class ClusterBase(abc.ABC):
             (seconds); peer_timeout_s: engine-to-engine limit; start_timeout_s: limit
             of the start-up.
         host: what the engines bind.
+        kv_dtype: the element type of the pool's K/V (``"float32"``, ``"bfloat16"``,
+            ``"float16"``): slabs, puts, replicas and migrations carry it; queries still
+            send float32 q rows and get float32 partials (docs/design.md "KV dtype").
         kv_layout: whose KV the pool holds (``tokenlake.core.control.KV_LAYOUTS``; part
             of the namespace, so the layouts never match each other).
         page_tokens: granularity of prefix hits inside a segment
@@ -127,15 +137,17 @@ class ClusterBase(abc.ABC):
         insecure: bool = False,
         kv_layout: str = "tokenlake",
         page_tokens: int | None = None,
+        kv_dtype: str = "float32",
     ) -> None:
         from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
 
-        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, DTYPE_BYTES, clock, seed,
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, kv_dtype, clock, seed,
                                     kv_layout, page_tokens)
         self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
         self.segment_tokens = segment_tokens
         self.slots_per_instance = self.control.config.slots_per_instance
-        self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows)
+        self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows, kv_dtype)
         self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
         self.start_timeout_s, self.host = start_timeout_s, host
         self.insecure = bool(insecure)

@@ -72,10 +72,11 @@ class LocalCluster(ClusterBase):
         insecure: bool = False,
         kv_layout: str = "tokenlake",
         page_tokens: int | None = None,
+        kv_dtype: str = "float32",
     ) -> None:
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
                          timeout_s, peer_timeout_s, start_timeout_s, host, insecure, kv_layout,
-                         page_tokens)
+                         page_tokens, kv_dtype)
         self.cluster_id = ""
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}

@@ -138,8 +138,10 @@ class ComputeEngine:
         hidden = llama.embed(self.w, lay.ids)
         coalesce = lay.ids.numel() <= COALESCE_PUT_ROWS
         rope = llama.rope_tables(self.cfg, lay.positions)
+        kv_dtype = buf[2].dtype  # the pool's: new rows attend as the pool will store them
         for layer in range(self.cfg.num_layers):
             q, k, v = llama.qkv(self.w, layer, hidden, lay.positions, rope=rope)
+            k, v = llama.stored_kv(k, v, kv_dtype)
             if lay.later is not None:
                 rid, a, z = lay.later
                 exchange.publish(qp.batch, qp.part, layer, rid, k[a:z], v[a:z])

@@ -170,6 +170,7 @@ def serve_local(
     kv_layout: str = "tokenlake",
     page_tokens: int | None = None,
     compute: str = "one",
+    kv_dtype: str = "float32",
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
@@ -188,7 +189,8 @@ def serve_local(
     ``kv_layout="vllm-cpu"`` or ``"hf"``: a pool for vLLM's connector (load or query
     mode; the namespace keeps vLLM's KV apart), served without the HTTP API (vLLM
     computes, not this process). ``page_tokens``: granularity of prefix hits (None: 16
-    where it divides ``segment_tokens``). ``compute``: see :func:`pool_service`.
+    where it divides ``segment_tokens``). ``compute``: see :func:`pool_service`;
+    ``kv_dtype``: the slabs' element type (float32, bfloat16, float16).
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
@@ -197,19 +199,17 @@ def serve_local(
     stop = stop if stop is not None else threading.Event()
     if engine not in ("pool", "reference"):
         raise ValueError(f"engine must be 'pool' or 'reference', got {engine!r}")
-    weights = load_served_model(progress) if model.name == SERVED_MODEL and \
-        kv_layout == "tokenlake" else None
+    weights = load_served_model(progress) if model.name == SERVED_MODEL and kv_layout == "tokenlake" else None
     with contextlib.ExitStack() as stack:
         if engine == "reference":
             if weights is None:
                 raise ValueError(f"the reference engine serves {SERVED_MODEL} only")
-            served = stack.enter_context(reference_service(weights, host=host,
-                                                           http_port=http_port))
+            served = stack.enter_context(reference_service(weights, host=host, http_port=http_port))
         else:
             progress(f"starting {instances} instances (a query and a transfer engine each) ...")
             cluster = stack.enter_context(LocalCluster(
-                instances, model, pool_bytes, segment_tokens=segment_tokens, max_rows=max_rows,
-                host=engine_host, insecure=insecure, kv_layout=kv_layout, page_tokens=page_tokens))
+                instances, model, pool_bytes, segment_tokens, max_rows, host=engine_host, insecure=insecure,
+                kv_layout=kv_layout, page_tokens=page_tokens, kv_dtype=kv_dtype))
             served = stack.enter_context(pool_service(
                 cluster, host=host, control_port=control_port, http_port=http_port,
                 model=weights, credentials=credentials, compute=compute))

@@ -27,10 +27,10 @@ from tokenlake.serving.server import GenerationRequest, RequestResult, check_req
 class _Seq:
     __slots__ = ("req", "result", "cache", "prefilled", "generator")
 
-    def __init__(self, req: GenerationRequest, result: RequestResult, config) -> None:
+    def __init__(self, req: GenerationRequest, result: RequestResult, config, kv_dtype) -> None:
         self.req, self.result = req, result
         self.cache = KVCache.empty(config, min(len(req.prompt_ids) + req.max_new_tokens,
-                                               config.max_context))
+                                               config.max_context), kv_dtype)
         self.prefilled = 0
         self.generator = req.sampling.generator()
 
@@ -42,13 +42,15 @@ class ReferenceServer:
         weights: the model.
         chunk_tokens: most prompt tokens prefilled per iteration.
         on_token: ``on_token(request_id, token_id)``, after the result is updated.
+        kv_dtype: the element type of the KV caches (attention math stays float32).
     """
 
     def __init__(self, weights, chunk_tokens: int = 512,
-                 on_token: Callable[[str, int], None] | None = None) -> None:
+                 on_token: Callable[[str, int], None] | None = None,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        self.engine = ReferenceEngine(weights)
+        self.engine = ReferenceEngine(weights, kv_dtype)
         self.cfg = weights.config
         self.chunk_tokens = chunk_tokens
         self.on_token = on_token
@@ -70,7 +72,7 @@ class ReferenceServer:
         check_request(req, self.cfg, self.results)
         result = RequestResult(req.request_id, req.prompt_ids)
         self.results[req.request_id] = result
-        self._live[req.request_id] = _Seq(req, result, self.cfg)
+        self._live[req.request_id] = _Seq(req, result, self.cfg, self.engine.kv_dtype)
         return result
 
     def step(self) -> None:

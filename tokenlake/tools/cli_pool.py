@@ -14,6 +14,7 @@ import signal
 import threading
 from dataclasses import replace
 
+from tokenlake.core.control import KV_DTYPES
 from tokenlake.core.errors import TokenLakeError
 from tokenlake.core.specs import load_model
 from tokenlake.tools import cli_config, walkthrough
@@ -48,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
+    p.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES),
+                   help="element type of the pool's K/V (the reference engine's cache: the same)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run_demo)
 
@@ -57,7 +60,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # torch and the model load only when the demo runs, not for --help
     from tokenlake.tools.demo import DemoConfig, print_report, run_demo
 
-    report = run_demo(DemoConfig(instances=args.instances),
+    report = run_demo(DemoConfig(instances=args.instances, kv_dtype=args.kv_dtype),
                       progress=(lambda *_: None) if args.json else print)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -127,7 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return serve(cfg.instances, cfg.model, cfg.pool_mb << 20, options, cfg.segment_tokens,
                      cfg.max_rows, restart=cfg.restart, json_lines=args.json,
-                     page_tokens=cfg.page_tokens,
+                     page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype,
                      out=lambda line: print(line, flush=True),
                      attach=_ray_service(cfg, args.json))
     except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had
@@ -183,7 +186,7 @@ def _serve_local(cfg, json_lines: bool) -> int:
         where += [f"OpenAI-compatible API at {info['http_url']}/v1 (metrics: "
                   f"{info['http_url']}/metrics)"] if info["http_url"] else []
         what = (f"{cfg.instances} instances of {cfg.model} ({cfg.pool_mb} MiB slab each, "
-                f"C = {cfg.segment_tokens})" if cfg.engine == "pool"
+                f"C = {cfg.segment_tokens}, {cfg.kv_dtype} KV)" if cfg.engine == "pool"
                 else f"{cfg.model} on the reference engine (no pool, no prefix cache)")
         emit("ready", f"serving {what}; " + "; ".join(where) + "; Ctrl-C or SIGTERM stops",
              **info, instances=cfg.instances, model=cfg.model, engine=cfg.engine)
@@ -195,7 +198,7 @@ def _serve_local(cfg, json_lines: bool) -> int:
                     http_port=cfg.http_port, engine=cfg.engine, engine_host=cfg.bind,
                     insecure=cfg.insecure, credentials=cfg.credentials,
                     kv_layout=cfg.kv_layout, page_tokens=cfg.page_tokens, compute=cfg.compute,
-                    stop=stop, on_ready=ready,
+                    kv_dtype=cfg.kv_dtype, stop=stop, on_ready=ready,
                     progress=lambda line: emit("progress", line, message=line))
     except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

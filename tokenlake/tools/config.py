@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 
-from tokenlake.core.control import KV_LAYOUTS
+from tokenlake.core.control import KV_DTYPES, KV_LAYOUTS
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import list_models
 
@@ -106,6 +106,9 @@ class ServeSettings:
     page_tokens: int = _setting(16, "int", "prefix hits exact to this many tokens; must divide "
                                 "segment_tokens (segment_tokens: whole segments only)", _positive,
                                 metavar="TOKENS")
+    kv_dtype: str = _setting("float32", "str", "element type of the pool's K/V: 'float32', "
+                             "'bfloat16' or 'float16' (half the bytes per token; attention math "
+                             "stays float32)", choices=tuple(KV_DTYPES), metavar="DTYPE")
     max_rows: int = _setting(1024, "int", "rows of each q/out/kv buffer", _positive,
                           metavar="ROWS")
     host: str = _setting("127.0.0.1", "str", "address of the control and HTTP ports",

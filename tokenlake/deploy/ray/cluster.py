@@ -94,11 +94,12 @@ class RayCluster(ClusterBase):
         options: RayOptions | None = None,
         compute: bool | Callable[[], Any] = False,
         page_tokens: int | None = None,
+        kv_dtype: str = "float32",
     ) -> None:
         options = options if options is not None else RayOptions()
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
                          timeout_s, peer_timeout_s, start_timeout_s, options.host, options.insecure,
-                         page_tokens=page_tokens)
+                         page_tokens=page_tokens, kv_dtype=kv_dtype)
         self.options = options
         self._owns_ray = False
         self._bundles = Bundles(options, self.layout, timeout_s, peer_timeout_s, start_timeout_s,

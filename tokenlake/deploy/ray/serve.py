@@ -29,6 +29,7 @@ def serve(
     stop: threading.Event | None = None,
     attach: Callable[[RayCluster], AbstractContextManager[Any]] | None = None,
     page_tokens: int | None = None,
+    kv_dtype: str = "float32",
 ) -> int:
     """``tokenlake serve --ray``: starts the pool, prints its addresses, watches it
     every ``poll_s`` seconds (failed instances are removed and, with ``restart``, started
@@ -50,7 +51,7 @@ def serve(
     model = load_model(model_name)
     stop = stop if stop is not None else threading.Event()
     with (RayCluster(instances, model, pool_bytes, segment_tokens, max_rows, options=options,
-                     page_tokens=page_tokens) as cluster,
+                     page_tokens=page_tokens, kv_dtype=kv_dtype) as cluster,
           contextlib.ExitStack() as attached):
         served = attached.enter_context(attach(cluster)) if attach is not None else None
         lock = getattr(served, "lock", None) or contextlib.nullcontext()

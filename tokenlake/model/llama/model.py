@@ -111,6 +111,16 @@ def qkv(w: LlamaWeights, layer: int | LayerWeights, hidden: Tensor, positions: T
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def stored_kv(k: Tensor, v: Tensor, kv_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``k`` and ``v`` as attention reads them back from a cache of ``kv_dtype``: rounded
+    to it once, then float32 again (unchanged for float32). Every engine attends over
+    these values, its own new rows included, so a pool and a reference of the same KV
+    dtype compute the same attention (docs/design.md "KV dtype")."""
+    if kv_dtype == k.dtype:
+        return k, v
+    return k.to(kv_dtype).to(k.dtype), v.to(kv_dtype).to(v.dtype)
+
+
 def finish_layer(w: LlamaWeights, layer: int | LayerWeights, hidden: Tensor,
                  attn: Tensor) -> Tensor:
     """The rest of ``layer`` after attention: output projection of ``attn``

@@ -25,24 +25,33 @@ from tokenlake.model.llama.model import (
 from tokenlake.model.llama.weights import LlamaConfig, LlamaWeights
 
 Tensor = torch.Tensor
+#: How far (max abs) the pool's logits may lie from this engine's when both hold their
+#: KV in the same dtype (docs/design.md "KV dtype"). float32: reduction order only.
+#: Half K/V: the two engines' float32 K/V differ by reduction order (~1e-6), and where
+#: a value lies that close to a rounding boundary the two round it to neighbouring
+#: half values; measured maxima on the demo 0.11 (bfloat16) and 0.014 (float16).
+#: Greedy outputs then agree token for token except at near ties: a step where the
+#: reference's best two logits lie within this tolerance of each other.
+LOGIT_TOLERANCE = {"float32": 1e-4, "float16": 0.05, "bfloat16": 0.25}
 _MIN_CAPACITY = 64  # tokens preallocated for a new cache (doubles as it fills)
 
 
 @dataclass
 class KVCache:
     """K and V of one sequence, every layer: ``keys[l]`` / ``values[l]`` are
-    ``[capacity, kv_heads, head_dim]`` float32 buffers whose first ``length`` rows are
-    valid (post-RoPE K, as attention reads them). Owned and grown by the engine."""
+    ``[capacity, kv_heads, head_dim]`` buffers (float32 unless the engine's ``kv_dtype``
+    says otherwise) whose first ``length`` rows are valid (post-RoPE K, as attention
+    reads them). Owned and grown by the engine."""
 
     keys: list[Tensor]
     values: list[Tensor]
     length: int = 0
 
     @classmethod
-    def empty(cls, config: LlamaConfig, capacity: int) -> KVCache:
+    def empty(cls, config: LlamaConfig, capacity: int, dtype: torch.dtype = torch.float32) -> KVCache:
         shape = (capacity, config.num_kv_heads, config.head_dim)
-        return cls([torch.empty(shape) for _ in range(config.num_layers)],
-                   [torch.empty(shape) for _ in range(config.num_layers)])
+        return cls([torch.empty(shape, dtype=dtype) for _ in range(config.num_layers)],
+                   [torch.empty(shape, dtype=dtype) for _ in range(config.num_layers)])
 
     @property
     def capacity(self) -> int:
@@ -55,6 +64,14 @@ class KVCache:
     def v(self, layer: int) -> Tensor:
         """Valid values of ``layer``: a view ``[length, kv_heads, head_dim]``."""
         return self.values[layer][: self.length]
+
+    def attend(self, q: Tensor, layer: int, stop: int, causal: bool = False) -> Tensor:
+        """Attention of ``q`` over the first ``stop`` cached rows of ``layer`` in
+        float32 (half K/V read back as float32): ``[n, q_heads, head_dim]``."""
+        keys, values = self.keys[layer][:stop], self.values[layer][:stop]
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        return partial_attention(q, keys, values, causal=causal)[0]
 
     def reserve(self, tokens: int) -> None:
         """Grows the buffers (doubling) so that ``tokens`` tokens fit."""
@@ -90,15 +107,17 @@ def greedy(logits: Tensor) -> int:
 
 
 class ReferenceEngine:
-    """Monolithic greedy engine over :class:`LlamaWeights` (float32, CPU).
+    """Monolithic greedy engine over :class:`LlamaWeights` (float32, CPU), its KV cache
+    held in ``kv_dtype`` (float32, bfloat16 or float16; attention math in float32).
 
     Constructor only stores. All methods validate their input and raise subclasses of
     :class:`tokenlake.model.llama.model.LlamaInputError` (a ``ValueError``) with a message.
     """
 
-    def __init__(self, weights: LlamaWeights) -> None:
+    def __init__(self, weights: LlamaWeights, kv_dtype: torch.dtype = torch.float32) -> None:
         self.weights = weights
         self.config = weights.config
+        self.kv_dtype = kv_dtype
 
     def extend(self, cache: KVCache, token_ids: Sequence[int] | Tensor) -> Tensor:
         """Runs ``token_ids`` (``n >= 1``) after the ``cache.length`` cached tokens,
@@ -120,8 +139,7 @@ class ReferenceEngine:
             q, k, v = model.qkv(w, i, hidden, positions, rope=rope)
             cache.keys[i][start: start + n] = k
             cache.values[i][start: start + n] = v
-            keys, values = cache.keys[i][: start + n], cache.values[i][: start + n]
-            attn, _ = partial_attention(q, keys, values, causal=n > 1)
+            attn = cache.attend(q, i, start + n, causal=n > 1)
             hidden = model.finish_layer(w, i, hidden, attn)
         cache.length = start + n
         return model.logits(w, hidden[-1:])[0]
@@ -136,7 +154,7 @@ class ReferenceEngine:
         if n > self.config.max_context:
             raise ContextLengthError(f"prompt of {n} tokens exceeds max_context "
                                      f"{self.config.max_context}")
-        cache = KVCache.empty(self.config, min(max(n, _MIN_CAPACITY), self.config.max_context))
+        cache = KVCache.empty(self.config, min(max(n, _MIN_CAPACITY), self.config.max_context), self.kv_dtype)
         return self.extend(cache, ids), cache
 
     def decode_step(self, cache: KVCache, token_id: int) -> Tensor:
@@ -173,8 +191,7 @@ class ReferenceEngine:
             for b, c in enumerate(caches):
                 c.keys[i][c.length] = k[b]
                 c.values[i][c.length] = v[b]
-                attn[b : b + 1], _ = partial_attention(q[b : b + 1], c.keys[i][: c.length + 1],
-                                                       c.values[i][: c.length + 1])
+                attn[b : b + 1] = c.attend(q[b : b + 1], i, c.length + 1)
             hidden = model.finish_layer(w, i, hidden, attn)
         for c in caches:
             c.length += 1

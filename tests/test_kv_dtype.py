@@ -1,0 +1,107 @@
+"""Pools that hold their K/V in bfloat16 or float16 (issue #21): the slab's dtype and
+size, the namespace, the reference engine's cache of the same dtype, and SmolLM2
+generating through a half-precision pool what the reference generates with a cache of
+that dtype. The data-plane paths (puts, queries, replication, migration, page copies)
+run in half-precision pools in tests/test_dataplane.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dataplane_util import TINY
+
+from tokenlake.core.control import KV_DTYPES
+from tokenlake.core.errors import ConfigError
+from tokenlake.deploy.local import LocalCluster
+from tokenlake.model.llama.reference import LOGIT_TOLERANCE, GenerationResult, ReferenceEngine
+from tokenlake.serving import GenerationRequest, Server
+from tokenlake.tools.demo import _near_tie
+
+C = 16
+NEW = 6
+SEGMENT_F32 = TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_a_half_pool_holds_twice_the_segments_in_its_dtype(kv_dtype):
+    pool_bytes = 10 * SEGMENT_F32
+    with LocalCluster(1, TINY, pool_bytes, segment_tokens=C, max_rows=32, kv_dtype=kv_dtype) as half, \
+            LocalCluster(1, TINY, pool_bytes, segment_tokens=C, max_rows=32) as full:
+        assert full.slots_per_instance == 10 and half.slots_per_instance == 20
+        assert half.slab(0).dtype == getattr(torch, kv_dtype) and full.slab(0).dtype == torch.float32
+        assert half.slab(0).nbytes == full.slab(0).nbytes
+        # the compute engine writes its new K/V in the pool's dtype; q and partials stay float32
+        client = half.client(0)
+        assert client.kv.dtype == getattr(torch, kv_dtype)
+        assert client.q.dtype == client.out_o.dtype == client.out_lse.dtype == torch.float32
+        short = KV_DTYPES[kv_dtype][1]
+        assert f"/{short}/" in half.control.config.namespace
+        assert half.control.config.namespace != full.control.config.namespace
+
+
+def test_an_unknown_kv_dtype_is_refused():
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        LocalCluster(1, TINY, SEGMENT_F32, segment_tokens=C, kv_dtype="int8")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_the_reference_cache_holds_the_dtype_and_attends_in_float32(smollm2, kv_dtype):
+    weights, tok, ref32 = smollm2
+    ref = ReferenceEngine(weights, kv_dtype)
+    ids = tok.encode("The river Lumen runs 212 kilometres to the sea.")
+    logits, cache = ref.prefill(ids)
+    assert cache.keys[0].dtype == kv_dtype and cache.length == len(ids)
+    want, _ = ref32.prefill(ids)
+    assert logits.dtype == torch.float32
+    # rounding the cache moves the logits, but not by much
+    assert 0 < (logits - want).abs().max().item() < 1.0
+
+
+def _prompts(tok):
+    system = {"role": "system", "content": "You are a concise assistant. Answer in a few words."}
+    doc = "The river Lumen runs 212 kilometres from the Grey Hills to the sea at Kestrel Bay."
+    qs = ["How long is the river Lumen?", "Where does the river Lumen end?", "Name the hills it starts in."]
+    return [tuple(tok.apply_chat_template([system, {"role": "user", "content": f"{doc}\n{q}"}])) for q in qs]
+
+
+def _agrees(got_ids, got_logits, want: GenerationResult, tolerance: float) -> None:
+    """Token for token until a near tie of the reference (then the rest may differ);
+    logits within ``tolerance`` on every step both took the same way."""
+    for step, (a, b) in enumerate(zip(got_ids, want.output_ids)):
+        diff = (got_logits[step] - want.logits[step]).abs().max().item()
+        assert diff < tolerance, (step, diff)
+        if a != b:
+            margin = (want.logits[step][b] - want.logits[step][a]).item()
+            assert margin <= tolerance, (step, margin)
+            return
+    assert got_ids == list(want.output_ids)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_generation_through_a_half_pool_equals_the_reference_of_that_dtype(smollm2, kv_dtype):
+    weights, tok, _ = smollm2
+    ref = ReferenceEngine(weights, getattr(torch, kv_dtype))
+    spec = weights.config.to_model_spec("smollm2-135m")
+    prompts = _prompts(tok)
+    with LocalCluster(2, spec, 24 << 20, segment_tokens=C, max_rows=512, kv_dtype=kv_dtype) as cluster:
+        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
+        server.run([GenerationRequest("p0", prompts[0], NEW, (tok.eos_id,))])
+        server.run([GenerationRequest(f"p{i}", p, NEW, (tok.eos_id,)) for i, p in enumerate(prompts[1:], 1)])
+        results = server.results
+    for i, prompt in enumerate(prompts):
+        res = results[f"p{i}"]
+        _agrees(res.output_ids, res.logits, ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,)),
+                LOGIT_TOLERANCE[kv_dtype])
+    assert results["p1"].hit_tokens > 0
+
+
+def test_the_demo_names_a_near_tie_and_nothing_else():
+    """A half pool's answer may leave the reference's where the reference's two best
+    logits lie within the dtype's tolerance; any other difference is one."""
+    logits = [torch.tensor([0.0, 5.0, 4.9]), torch.tensor([3.0, 0.0, 1.0])]
+    run = GenerationResult([1, 0], logits, False)
+    tie = _near_tie(run, [2, 0], "bfloat16")
+    assert tie["step"] == 0 and tie["margin"] == pytest.approx(0.1, abs=1e-5)
+    assert _near_tie(run, [1, 2], "bfloat16") is None  # margin 2.0: a real difference
+    assert _near_tie(run, [2, 0], "float32") is None  # float32 is held to equality
+    assert _near_tie(run, [1, 0], "bfloat16") is None  # equal outputs

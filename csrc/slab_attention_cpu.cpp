@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -139,10 +140,199 @@ inline __attribute__((always_inline)) void run_task(const Task& t) {
   }
 }
 
+// ---------------------------------------------------------------------------------
+// The vector path (head dims that are multiples of 16): 16 lanes of float, written with
+// GCC's vector extensions so that one source compiles to AVX-512, AVX2 (pairs of
+// registers) and SSE. Per block of 16 tokens and per query row, the 16 dot products
+// are accumulated as 16 vectors of partial sums and reduced together by a transpose
+// tree (15 shuffle pairs instead of 16 horizontal sums), the softmax runs on the 16
+// scores as one vector, and the output row stays in registers while it accumulates
+// the block's 16 V rows. Half K/V are widened once per block into an L1 scratch.
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h16 __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef _Float16 v16fp16 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kAhead = 2;  // blocks between the one computed and the one prefetched
+
+inline __attribute__((always_inline)) v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline __attribute__((always_inline)) void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+
+inline __attribute__((always_inline)) v16f splat(float x) { return v16f{} + x; }
+
+// Lane j of the result is the sum of every lane of a[j] (a[j] for j >= n count as 0).
+inline __attribute__((always_inline)) v16f transpose_sum(v16f* a) {
+  // Step h pairs a[i] with a[i + h]: each 2h-lane group of the result holds h lanes of
+  // partial sums of a[i] then h of a[i + h]; after h = 8, 4, 2, 1 lane j holds a[j]'s sum.
+  const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i hi8 = lo8 + 8;
+  const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const v16i hi4 = lo4 + 4;
+  const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const v16i hi2 = lo2 + 2;
+  const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const v16i hi1 = lo1 + 1;
+  for (int i = 0; i < 8; ++i) a[i] = __builtin_shuffle(a[i], a[i + 8], lo8) + __builtin_shuffle(a[i], a[i + 8], hi8);
+  for (int i = 0; i < 4; ++i) a[i] = __builtin_shuffle(a[i], a[i + 4], lo4) + __builtin_shuffle(a[i], a[i + 4], hi4);
+  for (int i = 0; i < 2; ++i) a[i] = __builtin_shuffle(a[i], a[i + 2], lo2) + __builtin_shuffle(a[i], a[i + 2], hi2);
+  return __builtin_shuffle(a[0], a[1], lo1) + __builtin_shuffle(a[0], a[1], hi1);
+}
+
+// exp_neg on 16 lanes (the same polynomial as the scalar one).
+inline __attribute__((always_inline)) v16f exp_neg16(v16f x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  const v16f t = x * 1.44269504088896341f;
+  v16i ti = __builtin_convertvector(t, v16i);  // toward zero
+  ti += (__builtin_convertvector(ti, v16f) > t);  // -1 where that rounded up: floor
+  const v16f f = t - __builtin_convertvector(ti, v16f);
+  v16f p = splat(1.5353362e-4f);
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6184197e-3f;
+  p = p * f + 5.5503406e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const v16i bits = (ti + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Horizontal max and sum by halving (4 shuffle steps, not a chain of 15).
+inline __attribute__((always_inline)) v16f fold(v16f v, int step, bool max) {
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16f w = __builtin_shuffle(v, lane ^ step);
+  return max ? (v > w ? v : w) : v + w;
+}
+
+inline __attribute__((always_inline)) float hmax16(v16f v) {
+  for (int step = 8; step; step >>= 1) v = fold(v, step, true);
+  return v[0];
+}
+
+inline __attribute__((always_inline)) float hsum16(v16f v) {
+  for (int step = 8; step; step >>= 1) v = fold(v, step, false);
+  return v[0];
+}
+
+// n rows of kE elements of K or V as 16 float rows: in place for a full float32 block,
+// otherwise widened (or copied) into dst and padded with zero rows, so that the loops
+// over a block's tokens always run 16 times (unrolled, accumulators in registers).
+template <typename T, int kE>
+inline __attribute__((always_inline)) const float* block16(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == kLanes) return src;
+    std::memcpy(dst, src, n * kE * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n * kE; i += kLanes) {
+      v16h16 h;
+      std::memcpy(&h, src + i, sizeof h);
+      v16f f;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const v16u w = __builtin_convertvector(h, v16u) << 16;  // bfloat16 = top half of a float
+        std::memcpy(&f, &w, sizeof f);
+      } else {
+        v16fp16 x;
+        std::memcpy(&x, &h, sizeof x);
+        f = __builtin_convertvector(x, v16f);
+      }
+      store16(dst + i, f);
+    }
+  }
+  std::fill(dst + n * kE, dst + kLanes * kE, 0.f);
+  return dst;
+}
+
+template <typename T, int kE>
+inline __attribute__((always_inline)) void run_task_v(const Task& t) {
+  static_assert(kE % kLanes == 0, "the vector path needs head_dim % 16 == 0");
+  constexpr int kC = kE / kLanes;  // vectors per row
+  const int64_t R = t.rows;
+  const T* slab = static_cast<const T*>(t.slab);
+  float* kbuf = t.scratch;
+  float* vbuf = kbuf + kLanes * kE;
+  for (int64_t r = 0; r < R; ++r) {
+    t.m[r] = kNegInf;
+    t.l[r] = 0.f;
+  }
+  std::fill(t.o, t.o + R * kE, 0.f);
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int64_t plane = t.capacity * kE;
+  for (int64_t i = 0; i < t.n_slots; ++i) {
+    const int64_t n = t.tokens[i];
+    if (n <= 0) continue;
+    const int64_t base = ((t.slots[i] * t.layers + t.layer) * 2) * t.kv_heads * plane;
+    const T* K = slab + base + t.kv_head * plane;
+    const T* V = slab + base + (t.kv_heads + t.kv_head) * plane;
+    for (int64_t b0 = 0; b0 < n; b0 += kLanes) {
+      const int64_t nb = std::min(kLanes, n - b0);
+      // The block after next is prefetched a share per query row, spread over this
+      // block's work (all at once, the requests queue behind each other and stall).
+      constexpr int64_t kLines = kLanes * kE * static_cast<int64_t>(sizeof(T)) / 64;
+      const int64_t ahead = b0 + kAhead * kLanes;
+      const char* nk = reinterpret_cast<const char*>(K + std::min(ahead, n - 1) * kE);
+      const char* nv = reinterpret_cast<const char*>(V + std::min(ahead, n - 1) * kE);
+      const int64_t lines = ahead < n ? kLines : 0, per_row = (lines + R - 1) / R;
+      const float* k = block16<T, kE>(K + b0 * kE, kbuf, nb);
+      const float* v = block16<T, kE>(V + b0 * kE, vbuf, nb);
+      const v16i live = lane < static_cast<int32_t>(nb);
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t line = r * per_row; line < std::min(lines, (r + 1) * per_row); ++line) {
+          __builtin_prefetch(nk + line * 64);
+          __builtin_prefetch(nv + line * 64);
+        }
+        const float* qr = t.q + r * kE;
+        v16f acc[kLanes];
+        for (int j = 0; j < kLanes; ++j) acc[j] = v16f{};
+#pragma GCC unroll 16
+        for (int c = 0; c < kC; ++c) {
+          const v16f qc = load16(qr + c * kLanes);
+#pragma GCC unroll 16
+          for (int j = 0; j < kLanes; ++j) acc[j] += qc * load16(k + j * kE + c * kLanes);
+        }
+        v16f sc = transpose_sum(acc);
+        sc = live ? sc : splat(kNegInf);
+        const float mb = std::max(t.m[r], hmax16(sc));
+        const float corr = exp_neg(t.m[r] - mb);  // 0 on the first block (m = -inf)
+        v16f p = exp_neg16(sc - mb);
+        p = live ? p : v16f{};
+        t.l[r] = t.l[r] * corr + hsum16(p);
+        t.m[r] = mb;
+        float* orow = t.o + r * kE;
+        v16f o[kC];
+        for (int c = 0; c < kC; ++c) o[c] = load16(orow + c * kLanes) * corr;
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) {  // padded rows have p = 0 and V = 0
+          const v16f pj = splat(p[j]);
+#pragma GCC unroll 16
+          for (int c = 0; c < kC; ++c) o[c] += pj * load16(v + j * kE + c * kLanes);
+        }
+        for (int c = 0; c < kC; ++c) store16(orow + c * kLanes, o[c]);
+      }
+    }
+  }
+}
+
+template <typename T, int kE>
+inline __attribute__((always_inline)) void dispatch_task(const Task& t) {
+  if constexpr (kE > 0 && kE % kLanes == 0) {
+    run_task_v<T, kE>(t);
+  } else {
+    run_task<T, kE>(t);
+  }
+}
+
 #define TL_VARIANT(NAME, TARGET)                                          \
   template <typename T, int kE>                                           \
   __attribute__((target(TARGET), noinline)) void NAME(const Task& t) {    \
-    run_task<T, kE>(t);                                                   \
+    dispatch_task<T, kE>(t);                                              \
   }
 
 TL_VARIANT(task_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -150,7 +340,7 @@ TL_VARIANT(task_avx2, "avx2,fma,f16c")
 
 template <typename T, int kE>
 __attribute__((noinline)) void task_base(const Task& t) {
-  run_task<T, kE>(t);
+  dispatch_task<T, kE>(t);
 }
 
 enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -229,7 +419,7 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, torch::
       1, std::min<int64_t>(n, (2 * threads + kv_heads - 1) / kv_heads));
   const int64_t tasks = kv_heads * per_head;
   std::vector<float> o_parts(tasks * R * E), m_parts(tasks * R), l_parts(tasks * R);
-  const int64_t scratch = 2 * kBlock * E + R * kBlock;
+  const int64_t scratch = 2 * kBlock * E + R * kBlock;  // also covers the vector path's 16-token blocks
   std::vector<float> scratch_all(tasks * scratch);
   void (*fn)(const Task&) = nullptr;
   const Isa isa = forced_isa();

@@ -128,3 +128,33 @@ def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
     for r in out["results"]:
         assert r["kernel_gbps"] > 0 and r["torch_gbps"] > 0 and r["torch_slab_gbps"] > 0
         assert r["kernel_vs_torch"] == pytest.approx(r["kernel_gbps"] / r["torch_gbps"])
+
+
+def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch):
+    """``slab_partial_attention`` (what a query engine calls) hands few-row calls to the
+    kernel when it is built, and many-row calls (prefill chunks) to torch; both give the
+    reference's answer, and switching the kernel off gives torch's few-row path."""
+    from tokenlake.dataplane import attention_slab
+
+    calls = []
+
+    class Spy:
+        def slab_attention(self, *args):
+            calls.append(args[0].shape[0])
+            return kernel.slab_attention(*args)
+
+    monkeypatch.setattr(attention_slab, "_native_kernel", lambda: Spy() if attention_slab._native["on"] else None)
+    slab = _slab(6, 2, 3, 64, 64, torch.bfloat16)
+    slots, tokens = [1, 3, 4], [64, 40, 0]
+    for rows in (1, 8, 64):  # 64 rows x 3 heads per group: beyond SMALL_ROWS
+        q = torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(rows))
+        want = _reference(q, slab, 1, slots, tokens, 0.125)
+        got = attention_slab.slab_partial_attention(q, slab, 1, slots, tokens, 0.125)
+        torch.testing.assert_close(got.o.double(), want.o, rtol=2e-5, atol=2e-5)
+        attention_slab.use_native(False)
+        try:
+            off = attention_slab.slab_partial_attention(q, slab, 1, slots, tokens, 0.125)
+        finally:
+            attention_slab.use_native(True)
+        torch.testing.assert_close(off.o.double(), want.o, rtol=2e-5, atol=2e-5)
+    assert calls == [1, 8]

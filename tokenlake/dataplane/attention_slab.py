@@ -5,8 +5,9 @@ A slab is ``[num_slots, layers, 2, kv_heads, C, head_dim]`` (index 0 = K, 1 = V,
 tokens per slot); a slot holds ``tokens <= C`` valid tokens at its front.
 :func:`slab_partial_attention` returns the
 :class:`~tokenlake.dataplane.attention.Partial` over the valid tokens of some slots, on
-CPU (torch's kernel, :mod:`tokenlake.dataplane.attention_cpu`) or CUDA (FlashInfer,
-:mod:`tokenlake.dataplane.attention_backends`). :func:`bench_slab_attention` measures
+CPU (the csrc kernel, :mod:`tokenlake.dataplane.native`, for few query rows where it is
+built; torch's kernel, :mod:`tokenlake.dataplane.attention_cpu`, otherwise) or CUDA
+(FlashInfer, :mod:`tokenlake.dataplane.attention_backends`). :func:`bench_slab_attention` measures
 the per-slot strategy used here against gathering the slots first.
 """
 
@@ -27,6 +28,24 @@ from tokenlake.dataplane.attention_cpu import attend_grouped, from_grouped, to_g
 #: Measured for SmolLM2 shapes (9/3 heads x 64, C=256, 1 thread, 1 row): 4 slots
 #: 0.87 -> 0.09 ms, 16 slots 3.1 -> 0.25 ms.
 SMALL_ROWS = 64
+#: Whether few-row CPU calls go to the csrc kernel when it is built (:func:`use_native`).
+_native = {"on": True}
+
+
+def use_native(on: bool) -> None:
+    """Turns the csrc kernel on the few-row CPU path on (the default, where it is built)
+    or off (the torch path; benchmarks compare the two)."""
+    _native["on"] = bool(on)
+
+
+def _native_kernel():
+    """The built csrc module, or None (off, or not built: it is never compiled here, on a
+    query's path; ``make`` builds it)."""
+    if not _native["on"]:
+        return None
+    from tokenlake.dataplane import native
+
+    return native.load() if native.built() else None
 
 
 def _slot_kv(slab: Tensor, layer: int, slot: int, n: int) -> tuple[Tensor, Tensor]:
@@ -83,10 +102,21 @@ def slab_partial_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[
     if slab.is_cuda:
         return _slab_cuda(q, slab, layer, work, scale)
     scale = softmax_scale(scale, head_dim)
+    grouped_rows = rows * (q_heads // slab.shape[3])
+    kernel = _native_kernel() if grouped_rows <= SMALL_ROWS and slab.is_contiguous() and \
+        slab.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+    if kernel is not None:
+        o, lse = kernel.slab_attention(q.float().contiguous(), slab, int(layer),
+                                       torch.tensor([s for s, _ in work], dtype=torch.int64),
+                                       torch.tensor([n for _, n in work], dtype=torch.int64), float(scale))
+        return Partial(o, lse)
     qg = to_grouped(q, slab.shape[3])
     if qg.shape[1] <= SMALL_ROWS:
         return from_grouped(*_slab_small_rows(qg, slab, layer, work, scale), rows)
-    parts = [attend_grouped(qg, *_slot_kv(slab, layer, s, n), scale) for s, n in work]
+    # float32 math over half K/V (widened per slot): q is never rounded to the KV dtype
+    # (docs/design.md "KV dtype"); this is the many-row (prefill) path, compute-bound.
+    qg = qg.float()
+    parts = [attend_grouped(qg, *(t.float() for t in _slot_kv(slab, layer, s, n)), scale) for s, n in work]
     if len(parts) == 1:
         return from_grouped(*parts[0], rows)
     o_g, lse_g = merge_seq([p[0].float() for p in parts], torch.stack([p[1] for p in parts]))

@@ -7,9 +7,9 @@ checkout, with torch's own extension builder (g++ and ninja), and returns the mo
 None where it cannot be built (no compiler, an installed package without ``csrc/``).
 :func:`slab_attention` has the contract of
 :func:`tokenlake.dataplane.attention_slab.slab_partial_attention` for CPU slabs and is
-tested against the float64 reference (tests/test_native_kernel.py). Nothing calls it on
-the serving path yet: ``tokenlake bench kernel`` puts it well below issue #21's targets
-for several query rows (its speed work decides when it replaces the torch path).
+tested against the float64 reference (tests/test_native_kernel.py). The query engines
+call it through ``slab_partial_attention`` for few query rows (decode, short chunks)
+where it is built; ``tokenlake bench kernel`` measures it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "csrc" / "slab_attention_cpu.cpp"
 BUILD_DIR = ROOT / "build" / "native"
 NAME = "tokenlake_slab_attention_cpu"
-FLAGS = ["-O3", "-fopenmp-simd", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 #: Slab dtypes the kernel reads (K/V); q and the results are float32.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -60,6 +60,12 @@ def load(verbose: bool = False):
                         exc)
             _module = None
         return _module
+
+
+def built() -> bool:
+    """Whether the kernel is compiled already (``make``, or an earlier :func:`load`):
+    loading it then takes well under a second, where building it takes most of a minute."""
+    return _module is not None or any(BUILD_DIR.glob(f"{NAME}*.so"))
 
 
 def slab_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[int],

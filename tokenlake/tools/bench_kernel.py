@@ -7,7 +7,7 @@ Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head_dim 128), one decode-l
 of ``rows`` rows, and three calls timed alternately (median of ``repeats``): the kernel
 (:func:`tokenlake.dataplane.native.slab_attention`), torch's CPU attention
 (``scaled_dot_product_attention`` on the same K/V, gathered into one contiguous tensor
-before timing) and the torch few-row slab path the pool uses today. Bandwidth is
+before timing) and the torch few-row slab path (the pool's path where the kernel is not built). Bandwidth is
 ``2 x tokens x kv_heads x head_dim x bytes`` over the time. The machine's memory read
 bandwidth is the best of several multi-threaded reductions over a 1 GiB buffer.
 """
@@ -82,7 +82,7 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
     times = interleaved_times({
         "kernel": lambda: native.slab_attention(q, slab, 0, ids, counts, scale),
         "torch": lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True),
-        "torch_slab": lambda: slab_partial_attention(q, slab, 0, ids, counts, scale),
+        "torch_slab": lambda: _torch_slab(slab_partial_attention, q, slab, ids, counts, scale),
     }, repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {"rows": rows, "tokens": slots * CAPACITY,
@@ -92,6 +92,17 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
             "kernel_ms": med["kernel"] * 1e3,
             "kernel_ms_range": [min(times["kernel"]) * 1e3, max(times["kernel"]) * 1e3],
             "kernel_vs_torch": med["torch"] / med["kernel"]}
+
+
+def _torch_slab(slab_partial_attention, q, slab, ids, counts, scale):
+    """The pool's slab path with the csrc kernel switched off: torch's few-row path."""
+    from tokenlake.dataplane.attention_slab import use_native
+
+    use_native(False)
+    try:
+        return slab_partial_attention(q, slab, 0, ids, counts, scale)
+    finally:
+        use_native(True)
 
 
 def add_kernel(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from tokenlake.core.errors import PlanError
 from tokenlake.dataplane.attention import empty_partial, merge, merge_many
+from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
 from tokenlake.dataplane.attention_slab import slab_partial_attention
 from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
 from tokenlake.dataplane.messages import (
@@ -161,6 +162,9 @@ class QueryEngine(EngineLoop):
             g = groups.setdefault((it.start, it.stop), ([], []))
             g[0].extend(it.slots)
             g[1].extend(it.tokens)
+        if self.slab.is_cuda:  # every group in one batched launch (docs/design.md "GPU path")
+            return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer,
+                                             [(a, z, s, t) for (a, z), (s, t) in groups.items()])
         if len(groups) == 1:
             ((start, stop), (slots, tokens)), = groups.items()
             if start == 0 and stop == q.shape[0]:
@@ -222,7 +226,7 @@ class QueryEngine(EngineLoop):
                 raise WireError(f"instance {inst} answered layer {result.layer} with o "
                                 f"{tuple(result.o.shape)}, lse {tuple(result.lse.shape)}; "
                                 f"expected layer {layer}, {rows} rows x heads")
-            parts.append((lo, hi, result.o, result.lse))
+            parts.append((lo, hi, result.o.to(o.device), result.lse.to(o.device)))  # a GPU pool: peers' arrive on the host
         if all(lo == 0 and hi == plan.rows for lo, hi, _, _ in parts):  # one vectorised merge
             mo, mlse = merge_many(torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
             o.copy_(mo)

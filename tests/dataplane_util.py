@@ -56,8 +56,8 @@ def execute(cluster, plans, tokens: dict[str, list[int]], new: dict[str, int], m
             part = client.query(layer)
             for span in qp.spans:
                 rows = slice(span.start, span.stop)
-                results[(span.request_id, span.position, layer)] = (
-                    q_buf[rows].clone(), part.o[rows].clone(), part.lse[rows].clone(), span
+                results[(span.request_id, span.position, layer)] = (  # on the host (a GPU pool's too)
+                    q_buf[rows].cpu().clone(), part.o[rows].cpu().clone(), part.lse[rows].cpu().clone(), span
                 )
         if coalesce:
             handles.append(client.put(0, model.num_layers))

@@ -36,7 +36,7 @@ C = 8
 POOL_BYTES = 64 * TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4  # 64 slots
 
 
-def run_iteration(cluster, tokens, new, dops=None, first_prefix=None, coalesce=False, homes=None):
+def run_iteration(cluster, tokens, new, dops=None, first_prefix=None, coalesce=False, homes=None, model=TINY):
     """Plans and executes one iteration; every request's query result is checked."""
     first_prefix = first_prefix or {}
     cp = cluster.control
@@ -50,20 +50,21 @@ def run_iteration(cluster, tokens, new, dops=None, first_prefix=None, coalesce=F
         groups[i % n_batches].append(BatchRequest(rid, tuple(toks[start : start + n]), prefix))
     batches = [Batch(tuple(g)) for g in groups]
     plans = cp.gen_plans(batches, dops or [1] * len(batches), homes)
-    results = execute(cluster, plans, tokens, new, coalesce=coalesce)
+    results = execute(cluster, plans, tokens, new, model, coalesce=coalesce)
     cp.complete(plans)
     worst = 0.0
     kv_dtype = getattr(torch, cluster.kv_dtype)
     for (rid, _pos, layer), (q, o, lse, span) in results.items():
-        ro, rlse = reference_prefix(tokens[rid], span.prefix_tokens, q, layer, kv_dtype=kv_dtype)
+        ro, rlse = reference_prefix(tokens[rid], span.prefix_tokens, q, layer, model, kv_dtype=kv_dtype)
         if span.prefix_tokens == 0:
             assert torch.isinf(lse).all() and (lse < 0).all()
             continue
         worst = max(worst, (o.double() - ro).abs().max().item(), (lse.double() - rlse).abs().max().item())
         if span.position == span.prefix_tokens:  # span starts at the first new token
-            eo, else_ = full_attention_check(tokens[rid], span, q, o, lse, layer, kv_dtype=kv_dtype)
+            eo, else_ = full_attention_check(tokens[rid], span, q, o, lse, layer, model, kv_dtype=kv_dtype)
             worst = max(worst, eo, else_)
-    assert worst < 1e-5, worst
+    # float32 math on the CPU; a GPU pool's FlashInfer rounds q to the KV dtype as well
+    assert worst < (2e-2 if cluster.slab(0).is_cuda else 1e-5), worst
     return plans
 
 

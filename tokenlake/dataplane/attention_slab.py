@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tokenlake.dataplane.attention import Partial, Tensor, empty_partial, merge_seq, softmax_scale
-from tokenlake.dataplane.attention_backends import flashinfer_partial_attention
 from tokenlake.dataplane.attention_cpu import attend_grouped, from_grouped, to_grouped
+from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
 
 #: Grouped query rows (rows x query heads per kv head) up to which the slab attention
 #: uses plain matmuls with one softmax over all slots instead of one flash-kernel call
@@ -99,8 +99,9 @@ def slab_partial_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[
     work = [(s, n) for s, n in zip(slots, tokens) if n > 0]
     if rows == 0 or not work:
         return empty_partial(rows, q_heads, head_dim, device=q.device)
-    if slab.is_cuda:
-        return _slab_cuda(q, slab, layer, work, scale)
+    if slab.is_cuda:  # one batched FlashInfer launch over the slots as pages
+        return flashinfer_slab_attention(q, slab, layer, [(0, rows, [s for s, _ in work], [n for _, n in work])],
+                                         scale)
     scale = softmax_scale(scale, head_dim)
     grouped_rows = rows * (q_heads // slab.shape[3])
     kernel = _native_kernel() if grouped_rows <= SMALL_ROWS and slab.is_contiguous() and \
@@ -154,14 +155,6 @@ def _slab_gather(q: Tensor, slab: Tensor, layer: int, slots: Sequence[int],
     kh, vh = torch.cat([kv[0] for kv in kvs], dim=1), torch.cat([kv[1] for kv in kvs], dim=1)
     o_g, lse_g = attend_grouped(to_grouped(q, slab.shape[3]), kh, vh, softmax_scale(scale, head_dim))
     return from_grouped(o_g, lse_g, rows)
-
-
-def _slab_cuda(q: Tensor, slab: Tensor, layer: int, work: list[tuple[int, int]],
-               scale: float | None) -> Partial:
-    """CUDA slab path: one FlashInfer call per slot on HND views, merged exactly."""
-    parts = [flashinfer_partial_attention(q, *_slot_kv(slab, layer, s, n), scale=scale, kv_layout="HND")
-             for s, n in work]
-    return merge_seq([p.o for p in parts], torch.stack([p.lse for p in parts]))
 
 
 # ---------------------------------------------------------------------------- benchmark

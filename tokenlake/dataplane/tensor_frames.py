@@ -133,13 +133,18 @@ class TensorMeta:
 
 def tensor_to_frame(i: int, t: Any) -> tuple[TensorMeta, memoryview]:
     """The meta of tensor ``i`` (a CPU torch tensor or numpy array) and a flat uint8
-    memoryview of its own storage: no copy; the view keeps the storage alive.
+    memoryview of its own storage: no copy; the view keeps the storage alive. A dense
+    CUDA tensor (a GPU pool's rows or partials going to another instance) is staged
+    through host memory first: one device-to-host copy, counted in ``CopyStats``.
 
     Raises:
-        WireError: not on the CPU, not dense, a dtype off the allowlist, non-native byte
-            order, or not C-contiguous.
+        WireError: not dense, on a device other than the CPU or CUDA, a dtype off the
+            allowlist, non-native byte order, or not C-contiguous.
     """
     if isinstance(t, torch.Tensor):
+        if t.is_cuda and t.layout == torch.strided and t.is_contiguous():
+            CopyStats.record(t.numel() * t.element_size())
+            t = t.cpu()
         if t.device.type != "cpu" or t.layout != torch.strided:
             raise WireError(f"tensor {i} is a {t.layout} tensor on {t.device}; only dense CPU")
         name = _TORCH_NAMES.get(t.dtype)

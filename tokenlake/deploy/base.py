@@ -69,6 +69,7 @@ class BufferLayout:
     segment_tokens: int  # C
     max_rows: int  # R
     kv_dtype: str = "float32"
+    device: str = "cpu"  # "cuda" / "cuda:N": every buffer on the GPU, shared by CUDA IPC
 
     def dtype(self, name: str) -> str:
         """The element type of buffer ``name``."""
@@ -88,7 +89,7 @@ class BufferLayout:
     def specs(self, prefix: str, instance: int) -> dict[str, BufferSpec]:
         """``{name: spec}`` of ``instance``'s buffers, named ``<prefix><name>-<instance>``
         (``prefix`` is a cluster prefix of :func:`tokenlake.dataplane.shm_files.cluster_prefix`)."""
-        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, self.dtype(name))
+        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, self.dtype(name), self.device)
                 for name, shape in self.shapes().items()}
 
 
@@ -111,6 +112,9 @@ class ClusterBase(abc.ABC):
         kv_dtype: the element type of the pool's K/V (``"float32"``, ``"bfloat16"``,
             ``"float16"``): slabs, puts, replicas and migrations carry it; queries still
             send float32 q rows and get float32 partials (docs/design.md "KV dtype").
+        device: where the buffers live: ``"cpu"`` (POSIX shared memory) or ``"cuda"`` /
+            ``"cuda:N"`` (CUDA IPC; half ``kv_dtype`` only, FlashInfer's batched kernels;
+            docs/design.md "GPU path": never run on this project's machines).
         kv_layout: whose KV the pool holds (``tokenlake.core.control.KV_LAYOUTS``; part
             of the namespace, so the layouts never match each other).
         page_tokens: granularity of prefix hits inside a segment
@@ -138,16 +142,19 @@ class ClusterBase(abc.ABC):
         kv_layout: str = "tokenlake",
         page_tokens: int | None = None,
         kv_dtype: str = "float32",
+        device: str = "cpu",
     ) -> None:
         from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
 
         self.kv_dtype = check_kv_dtype(kv_dtype)
+        if device != "cpu" and kv_dtype == "float32":
+            raise ConfigError("a GPU pool holds float16 or bfloat16 K/V (FlashInfer's kernels), not float32")
         self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, kv_dtype, clock, seed,
                                     kv_layout, page_tokens)
         self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
         self.segment_tokens = segment_tokens
         self.slots_per_instance = self.control.config.slots_per_instance
-        self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows, kv_dtype)
+        self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows, kv_dtype, device)
         self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
         self.start_timeout_s, self.host = start_timeout_s, host
         self.insecure = bool(insecure)

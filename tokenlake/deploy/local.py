@@ -73,13 +73,15 @@ class LocalCluster(ClusterBase):
         kv_layout: str = "tokenlake",
         page_tokens: int | None = None,
         kv_dtype: str = "float32",
+        device: str = "cpu",
     ) -> None:
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
                          timeout_s, peer_timeout_s, start_timeout_s, host, insecure, kv_layout,
-                         page_tokens, kv_dtype)
+                         page_tokens, kv_dtype, device)
         self.cluster_id = ""
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._made: dict[tuple[int, str], Any] = {}  # the created BufferSpecs (CUDA: with IPC handles)
         self._procs: dict[tuple[str, int], mp.Process] = {}
         self._endpoints: dict[tuple[str, int], str] = {}
         self._clients: dict[int, InstanceClient] = {}
@@ -111,10 +113,11 @@ class LocalCluster(ClusterBase):
         """Creates every instance's buffers (``self.layout``); their spec dicts per instance."""
         out: dict[int, dict[str, dict]] = {}
         for inst in range(self.n_instances):
-            specs = self.layout.specs(self._registry.prefix, inst)
-            for name, spec in specs.items():
-                self._buffers[(inst, name)] = self._registry.create(spec).tensor
-            out[inst] = {name: spec.to_dict() for name, spec in specs.items()}
+            for name, spec in self.layout.specs(self._registry.prefix, inst).items():
+                made = self._registry.create(spec)  # a CUDA buffer's spec gains its IPC handle
+                self._buffers[(inst, name)] = made.tensor
+                self._made[(inst, name)] = made.spec
+            out[inst] = {name: self._made[(inst, name)].to_dict() for name in self.layout.shapes()}
         return out
 
     def _spawn(self, specs: dict[int, dict[str, dict]], instances=None) -> None:
@@ -220,10 +223,9 @@ class LocalCluster(ClusterBase):
         self._check_started()
         if not 0 <= instance < self.n_instances:
             raise ConfigError(f"no instance {instance} (the cluster has {self.n_instances})")
-        specs = self.layout.specs(self._registry.prefix, instance)
         return {"instance": instance,
                 "endpoints": {role: self._endpoints[(role, instance)] for role in ROLES},
-                "buffers": {n: specs[n].to_dict() for n in CLIENT_BUFFERS},
+                "buffers": {n: self._made[(instance, n)].to_dict() for n in CLIENT_BUFFERS},
                 "timeout_s": self.timeout_s,
                 "keys": None if self.keys is None else self.keys.member_view().to_dict()}
 

@@ -179,9 +179,10 @@ class ComputeEngine:
         part = handle.wait()
         if self.on_query is not None:
             self.on_query(time.perf_counter() - sent)
+        po, plse = part.o.to(q.device), part.lse.to(q.device)  # no copy unless the pool is on a GPU
         out = torch.empty_like(q)
         for a, z, (so, slse) in own:
-            out[a:z], _ = merge(part.o[a:z], part.lse[a:z], so, slse)
+            out[a:z], _ = merge(po[a:z], plse[a:z], so, slse)
         return out
 
 

@@ -1,0 +1,61 @@
+"""The selectable GPU path (issue #21): ``LocalCluster(device="cuda")`` builds every
+buffer on the GPU, shared with the engines by CUDA IPC handle, and the query engines
+attend with one batched FlashInfer launch per layer. No GPU here: what can be checked
+without one is (the refusals, the clean failure, the paged translation in
+tests/test_paged_plan.py); the rest is marked ``gpu`` and has never run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from dataplane_util import TINY
+
+from tokenlake.core.errors import ConfigError
+from tokenlake.dataplane.shm_files import SharedMemoryError, list_buffers
+from tokenlake.deploy.base import BufferLayout
+from tokenlake.deploy.local import LocalCluster
+
+C = 16
+POOL = 32 * TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 2
+
+
+def test_a_gpu_pool_holds_half_kv_only():
+    with pytest.raises(ConfigError, match="float16 or bfloat16"):
+        LocalCluster(1, TINY, POOL, segment_tokens=C, device="cuda")
+
+
+def test_the_layout_puts_every_buffer_on_the_device():
+    layout = BufferLayout(TINY, 4, C, 8, "bfloat16", "cuda:1")
+    specs = layout.specs("tokenlake-x-", 0)
+    assert {s.device for s in specs.values()} == {"cuda:1"}
+    assert specs["slab"].dtype == specs["kv"].dtype == "bfloat16" and specs["q"].dtype == "float32"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without CUDA")
+def test_without_cuda_a_gpu_pool_fails_to_start_and_leaves_nothing():
+    before = set(list_buffers())
+    with pytest.raises(SharedMemoryError, match="CUDA is unavailable"):
+        with LocalCluster(2, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda"):
+            pass
+    assert set(list_buffers()) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_pool_serves_the_data_plane_scenario():
+    pytest.importorskip("flashinfer")
+    from dataclasses import replace
+
+    from test_dataplane import run_iteration
+
+    model = replace(TINY, name="tiny-gpu", head_dim=64)  # a head size FlashInfer compiles
+    with LocalCluster(2, model, 4 * POOL, segment_tokens=C, max_rows=64, kv_dtype="bfloat16",
+                      device="cuda") as cluster:
+        assert cluster.slab(0).is_cuda
+        rng = random.Random(0)
+        tokens = {"g": [rng.randrange(3, 900) for _ in range(3 * C + 4)]}
+        run_iteration(cluster, tokens, {"g": 3 * C + 2}, model=model)
+        run_iteration(cluster, tokens, {"g": 1}, model=model)
+        cluster.control.finish_request("g")

@@ -1,0 +1,110 @@
+"""The CUDA path's translation of a query engine's slot lists into FlashInfer's batched
+paged-KV form (issue #21), checked on the CPU: the CSR arrays keep FlashInfer's rules
+(every page but an entry's last is full), and attention computed as the kernel would
+over them, merged back per row, equals the slab attention of each group. The one
+FlashInfer call itself needs a GPU (marked; skipped here)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenlake.dataplane.attention import partial_attention_ref
+from tokenlake.dataplane.attention_paged import paged_batch, paged_reference, unpack
+
+C = 16
+
+
+def _slab(slots=12, layers=2, kv_heads=2, head_dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(slots, layers, 2, kv_heads, C, head_dim, generator=g)
+
+
+def _want(q, slab, layer, groups):
+    """float64 attention of each group's rows over its slots' valid tokens."""
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    for start, stop, slots, tokens in groups:
+        live = [(s, n) for s, n in zip(slots, tokens) if n]
+        if not live:
+            continue
+        k = torch.cat([slab[s, layer, 0, :, :n].transpose(0, 1) for s, n in live]).double()
+        v = torch.cat([slab[s, layer, 1, :, :n].transpose(0, 1) for s, n in live]).double()
+        o[start:stop], lse[start:stop] = partial_attention_ref(q[start:stop].double(), k, v, scale=0.3)
+    return o, lse
+
+
+def _check(q, slab, layer, groups):
+    batch = paged_batch(groups, C)
+    for e in range(batch.entries):  # FlashInfer's rule: only an entry's last page may be short
+        pages = batch.kv_indices[batch.kv_indptr[e]:batch.kv_indptr[e + 1]]
+        assert pages and 1 <= batch.last_page_len[e] <= C
+        start, stop = batch.rows[e]
+        assert batch.qo_indptr[e + 1] - batch.qo_indptr[e] == stop - start
+    q_packed = q[torch.tensor(batch.q_index(), dtype=torch.long)] if batch.entries else q[:0]
+    o, lse = paged_reference(q_packed, slab[:, layer, 0], slab[:, layer, 1], batch, 0.3)
+    got = unpack(batch, o, lse, q.shape[0])
+    want_o, want_lse = _want(q, slab, layer, groups)
+    torch.testing.assert_close(got.o.double(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    return batch
+
+
+def test_full_slots_and_one_tail_are_one_entry():
+    slab, q = _slab(), torch.randn(3, 4, 8)
+    batch = _check(q, slab, 1, [(0, 3, [5, 2, 7], [C, 9, C])])
+    assert batch.kv_indices == (5, 7, 2) and batch.last_page_len == (9,) and batch.entries == 1
+
+
+def test_a_page_hit_beside_an_own_tail_is_a_second_entry_merged_back():
+    """Two partial slots over the same rows (a page hit read in place and the request's
+    own tail): two entries, merged exactly."""
+    slab, q = _slab(), torch.randn(2, 4, 8)
+    batch = _check(q, slab, 0, [(0, 2, [1, 3, 4], [C, 4, 11])])
+    assert batch.entries == 2 and batch.rows == ((0, 2), (0, 2))
+
+
+def test_groups_of_several_requests_empty_slots_and_rows_without_prefix():
+    slab, q = _slab(), torch.randn(7, 4, 8)
+    groups = [(0, 1, [0, 1], [C, C]), (1, 4, [2, 6, 8], [0, 3, C]), (4, 5, [9], [0]), (5, 7, [10], [5])]
+    batch = _check(q, slab, 1, groups)
+    assert batch.entries == 3  # the group with only an empty slot has no entry: row 4 sees nothing
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_groups(seed):
+    rng = random.Random(seed)
+    slab, q = _slab(seed=seed), torch.randn(12, 4, 8, generator=torch.Generator().manual_seed(seed))
+    groups, row = [], 0
+    while row < 12:
+        stop = min(12, row + rng.randint(1, 4))
+        slots = rng.sample(range(12), rng.randint(1, 5))
+        groups.append((row, stop, slots, [rng.choice([0, C, rng.randint(1, C)]) for _ in slots]))
+        row = stop
+    _check(q, slab, rng.randrange(2), groups)
+
+
+def test_bad_groups_are_refused():
+    with pytest.raises(ValueError, match="token counts"):
+        paged_batch([(0, 1, [0], [C + 1])], C)
+    with pytest.raises(ValueError, match="empty row range"):
+        paged_batch([(2, 2, [0], [1])], C)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_flashinfer_launch_equals_the_reference():
+    pytest.importorskip("flashinfer")
+    from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
+
+    slab = torch.randn(12, 2, 2, 8, 64, 128).bfloat16().cuda()
+    q = torch.randn(6, 32, 128).cuda()
+    groups = [(0, 1, [0, 1, 2], [64, 64, 17]), (1, 6, [3, 4, 5], [64, 30, 12])]
+    got = flashinfer_slab_attention(q, slab, 1, groups, 128 ** -0.5)
+    batch = paged_batch(groups, 64)
+    q_packed = q[torch.tensor(batch.q_index(), device=q.device)].bfloat16().float()
+    want = unpack(batch, *paged_reference(q_packed, slab[:, 1, 0], slab[:, 1, 1], batch, 128 ** -0.5), 6)
+    torch.testing.assert_close(got.o, want.o, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.lse, want.lse, rtol=2e-2, atol=2e-2)

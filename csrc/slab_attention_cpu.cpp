@@ -57,18 +57,19 @@ inline __attribute__((always_inline)) const float* widen<float>(const float* src
 }
 
 // exp(x) for x <= 0 (and -inf), vectorisable: 2^(x log2 e) split into an integer power
-// of two and a degree-6 polynomial of the fraction; relative error below 2e-7.
+// of two and a degree-6 polynomial of the fraction (least-squares fit of 2^f in relative
+// error on Chebyshev nodes of [0, 1]); relative error below 1e-7 evaluated in float32.
 inline __attribute__((always_inline)) float exp_neg(float x) {
   x = std::max(x, -87.f);  // exp(-87) ~ 1.6e-38: below, the weight is 0 to float precision
   const float t = x * 1.44269504088896341f;
   const float fi = std::floor(t);
   const float f = t - fi;  // [0, 1)
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6184197e-3f;
-  p = p * f + 5.5503406e-2f;
-  p = p * f + 2.4022652e-1f;
-  p = p * f + 6.9314718e-1f;
+  float p = 2.1690609e-4f;
+  p = p * f + 1.2443082e-3f;
+  p = p * f + 9.6784726e-3f;
+  p = p * f + 5.5483525e-2f;
+  p = p * f + 2.4022980e-1f;
+  p = p * f + 6.9314699e-1f;
   p = p * f + 1.f;
   const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
   float scale;
@@ -167,7 +168,7 @@ inline __attribute__((always_inline)) void store16(float* p, v16f v) { std::memc
 
 inline __attribute__((always_inline)) v16f splat(float x) { return v16f{} + x; }
 
-// Lane j of the result is the sum of every lane of a[j] (a[j] for j >= n count as 0).
+// Lane j of the result is the sum of every lane of a[j] (a holds 16 vectors; it is overwritten).
 inline __attribute__((always_inline)) v16f transpose_sum(v16f* a) {
   // Step h pairs a[i] with a[i + h]: each 2h-lane group of the result holds h lanes of
   // partial sums of a[i] then h of a[i + h]; after h = 8, 4, 2, 1 lane j holds a[j]'s sum.
@@ -192,12 +193,12 @@ inline __attribute__((always_inline)) v16f exp_neg16(v16f x) {
   v16i ti = __builtin_convertvector(t, v16i);  // toward zero
   ti += (__builtin_convertvector(ti, v16f) > t);  // -1 where that rounded up: floor
   const v16f f = t - __builtin_convertvector(ti, v16f);
-  v16f p = splat(1.5353362e-4f);
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6184197e-3f;
-  p = p * f + 5.5503406e-2f;
-  p = p * f + 2.4022652e-1f;
-  p = p * f + 6.9314718e-1f;
+  v16f p = splat(2.1690609e-4f);
+  p = p * f + 1.2443082e-3f;
+  p = p * f + 9.6784726e-3f;
+  p = p * f + 5.5483525e-2f;
+  p = p * f + 2.4022980e-1f;
+  p = p * f + 6.9314699e-1f;
   p = p * f + 1.f;
   const v16i bits = (ti + 127) << 23;
   v16f scale;

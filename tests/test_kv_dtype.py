@@ -65,14 +65,15 @@ def _prompts(tok):
 
 
 def _agrees(got_ids, got_logits, want: GenerationResult, tolerance: float) -> None:
-    """Token for token until a near tie of the reference (then the rest may differ);
-    logits within ``tolerance`` on every step both took the same way."""
+    """Token for token until a near tie of the reference (a margin of at most twice the
+    tolerance; then the rest may differ); logits within ``tolerance`` on every step both
+    took the same way."""
     for step, (a, b) in enumerate(zip(got_ids, want.output_ids)):
         diff = (got_logits[step] - want.logits[step]).abs().max().item()
         assert diff < tolerance, (step, diff)
         if a != b:
             margin = (want.logits[step][b] - want.logits[step][a]).item()
-            assert margin <= tolerance, (step, margin)
+            assert margin <= 2 * tolerance, (step, margin)
             return
     assert got_ids == list(want.output_ids)
 
@@ -98,10 +99,10 @@ def test_generation_through_a_half_pool_equals_the_reference_of_that_dtype(smoll
 def test_the_demo_names_a_near_tie_and_nothing_else():
     """A half pool's answer may leave the reference's where the reference's two best
     logits lie within the dtype's tolerance; any other difference is one."""
-    logits = [torch.tensor([0.0, 5.0, 4.9]), torch.tensor([3.0, 0.0, 1.0])]
+    logits = [torch.tensor([0.0, 5.0, 4.6]), torch.tensor([3.0, 0.0, 2.4])]
     run = GenerationResult([1, 0], logits, False)
-    tie = _near_tie(run, [2, 0], "bfloat16")
-    assert tie["step"] == 0 and tie["margin"] == pytest.approx(0.1, abs=1e-5)
-    assert _near_tie(run, [1, 2], "bfloat16") is None  # margin 2.0: a real difference
+    tie = _near_tie(run, [2, 0], "bfloat16")  # margin 0.4 <= 2 x 0.25
+    assert tie["step"] == 0 and tie["margin"] == pytest.approx(0.4, abs=1e-5)
+    assert _near_tie(run, [1, 2], "bfloat16") is None  # margin 0.6: a real difference
     assert _near_tie(run, [2, 0], "float32") is None  # float32 is held to equality
     assert _near_tie(run, [1, 0], "bfloat16") is None  # equal outputs

@@ -20,6 +20,7 @@ After the data plane has stored every layer the caller reports :meth:`ControlPla
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -327,6 +328,8 @@ def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_to
     if kv_layout != "tokenlake":
         namespace += f"/{kv_layout}"
     config = PoolConfig(segment_tokens, namespace, slots, seed=seed, page_tokens=page_tokens)
+    if model.dtype_bytes != dtype_bytes:  # the byte counts (puts, dedup, dispatch) of this pool's K/V
+        model = dataclasses.replace(model, dtype_bytes=dtype_bytes)
     return ControlPlane(config, model, list(range(n_instances)), clock=clock)
 
 

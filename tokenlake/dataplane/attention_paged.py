@@ -126,19 +126,23 @@ def unpack(batch: PagedBatch, o_packed: Tensor, lse_packed: Tensor, rows: int) -
     return out
 
 
-_wrappers: dict[str, object] = {}
+_wrappers: dict[str, tuple[object, threading.Lock]] = {}
 _wrappers_lock = threading.Lock()
 
 
 def _wrapper(device: torch.device):
-    """The FlashInfer prefill wrapper (and its workspace) of ``device``, made once."""
-    import flashinfer  # optional GPU dependency: only where this path runs
-
+    """The FlashInfer prefill wrapper (and its workspace) of ``device`` with the lock that
+    keeps its plan and run together, made once."""
+    try:
+        import flashinfer  # optional GPU dependency: only where this path runs
+    except ImportError as exc:
+        raise RuntimeError("FlashInfer is not installed (pip install 'tokenlake[gpu]')") from exc
     key = str(device)
     with _wrappers_lock:
         if key not in _wrappers:
             workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-            _wrappers[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="HND")
+            _wrappers[key] = (flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="HND"),
+                              threading.Lock())
         return _wrappers[key]
 
 
@@ -158,13 +162,14 @@ def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Seque
         return empty_partial(rows, q_heads, head_dim, device=slab.device)
     dev = slab.device
 
-    def ints(values) -> Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=dev)
+    def ints(values) -> Tensor:  # on the host: plan() reads them there (no device sync)
+        return torch.tensor(values, dtype=torch.int32)
 
-    wrapper = _wrapper(dev)
-    wrapper.plan(ints(batch.qo_indptr), ints(batch.kv_indptr), ints(batch.kv_indices), ints(batch.last_page_len),
-                 q_heads, slab.shape[3], head_dim, slab.shape[4], causal=False,
-                 sm_scale=softmax_scale(scale, head_dim), q_data_type=slab.dtype, kv_data_type=slab.dtype)
-    q_packed = q.to(dev)[torch.tensor(batch.q_index(), device=dev)].to(slab.dtype)
-    o, lse2 = wrapper.run(q_packed, (slab[:, layer, 0], slab[:, layer, 1]), return_lse=True)
+    wrapper, lock = _wrapper(dev)
+    with torch.cuda.device(dev), lock:  # one plan, then its run: not another thread's
+        wrapper.plan(ints(batch.qo_indptr), ints(batch.kv_indptr), ints(batch.kv_indices),
+                     ints(batch.last_page_len), q_heads, slab.shape[3], head_dim, slab.shape[4], causal=False,
+                     sm_scale=softmax_scale(scale, head_dim), q_data_type=slab.dtype, kv_data_type=slab.dtype)
+        q_packed = q.to(dev)[torch.tensor(batch.q_index(), device=dev)].to(slab.dtype)
+        o, lse2 = wrapper.run(q_packed, (slab[:, layer, 0], slab[:, layer, 1]), return_lse=True)
     return unpack(batch, o.float(), lse_base2_to_natural(lse2.float()), rows)

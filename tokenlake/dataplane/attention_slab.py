@@ -7,7 +7,7 @@ tokens per slot); a slot holds ``tokens <= C`` valid tokens at its front.
 :class:`~tokenlake.dataplane.attention.Partial` over the valid tokens of some slots, on
 CPU (the csrc kernel, :mod:`tokenlake.dataplane.native`, for few query rows where it is
 built; torch's kernel, :mod:`tokenlake.dataplane.attention_cpu`, otherwise) or CUDA
-(FlashInfer, :mod:`tokenlake.dataplane.attention_backends`). :func:`bench_slab_attention` measures
+(one batched FlashInfer launch, :mod:`tokenlake.dataplane.attention_paged`). :func:`bench_slab_attention` measures
 the per-slot strategy used here against gathering the slots first.
 """
 
@@ -39,13 +39,13 @@ def use_native(on: bool) -> None:
 
 
 def _native_kernel():
-    """The built csrc module, or None (off, or not built: it is never compiled here, on a
-    query's path; ``make`` builds it)."""
+    """The built csrc module, or None (off, or no current build: it is never compiled
+    here, on a query's path; ``make`` builds it)."""
     if not _native["on"]:
         return None
     from tokenlake.dataplane import native
 
-    return native.load() if native.built() else None
+    return native.load_prebuilt()
 
 
 def _slot_kv(slab: Tensor, layer: int, slot: int, n: int) -> tuple[Tensor, Tensor]:

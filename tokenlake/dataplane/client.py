@@ -154,7 +154,8 @@ class InstanceClient:
     # ------------------------------------------------------------- transfer
     def init_transfer(self, plan: TransferPlan) -> torch.Tensor:
         """Registers a sub-batch's transfer plan; returns ``kv_buf``, the
-        [layers, rows, 2, kv_heads, head_dim] float32 view to write new K/V into."""
+        [layers, rows, 2, kv_heads, head_dim] view, in the pool's KV dtype, to write new
+        K/V into (a float32 source is rounded by the copy)."""
         self._check_home(plan.home)
         pid = next(self._ids)
         self._call("transfer", RegisterTransferPlan.from_plan(pid, plan), PlanAck)

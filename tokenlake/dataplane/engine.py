@@ -332,6 +332,9 @@ class EngineLoop:
 
     def reply(self, identity, frames: list) -> None:
         assert self.router is not None
+        slab = getattr(self, "slab", None)
+        if slab is not None and slab.is_cuda:  # a reply says the work is done: the GPU's too
+            torch.cuda.current_stream(slab.device).synchronize()
         send_frames(self.router, [identity, *frames])
 
     def tell(self, instance: int, message: WireMessage) -> None:

@@ -14,6 +14,8 @@ where it is built; ``tokenlake bench kernel`` measures it.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import logging
 import threading
 from collections.abc import Sequence
@@ -36,6 +38,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
 _module = None
 _tried = False
+_prebuilt = None
+_prebuilt_tried = False
 
 
 def load(verbose: bool = False):
@@ -46,6 +50,9 @@ def load(verbose: bool = False):
         if _tried:
             return _module
         _tried = True
+        if _prebuilt is not None:
+            _module = _prebuilt
+            return _module
         if not SOURCE.is_file():
             log.info("no %s: the native kernel is not available", SOURCE)
             return None
@@ -62,10 +69,32 @@ def load(verbose: bool = False):
         return _module
 
 
-def built() -> bool:
-    """Whether the kernel is compiled already (``make``, or an earlier :func:`load`):
-    loading it then takes well under a second, where building it takes most of a minute."""
-    return _module is not None or any(BUILD_DIR.glob(f"{NAME}*.so"))
+def load_prebuilt():
+    """The module as ``make`` (or an earlier :func:`load`) built it from the current
+    source, imported directly; None if there is none or it is older than the source.
+    Never compiles and never waits for a build lock: what a query engine calls on a
+    query's path (a build would take most of a minute). The answer is kept."""
+    global _prebuilt, _prebuilt_tried
+    with _lock:
+        if _module is not None:
+            return _module
+        if _prebuilt_tried:
+            return _prebuilt
+        _prebuilt_tried = True
+        so = BUILD_DIR / f"{NAME}.so"
+        if not (so.is_file() and SOURCE.is_file() and so.stat().st_mtime >= SOURCE.stat().st_mtime):
+            log.info("no current build of %s: the torch path serves", SOURCE.name)
+            return None
+        try:
+            loader = importlib.machinery.ExtensionFileLoader(NAME, str(so))
+            spec = importlib.util.spec_from_file_location(NAME, str(so), loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+        except (ImportError, OSError) as exc:
+            log.warning("the native kernel in %s does not load (%s): using the torch path", so, exc)
+            return None
+        _prebuilt = module
+        return module
 
 
 def slab_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[int],

@@ -9,7 +9,8 @@ malformed message ever raises.
 
 Copies (counted in :class:`CopyStats`):
 
-* :func:`tensor_to_frame` never copies. The frame is a ``memoryview`` of the tensor's
+* :func:`tensor_to_frame` never copies a CPU tensor (a CUDA one is staged through host
+  memory, counted). The frame is a ``memoryview`` of the tensor's
   own storage; a non-contiguous tensor is refused (:class:`WireError`) rather than
   silently made contiguous. Do not write to a tensor until its message has left (for a
   request: until the reply arrived).

@@ -66,11 +66,7 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         self.cp = connect(extra["address"], float(extra.get("timeout_s", 10.0)),
                           extra.get("credentials"))
         namespace, self.C = self.cp.layout()
-        layout = QUERY_LAYOUT if self.mode == "query" else LAYOUT
-        if not namespace.endswith("/" + layout):
-            what = "vLLM's K/V rows" if self.mode == "query" else "vLLM's pages"
-            raise ConfigError(f"the pool at {extra['address']} holds {namespace!r}, not {what}: "
-                              f"serve it with --kv-layout {layout}")
+        self._check_namespace(namespace, self.mode, extra["address"])
         if self.mode == "load" and self.C % self.block_size:
             raise ConfigError(f"the pool's segments ({self.C} tokens) are not whole vLLM blocks "
                               f"of {self.block_size}: serve it with --segment-tokens "
@@ -115,6 +111,19 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         self._step: StepState | None = None  # worker: this step's plans and buffers
         self._failed_requests: set[str] = set()  # worker: reported to the scheduler side
         self.pooled_tokens = 0  # scheduler: prefix tokens found in the pool (query mode)
+
+    @staticmethod
+    def _check_namespace(namespace: str, mode: str, address: str) -> None:
+        """The pool must hold vLLM's KV in this mode's layout, in float32 (vLLM's CPU KV
+        dtype: a half pool would round it)."""
+        layout = QUERY_LAYOUT if mode == "query" else LAYOUT
+        if not namespace.endswith("/" + layout):
+            what = "vLLM's K/V rows" if mode == "query" else "vLLM's pages"
+            raise ConfigError(f"the pool at {address} holds {namespace!r}, not {what}: "
+                              f"serve it with --kv-layout {layout}")
+        if "/f32/" not in namespace:
+            raise ConfigError(f"the pool at {address} holds {namespace!r}: the vLLM connector "
+                              "needs a float32 pool (--kv-dtype float32)")
 
     @staticmethod
     def _check_model(vllm_config, kv_shape: tuple[int, ...], address: str) -> None:

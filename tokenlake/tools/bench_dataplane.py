@@ -1,14 +1,16 @@
 """``tokenlake bench query-vs-fetch``: the declarative query against the imperative fetch.
 
-One decode step (1 query row) of one Llama-2-7B-shaped layer (32 heads x 128 dims,
-float32) over a prefix of S tokens spread over 4 instances:
+One decode step (1 query row) of one Llama-2-7B-shaped layer (32 heads x 128 dims) over
+a prefix of S tokens spread over 4 instances, in a float32 and a bfloat16 pool:
 
 (a) **query**: the q row goes to every instance holding prefix segments; each computes
     its partial attention; the partials come back and are merged (``client.query``);
 (b) **fetch**: the prefix KV held by the other instances is fetched over the same
     transport (zmq, zero-copy frames) and attended locally with the local part.
 
-Prints figures; asserts nothing. Bytes are payload bytes (tensor frames).
+Prints figures; asserts nothing. Bytes are payload bytes (tensor frames). The local
+partial attention is also reported as KV GB/s against this machine's memory read
+bandwidth, both measured in the same run (``bench_kernel.memory_read_gbps``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from tokenlake.dataplane.messages import ReadSegment, SegmentData, expect
 from tokenlake.dataplane.sockets import send
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.tools.bench_plans import timed_ms
-from tokenlake.tools.profiler import measure_mem_bw
 
 LAYER = ModelSpec(
     name="llama-2-7b-one-layer", num_layers=1, hidden_size=4096, num_q_heads=32, num_kv_heads=32,
@@ -69,7 +70,7 @@ def _fetch_and_attend(cluster, qp, q: torch.Tensor) -> tuple[int, torch.Tensor]:
         sock.close(0)
         blocks = [t[:, :, :n] for t, n in zip(data.blocks, tokens)]  # [2, kv_heads, n, d]
         fetched += sum(t.numel() * t.element_size() for t in data.blocks)
-        kv = torch.cat(blocks, dim=2)  # the fetched prefix, now local: [2, kv_heads, S_i, d]
+        kv = torch.cat(blocks, dim=2).float()  # the fetched prefix, local, float32 math: [2, kv_heads, S_i, d]
         parts.append(partial_attention(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1)))
     o, lse = parts[0]
     for po, plse in parts[1:]:
@@ -79,15 +80,35 @@ def _fetch_and_attend(cluster, qp, q: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 def bench_query_vs_fetch(
     prefixes=(4096, 16384, 65536), n_instances: int = 4, segment_tokens: int = 512,
-    repeats: int = 5, chunk: int = 4096,
+    repeats: int = 5, chunk: int = 4096, dtypes=("float32", "bfloat16"),
 ) -> dict:
+    from tokenlake.tools.bench_kernel import memory_read_gbps
+
+    results = [row for dtype in dtypes
+               for row in _query_vs_fetch(prefixes, n_instances, segment_tokens, repeats, chunk, dtype)]
+    bandwidth = memory_read_gbps()
+    local = {dtype: _attention_throughput(max(prefixes), segment_tokens, dtype) for dtype in dtypes}
+    best = max(bandwidth.values())
+    return {
+        "results": results,
+        "attention_gbps": {d: r["attention_gbps"] for d, r in local.items()},
+        "attention_vs_bandwidth": {d: r["attention_gbps"] / best for d, r in local.items()},
+        "memory_read_gbps": best, "memory_read_methods_gbps": bandwidth,
+        "attention_threads": torch.get_num_threads(),
+        "setup": {"instances": n_instances, "segment_tokens": segment_tokens, "dtypes": list(dtypes),
+                  "heads": LAYER.num_q_heads, "head_dim": LAYER.head_dim, "query_rows": 1},
+    }
+
+
+def _query_vs_fetch(prefixes, n_instances: int, segment_tokens: int, repeats: int, chunk: int,
+                    dtype: str) -> list[dict]:
     m = LAYER
-    seg_bytes = 2 * m.num_kv_heads * segment_tokens * m.head_dim * 4
+    seg_bytes = 2 * m.num_kv_heads * segment_tokens * m.head_dim * getattr(torch, dtype).itemsize
     slots = sum(prefixes) // segment_tokens // n_instances + 2 * n_instances + 8
     rng = random.Random(0)
     results = []
     with LocalCluster(n_instances, m, slots * seg_bytes, segment_tokens, max_rows=chunk, timeout_s=120.0,
-                      peer_timeout_s=60.0) as cluster:
+                      peer_timeout_s=60.0, kv_dtype=dtype) as cluster:
         cp = cluster.control
         for s in prefixes:
             rid = f"prefix-{s}"
@@ -111,6 +132,7 @@ def bench_query_vs_fetch(
             fetched = [outcome["bytes"]]
             assert torch.allclose(outcome["o"], got, atol=1e-4), "query and fetch disagree"
             results.append({
+                "dtype": dtype,
                 "prefix_tokens": s,
                 "query_bytes": query_bytes,
                 "fetch_bytes": fetched[0],
@@ -121,25 +143,16 @@ def bench_query_vs_fetch(
             })
             cp.abort(plans)
             cp.finish_request(rid)
-    return {
-        "results": results,
-        **_attention_throughput(max(prefixes), segment_tokens),
-        "setup": {"instances": n_instances, "segment_tokens": segment_tokens, "dtype": "float32",
-                  "heads": m.num_q_heads, "head_dim": m.head_dim, "query_rows": 1},
-    }
+    return results
 
 
-def _attention_throughput(tokens: int, segment_tokens: int) -> dict:
-    """Local partial attention over a slab, as GB/s of KV read, against this machine's
-    measured memory read bandwidth."""
-
+def _attention_throughput(tokens: int, segment_tokens: int, dtype: str) -> dict:
+    """Local partial attention over a slab (what a query engine runs), as GB/s of KV read."""
     m = LAYER
     n = tokens // segment_tokens
-    slab = torch.randn(n, 1, 2, m.num_kv_heads, segment_tokens, m.head_dim)
+    slab = torch.randn(n, 1, 2, m.num_kv_heads, segment_tokens, m.head_dim).to(getattr(torch, dtype))
     q = torch.randn(1, m.num_q_heads, m.head_dim)
     slots, toks = list(range(n)), [segment_tokens] * n
     slab_partial_attention(q, slab, 0, slots, toks)
     ms = statistics.median(timed_ms(lambda: slab_partial_attention(q, slab, 0, slots, toks), 5))
-    gbps = slab.numel() * 4 / (ms / 1e3) / 1e9
-    return {"attention_gbps": gbps, "memory_read_gbps": measure_mem_bw()[0] / 1e9,
-            "attention_threads": torch.get_num_threads()}
+    return {"attention_gbps": slab.numel() * slab.element_size() / (ms / 1e3) / 1e9}

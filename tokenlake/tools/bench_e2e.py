@@ -11,13 +11,19 @@ of parallelism (``FCFS(prefill_dop=k)``) on one compute engine per instance
 (:class:`~tokenlake.model.compute.ParallelComputeEngine`): every DoP once per round, the
 order reversed every other round, medians and ranges, and each DoP's speed-up over the
 first DoP given.
+``--kv-dtype`` runs the pool (and the plain engine's cache) in bfloat16 or float16.
+``vllm``: afterwards, vLLM's CPU build on the same prompts and cores
+(:mod:`tokenlake.tools.bench_vllm_side`), as the row a user would compare against.
 Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+
+import torch
 
 from scheduler.baselines.fcfs import FCFS
 from tokenlake.core.cost_model import default_segment_tokens
@@ -93,7 +99,8 @@ def dop_ttft(cluster, weights, prompts: dict[int, list[tuple[int, ...]]], chunk_
 
 def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int = 1024,
               instances: int = 4, segment_tokens: int | None = None, decode_batches: tuple[int, ...] = (1, 8),
-              dops: tuple[int, ...] = (1, 2, 4), dop_tokens: int = 2048, rounds: int = 3) -> dict:
+              dops: tuple[int, ...] = (1, 2, 4), dop_tokens: int = 2048, rounds: int = 3,
+              kv_dtype: str = "float32", vllm: bool = False) -> dict:
 
     weights, tok = load_weights(), load_tokenizer()
     spec = weights.config.to_model_spec("smollm2-135m")
@@ -104,10 +111,11 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
     def prompt(question: str) -> tuple[int, ...]:
         return tuple(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}]))
 
-    seg = spec.num_layers * 2 * spec.num_kv_heads * segment_tokens * spec.head_dim * 4
+    seg = spec.num_layers * 2 * spec.num_kv_heads * segment_tokens * spec.head_dim * getattr(torch, kv_dtype).itemsize
     pool_bytes = (doc_tokens * 2 // segment_tokens // instances + 2 * max(decode_batches) + 16) * seg
     first_token: dict[str, float] = {}
-    with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens, max_rows=chunk_tokens) as cluster:
+    with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens, max_rows=chunk_tokens,
+                      kv_dtype=kv_dtype) as cluster:
         server = Server(cluster, weights, chunk_tokens=chunk_tokens,
                         on_token=lambda rid, _t: first_token.setdefault(rid, time.perf_counter()))
 
@@ -116,7 +124,8 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
             server.run([GenerationRequest(rid, p, max_new, ())])
             return (first_token[rid] - t0) * 1e3
 
-        recompute = ttft("cold", prompt("How tall is the Harbor Lighthouse?"))
+        cold_prompt = prompt("How tall is the Harbor Lighthouse?")
+        recompute = ttft("cold", cold_prompt)
         cached_prompt = prompt("Who was the first keeper of the lighthouse?")
         cached = ttft("warm", cached_prompt)
         hit = server.results["warm"].hit_tokens
@@ -125,10 +134,17 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         cold = _long_document(tok, dop_tokens)
         by_dop = {d: [tuple(tok.encode(f"Run {d}.{r}. {cold}")) for r in range(rounds)] for d in dops}
         parallel = dop_ttft(cluster, weights, by_dop, chunk_tokens) if dops else {}
-    ref = ReferenceEngine(weights)
+    ref = ReferenceEngine(weights, getattr(torch, kv_dtype))
     reference = {b: _reference_decode(ref, questions[:b], decode_tokens) for b in decode_batches}
     main = decode_batches[0]
+    side = None
+    if vllm:
+        from tokenlake.tools.bench_vllm_side import vllm_side_by_side
+
+        side = vllm_side_by_side(weights, tok, cold_prompt, cached_prompt, questions, decode_batches,
+                                 decode_tokens, lambda line: print(line, file=sys.stderr, flush=True))
     return {
+        "vllm": side,
         "cached_ttft_ms": cached,
         "recompute_ttft_ms": recompute,
         "ttft_ratio": cached / recompute,
@@ -142,6 +158,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         "dop_prompt_tokens": len(by_dop[dops[0]][0]) if dops else 0,
         "cached_hit_tokens": hit,
         "setup": {"instances": instances, "segment_tokens": segment_tokens, "chunk_tokens": chunk_tokens,
+                  "kv_dtype": kv_dtype,
                   "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)", "decode_batch": main,
                   "decode_tokens": decode_tokens},
     }
@@ -152,6 +169,12 @@ def summary(result: dict) -> str:
     lines = [f"TTFT cached {result['cached_ttft_ms']:.0f} ms vs recompute "
              f"{result['recompute_ttft_ms']:.0f} ms; decode {result['pool_decode_tok_s']:.1f} tok/s "
              f"(pool) vs {result['reference_decode_tok_s']:.1f} (reference)"]
+    side = result.get("vllm")
+    if side:
+        batches = ", ".join(f"{b}: {row['pool_tok_s']:.1f} vs {side['decode_tok_s'][b]:.1f}"
+                            for b, row in result["decode_by_batch"].items())
+        lines.append(f"vLLM (CPU build, same prompts and cores): TTFT cold {side['cold_ttft_ms']:.0f} ms, "
+                     f"cached {side['cached_ttft_ms']:.0f} ms; decode tok/s by batch, pool vs vLLM: {batches}")
     first = next(iter(result["dop_ttft"]), None)
     for dop, row in result["dop_ttft"].items():
         lines.append(f"cold TTFT at DoP {dop}: {row['median_ms']:.0f} ms ({row['min_ms']:.0f}-"

@@ -96,13 +96,14 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
 
 def _torch_slab(slab_partial_attention, q, slab, ids, counts, scale):
     """The pool's slab path with the csrc kernel switched off: torch's few-row path."""
-    from tokenlake.dataplane.attention_slab import use_native
+    from tokenlake.dataplane.attention_slab import _native, use_native
 
+    before = _native["on"]
     use_native(False)
     try:
         return slab_partial_attention(q, slab, 0, ids, counts, scale)
     finally:
-        use_native(True)
+        use_native(before)
 
 
 def add_kernel(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ import sys
 from tokenlake.tools.bench_kernel import add_kernel
 from tokenlake.tools.bench_plans import bench_plans
 from tokenlake.tools.cli_args import UsageError, at_least, fraction, positive
+from tokenlake.tools.cli_bench_e2e import add_e2e
 from tokenlake.tools.cli_eval import SYSTEM_NAMES
 
 WORKLOADS = ("loogle", "sharegpt", "mooncake")  # tokenlake/tools/bench_serve_load.py
@@ -115,7 +116,7 @@ def run_query_vs_fetch(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     for r in result["results"]:
-        print(f"S={r['prefix_tokens']:>6}: query {r['query_ms']:8.2f} ms {r['query_bytes']:>10} B"
+        print(f"{r['dtype']:8s} S={r['prefix_tokens']:>6}: query {r['query_ms']:8.2f} ms {r['query_bytes']:>10} B"
               f" | fetch {r['fetch_ms']:8.2f} ms {r['fetch_bytes']:>12} B")
     return 0
 
@@ -169,37 +170,6 @@ def run_vllm(args: argparse.Namespace) -> int:
     from tokenlake.tools.bench_vllm import bench_vllm  # torch, engines, vLLM servers
 
     print(json.dumps(bench_vllm(args.docs, args.doc_tokens, mode=args.mode), indent=2))
-    return 0
-
-
-# --------------------------------------------------------------------------- e2e
-
-
-def add_e2e(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
-    p.add_argument("--decode-batches", type=positive(int), nargs="+", default=[1, 8],
-                   metavar="B", help="decode batch sizes to measure; the first is the headline")
-    p.add_argument("--dops", type=positive(int), nargs="*", default=[1, 2, 4], metavar="K",
-                   help="prefill DoPs whose cold TTFT to compare, one compute engine per instance "
-                        "(none: skip); the first is the baseline of the ratios")
-    p.add_argument("--dop-tokens", type=positive(int), default=2048, help="prompt tokens of the DoP runs")
-    p.add_argument("--rounds", type=positive(int), default=3, help="runs per DoP, interleaved")
-    _json_flag(p)
-    p.set_defaults(run=run_e2e)
-
-
-def run_e2e(args: argparse.Namespace) -> int:
-    # torch and the model: only when this benchmark runs
-    from tokenlake.tools.bench_e2e import bench_e2e, summary
-
-    if any(d > args.instances for d in args.dops):
-        raise SystemExit(f"tokenlake bench e2e: error: --dops must not exceed --instances ({args.instances})")
-    result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
-                       dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(summary(result))
     return 0
 
 

@@ -31,7 +31,9 @@ Tensor = torch.Tensor
 #: a value lies that close to a rounding boundary the two round it to neighbouring
 #: half values; measured maxima on the demo 0.11 (bfloat16) and 0.014 (float16).
 #: Greedy outputs then agree token for token except at near ties: a step where the
-#: reference's best two logits lie within this tolerance of each other.
+#: reference's margin between its token and the pool's is at most twice this tolerance
+#: (each logit of one engine may lie this far from the other's, so the pool's choice can
+#: only differ where the margin is that small).
 LOGIT_TOLERANCE = {"float32": 1e-4, "float16": 0.05, "bfloat16": 0.25}
 _MIN_CAPACITY = 64  # tokens preallocated for a new cache (doubles as it fills)
 

@@ -5,7 +5,9 @@ SmolLM2-135M on this machine's CPU, 4 instances. The segment size C is the paper
 threshold rule (§4.2) applied to the measured ``cpu`` hardware profile (1,088 tokens):
 below it a remote segment query costs more in messaging than it saves in compute, which
 on a CPU with zmq messaging (~90 us per hop) is a much larger C than on NVLink GPUs.
-Decode is measured at several batch sizes, the reference engine batched the same way.
+Decode is measured at several batch sizes, the reference engine batched the same way,
+pool and reference alternately (``decode_rounds`` rounds, medians and ranges; the
+reference engine's caches prefilled once and decoding on from round to round).
 ``dop_ttft`` is the time to first token of a cold prompt prefilled with a fixed degree
 of parallelism (``FCFS(prefill_dop=k)``) on one compute engine per instance
 (:class:`~tokenlake.model.compute.ParallelComputeEngine`): every DoP once per round, the
@@ -61,17 +63,35 @@ def _pool_decode(server: Server, prompts: list[tuple[int, ...]], steps: int, tag
     return len(reqs) * steps / (time.perf_counter() - t0)
 
 
-def _reference_decode(ref, prompts: list[tuple[int, ...]], steps: int) -> float:
-    """The same for the monolithic engine, batched the same way (one weight pass per step)."""
+def _reference_decode(ref, caches: list, tokens: list[int], steps: int) -> float:
+    """The same for the monolithic engine over prefilled ``caches`` (which grow by
+    ``steps`` tokens: a later round goes on from there), batched the same way (one
+    weight pass per step); ``tokens`` are updated in place."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens[:] = ref.decode_batch(caches, tokens).argmax(dim=1).tolist()
+    return len(caches) * steps / (time.perf_counter() - t0)
+
+
+def _decode_rounds(server, ref, questions, batches, steps: int, rounds: int) -> dict[int, dict[str, list[float]]]:
+    """Decode tokens/s of the pool and of the reference engine, alternately: every round
+    measures each batch size on both, the order of the two reversed every other round."""
     caches, tokens = [], []
-    for p in prompts:
+    for p in questions[: max(batches)]:  # the reference's prefills, once (the pool's hit its cache)
         logits, cache = ref.prefill(list(p))
         caches.append(cache)
         tokens.append(int(logits.argmax()))
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tokens = ref.decode_batch(caches, tokens).argmax(dim=1).tolist()
-    return len(prompts) * steps / (time.perf_counter() - t0)
+    out = {b: {"pool": [], "reference": []} for b in batches}
+    for r in range(rounds):
+        for b in batches:
+            for who in (("pool", "reference") if r % 2 == 0 else ("reference", "pool")):
+                if who == "pool":
+                    out[b][who].append(_pool_decode(server, questions[:b], steps, f"d{b}-{r}-"))
+                    continue
+                head = tokens[:b]
+                out[b][who].append(_reference_decode(ref, caches[:b], head, steps))
+                tokens[:b] = head
+    return out
 
 
 def dop_ttft(cluster, weights, prompts: dict[int, list[tuple[int, ...]]], chunk_tokens: int) -> dict:
@@ -100,7 +120,7 @@ def dop_ttft(cluster, weights, prompts: dict[int, list[tuple[int, ...]]], chunk_
 def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int = 1024,
               instances: int = 4, segment_tokens: int | None = None, decode_batches: tuple[int, ...] = (1, 8),
               dops: tuple[int, ...] = (1, 2, 4), dop_tokens: int = 2048, rounds: int = 3,
-              kv_dtype: str = "float32", vllm: bool = False) -> dict:
+              kv_dtype: str = "float32", vllm: bool = False, decode_rounds: int = 2) -> dict:
 
     weights, tok = load_weights(), load_tokenizer()
     spec = weights.config.to_model_spec("smollm2-135m")
@@ -130,12 +150,12 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         cached = ttft("warm", cached_prompt)
         hit = server.results["warm"].hit_tokens
         questions = [prompt(f"What does section {i + 1} say about the keeper?") for i in range(max(decode_batches))]
-        pool = {b: _pool_decode(server, questions[:b], decode_tokens, f"d{b}-") for b in decode_batches}
+        ref = ReferenceEngine(weights, getattr(torch, kv_dtype))
+        runs = _decode_rounds(server, ref, questions, decode_batches, decode_tokens, decode_rounds)
         cold = _long_document(tok, dop_tokens)
         by_dop = {d: [tuple(tok.encode(f"Run {d}.{r}. {cold}")) for r in range(rounds)] for d in dops}
         parallel = dop_ttft(cluster, weights, by_dop, chunk_tokens) if dops else {}
-    ref = ReferenceEngine(weights, getattr(torch, kv_dtype))
-    reference = {b: _reference_decode(ref, questions[:b], decode_tokens) for b in decode_batches}
+    pool, reference, by_batch = _decode_summary(runs, decode_rounds)
     main = decode_batches[0]
     side = None
     if vllm:
@@ -151,17 +171,26 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         "pool_decode_tok_s": pool[main],
         "reference_decode_tok_s": reference[main],
         "decode_ratio": pool[main] / reference[main],
-        "decode_by_batch": {str(b): {"pool_tok_s": pool[b], "reference_tok_s": reference[b],
-                                     "ratio": pool[b] / reference[b]} for b in decode_batches},
+        "decode_by_batch": by_batch,
         "prompt_tokens": len(cached_prompt),
         "dop_ttft": parallel,
         "dop_prompt_tokens": len(by_dop[dops[0]][0]) if dops else 0,
         "cached_hit_tokens": hit,
         "setup": {"instances": instances, "segment_tokens": segment_tokens, "chunk_tokens": chunk_tokens,
-                  "kv_dtype": kv_dtype,
-                  "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)", "decode_batch": main,
-                  "decode_tokens": decode_tokens},
+                  "kv_dtype": kv_dtype, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)",
+                  "decode_batch": main, "decode_tokens": decode_tokens},
     }
+
+
+def _decode_summary(runs: dict, rounds: int) -> tuple[dict, dict, dict]:
+    """Medians of the pool and the reference per batch size, and the JSON rows."""
+    pool = {b: statistics.median(r["pool"]) for b, r in runs.items()}
+    reference = {b: statistics.median(r["reference"]) for b, r in runs.items()}
+    rows = {str(b): {"pool_tok_s": pool[b], "reference_tok_s": reference[b], "ratio": pool[b] / reference[b],
+                     "pool_range": [min(r["pool"]), max(r["pool"])],
+                     "reference_range": [min(r["reference"]), max(r["reference"])], "rounds": rounds}
+            for b, r in runs.items()}
+    return pool, reference, rows
 
 
 def summary(result: dict) -> str:

@@ -20,6 +20,8 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
                         "(none: skip); the first is the baseline of the ratios")
     p.add_argument("--dop-tokens", type=positive(int), default=2048, help="prompt tokens of the DoP runs")
     p.add_argument("--rounds", type=positive(int), default=3, help="runs per DoP, interleaved")
+    p.add_argument("--decode-rounds", type=positive(int), default=2,
+                   help="decode measurements of each batch size, pool and plain engine alternately")
     p.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES),
                    help="the pool's K/V dtype (the plain engine's cache: the same)")
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
@@ -38,7 +40,7 @@ def run_e2e(args: argparse.Namespace) -> int:
     vllm = importlib.util.find_spec("vllm") is not None if args.vllm is None else args.vllm
     result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
                        dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
-                       kv_dtype=args.kv_dtype, vllm=vllm)
+                       kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -106,3 +106,24 @@ def test_the_demo_names_a_near_tie_and_nothing_else():
     assert _near_tie(run, [1, 2], "bfloat16") is None  # margin 0.6: a real difference
     assert _near_tie(run, [2, 0], "float32") is None  # float32 is held to equality
     assert _near_tie(run, [1, 0], "bfloat16") is None  # equal outputs
+
+
+def test_the_reference_baseline_holds_the_kv_dtype_it_is_served_with(smollm2):
+    """``tokenlake serve --engine reference --kv-dtype bfloat16``: the baseline's caches
+    are in the pool's dtype, and it generates what the reference engine of that dtype
+    generates (chunked prefill included)."""
+    from tokenlake.service.local import reference_service
+    from tokenlake.serving.reference_server import ReferenceServer
+
+    weights, tok, _ = smollm2
+    with reference_service((weights, tok), http_port=0, kv_dtype="bfloat16") as served:
+        assert served.http.loop.server.engine.kv_dtype == torch.bfloat16
+    server = ReferenceServer(weights, chunk_tokens=24, kv_dtype=torch.bfloat16)
+    prompt = tuple(_prompts(tok)[0])
+    result = server.submit(GenerationRequest("r", prompt, 4, (tok.eos_id,)))
+    server.step()
+    assert server._live["r"].cache.keys[0].dtype == torch.bfloat16
+    while server.busy:
+        server.step()
+    want = ReferenceEngine(weights, torch.bfloat16).generate(list(prompt), 4, stop_ids=(tok.eos_id,))
+    assert result.output_ids == list(want.output_ids)

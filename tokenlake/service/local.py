@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from tokenlake.core.control import check_kv_dtype
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import credentials as credentials_file
 from tokenlake.deploy.local import LocalCluster
@@ -142,14 +143,17 @@ def _replace_dead_engines(cluster: LocalCluster, control: ControlServer, server)
 
 @contextlib.contextmanager
 def reference_service(model, *, host: str = "127.0.0.1", http_port: int = DEFAULT_HTTP_PORT,
-                      chunk_tokens: int = 512) -> Iterator[Served]:
+                      chunk_tokens: int = 512, kv_dtype: str = "float32") -> Iterator[Served]:
     """The baseline: ``model`` (``(weights, tokenizer)``) on the reference engine behind
-    the same HTTP API; no pool, no prefix cache, no control port."""
+    the same HTTP API, its KV caches in ``kv_dtype`` (as a pool of that dtype holds
+    them); no pool, no prefix cache, no control port."""
+    import torch
+
     from tokenlake.serving.reference_server import ReferenceServer
 
     weights, tokenizer = model
-    with HttpFrontend(ReferenceServer(weights, chunk_tokens), _model_info(weights, tokenizer),
-                      host, http_port) as http:
+    server = ReferenceServer(weights, chunk_tokens, kv_dtype=getattr(torch, check_kv_dtype(kv_dtype)))
+    with HttpFrontend(server, _model_info(weights, tokenizer), host, http_port) as http:
         yield Served(None, http)
 
 
@@ -204,7 +208,7 @@ def serve_local(
         if engine == "reference":
             if weights is None:
                 raise ValueError(f"the reference engine serves {SERVED_MODEL} only")
-            served = stack.enter_context(reference_service(weights, host=host, http_port=http_port))
+            served = stack.enter_context(reference_service(weights, host=host, http_port=http_port, kv_dtype=kv_dtype))
         else:
             progress(f"starting {instances} instances (a query and a transfer engine each) ...")
             cluster = stack.enter_context(LocalCluster(

@@ -77,27 +77,40 @@ inline __attribute__((always_inline)) float exp_neg(float x) {
   return p * scale;
 }
 
+// Empties a task's running state: m = -inf, l = 0, o = 0 (E floats per row).
+inline __attribute__((always_inline)) void reset_task(const Task& t, int64_t E) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    t.m[r] = kNegInf;
+    t.l[r] = 0.f;
+  }
+  std::fill(t.o, t.o + t.rows * E, 0.f);
+}
+
+// The task's kv head's K and V planes (capacity x E each) in its i-th slot.
+template <typename T>
+inline __attribute__((always_inline)) void slot_planes(const Task& t, int64_t i, int64_t E, const T** K,
+                                                       const T** V) {
+  const T* slab = static_cast<const T*>(t.slab);
+  const int64_t plane = t.capacity * E;
+  const int64_t base = ((t.slots[i] * t.layers + t.layer) * 2) * t.kv_heads * plane;
+  *K = slab + base + t.kv_head * plane;
+  *V = slab + base + (t.kv_heads + t.kv_head) * plane;
+}
+
 // kE > 0: the head dimension as a compile-time constant (64 and 128 are instantiated):
 // the inner loops then unroll fully, without peeling, remainders or alias checks.
 template <typename T, int kE>
 inline __attribute__((always_inline)) void run_task(const Task& t) {
   const int64_t E = kE > 0 ? kE : t.head_dim, R = t.rows;
-  const T* slab = static_cast<const T*>(t.slab);
   float* kbuf = t.scratch;
   float* vbuf = kbuf + kBlock * E;
   float* s = vbuf + kBlock * E;  // [R, kBlock] scores, then probabilities
-  for (int64_t r = 0; r < R; ++r) {
-    t.m[r] = kNegInf;
-    t.l[r] = 0.f;
-  }
-  std::fill(t.o, t.o + R * E, 0.f);
-  const int64_t plane = t.capacity * E;  // one head's K (or V) in a slot
+  reset_task(t, E);
   for (int64_t i = 0; i < t.n_slots; ++i) {
     const int64_t n = t.tokens[i];
     if (n <= 0) continue;
-    const int64_t base = ((t.slots[i] * t.layers + t.layer) * 2) * t.kv_heads * plane;
-    const T* K = slab + base + t.kv_head * plane;
-    const T* V = slab + base + (t.kv_heads + t.kv_head) * plane;
+    const T *K, *V;
+    slot_planes<T>(t, i, E, &K, &V);
     for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
       const int64_t nb = std::min(kBlock, n - b0);
       const float* k = widen<T>(K + b0 * E, kbuf, nb * E);
@@ -256,22 +269,15 @@ inline __attribute__((always_inline)) void run_task_v(const Task& t) {
   static_assert(kE % kLanes == 0, "the vector path needs head_dim % 16 == 0");
   constexpr int kC = kE / kLanes;  // vectors per row
   const int64_t R = t.rows;
-  const T* slab = static_cast<const T*>(t.slab);
   float* kbuf = t.scratch;
   float* vbuf = kbuf + kLanes * kE;
-  for (int64_t r = 0; r < R; ++r) {
-    t.m[r] = kNegInf;
-    t.l[r] = 0.f;
-  }
-  std::fill(t.o, t.o + R * kE, 0.f);
+  reset_task(t, kE);
   const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const int64_t plane = t.capacity * kE;
   for (int64_t i = 0; i < t.n_slots; ++i) {
     const int64_t n = t.tokens[i];
     if (n <= 0) continue;
-    const int64_t base = ((t.slots[i] * t.layers + t.layer) * 2) * t.kv_heads * plane;
-    const T* K = slab + base + t.kv_head * plane;
-    const T* V = slab + base + (t.kv_heads + t.kv_head) * plane;
+    const T *K, *V;
+    slot_planes<T>(t, i, kE, &K, &V);
     for (int64_t b0 = 0; b0 < n; b0 += kLanes) {
       const int64_t nb = std::min(kLanes, n - b0);
       // The block after next is prefetched a share per query row, spread over this

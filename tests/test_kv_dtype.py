@@ -9,16 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from dataplane_util import TINY
+from test_serving import NEW, C, _prompts, serve_two_waves
 
 from tokenlake.core.control import KV_DTYPES
 from tokenlake.core.errors import ConfigError
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.model.llama.reference import LOGIT_TOLERANCE, GenerationResult, ReferenceEngine
-from tokenlake.serving import GenerationRequest, Server
+from tokenlake.serving import GenerationRequest
 from tokenlake.tools.demo import _near_tie
 
-C = 16
-NEW = 6
 SEGMENT_F32 = TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4
 
 
@@ -57,13 +56,6 @@ def test_the_reference_cache_holds_the_dtype_and_attends_in_float32(smollm2, kv_
     assert 0 < (logits - want).abs().max().item() < 1.0
 
 
-def _prompts(tok):
-    system = {"role": "system", "content": "You are a concise assistant. Answer in a few words."}
-    doc = "The river Lumen runs 212 kilometres from the Grey Hills to the sea at Kestrel Bay."
-    qs = ["How long is the river Lumen?", "Where does the river Lumen end?", "Name the hills it starts in."]
-    return [tuple(tok.apply_chat_template([system, {"role": "user", "content": f"{doc}\n{q}"}])) for q in qs]
-
-
 def _agrees(got_ids, got_logits, want: GenerationResult, tolerance: float) -> None:
     """Token for token until a near tie of the reference (a margin of at most twice the
     tolerance; then the rest may differ); logits within ``tolerance`` on every step both
@@ -85,10 +77,7 @@ def test_generation_through_a_half_pool_equals_the_reference_of_that_dtype(smoll
     spec = weights.config.to_model_spec("smollm2-135m")
     prompts = _prompts(tok)
     with LocalCluster(2, spec, 24 << 20, segment_tokens=C, max_rows=512, kv_dtype=kv_dtype) as cluster:
-        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
-        server.run([GenerationRequest("p0", prompts[0], NEW, (tok.eos_id,))])
-        server.run([GenerationRequest(f"p{i}", p, NEW, (tok.eos_id,)) for i, p in enumerate(prompts[1:], 1)])
-        results = server.results
+        results = serve_two_waves(cluster, weights, tok, prompts)
     for i, prompt in enumerate(prompts):
         res = results[f"p{i}"]
         _agrees(res.output_ids, res.logits, ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,)),

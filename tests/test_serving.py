@@ -25,6 +25,15 @@ def _prompts(tok):
     return [tuple(tok.apply_chat_template([system, {"role": "user", "content": f"{doc}\n{q}"}])) for q in qs]
 
 
+def serve_two_waves(cluster, weights, tok, prompts):
+    """The first prompt alone puts the shared prefix into the pool; the others reuse it.
+    Returns the server's results (``p0``, ``p1``, ...), every step's logits kept."""
+    server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
+    server.run([GenerationRequest("p0", prompts[0], NEW, (tok.eos_id,))])
+    server.run([GenerationRequest(f"p{i}", p, NEW, (tok.eos_id,)) for i, p in enumerate(prompts[1:], 1)])
+    return server.results
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_generation_through_the_pool_equals_the_reference(model, n):
     weights, tok, ref = model
@@ -32,11 +41,7 @@ def test_generation_through_the_pool_equals_the_reference(model, n):
     prompts = _prompts(tok)
     assert any(len(p) % C for p in prompts), "want a prefix that is not a multiple of C"
     with LocalCluster(n, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
-        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
-        # The first request alone puts the shared prefix into the pool; the others reuse it.
-        server.run([GenerationRequest("p0", prompts[0], NEW, (tok.eos_id,))])
-        server.run([GenerationRequest(f"p{i}", p, NEW, (tok.eos_id,)) for i, p in enumerate(prompts[1:], 1)])
-        results = server.results
+        results = serve_two_waves(cluster, weights, tok, prompts)
     for i, prompt in enumerate(prompts):
         res = results[f"p{i}"]
         expected = ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,))

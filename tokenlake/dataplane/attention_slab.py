@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tokenlake.dataplane import native
 from tokenlake.dataplane.attention import Partial, Tensor, empty_partial, merge_seq, softmax_scale
 from tokenlake.dataplane.attention_cpu import attend_grouped, from_grouped, to_grouped
 from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
@@ -41,11 +42,7 @@ def use_native(on: bool) -> None:
 def _native_kernel():
     """The built csrc module, or None (off, or no current build: it is never compiled
     here, on a query's path; ``make`` builds it)."""
-    if not _native["on"]:
-        return None
-    from tokenlake.dataplane import native
-
-    return native.load_prebuilt()
+    return native.load_prebuilt() if _native["on"] else None
 
 
 def _slot_kv(slab: Tensor, layer: int, slot: int, n: int) -> tuple[Tensor, Tensor]:
@@ -105,12 +102,9 @@ def slab_partial_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[
     scale = softmax_scale(scale, head_dim)
     grouped_rows = rows * (q_heads // slab.shape[3])
     kernel = _native_kernel() if grouped_rows <= SMALL_ROWS and slab.is_contiguous() and \
-        slab.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+        slab.dtype in native.DTYPES else None
     if kernel is not None:
-        o, lse = kernel.slab_attention(q.float().contiguous(), slab, int(layer),
-                                       torch.tensor([s for s, _ in work], dtype=torch.int64),
-                                       torch.tensor([n for _, n in work], dtype=torch.int64), float(scale))
-        return Partial(o, lse)
+        return native.slab_attention(q, slab, layer, [s for s, _ in work], [n for _, n in work], scale, kernel)
     qg = to_grouped(q, slab.shape[3])
     if qg.shape[1] <= SMALL_ROWS:
         return from_grouped(*_slab_small_rows(qg, slab, layer, work, scale), rows)

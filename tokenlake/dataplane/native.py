@@ -98,12 +98,13 @@ def load_prebuilt():
 
 
 def slab_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[int],
-                   tokens: Sequence[int], scale: float) -> Partial:
+                   tokens: Sequence[int], scale: float, module=None) -> Partial:
     """The kernel's partial attention of ``q`` ``[rows, q_heads, E]`` over the first
     ``tokens[i]`` tokens of ``slots[i]`` of ``layer``: float32 ``o`` and natural-log
-    ``lse`` (``-inf`` where no slot has a token). Raises RuntimeError when the kernel is
-    not available and ValueError (from the kernel's checks) for a call that does not fit."""
-    mod = load()
+    ``lse`` (``-inf`` where no slot has a token). ``module``: the loaded kernel to use
+    (default :func:`load`). Raises RuntimeError when the kernel is not available and
+    ValueError (from the kernel's checks) for a call that does not fit."""
+    mod = load() if module is None else module
     if mod is None:
         raise RuntimeError("the native slab attention kernel is not built")
     idx = torch.as_tensor(list(slots), dtype=torch.int64)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tokenlake.core.control import check_kv_dtype, pool_control
+from tokenlake.core.control import pool_control
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane.shm_files import BufferSpec
@@ -146,11 +146,11 @@ class ClusterBase(abc.ABC):
     ) -> None:
         from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
 
-        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, kv_dtype, clock, seed,
+                                    kv_layout, page_tokens)  # checks kv_dtype
         if device != "cpu" and kv_dtype == "float32":
             raise ConfigError("a GPU pool holds float16 or bfloat16 K/V (FlashInfer's kernels), not float32")
-        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, kv_dtype, clock, seed,
-                                    kv_layout, page_tokens)
+        self.kv_dtype = kv_dtype
         self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
         self.segment_tokens = segment_tokens
         self.slots_per_instance = self.control.config.slots_per_instance

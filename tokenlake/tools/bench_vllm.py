@@ -73,26 +73,34 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> 
     raise RuntimeError(f"the vLLM server on port {port} did not start in {timeout_s:g} s")
 
 
-def _ttft(port: int, model: str, prompt: list[int]) -> tuple[float, float, str]:
-    """A greedy completion of ``prompt`` streamed: seconds to the first token, mean
-    seconds per later token, and the text."""
+def stream_completion(port: int, model: str, prompt: list[int], max_tokens: int,
+                      timeout_s: float = 600) -> list[tuple[float, str]]:
+    """A greedy completion of ``prompt`` streamed by the vLLM server on ``port``:
+    ``(seconds since the request, text)`` of every streamed chunk; RuntimeError if none."""
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
     start = time.perf_counter()
-    times, text = [], []
+    chunks = []
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                      timeout=600) as r:
+                      timeout=timeout_s) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
-                times.append(time.perf_counter() - start)
-                text.append(json.loads(line[5:])["choices"][0]["text"])
-    if not times:
+                chunks.append((time.perf_counter() - start, json.loads(line[5:])["choices"][0]["text"]))
+    if not chunks:
         raise RuntimeError("no token came back")
+    return chunks
+
+
+def _ttft(port: int, model: str, prompt: list[int]) -> tuple[float, float, str]:
+    """A greedy completion of ``prompt`` streamed: seconds to the first token, mean
+    seconds per later token, and the text."""
+    chunks = stream_completion(port, model, prompt, MAX_TOKENS)
+    times = [t for t, _ in chunks]
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return times[0], tpot, "".join(text)
+    return times[0], tpot, "".join(text for _, text in chunks)
 
 
 def _documents(tok, n: int, tokens: int, seed: int) -> list[list[int]]:

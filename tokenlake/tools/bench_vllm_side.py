@@ -11,7 +11,6 @@ of one request and of several decoding together, each request streaming greedy t
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 import threading
 import time
@@ -19,21 +18,13 @@ from pathlib import Path
 
 
 def _stream(port: int, model: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Seconds from the request to each streamed token of a greedy completion."""
-    import httpx
+    """Seconds from the request to each streamed chunk with text of a greedy completion."""
+    from tokenlake.tools.bench_vllm import stream_completion
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    start = time.perf_counter()
-    times = []
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data:") and line != "data: [DONE]" and json.loads(line[5:])["choices"][0]["text"]:
-                times.append(time.perf_counter())
+    times = [t for t, text in stream_completion(port, model, prompt, max_tokens, timeout_s=900) if text]
     if not times:
         raise RuntimeError("vLLM streamed no token")
-    return [t - start for t in times]
+    return times
 
 
 def _decode_rate(port: int, model: str, prompts: list[list[int]], tokens: int) -> float:

@@ -1,4 +1,4 @@
-// Partial attention of a few query rows over slots of a segment slab, on CPU.
+// Partial attention of a few query rows over slots of segment slabs (one shape), on CPU.
 //
 // The layout and the contract are those of tokenlake.dataplane.attention_slab
 // (docs/design.md §4): slab [slots, layers, 2, kv_heads, C, head_dim] (index 0 = K,
@@ -33,7 +33,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Task {
   const float* q;        // [R, E], pre-scaled, this kv head's query rows
-  const void* slab;      // base of the slab
+  const void* const* slabs;  // base of the slab of each slot of this task
   const int64_t* slots;  // slot ids of this task
   const int64_t* tokens; // valid tokens of each
   int64_t n_slots;
@@ -90,7 +90,7 @@ inline __attribute__((always_inline)) void reset_task(const Task& t, int64_t E) 
 template <typename T>
 inline __attribute__((always_inline)) void slot_planes(const Task& t, int64_t i, int64_t E, const T** K,
                                                        const T** V) {
-  const T* slab = static_cast<const T*>(t.slab);
+  const T* slab = static_cast<const T*>(t.slabs[i]);
   const int64_t plane = t.capacity * E;
   const int64_t base = ((t.slots[i] * t.layers + t.layer) * 2) * t.kv_heads * plane;
   *K = slab + base + t.kv_head * plane;
@@ -386,21 +386,32 @@ void (*pick(Isa isa, int64_t head_dim))(const Task&) {
 
 }  // namespace
 
-// Returns (o, lse); see the file comment. tokens[i] == 0 slots are skipped; if no slot
-// has a token, o = 0 and lse = -inf.
-std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, torch::Tensor slab,
+// Returns (o, lse); see the file comment. Slot i lives in slabs[sources[i]] (slabs of one
+// shape and dtype: an instance's own and the co-located peers' it maps). tokens[i] == 0
+// slots are skipped; if no slot has a token, o = 0 and lse = -inf.
+std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::vector<torch::Tensor> slabs,
                                                         int64_t layer, torch::Tensor slots,
-                                                        torch::Tensor tokens, double scale) {
+                                                        torch::Tensor tokens, double scale,
+                                                        torch::Tensor sources) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu(),
               "q must be a [rows, q_heads, head_dim] float32 CPU tensor");
-  TORCH_CHECK(slab.dim() == 6 && slab.size(2) == 2 && slab.is_contiguous() && slab.device().is_cpu(),
-              "slab must be a contiguous CPU [slots, layers, 2, kv_heads, C, head_dim] tensor");
+  TORCH_CHECK(!slabs.empty(), "at least one slab");
+  const auto& slab = slabs[0];
+  for (const auto& other : slabs) {
+    TORCH_CHECK(other.dim() == 6 && other.size(2) == 2 && other.is_contiguous() && other.device().is_cpu(),
+                "slab must be a contiguous CPU [slots, layers, 2, kv_heads, C, head_dim] tensor");
+    TORCH_CHECK(other.sizes() == slab.sizes() && other.scalar_type() == slab.scalar_type(),
+                "the slabs of one call must have one shape and dtype");
+  }
   const auto dtype = slab.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16,
               "slab dtype must be float32, bfloat16 or float16");
   TORCH_CHECK(slots.dim() == 1 && tokens.dim() == 1 && slots.numel() == tokens.numel() &&
                   slots.scalar_type() == torch::kInt64 && tokens.scalar_type() == torch::kInt64,
               "slots and tokens must be int64 vectors of one length");
+  TORCH_CHECK(sources.dim() == 1 && sources.scalar_type() == torch::kInt64 &&
+                  sources.numel() == slots.numel(),
+              "sources must be an int64 vector with one slab index per slot");
   const int64_t rows = q.size(0), q_heads = q.size(1), E = q.size(2);
   const int64_t n_slab = slab.size(0), layers = slab.size(1), kv_heads = slab.size(3);
   const int64_t capacity = slab.size(4);
@@ -412,9 +423,14 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, torch::
   const int64_t* sl = slots_c.data_ptr<int64_t>();
   const int64_t* tk = tokens_c.data_ptr<int64_t>();
   const int64_t n = slots_c.numel();
+  auto sources_c = sources.contiguous();
+  const int64_t* src = sources_c.data_ptr<int64_t>();
+  std::vector<const void*> bases(n);
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(sl[i] >= 0 && sl[i] < n_slab, "slot id out of range");
     TORCH_CHECK(tk[i] >= 0 && tk[i] <= capacity, "token count out of range");
+    TORCH_CHECK(src[i] >= 0 && src[i] < static_cast<int64_t>(slabs.size()), "slab index out of range");
+    bases[i] = slabs[src[i]].data_ptr();
   }
   const int64_t group = q_heads / kv_heads, R = rows * group;
 
@@ -433,14 +449,13 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, torch::
   if (dtype == torch::kFloat32) fn = pick<float>(isa, E);
   else if (dtype == torch::kBFloat16) fn = pick<c10::BFloat16>(isa, E);
   else fn = pick<c10::Half>(isa, E);
-  const void* base = slab.data_ptr();
   const float* qp = qg.data_ptr<float>();
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t id = begin; id < end; ++id) {
       const int64_t h = id / per_head, part = id % per_head;
       const int64_t lo = n * part / per_head, hi = n * (part + 1) / per_head;
-      Task t{qp + h * R * E, base, sl + lo, tk + lo, hi - lo, h, layer, layers, kv_heads,
+      Task t{qp + h * R * E, bases.data() + lo, sl + lo, tk + lo, hi - lo, h, layer, layers, kv_heads,
              capacity, E, R, o_parts.data() + id * R * E, m_parts.data() + id * R,
              l_parts.data() + id * R, scratch_all.data() + id * scratch};
       fn(t);

@@ -11,7 +11,10 @@ memory and answers two kinds of work:
   over the slots the plan names, returned as ``(o, lse)`` (``PEER_QUERY_RESULT``).
 
 Plans are registered once (``REGISTER_QUERY_PLAN``, which the home passes on to each
-peer as ``PEER_REGISTER_PLAN``) and reused for every layer. Their items arrive typed
+peer as ``PEER_REGISTER_PLAN``) and reused for every layer. A peer whose slab is on this
+machine (``EngineSpec.shared_slabs``) is not asked at all: the home maps that slab and
+attends its slots itself, the plan's leases keeping them as they were (docs/data-plane.md
+"Co-located slabs"). Their items arrive typed
 (:class:`~tokenlake.dataplane.messages.AttendItem`) and are checked against this slab
 here, before anything is stored or sent on.
 """
@@ -26,7 +29,7 @@ import torch
 from tokenlake.core.errors import PlanError
 from tokenlake.dataplane.attention import empty_partial, merge, merge_many
 from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
-from tokenlake.dataplane.attention_slab import slab_partial_attention
+from tokenlake.dataplane.attention_slab import slabs_partial_attention
 from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
 from tokenlake.dataplane.messages import (
     AttendItem,
@@ -53,8 +56,8 @@ class HomePlan:
     """A sub-batch plan registered by this instance's compute engine."""
 
     rows: int
-    local: tuple[AttendItem, ...]
-    remote: dict[int, tuple[int, int]]  # instance -> (lo, hi) rows it needs
+    local: dict[int, tuple[AttendItem, ...]]  # instance -> items attended here (own and shared slabs)
+    remote: dict[int, tuple[int, int]]  # instance -> (lo, hi) rows its query engine needs
 
 
 class QueryEngine(EngineLoop):
@@ -67,6 +70,8 @@ class QueryEngine(EngineLoop):
         self.out_o = bufs["out_o"]
         self.out_lse = bufs["out_lse"]
         self.q_heads = self.q.shape[1]
+        # instance -> a slab this engine attends itself: its own, and co-located peers'
+        self.slabs = {spec.instance: self.slab, **self.map_shared_slabs(self.slab)}
         self.home_plans: dict[int, HomePlan] = {}
         self.peer_plans: dict[tuple[int, int], tuple[AttendItem, ...]] = {}  # (home, plan) -> items
 
@@ -126,14 +131,14 @@ class QueryEngine(EngineLoop):
         pid, rows = message.plan, message.rows
         if not 0 < rows <= self.q.shape[0]:
             raise PlanError(f"plan has {rows} rows; q_buf holds at most {self.q.shape[0]}")
-        local: tuple[AttendItem, ...] = ()
+        local: dict[int, tuple[AttendItem, ...]] = {}
         checked = []
         for task in message.tasks:
             self._check_items(task.items, rows)
-            if task.instance == self.spec.instance:
-                local += task.items
-            elif task.instance not in self.peers:
+            if task.instance != self.spec.instance and task.instance not in self.peers:
                 raise PlanError(f"instance {task.instance} is not in this cluster")
+            if task.instance in self.slabs:  # its own, or a co-located peer's slab
+                local[task.instance] = local.get(task.instance, ()) + task.items
             else:
                 checked.append(task)
         remote: dict[int, tuple[int, int]] = {}
@@ -151,27 +156,33 @@ class QueryEngine(EngineLoop):
                 self.tell(inst, PeerReleasePlan(self.spec.instance, pid))
 
     # ------------------------------------------------------------- compute
-    def _partial(self, q: torch.Tensor, items: Sequence[AttendItem], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial attention of rows ``q`` over the items' slots (rows relative to ``q``).
+    def _partial(self, q: torch.Tensor, by_slab: dict[int, Sequence[AttendItem]],
+                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention of rows ``q`` over the items' slots (rows relative to ``q``)
+        in the slabs of the instances named (this one's, or co-located peers').
 
-        Items over the same rows (a request's sealed segments and its open tail) are
-        attended in one call; a single group over all rows is returned as it is.
+        Items over the same rows (a request's sealed segments and its open tail, in any
+        of the slabs) are attended in one call; a single group over all rows is returned
+        as it is.
         """
-        groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-        for it in items:
-            g = groups.setdefault((it.start, it.stop), ([], []))
-            g[0].extend(it.slots)
-            g[1].extend(it.tokens)
-        if self.slab.is_cuda:  # every group in one batched launch (docs/design.md "GPU path")
+        slabs = [self.slabs[inst] for inst in by_slab]
+        groups: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}  # sources, slots, tokens
+        for k, items in enumerate(by_slab.values()):
+            for it in items:
+                g = groups.setdefault((it.start, it.stop), ([], [], []))
+                g[0].extend([k] * len(it.slots))
+                g[1].extend(it.slots)
+                g[2].extend(it.tokens)
+        if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
             return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer,
-                                             [(a, z, s, t) for (a, z), (s, t) in groups.items()])
+                                             [(a, z, s, t) for (a, z), (_, s, t) in groups.items()])
         if len(groups) == 1:
-            ((start, stop), (slots, tokens)), = groups.items()
+            ((start, stop), work), = groups.items()
             if start == 0 and stop == q.shape[0]:
-                return slab_partial_attention(q, self.slab, layer, slots, tokens)
+                return slabs_partial_attention(q, slabs, layer, *work)
         o, lse = empty_partial(q.shape[0], self.q_heads, self.head_dim)
-        for (start, stop), (slots, tokens) in groups.items():
-            po, plse = slab_partial_attention(q[start:stop], self.slab, layer, slots, tokens)
+        for (start, stop), work in groups.items():
+            po, plse = slabs_partial_attention(q[start:stop], slabs, layer, *work)
             o[start:stop], lse[start:stop] = merge(o[start:stop], lse[start:stop], po, plse)
         return o, lse
 
@@ -191,7 +202,7 @@ class QueryEngine(EngineLoop):
             raise PlanError(f"q must be float32 [rows, {self.q_heads}, {self.head_dim}], got {q.dtype} {tuple(q.shape)}")
         if max(it.stop for it in items) > q.shape[0]:
             raise PlanError("q has fewer rows than the plan's items need")
-        o, lse = self._partial(q, items, layer)
+        o, lse = self._partial(q, {self.spec.instance: items}, layer)
         self.reply(identity, PeerQueryResult(layer, o, lse).encode(msg_id))
 
     def _serve_home(self, identity, msg_id: int, message: Query) -> None:
@@ -227,7 +238,10 @@ class QueryEngine(EngineLoop):
                                 f"{tuple(result.o.shape)}, lse {tuple(result.lse.shape)}; "
                                 f"expected layer {layer}, {rows} rows x heads")
             parts.append((lo, hi, result.o.to(o.device), result.lse.to(o.device)))  # a GPU pool: peers' arrive on the host
-        if all(lo == 0 and hi == plan.rows for lo, hi, _, _ in parts):  # one vectorised merge
+        if len(parts) == 1 and parts[0][:2] == (0, plan.rows):  # all attended here: nothing to merge
+            o.copy_(parts[0][2])
+            lse.copy_(parts[0][3])
+        elif all(lo == 0 and hi == plan.rows for lo, hi, _, _ in parts):  # one vectorised merge
             mo, mlse = merge_many(torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
             o.copy_(mo)
             lse.copy_(mlse)

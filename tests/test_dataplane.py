@@ -68,11 +68,15 @@ def run_iteration(cluster, tokens, new, dops=None, first_prefix=None, coalesce=F
     return plans
 
 
-@pytest.fixture(scope="module", params=[(1, "float32"), (2, "float32"), (4, "float32"), (2, "bfloat16"),
-                                        (3, "float16")], ids=lambda p: f"N{p[0]}" + ("" if p[1] == "float32" else f"-{p[1]}"))
+@pytest.fixture(scope="module", params=[(1, "float32", True), (2, "float32", True), (4, "float32", True),
+                                        (4, "float32", False), (2, "bfloat16", True), (3, "float16", True)],
+                ids=lambda p: f"N{p[0]}" + ("" if p[1] == "float32" else f"-{p[1]}") + ("" if p[2] else "-messages"))
 def cluster(request):
-    n, kv_dtype = request.param
-    with LocalCluster(n, TINY, POOL_BYTES, segment_tokens=C, max_rows=256, kv_dtype=kv_dtype) as c:
+    """Pools of 1-4 instances; ``-messages``: remote shares asked of the peers' query
+    engines (``share_slabs=False``, as between hosts) instead of read from their slabs."""
+    n, kv_dtype, share = request.param
+    with LocalCluster(n, TINY, POOL_BYTES, segment_tokens=C, max_rows=256, kv_dtype=kv_dtype,
+                      share_slabs=share) as c:
         yield c
 
 
@@ -152,10 +156,22 @@ def test_replicated_segments_give_the_same_result(cluster):
         have = {loc.instance for loc in cp.get_prefix_tree().replicas(key)}
         target = next(i for i in range(cluster.n_instances) if i not in have)
         reps.append(cp.start_replication(key, target))
+
+    def served(cluster=cluster):  # requests each transfer engine served (the stats' own ping included)
+        return {i: cluster.engine_stats()[("transfer", i)].requests for i in range(cluster.n_instances)}
+
+    idle, before = served(), served()  # what asking for the stats adds by itself
     cluster.replicate(reps)
+    after = served()
     for rep in reps:
         src, dst = cluster.slab(rep.source.instance)[rep.source.slot], cluster.slab(rep.target.instance)[rep.target.slot]
         assert torch.equal(src, dst)
+    # a copy is asked of the source's transfer engine; it writes into a co-located target's
+    # slab itself (share_slabs) or sends the segment to the target's transfer engine
+    asked = {i: sum(r.source.instance == i for r in reps) + (0 if cluster.share_slabs else
+                                                              sum(r.target.instance == i for r in reps))
+             for i in range(cluster.n_instances)}
+    assert {i: (after[i] - before[i]) - (before[i] - idle[i]) for i in after} == asked
     tokens["s"] = tokens["r"][: 4 * C] + [5, 6, 7]
     run_iteration(cluster, tokens, {"s": 3}, first_prefix={"s": 4 * C})
     for rid in ("r", "s"):
@@ -307,8 +323,9 @@ def test_the_compute_engine_side_copies_nothing(cluster):
 
 
 def test_killed_remote_query_engine_fails_the_query_within_seconds():
+    """Remote shares by message (as between hosts): a peer that died fails the query."""
     with LocalCluster(3, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, timeout_s=30.0,
-                      peer_timeout_s=2.0) as cluster:
+                      peer_timeout_s=2.0, share_slabs=False) as cluster:
         rng = random.Random(1)
         tokens = {"r": [rng.randrange(3, 900) for _ in range(6 * C)]}
         run_iteration(cluster, tokens, {"r": 6 * C})
@@ -333,6 +350,63 @@ def test_killed_remote_query_engine_fails_the_query_within_seconds():
         lost = cp.remove_instance(remote[0])
         assert "r" in lost
         cp.finish_request("r")
+
+
+def _spread_decode(cluster, rid):
+    """A request whose cached prefix spans instances, its decode plan registered; returns
+    (plans, query plan, the instances other than the home holding part of it, client,
+    its q buffer)."""
+    rng = random.Random(7)
+    tokens = {rid: [rng.randrange(3, 900) for _ in range(6 * C)]}
+    run_iteration(cluster, tokens, {rid: 6 * C})
+    plans = cluster.control.gen_plans([Batch((BatchRequest(rid, (5,)),), "decode")], [1])
+    qp = plans.query_plans[0]
+    remote = sorted({t.instance for t in qp.tasks} - {qp.home})
+    assert remote, "the prefix should span instances"
+    client = cluster.client(qp.home)
+    return plans, qp, remote, client, client.init_query(qp)
+
+
+def test_shared_slabs_answer_remote_shares_without_asking_the_peers():
+    """On one machine (share_slabs, the default) the home attends the peers' slots in
+    their slabs itself: the peers' query engines serve no message for it, and the result
+    equals the one computed by asking them (same q, bit for bit up to the merge order)."""
+    answers = {}
+    for share in (True, False):
+        with LocalCluster(3, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, share_slabs=share) as cluster:
+            plans, qp, remote, client, q_buf = _spread_decode(cluster, "s")
+            q_buf[:1] = torch.randn(1, TINY.num_q_heads, TINY.head_dim, generator=torch.Generator().manual_seed(3))
+
+            def requests(cluster=cluster, remote=remote):
+                return {i: cluster.engine_stats()[("query", i)].requests for i in remote}
+
+            idle, before = requests(), requests()  # what asking for the stats adds by itself
+            answers[share] = [tuple(t.clone() for t in client.query(layer)) for layer in range(TINY.num_layers)]
+            after = requests()
+            served = {i: (after[i] - before[i]) - (before[i] - idle[i]) for i in remote}
+            assert served == {i: 0 if share else TINY.num_layers for i in remote}, served
+            cluster.control.abort(plans)
+            cluster.control.finish_request("s")
+    for (o, lse), (mo, mlse) in zip(answers[True], answers[False], strict=True):
+        torch.testing.assert_close(o, mo, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lse, mlse, rtol=0, atol=1e-6)
+
+
+def test_shared_slabs_keep_answering_when_a_peer_query_engine_dies():
+    """With shared slabs a dead peer query engine is not in a query's path: its slab is
+    the launcher's memory and the plan's leases keep the slots, so the answer stays the
+    same; the watcher still reports the instance failed, and it leaves the pool."""
+    with LocalCluster(3, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, timeout_s=30.0) as cluster:
+        plans, qp, remote, client, q_buf = _spread_decode(cluster, "k")
+        q_buf[:1] = torch.randn(1, TINY.num_q_heads, TINY.head_dim)
+        o, lse = (t.clone() for t in client.query(1))
+        cluster.kill("query", remote[0])
+        o2, lse2 = client.query(1)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2)
+        assert cluster.failed_instances() == [remote[0]]
+        cluster.control.abort(plans)
+        assert "k" in cluster.remove_instance(remote[0])
+        cluster.control.finish_request("k")
 
 
 def test_client_tables_stay_flat_over_many_iterations(cluster):

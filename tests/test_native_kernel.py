@@ -181,3 +181,34 @@ def test_the_softmax_exp_is_accurate_to_float_rounding(kernel, head_dim):
             assert abs(got.o[0, 0, 0].item() - 1 / total) < 5e-7 / total
     finally:
         kernel.set_isa(_isas(kernel)[-1])
+
+
+@pytest.mark.parametrize("dtype", native.DTYPES)
+@pytest.mark.parametrize("on", [True, False], ids=["kernel", "torch"])
+def test_slots_of_several_slabs_in_one_call_equal_the_reference(kernel, dtype, on):
+    """A query engine's own slab and its co-located peers' (docs/data-plane.md
+    "Co-located slabs"): slot i of slabs[sources[i]], one softmax over all of them, on the
+    kernel and on the torch path (one call per slab, merged)."""
+    from tokenlake.dataplane.attention_slab import slabs_partial_attention, use_native
+
+    slabs = [_slab(5, 2, 3, 40, 64, dtype, seed=s) for s in range(3)]
+    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(5))
+    sources, slots, tokens = [2, 0, 2, 1, 0], [1, 1, 4, 0, 3], [40, 7, 0, 23, 40]
+    scale = 64 ** -0.5
+    ks = [slabs[k][s, 1, 0, :, :n].transpose(0, 1) for k, s, n in zip(sources, slots, tokens)]
+    vs = [slabs[k][s, 1, 1, :, :n].transpose(0, 1) for k, s, n in zip(sources, slots, tokens)]
+    ro, rlse = partial_attention_ref(q.double(), torch.cat(ks).double(), torch.cat(vs).double(), scale=scale)
+    use_native(on)
+    try:
+        o, lse = slabs_partial_attention(q, slabs, 1, sources, slots, tokens, scale)
+    finally:
+        use_native(True)
+    assert (o.double() - ro).abs().max() < 1e-5 and (lse.double() - rlse).abs().max() < 1e-5
+    direct = native.slab_attention(q, slabs, 1, slots, tokens, scale, kernel, sources)
+    assert (direct.o.double() - ro).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="slab index"):
+        native.slab_attention(q, slabs, 1, slots, tokens, scale, kernel, [0, 0, 0, 3, 0])
+    with pytest.raises(ValueError, match="one shape"):
+        native.slab_attention(q, [slabs[0], _slab(6, 2, 3, 40, 64, dtype)], 1, [0], [4], scale, kernel, [1])
+    with pytest.raises(ValueError, match="one shape"):
+        slabs_partial_attention(q, [slabs[0], _slab(6, 2, 3, 40, 64, dtype)], 1, [0, 1], [0, 0], [4, 4], scale)

@@ -13,7 +13,8 @@ and executes:
   done in the same layers by the transfer engine holding the source slot, which sends
   the rows on (``PEER_PUT``) when the tail is on another instance;
 * ``COPY_SEGMENT``: one whole segment (all layers: one contiguous block of the slab)
-  to a peer (``PEER_SEGMENT``), for replication or migration;
+  to a peer (``PEER_SEGMENT``), for replication or migration; into a co-located peer's
+  slab (``EngineSpec.shared_slabs``) it is one copy, without a message;
 * ``READ_SEGMENT``: one layer of some slots, returned as frames (``SEGMENT_DATA``);
 * from peers: ``PEER_PUT`` and ``PEER_SEGMENT`` written into the local slab.
 """
@@ -66,6 +67,7 @@ class TransferEngine(EngineLoop):
         self.slab = bufs["slab"]  # [slots, layers, 2, kv_heads, C, head_dim]
         self.num_slots, self.num_layers, _, self.kv_heads, self.C, self.head_dim = self.slab.shape
         self.kv = bufs["kv"]  # [layers, max_rows, 2, kv_heads, head_dim]
+        self.shared = self.map_shared_slabs(self.slab)  # co-located peers' slabs: copies go straight in
         self.plans: dict[int, TransferPlanState] = {}
 
     def handle(self, identity, msg_id: int, message: WireMessage) -> None:
@@ -232,9 +234,16 @@ class TransferEngine(EngineLoop):
         src, dst_inst, dst = message.slot, message.target, message.target_slot
         if not 0 <= src < self.num_slots:
             raise PlanError(f"slot {src} outside [0, {self.num_slots})")
-        pending = self._answer(identity, msg_id, CopyDone(dst))
         if dst_inst == self.spec.instance:
             raise PlanError("a segment copy needs another instance as target")
+        target = self.shared.get(dst_inst)
+        if target is not None and dst_inst in self.peers:  # co-located: one memcpy, no message
+            if not 0 <= dst < self.num_slots:
+                raise PlanError(f"slot {dst} outside [0, {self.num_slots})")
+            target[dst].copy_(self.slab[src])
+            self.reply(identity, CopyDone(dst).encode(msg_id))
+            return
+        pending = self._answer(identity, msg_id, CopyDone(dst))
         self.ask(dst_inst, PeerSegment(dst, self.slab[src]), pending)
 
     def _read(self, identity, msg_id: int, message: ReadSegment) -> None:

@@ -19,7 +19,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tokenlake.dataplane import native
-from tokenlake.dataplane.attention import Partial, Tensor, empty_partial, merge_seq, softmax_scale
+from tokenlake.dataplane.attention import (
+    Partial,
+    Tensor,
+    empty_partial,
+    merge_many,
+    merge_seq,
+    softmax_scale,
+)
 from tokenlake.dataplane.attention_cpu import attend_grouped, from_grouped, to_grouped
 from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
 
@@ -116,6 +123,38 @@ def slab_partial_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[
         return from_grouped(*parts[0], rows)
     o_g, lse_g = merge_seq([p[0].float() for p in parts], torch.stack([p[1] for p in parts]))
     return from_grouped(o_g, lse_g, rows)
+
+
+def slabs_partial_attention(q: Tensor, slabs: Sequence[Tensor], layer: int, sources: Sequence[int],
+                            slots: Sequence[int], tokens: Sequence[int], scale: float | None = None) -> Partial:
+    """:func:`slab_partial_attention` over slots of several slabs of one shape and dtype,
+    slot ``i`` being in ``slabs[sources[i]]`` (a query engine's own slab and the
+    co-located peers' it maps). Few rows on CPU with the csrc kernel built: one kernel
+    call, one softmax over all of them; otherwise one call per slab, merged exactly."""
+    if len(sources) != len(slots):
+        raise ValueError(f"{len(sources)} slab indices for {len(slots)} slots")
+    if any(not 0 <= k < len(slabs) for k in sources):
+        raise ValueError(f"slab indices must lie in [0, {len(slabs)})")
+    used = sorted(set(sources))
+    if len(used) <= 1:
+        return slab_partial_attention(q, slabs[used[0] if used else 0], layer, slots, tokens, scale)
+    first = slabs[used[0]]
+    if any(slabs[k].shape != first.shape or slabs[k].dtype != first.dtype or slabs[k].device != first.device
+           for k in used):
+        raise ValueError("the slabs of one call must have one shape, dtype and device")
+    _check_slab(q, first, layer, slots, tokens)
+    rows, q_heads, head_dim = q.shape
+    kernel = _native_kernel() if not first.is_cuda and rows * (q_heads // first.shape[3]) <= SMALL_ROWS \
+        and first.dtype in native.DTYPES and all(slabs[k].is_contiguous() for k in used) else None
+    if kernel is not None and rows:
+        work = [(k, s, n) for k, s, n in zip(sources, slots, tokens) if n > 0]
+        if not work:
+            return empty_partial(rows, q_heads, head_dim)
+        return native.slab_attention(q, slabs, layer, [w[1] for w in work], [w[2] for w in work],
+                                     softmax_scale(scale, head_dim), kernel, [w[0] for w in work])
+    parts = [slab_partial_attention(q, slabs[k], layer, [s for j, s in zip(sources, slots) if j == k],
+                                    [n for j, n in zip(sources, tokens) if j == k], scale) for k in used]
+    return merge_many(torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts]))
 
 
 def _slab_small_rows(qg: Tensor, slab: Tensor, layer: int, work: list[tuple[int, int]],

@@ -1,5 +1,6 @@
-"""What the query and transfer engines share: their spec, the start-up handshake, the
-event loop with its peers, and the body of their process entry points.
+"""What the query and transfer engines share: the start-up handshake, the event loop
+with its peers, and the body of their process entry points (their spec:
+:mod:`tokenlake.dataplane.engine_spec`).
 
 An engine is one process per instance and role. It binds one ROUTER socket (clients
 and peer engines connect to it with DEALER sockets), maps its instance's slab from
@@ -14,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -24,6 +25,7 @@ import zmq
 from tokenlake.core.errors import ConfigError, EngineUnavailable, NotAuthorized, TokenLakeError
 from tokenlake.dataplane import messages, wire
 from tokenlake.dataplane.auth import OWNER, ClusterKeys, connect_secure, guard, sender, serve_secure
+from tokenlake.dataplane.engine_spec import ROLES, EngineSpec
 from tokenlake.dataplane.messages import Ack, ErrorReply, Peers, Ping, Pong, Shutdown, WireMessage
 from tokenlake.dataplane.ratelog import RateLimitedLog
 from tokenlake.dataplane.shm import SharedTensor
@@ -33,66 +35,7 @@ from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 
 log = logging.getLogger(__name__)
 
-ROLES = ("query", "transfer")
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """Everything an engine process needs, sent to it as msgpack at start-up.
-
-    Attributes:
-        role: ``"query"`` or ``"transfer"``.
-        instance: instance id.
-        cluster_id: unique id of the cluster (names of shared buffers).
-        buffers: name -> :class:`tokenlake.dataplane.shm.BufferSpec` dict of the shared buffers
-            this engine maps: ``slab`` always; the home buffers of its instance's compute
-            engine (``q``, ``out_o``, ``out_lse`` for a query engine, ``kv`` for a
-            transfer engine).
-        host: interface to bind (loopback unless configured).
-        peer_timeout_s: how long to wait for a peer engine before failing the request.
-        torch_threads: intra-op threads of torch in this process.
-        port_range: ``(first, last)`` ports to bind (the first free one, inclusive
-            bounds); ``None`` binds any free port.
-        owner_pid: the launcher's process: once it is gone (killed with ``kill -9``,
-            say) the engine stops within ``tick_s`` and unlinks its cluster's buffers;
-            ``None``: no owner to watch (Ray watches its actors' owners itself).
-        keys: the cluster's CURVE keys as the engine holds them
-            (:meth:`tokenlake.dataplane.auth.ClusterKeys.engine_view`, as a dict);
-            ``None``: no CURVE (the launcher was told ``insecure``).
-    """
-
-    role: str
-    instance: int
-    cluster_id: str
-    buffers: dict[str, dict[str, Any]]
-    host: str = "127.0.0.1"
-    peer_timeout_s: float = 2.0
-    torch_threads: int = 1
-    port_range: tuple[int, int] | None = None
-    owner_pid: int | None = None
-    keys: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
-        if "slab" not in self.buffers:
-            raise ConfigError("an engine needs its instance's slab")
-        if self.peer_timeout_s <= 0:
-            raise ConfigError("peer_timeout_s must be > 0")
-        if self.port_range is not None:
-            lo, hi = self.port_range  # msgpack gives a list
-            object.__setattr__(self, "port_range", (int(lo), int(hi)))
-            if not 1 <= lo <= hi <= 65535:
-                raise ConfigError(f"port_range must be 1 <= first <= last <= 65535, got {self.port_range}")
-        if self.keys is not None:
-            ClusterKeys.from_dict(self.keys)  # refuses malformed keys here, not at bind
-
-    def to_bytes(self) -> bytes:
-        return msgpack.packb(asdict(self))
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> EngineSpec:
-        return cls(**msgpack.unpackb(raw, strict_map_key=False))
+__all__ = ["ROLES", "EngineLoop", "EngineSpec", "Pending", "run_engine"]
 
 
 @dataclass
@@ -208,6 +151,18 @@ class EngineLoop:
         """Maps the shared buffers named in the spec (closed again by :meth:`close`)."""
         self._maps = {n: SharedTensor.attach(BufferSpec.from_dict(d)) for n, d in self.spec.buffers.items()}
         return {n: m.tensor for n, m in self._maps.items()}
+
+    def map_shared_slabs(self, slab: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Maps the other instances' slabs named in ``spec.shared_slabs`` (closed by
+        :meth:`close`); each must have the shape and dtype of this instance's ``slab``."""
+        out = {}
+        for inst, raw in self.spec.shared_slabs.items():
+            shared = self._maps[f"slab@{inst}"] = SharedTensor.attach(BufferSpec.from_dict(raw))
+            if shared.tensor.shape != slab.shape or shared.tensor.dtype != slab.dtype:
+                raise ConfigError(f"instance {inst}'s slab {tuple(shared.tensor.shape)} {shared.tensor.dtype} "
+                                  f"differs from this one's {tuple(slab.shape)} {slab.dtype}")
+            out[int(inst)] = shared.tensor
+        return out
 
     def close(self) -> None:
         for m in getattr(self, "_maps", {}).values():

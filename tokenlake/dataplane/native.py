@@ -97,20 +97,26 @@ def load_prebuilt():
         return module
 
 
-def slab_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[int],
-                   tokens: Sequence[int], scale: float, module=None) -> Partial:
+def slab_attention(q: Tensor, slab: Tensor | Sequence[Tensor], layer: int, slots: Sequence[int],
+                   tokens: Sequence[int], scale: float, module=None,
+                   sources: Sequence[int] | None = None) -> Partial:
     """The kernel's partial attention of ``q`` ``[rows, q_heads, E]`` over the first
     ``tokens[i]`` tokens of ``slots[i]`` of ``layer``: float32 ``o`` and natural-log
-    ``lse`` (``-inf`` where no slot has a token). ``module``: the loaded kernel to use
-    (default :func:`load`). Raises RuntimeError when the kernel is not available and
-    ValueError (from the kernel's checks) for a call that does not fit."""
+    ``lse`` (``-inf`` where no slot has a token). ``slab``: one slab, or several of one
+    shape and dtype, slot ``i`` then being in ``slab[sources[i]]`` (one softmax over all
+    of them: a query engine's own slab and the co-located peers' it maps). ``module``:
+    the loaded kernel to use (default :func:`load`). Raises RuntimeError when the kernel
+    is not available and ValueError (from the kernel's checks) for a call that does not
+    fit."""
     mod = load() if module is None else module
     if mod is None:
         raise RuntimeError("the native slab attention kernel is not built")
+    slabs = [slab] if isinstance(slab, torch.Tensor) else list(slab)
     idx = torch.as_tensor(list(slots), dtype=torch.int64)
     cnt = torch.as_tensor(list(tokens), dtype=torch.int64)
+    src = torch.zeros_like(idx) if sources is None else torch.as_tensor(list(sources), dtype=torch.int64)
     try:
-        o, lse = mod.slab_attention(q.float().contiguous(), slab, int(layer), idx, cnt, float(scale))
+        o, lse = mod.slab_attention(q.float().contiguous(), slabs, int(layer), idx, cnt, float(scale), src)
     except RuntimeError as exc:  # TORCH_CHECK failures: the call does not fit
         raise ValueError(str(exc).splitlines()[0]) from None
     return Partial(o, lse)

@@ -125,6 +125,10 @@ class ClusterBase(abc.ABC):
             client and peer connection is encrypted and authenticated.
     """
 
+    #: whether engines map the other instances' slabs (docs/data-plane.md "Co-located
+    #: slabs"); a launcher that can sets it (``LocalCluster(share_slabs=...)``)
+    share_slabs = False
+
     def __init__(
         self,
         n_instances: int,

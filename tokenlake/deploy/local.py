@@ -53,7 +53,14 @@ class LocalCluster(ClusterBase):
     """N instances' query and transfer engines as local processes, plus the control plane.
 
     Args: see :class:`~tokenlake.deploy.base.ClusterBase`; ``host`` is the address the
-    engines bind (loopback by default); CURVE is on unless ``insecure``.
+    engines bind (loopback by default); CURVE is on unless ``insecure``. ``share_slabs``
+    (default on a CPU pool): every slab is in this machine's memory, so a query engine
+    attends the other instances' slots of its plans itself, through shared memory,
+    instead of asking their query engines, and a transfer engine copies a segment
+    (replication, migration) straight into the target's slab (docs/data-plane.md
+    "Co-located slabs"); ``False`` sends all of it by message, as between hosts. ``query_threads``:
+    intra-op threads of each query engine (the csrc kernel splits a query over kv heads
+    and slots; the compute engine waits meanwhile), 1 for the transfer engines.
     """
 
     def __init__(
@@ -74,10 +81,16 @@ class LocalCluster(ClusterBase):
         page_tokens: int | None = None,
         kv_dtype: str = "float32",
         device: str = "cpu",
+        share_slabs: bool = True,
+        query_threads: int = 2,
     ) -> None:
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
                          timeout_s, peer_timeout_s, start_timeout_s, host, insecure, kv_layout,
                          page_tokens, kv_dtype, device)
+        self.share_slabs = bool(share_slabs) and device == "cpu"  # CUDA slabs: by message (never run)
+        if query_threads < 1:
+            raise ConfigError(f"query_threads must be >= 1, got {query_threads}")
+        self.query_threads = int(query_threads)
         self.cluster_id = ""
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
@@ -132,8 +145,10 @@ class LocalCluster(ClusterBase):
                 spec = EngineSpec(role, inst, self.cluster_id,
                                   {n: specs[inst][n] for n in ENGINE_BUFFERS[role]},
                                   host=self.host, peer_timeout_s=self.peer_timeout_s,
+                                  torch_threads=self.query_threads if role == "query" else 1,
                                   owner_pid=os.getpid(),
-                                  keys=None if self.keys is None else self.keys.engine_view().to_dict())
+                                  keys=None if self.keys is None else self.keys.engine_view().to_dict(),
+                                  shared_slabs=self._shared_slabs(specs, role, inst))
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
                                    name=f"tokenlake-{role}-{inst}", daemon=True)
@@ -150,6 +165,13 @@ class LocalCluster(ClusterBase):
         for key, conn in conns.items():
             self._expect(conn, key)
             conn.close()
+
+    def _shared_slabs(self, specs: dict[int, dict[str, dict]], role: str, inst: int) -> dict[int, dict]:
+        """The other instances' slabs an engine maps (``share_slabs``): a query engine
+        attends their slots, a transfer engine copies segments into them."""
+        if not self.share_slabs:
+            return {}
+        return {other: specs[other]["slab"] for other in range(self.n_instances) if other != inst}
 
     def _expect(self, conn, key) -> dict:
         deadline = time.monotonic() + self.start_timeout_s

@@ -13,7 +13,9 @@ of parallelism (``FCFS(prefill_dop=k)``) on one compute engine per instance
 (:class:`~tokenlake.model.compute.ParallelComputeEngine`): every DoP once per round, the
 order reversed every other round, medians and ranges, and each DoP's speed-up over the
 first DoP given.
-``--kv-dtype`` runs the pool (and the plain engine's cache) in bfloat16 or float16.
+``--kv-dtype`` runs the pool (and the plain engine's cache) in bfloat16 or float16;
+``--no-share-slabs`` sends the remote shares of queries by message instead of reading
+the co-located slabs (docs/data-plane.md "Co-located slabs").
 ``vllm``: afterwards, vLLM's CPU build on the same prompts and cores
 (:mod:`tokenlake.tools.bench_vllm_side`), as the row a user would compare against.
 Prints figures; asserts nothing.
@@ -120,7 +122,8 @@ def dop_ttft(cluster, weights, prompts: dict[int, list[tuple[int, ...]]], chunk_
 def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int = 1024,
               instances: int = 4, segment_tokens: int | None = None, decode_batches: tuple[int, ...] = (1, 8),
               dops: tuple[int, ...] = (1, 2, 4), dop_tokens: int = 2048, rounds: int = 3,
-              kv_dtype: str = "float32", vllm: bool = False, decode_rounds: int = 2) -> dict:
+              kv_dtype: str = "float32", vllm: bool = False, decode_rounds: int = 2,
+              share_slabs: bool = True) -> dict:
 
     weights, tok = load_weights(), load_tokenizer()
     spec = weights.config.to_model_spec("smollm2-135m")
@@ -135,7 +138,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
     pool_bytes = (doc_tokens * 2 // segment_tokens // instances + 2 * max(decode_batches) + 16) * seg
     first_token: dict[str, float] = {}
     with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens, max_rows=chunk_tokens,
-                      kv_dtype=kv_dtype) as cluster:
+                      kv_dtype=kv_dtype, share_slabs=share_slabs) as cluster:
         server = Server(cluster, weights, chunk_tokens=chunk_tokens,
                         on_token=lambda rid, _t: first_token.setdefault(rid, time.perf_counter()))
 
@@ -177,7 +180,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         "dop_prompt_tokens": len(by_dop[dops[0]][0]) if dops else 0,
         "cached_hit_tokens": hit,
         "setup": {"instances": instances, "segment_tokens": segment_tokens, "chunk_tokens": chunk_tokens,
-                  "kv_dtype": kv_dtype, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)",
+                  "kv_dtype": kv_dtype, "share_slabs": share_slabs, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)",
                   "decode_batch": main, "decode_tokens": decode_tokens},
     }
 

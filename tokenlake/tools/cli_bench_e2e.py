@@ -24,6 +24,9 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
                    help="decode measurements of each batch size, pool and plain engine alternately")
     p.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES),
                    help="the pool's K/V dtype (the plain engine's cache: the same)")
+    p.add_argument("--share-slabs", action=argparse.BooleanOptionalAction, default=True,
+                   help="query engines attend the other instances' slabs through shared memory "
+                        "(off: by message, as between hosts)")
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
                    help="measure vLLM's CPU build on the same prompts and cores afterwards "
                         "(default: when vllm is installed)")
@@ -40,7 +43,8 @@ def run_e2e(args: argparse.Namespace) -> int:
     vllm = importlib.util.find_spec("vllm") is not None if args.vllm is None else args.vllm
     result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
                        dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
-                       kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds)
+                       kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
+                       share_slabs=args.share_slabs)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

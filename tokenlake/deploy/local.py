@@ -82,7 +82,7 @@ class LocalCluster(ClusterBase):
         kv_dtype: str = "float32",
         device: str = "cpu",
         share_slabs: bool = True,
-        query_threads: int = 2,
+        query_threads: int = 1,
     ) -> None:
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
                          timeout_s, peer_timeout_s, start_timeout_s, host, insecure, kv_layout,

@@ -161,29 +161,46 @@ class QueryEngine(EngineLoop):
         """Partial attention of rows ``q`` over the items' slots (rows relative to ``q``)
         in the slabs of the instances named (this one's, or co-located peers').
 
-        Items over the same rows (a request's sealed segments and its open tail, in any
-        of the slabs) are attended in one call; a single group over all rows is returned
-        as it is.
+        Slots that several row ranges attend (a document's segments shared by the
+        requests of a batch) are attended once for all those rows together, cascade
+        style, so their K/V is read once; the rest of each row range (its own segments
+        and open tail, in any of the slabs) in one call per range. The partials are
+        merged exactly; a single one over all rows is returned as it is.
         """
         slabs = [self.slabs[inst] for inst in by_slab]
-        groups: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}  # sources, slots, tokens
+        ranges_of: dict[tuple[tuple[int, int, int], ...], set[tuple[int, int]]] = {}  # work -> row ranges
         for k, items in enumerate(by_slab.values()):
             for it in items:
-                g = groups.setdefault((it.start, it.stop), ([], [], []))
-                g[0].extend([k] * len(it.slots))
-                g[1].extend(it.slots)
-                g[2].extend(it.tokens)
+                ranges_of.setdefault(tuple((k, s, t) for s, t in zip(it.slots, it.tokens)), set()).add(
+                    (it.start, it.stop))
+        own: dict[tuple[int, int], list] = {}
+        shared: dict[tuple[tuple[int, int], ...], list] = {}
+        for work, ranges in ranges_of.items():
+            if len(ranges) == 1 or self.slab.is_cuda:
+                for rows in ranges:
+                    own.setdefault(rows, []).extend(work)
+            else:
+                shared.setdefault(tuple(sorted(ranges)), []).extend(work)
         if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
             return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer,
-                                             [(a, z, s, t) for (a, z), (_, s, t) in groups.items()])
-        if len(groups) == 1:
-            ((start, stop), work), = groups.items()
-            if start == 0 and stop == q.shape[0]:
-                return slabs_partial_attention(q, slabs, layer, *work)
+                                             [(a, z, [w[1] for w in work], [w[2] for w in work])
+                                              for (a, z), work in own.items()])
+        parts: list[tuple[slice | torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
+        for (a, z), work in own.items():
+            parts.append((slice(a, z), slabs_partial_attention(q[a:z], slabs, layer, *zip(*work))))
+        for ranges, work in shared.items():
+            rows = torch.cat([torch.arange(a, z) for a, z in ranges])
+            parts.append((rows, slabs_partial_attention(q[rows], slabs, layer, *zip(*work))))
+        if len(parts) == 1 and isinstance(parts[0][0], slice) and parts[0][0] == slice(0, q.shape[0]):
+            return parts[0][1]
         o, lse = empty_partial(q.shape[0], self.q_heads, self.head_dim)
-        for (start, stop), work in groups.items():
-            po, plse = slabs_partial_attention(q[start:stop], slabs, layer, *work)
-            o[start:stop], lse[start:stop] = merge(o[start:stop], lse[start:stop], po, plse)
+        ranges = sorted(own)
+        disjoint = all(a2 >= z1 for (_, z1), (a2, _) in zip(ranges, ranges[1:]))
+        for rows, (po, plse) in parts:  # the row ranges' own parts come first
+            if disjoint and isinstance(rows, slice):  # rows nothing else wrote yet: no merge
+                o[rows], lse[rows] = po, plse
+            else:
+                o[rows], lse[rows] = merge(o[rows], lse[rows], po, plse)
         return o, lse
 
     def _check_layer(self, layer: int) -> int:

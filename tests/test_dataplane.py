@@ -98,6 +98,24 @@ def test_pool_query_equals_monolithic_attention(cluster):
         cluster.control.finish_request(rid)
 
 
+def test_requests_sharing_a_document_decode_together_in_one_batch(cluster):
+    """Three requests on one cached document, each with its own tail, decode in one
+    sub-batch: the query engine attends the shared segments once for all their rows
+    (cascade) and each tail on its own; every row equals the monolithic reference, also
+    while the tails seal, and with a request whose prefix is the document alone."""
+    rng = random.Random(300 + cluster.n_instances)
+    doc = [rng.randrange(3, 900) for _ in range(4 * C)]
+    tokens = {"d0": doc + [rng.randrange(3, 900) for _ in range(3 + 2 * C)]}
+    run_iteration(cluster, tokens, {"d0": len(doc) + 3})
+    for i, extra in ((1, 5), (2, 0)):
+        tokens[f"d{i}"] = doc + [rng.randrange(3, 900) for _ in range(extra + 2 * C)]
+    run_iteration(cluster, tokens, {"d1": 5, "d2": 1}, dops=[1], first_prefix={"d1": 4 * C, "d2": 4 * C})
+    for _ in range(C + 1):  # decode together, across a segment boundary
+        run_iteration(cluster, tokens, {"d0": 1, "d1": 1, "d2": 1}, dops=[1])
+    for rid in ("d0", "d1", "d2"):
+        cluster.control.finish_request(rid)
+
+
 def test_puts_coalesced_over_all_layers_store_the_same(cluster):
     """One put for every layer (what decode sends) stores exactly what per-layer puts
     store, locally and on peers: later iterations read it back through queries."""

@@ -55,10 +55,10 @@ DT = st.sampled_from([0.0, 0.0, 0.5, 1.0, 4.0])
 
 
 def make_pool(slots: int = CAPACITY, instances=(0, 1, 2), now=None,
-              eviction_choices: int = 2) -> tuple[CachePool, list]:
+              eviction_choices: int = 2, shared_memory: bool = False) -> tuple[CachePool, list]:
     clock = now if now is not None else [0.0]
     cfg = PoolConfig(segment_tokens=C, namespace="pool-props", slots_per_instance=slots, vnodes=8,
-                     eviction_choices=eviction_choices)
+                     eviction_choices=eviction_choices, shared_memory=shared_memory)
     return CachePool(cfg, list(instances), lambda: clock[0], random.Random(0)), clock
 
 
@@ -680,3 +680,19 @@ def test_a_single_hot_segment_is_replicated():
     assert rep.source.instance == 0 and rep.target.instance in (1, 2)
     pool.finish_replication(rep)
     assert len(pool.tree.replicas(k0)) == 2 and pool.tree.lease_count(k0) == 0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["hosts", "shared-memory"])
+def test_a_shared_memory_pool_reads_one_replica_and_replicates_nothing(shared):
+    """``PoolConfig.shared_memory`` (one machine, every slab readable by every query
+    engine): every request reads the same replica of a segment, so requests sharing it
+    share its slot, and a hot segment is not copied (the copy would move no work)."""
+    pool, _ = make_pool(slots=2, instances=[0, 1, 2, 3], shared_memory=shared)
+    (k0,) = pool.hasher.keys([5, 5])
+    for inst in (2, 0, 3):
+        _put(pool, k0, None, 0, inst=inst)
+    locs = pool.tree.replicas(k0)
+    picked = {pool.choose(locs, {0: 9.0, 2: 0.0, 3: 0.0}).instance for _ in range(40)}
+    assert picked == {0} if shared else len(picked) > 1
+    pool.record_access([((k0,), {0: 1})] * 10)
+    assert (pool.rebalance() == []) == shared

@@ -38,6 +38,12 @@ class PoolConfig:
             a match returns whole segments plus the matching leading pages of the next
             one. Must divide ``segment_tokens``; ``None`` (the default) means 16 where
             16 divides ``C`` and ``C`` (whole segments only) elsewhere.
+        shared_memory: every query engine reads every instance's slab (one machine,
+            ``LocalCluster(share_slabs=True)``; docs/data-plane.md "Co-located slabs"):
+            the ready replica on the lowest instance serves every request, so that requests
+            sharing segments share slots (attended once for all of them), and
+            :meth:`~tokenlake.core.pool.CachePool.rebalance` starts no copy (a replica
+            would move no work: the home's query engine attends them all).
     """
 
     segment_tokens: int
@@ -54,6 +60,7 @@ class PoolConfig:
     page_tokens: int | None = None
     home_eviction: bool = True
     eviction_choices: int = 2
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("segment_tokens", self.segment_tokens)

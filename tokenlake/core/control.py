@@ -308,12 +308,14 @@ def check_kv_dtype(kv_dtype: str) -> str:
 
 def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_tokens: int,
                  kv_dtype: str, clock: Callable[[], float], seed: int = 0,
-                 kv_layout: str = "tokenlake", page_tokens: int | None = None) -> ControlPlane:
+                 kv_layout: str = "tokenlake", page_tokens: int | None = None,
+                 shared_memory: bool = False) -> ControlPlane:
     """The control plane of a cluster of ``n_instances`` slabs of ``pool_bytes`` each,
     holding as many whole segments of ``kv_dtype`` (:data:`KV_DTYPES`) elements as fit
     (the launchers' shared sizing), in the namespace of ``model``, ``kv_dtype``,
     ``segment_tokens`` and ``kv_layout`` (:data:`KV_LAYOUTS`), with page hits of
-    ``page_tokens`` (``None``: the default); ``ConfigError`` without instances, for an
+    ``page_tokens`` (``None``: the default) and ``shared_memory``
+    (:class:`~tokenlake.core.config.PoolConfig`); ``ConfigError`` without instances, for an
     unknown dtype or layout, or when no segment fits."""
     if n_instances < 1:
         raise ConfigError("need at least one instance")
@@ -327,7 +329,8 @@ def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_to
     namespace = f"{model.name}/{short}/C{segment_tokens}"
     if kv_layout != "tokenlake":
         namespace += f"/{kv_layout}"
-    config = PoolConfig(segment_tokens, namespace, slots, seed=seed, page_tokens=page_tokens)
+    config = PoolConfig(segment_tokens, namespace, slots, seed=seed, page_tokens=page_tokens,
+                        shared_memory=shared_memory)
     if model.dtype_bytes != dtype_bytes:  # the byte counts (puts, dedup, dispatch) of this pool's K/V
         model = dataclasses.replace(model, dtype_bytes=dtype_bytes)
     return ControlPlane(config, model, list(range(n_instances)), clock=clock)

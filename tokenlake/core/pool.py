@@ -117,9 +117,9 @@ class CachePool:
         return self.tree.match(token_ids, max_tokens)
 
     def choose(self, locations: Sequence[SegmentLocation], load: Mapping[int, float]) -> SegmentLocation:
-        """Power-of-two-choices among a segment's ready replicas."""
-        if len(locations) == 1:
-            return locations[0]
+        """Power-of-two-choices among a segment's ready replicas (``shared_memory``: the lowest instance's)."""
+        if len(locations) == 1 or self.config.shared_memory:
+            return min(locations, key=lambda loc: (loc.instance, loc.slot))
         by_inst = {loc.instance: loc for loc in locations}
         return by_inst[choose_replica(sorted(by_inst), load, self.rng)]
 
@@ -365,8 +365,8 @@ class CachePool:
     def rebalance(self) -> list[Replication]:
         """Starts copies of heavy hitters off overloaded instances (see
         :meth:`Replicator.rebalance`); each ends with :meth:`finish_replication` or
-        :meth:`abort_replication`."""
-        return self.replicator.rebalance()
+        :meth:`abort_replication`. None with ``config.shared_memory``."""
+        return [] if self.config.shared_memory else self.replicator.rebalance()
 
     def start_replication(self, key: SegmentKey, target: int) -> Replication:
         """Starts one copy by hand (see :meth:`Replicator.start`)."""

@@ -117,6 +117,9 @@ class ClusterBase(abc.ABC):
             docs/design.md "GPU path": never run on this project's machines).
         kv_layout: whose KV the pool holds (``tokenlake.core.control.KV_LAYOUTS``; part
             of the namespace, so the layouts never match each other).
+        share_slabs: every engine maps the other instances' slabs (one machine; CPU
+            pools only): a launcher that can offers it (``LocalCluster``), and the
+            control plane then plans for it (``PoolConfig.shared_memory``).
         page_tokens: granularity of prefix hits inside a segment
             (:class:`~tokenlake.core.config.PoolConfig`; ``None``: its default, 16).
         insecure: no CURVE (docs/security.md): every socket of the cluster then accepts
@@ -124,10 +127,6 @@ class ClusterBase(abc.ABC):
             By default the cluster generates its keys (:attr:`keys`) and every engine,
             client and peer connection is encrypted and authenticated.
     """
-
-    #: whether engines map the other instances' slabs (docs/data-plane.md "Co-located
-    #: slabs"); a launcher that can sets it (``LocalCluster(share_slabs=...)``)
-    share_slabs = False
 
     def __init__(
         self,
@@ -147,11 +146,13 @@ class ClusterBase(abc.ABC):
         page_tokens: int | None = None,
         kv_dtype: str = "float32",
         device: str = "cpu",
+        share_slabs: bool = False,
     ) -> None:
         from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
 
+        self.share_slabs = bool(share_slabs) and device == "cpu"  # CUDA slabs: by message (never run)
         self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, kv_dtype, clock, seed,
-                                    kv_layout, page_tokens)  # checks kv_dtype
+                                    kv_layout, page_tokens, self.share_slabs)  # checks kv_dtype
         if device != "cpu" and kv_dtype == "float32":
             raise ConfigError("a GPU pool holds float16 or bfloat16 K/V (FlashInfer's kernels), not float32")
         self.kv_dtype = kv_dtype

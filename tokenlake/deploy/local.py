@@ -59,8 +59,8 @@ class LocalCluster(ClusterBase):
     instead of asking their query engines, and a transfer engine copies a segment
     (replication, migration) straight into the target's slab (docs/data-plane.md
     "Co-located slabs"); ``False`` sends all of it by message, as between hosts. ``query_threads``:
-    intra-op threads of each query engine (the csrc kernel splits a query over kv heads
-    and slots; the compute engine waits meanwhile), 1 for the transfer engines.
+    intra-op threads of each query engine (the csrc kernel splits a large query over kv
+    heads and slots; the compute engine waits meanwhile), 1 for the transfer engines.
     """
 
     def __init__(
@@ -82,12 +82,11 @@ class LocalCluster(ClusterBase):
         kv_dtype: str = "float32",
         device: str = "cpu",
         share_slabs: bool = True,
-        query_threads: int = 1,
+        query_threads: int = 2,
     ) -> None:
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
                          timeout_s, peer_timeout_s, start_timeout_s, host, insecure, kv_layout,
-                         page_tokens, kv_dtype, device)
-        self.share_slabs = bool(share_slabs) and device == "cpu"  # CUDA slabs: by message (never run)
+                         page_tokens, kv_dtype, device, share_slabs)
         if query_threads < 1:
             raise ConfigError(f"query_threads must be >= 1, got {query_threads}")
         self.query_threads = int(query_threads)

@@ -79,8 +79,10 @@ def run_real(trace: list[Request], instances: int, segment_tokens: int, chunk_to
     weights = load_weights()
     spec = weights.config.to_model_spec("smollm2-135m")
     t0 = time.perf_counter()
+    # share_slabs=False: the simulator models instances on separate hosts (each query
+    # engine attends its own slab, replication spreads the reads)
     with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens,
-                      max_rows=max(chunk_tokens, 64)) as cluster:
+                      max_rows=max(chunk_tokens, 64), share_slabs=False) as cluster:
         engine = ParallelComputeEngine(weights, cluster)
         server = Server(cluster, weights, chunk_tokens=chunk_tokens, rebalance_every=1, engine=engine,
                         policy=FCFS(chunk_tokens, prefill_dop=dop))

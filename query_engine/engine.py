@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenlake.core.errors import PlanError
+from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.dataplane.attention import empty_partial, merge, merge_many
 from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
 from tokenlake.dataplane.attention_slab import slabs_partial_attention
@@ -161,9 +161,10 @@ class QueryEngine(EngineLoop):
         """Partial attention of rows ``q`` over the items' slots (rows relative to ``q``)
         in the slabs of the instances named (this one's, or co-located peers').
 
-        Slots that several row ranges attend (a document's segments shared by the
-        requests of a batch) are attended once for all those rows together, cascade
-        style, so their K/V is read once; the rest of each row range (its own segments
+        An item's slots that several row ranges read alike (the same slots, slabs and
+        token counts: a document's segments shared by the requests of a batch) are
+        attended once for all those rows together, cascade style, so their K/V is read
+        once; the rest of each row range (its own segments
         and open tail, in any of the slabs) in one call per range. The partials are
         merged exactly; a single one over all rows is returned as it is.
         """
@@ -228,6 +229,9 @@ class QueryEngine(EngineLoop):
         if plan is None:
             raise PlanError(f"unknown plan {pid} on instance {self.spec.instance}")
         layer = self._check_layer(message.layer)
+        gone = [i for i in plan.local if i != self.spec.instance and i not in self.peers]
+        if gone:  # its slab may be zeroed for a restart: never read it after it left
+            raise EngineUnavailable(f"instance {gone[0]} left the cluster after plan {pid} was registered")
         q = self.q[: plan.rows]
         pending = self.new_pending(PeerQueryResult)
         pending.on_done = lambda p: self._finish_home(identity, msg_id, plan, layer, p)

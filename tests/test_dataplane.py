@@ -427,6 +427,20 @@ def test_shared_slabs_keep_answering_when_a_peer_query_engine_dies():
         cluster.control.finish_request("k")
 
 
+def test_a_plan_over_a_removed_co_located_instance_fails_instead_of_reading_its_slab():
+    """A plan registered before a co-located peer left must not read that peer's slab
+    (a restart zeroes it): the query is an EngineUnavailable naming the instance."""
+    with LocalCluster(3, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, timeout_s=30.0) as cluster:
+        plans, qp, remote, client, q_buf = _spread_decode(cluster, "g")
+        q_buf[:1] = torch.randn(1, TINY.num_q_heads, TINY.head_dim)
+        client.query(0)
+        cluster.control.abort(plans)
+        assert "g" in cluster.remove_instance(remote[0])
+        with pytest.raises(EngineUnavailable, match=f"instance {remote[0]} left the cluster"):
+            client.query(0)
+        cluster.control.finish_request("g")
+
+
 def test_client_tables_stay_flat_over_many_iterations(cluster):
     """Plans registered and released and puts waited for one by one, as documented, for
     2,000 iterations: the client keeps no reply, no handle and no id per iteration

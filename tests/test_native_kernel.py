@@ -212,3 +212,24 @@ def test_slots_of_several_slabs_in_one_call_equal_the_reference(kernel, dtype, o
         native.slab_attention(q, [slabs[0], _slab(6, 2, 3, 40, 64, dtype)], 1, [0], [4], scale, kernel, [1])
     with pytest.raises(ValueError, match="one shape"):
         slabs_partial_attention(q, [slabs[0], _slab(6, 2, 3, 40, 64, dtype)], 1, [0, 1], [0, 0], [4, 4], scale)
+
+
+def test_several_slabs_on_two_threads_split_the_slots_right(kernel):
+    """Work above the kernel's inline bound on two threads: tasks take runs of slots
+    from different slabs (each with its own base), merged exactly."""
+    slabs = [_slab(4, 1, 2, 256, 64, torch.float32, seed=10 + s) for s in range(3)]
+    q = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(6))
+    sources, slots, tokens = [1, 0, 2, 1, 0, 2], [3, 0, 1, 0, 2, 3], [256, 200, 256, 31, 256, 128]
+    ks = [slabs[k][s, 0, 0, :, :n].transpose(0, 1) for k, s, n in zip(sources, slots, tokens)]
+    vs = [slabs[k][s, 0, 1, :, :n].transpose(0, 1) for k, s, n in zip(sources, slots, tokens)]
+    ro, rlse = partial_attention_ref(q.double(), torch.cat(ks).double(), torch.cat(vs).double(), scale=0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        o, lse = native.slab_attention(q, slabs, 0, slots, tokens, 0.125, kernel, sources)
+    finally:
+        torch.set_num_threads(threads)
+    assert sum(tokens) * 4 * 8 > 16384  # above kParallelWork: the threaded path
+    assert (o.double() - ro).abs().max() < 1e-5 and (lse.double() - rlse).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="sources"):
+        native.slab_attention(q, slabs, 0, slots, tokens, 0.125, kernel)

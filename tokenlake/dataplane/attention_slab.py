@@ -150,8 +150,9 @@ def slabs_partial_attention(q: Tensor, slabs: Sequence[Tensor], layer: int, sour
         work = [(k, s, n) for k, s, n in zip(sources, slots, tokens) if n > 0]
         if not work:
             return empty_partial(rows, q_heads, head_dim)
-        return native.slab_attention(q, slabs, layer, [w[1] for w in work], [w[2] for w in work],
-                                     softmax_scale(scale, head_dim), kernel, [w[0] for w in work])
+        renumber = {k: j for j, k in enumerate(used)}  # only the slabs used go to the kernel
+        return native.slab_attention(q, [slabs[k] for k in used], layer, [w[1] for w in work], [w[2] for w in work],
+                                     softmax_scale(scale, head_dim), kernel, [renumber[w[0]] for w in work])
     parts = [slab_partial_attention(q, slabs[k], layer, [s for j, s in zip(sources, slots) if j == k],
                                     [n for j, n in zip(sources, tokens) if j == k], scale) for k in used]
     return merge_many(torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts]))

@@ -112,6 +112,8 @@ def slab_attention(q: Tensor, slab: Tensor | Sequence[Tensor], layer: int, slots
     if mod is None:
         raise RuntimeError("the native slab attention kernel is not built")
     slabs = [slab] if isinstance(slab, torch.Tensor) else list(slab)
+    if sources is None and len(slabs) > 1:
+        raise ValueError("several slabs need sources: the slab index of each slot")
     idx = torch.as_tensor(list(slots), dtype=torch.int64)
     cnt = torch.as_tensor(list(tokens), dtype=torch.int64)
     src = torch.zeros_like(idx) if sources is None else torch.as_tensor(list(sources), dtype=torch.int64)

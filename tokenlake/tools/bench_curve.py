@@ -67,9 +67,9 @@ def bench_curve(prefix_tokens: int = 16384, put_tokens: int = 4096, rounds: int 
     times: dict[str, dict[str, list[float]]] = {k: {"query": [], "put": []} for k in ("curve", "insecure")}
     remote_rows = []
     with LocalCluster(instances, m, slots * seg_bytes, segment_tokens, max_rows=put_tokens,
-                      timeout_s=120.0, peer_timeout_s=60.0) as secure, \
+                      timeout_s=120.0, peer_timeout_s=60.0, share_slabs=False) as secure, \
          LocalCluster(instances, m, slots * seg_bytes, segment_tokens, max_rows=put_tokens,
-                      timeout_s=120.0, peer_timeout_s=60.0, insecure=True) as plain:
+                      timeout_s=120.0, peer_timeout_s=60.0, insecure=True, share_slabs=False) as plain:
         pools = {"curve": secure, "insecure": plain}
         for cluster in pools.values():
             _fill(cluster, "prefix", prefix, put_tokens)

@@ -1,7 +1,9 @@
 """``tokenlake bench query-vs-fetch``: the declarative query against the imperative fetch.
 
 One decode step (1 query row) of one Llama-2-7B-shaped layer (32 heads x 128 dims) over
-a prefix of S tokens spread over 4 instances, in a float32 and a bfloat16 pool:
+a prefix of S tokens spread over 4 instances, in a float32 and a bfloat16 pool, the
+instances asked by message as between hosts (``share_slabs=False``: on one machine the
+home would read the peers' slabs itself):
 
 (a) **query**: the q row goes to every instance holding prefix segments; each computes
     its partial attention; the partials come back and are merged (``client.query``);
@@ -108,7 +110,7 @@ def _query_vs_fetch(prefixes, n_instances: int, segment_tokens: int, repeats: in
     rng = random.Random(0)
     results = []
     with LocalCluster(n_instances, m, slots * seg_bytes, segment_tokens, max_rows=chunk, timeout_s=120.0,
-                      peer_timeout_s=60.0, kv_dtype=dtype) as cluster:
+                      peer_timeout_s=60.0, kv_dtype=dtype, share_slabs=False) as cluster:  # as between hosts
         cp = cluster.control
         for s in prefixes:
             rid = f"prefix-{s}"

@@ -51,12 +51,56 @@ from tokenlake.dataplane.wire import error_message
 MAX_PEER_PLANS = 64
 
 
+Work = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # slab indices, slots, token counts
+
+
+@dataclass(frozen=True)
+class AttendLayout:
+    """How a query engine attends a plan's items, worked out once when the plan is
+    registered and reused for every layer.
+
+    An item's slots that several row ranges read alike (the same slots, slabs and token
+    counts: a document's segments shared by the requests of a batch) are attended once
+    for all those rows together, cascade style (``shared``), so their K/V is read once;
+    the rest of each row range (its own segments and open tail, in any of the slabs) in
+    one call per range (``own``). On a GPU every item is in ``own``.
+    """
+
+    insts: tuple[int, ...]  # the slabs, by instance (this one's, or co-located peers')
+    own: tuple[tuple[int, int, Work], ...]  # (start, stop, work)
+    shared: tuple[tuple[torch.Tensor, Work], ...]  # (row indices, work)
+    disjoint: bool  # the own row ranges do not overlap: each is written, not merged
+    stop: int  # rows the items need
+
+    @classmethod
+    def of(cls, by_slab: dict[int, Sequence[AttendItem]], cascade: bool = True) -> AttendLayout:
+        ranges_of: dict[tuple[tuple[int, int, int], ...], set[tuple[int, int]]] = {}  # work -> row ranges
+        for k, items in enumerate(by_slab.values()):
+            for it in items:
+                ranges_of.setdefault(tuple((k, s, t) for s, t in zip(it.slots, it.tokens)), set()).add(
+                    (it.start, it.stop))
+        own: dict[tuple[int, int], list] = {}
+        shared: dict[tuple[tuple[int, int], ...], list] = {}
+        for work, ranges in ranges_of.items():
+            if len(ranges) == 1 or not cascade:
+                for rows in ranges:
+                    own.setdefault(rows, []).extend(work)
+            else:
+                shared.setdefault(tuple(sorted(ranges)), []).extend(work)
+        spans = sorted(own)
+        return cls(tuple(by_slab),
+                   tuple((a, z, tuple(zip(*w))) for (a, z), w in own.items()),
+                   tuple((torch.cat([torch.arange(a, z) for a, z in rs]), tuple(zip(*w))) for rs, w in shared.items()),
+                   all(a2 >= z1 for (_, z1), (a2, _) in zip(spans, spans[1:])),
+                   max((z for rs in ranges_of.values() for _, z in rs), default=0))
+
+
 @dataclass(frozen=True)
 class HomePlan:
     """A sub-batch plan registered by this instance's compute engine."""
 
     rows: int
-    local: dict[int, tuple[AttendItem, ...]]  # instance -> items attended here (own and shared slabs)
+    local: AttendLayout  # the items attended here (own and shared slabs)
     remote: dict[int, tuple[int, int]]  # instance -> (lo, hi) rows its query engine needs
 
 
@@ -73,7 +117,7 @@ class QueryEngine(EngineLoop):
         # instance -> a slab this engine attends itself: its own, and co-located peers'
         self.slabs = {spec.instance: self.slab, **self.map_shared_slabs(self.slab)}
         self.home_plans: dict[int, HomePlan] = {}
-        self.peer_plans: dict[tuple[int, int], tuple[AttendItem, ...]] = {}  # (home, plan) -> items
+        self.peer_plans: dict[tuple[int, int], AttendLayout] = {}  # (home, plan) -> its items here
 
     # -------------------------------------------------------------- dispatch
     def handle(self, identity, msg_id: int, message: WireMessage) -> None:
@@ -122,7 +166,7 @@ class QueryEngine(EngineLoop):
         oldest going first (a home releases each plan when it registers the next, so
         only a lost release or a hostile peer ever reaches the bound)."""
         self.peer_plans.pop(key, None)
-        self.peer_plans[key] = items
+        self.peer_plans[key] = AttendLayout.of({self.spec.instance: items}, not self.slab.is_cuda)
         mine = [k for k in self.peer_plans if k[0] == key[0]]
         for old in mine[: max(0, len(mine) - MAX_PEER_PLANS)]:
             del self.peer_plans[old]
@@ -147,7 +191,7 @@ class QueryEngine(EngineLoop):
             shifted = tuple(it.shifted(-lo) for it in task.items)
             self.tell(task.instance, PeerRegisterPlan(self.spec.instance, pid, shifted))
             remote[task.instance] = (lo, hi)
-        self.home_plans[pid] = HomePlan(rows, local, remote)
+        self.home_plans[pid] = HomePlan(rows, AttendLayout.of(local, not self.slab.is_cuda), remote)
 
     def _release(self, pid: int) -> None:
         home = self.home_plans.pop(pid, None)
@@ -156,49 +200,24 @@ class QueryEngine(EngineLoop):
                 self.tell(inst, PeerReleasePlan(self.spec.instance, pid))
 
     # ------------------------------------------------------------- compute
-    def _partial(self, q: torch.Tensor, by_slab: dict[int, Sequence[AttendItem]],
-                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial attention of rows ``q`` over the items' slots (rows relative to ``q``)
-        in the slabs of the instances named (this one's, or co-located peers').
-
-        An item's slots that several row ranges read alike (the same slots, slabs and
-        token counts: a document's segments shared by the requests of a batch) are
-        attended once for all those rows together, cascade style, so their K/V is read
-        once; the rest of each row range (its own segments
-        and open tail, in any of the slabs) in one call per range. The partials are
-        merged exactly; a single one over all rows is returned as it is.
-        """
-        slabs = [self.slabs[inst] for inst in by_slab]
-        ranges_of: dict[tuple[tuple[int, int, int], ...], set[tuple[int, int]]] = {}  # work -> row ranges
-        for k, items in enumerate(by_slab.values()):
-            for it in items:
-                ranges_of.setdefault(tuple((k, s, t) for s, t in zip(it.slots, it.tokens)), set()).add(
-                    (it.start, it.stop))
-        own: dict[tuple[int, int], list] = {}
-        shared: dict[tuple[tuple[int, int], ...], list] = {}
-        for work, ranges in ranges_of.items():
-            if len(ranges) == 1 or self.slab.is_cuda:
-                for rows in ranges:
-                    own.setdefault(rows, []).extend(work)
-            else:
-                shared.setdefault(tuple(sorted(ranges)), []).extend(work)
+    def _partial(self, q: torch.Tensor, layout: AttendLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention of rows ``q`` over a plan's items here (rows relative to
+        ``q``), as its :class:`AttendLayout` says; the partials are merged exactly, and
+        a single one over all rows is returned as it is."""
+        slabs = [self.slabs[inst] for inst in layout.insts]
         if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
             return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer,
-                                             [(a, z, [w[1] for w in work], [w[2] for w in work])
-                                              for (a, z), work in own.items()])
+                                             [(a, z, list(w[1]), list(w[2])) for a, z, w in layout.own])
         parts: list[tuple[slice | torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
-        for (a, z), work in own.items():
-            parts.append((slice(a, z), slabs_partial_attention(q[a:z], slabs, layer, *zip(*work))))
-        for ranges, work in shared.items():
-            rows = torch.cat([torch.arange(a, z) for a, z in ranges])
-            parts.append((rows, slabs_partial_attention(q[rows], slabs, layer, *zip(*work))))
+        for a, z, work in layout.own:
+            parts.append((slice(a, z), slabs_partial_attention(q[a:z], slabs, layer, *work)))
+        for rows, work in layout.shared:
+            parts.append((rows, slabs_partial_attention(q[rows], slabs, layer, *work)))
         if len(parts) == 1 and isinstance(parts[0][0], slice) and parts[0][0] == slice(0, q.shape[0]):
             return parts[0][1]
         o, lse = empty_partial(q.shape[0], self.q_heads, self.head_dim)
-        ranges = sorted(own)
-        disjoint = all(a2 >= z1 for (_, z1), (a2, _) in zip(ranges, ranges[1:]))
         for rows, (po, plse) in parts:  # the row ranges' own parts come first
-            if disjoint and isinstance(rows, slice):  # rows nothing else wrote yet: no merge
+            if layout.disjoint and isinstance(rows, slice):  # rows nothing else wrote yet: no merge
                 o[rows], lse[rows] = po, plse
             else:
                 o[rows], lse[rows] = merge(o[rows], lse[rows], po, plse)
@@ -211,16 +230,16 @@ class QueryEngine(EngineLoop):
 
     def _serve_peer(self, identity, msg_id: int, message: PeerQuery) -> None:
         key = (message.home, message.plan)
-        items = self.peer_plans.get(key)
-        if items is None:
+        layout = self.peer_plans.get(key)
+        if layout is None:
             raise PlanError(f"unknown plan {message.home}:{message.plan} on instance {self.spec.instance}")
         layer = self._check_layer(message.layer)
         q = message.q
         if q.dim() != 3 or q.shape[1:] != (self.q_heads, self.head_dim) or q.dtype != torch.float32:
             raise PlanError(f"q must be float32 [rows, {self.q_heads}, {self.head_dim}], got {q.dtype} {tuple(q.shape)}")
-        if max(it.stop for it in items) > q.shape[0]:
+        if layout.stop > q.shape[0]:
             raise PlanError("q has fewer rows than the plan's items need")
-        o, lse = self._partial(q, {self.spec.instance: items}, layer)
+        o, lse = self._partial(q, layout, layer)
         self.reply(identity, PeerQueryResult(layer, o, lse).encode(msg_id))
 
     def _serve_home(self, identity, msg_id: int, message: Query) -> None:
@@ -229,7 +248,7 @@ class QueryEngine(EngineLoop):
         if plan is None:
             raise PlanError(f"unknown plan {pid} on instance {self.spec.instance}")
         layer = self._check_layer(message.layer)
-        gone = [i for i in plan.local if i != self.spec.instance and i not in self.peers]
+        gone = [i for i in plan.local.insts if i != self.spec.instance and i not in self.peers]
         if gone:  # its slab may be zeroed for a restart: never read it after it left
             raise EngineUnavailable(f"instance {gone[0]} left the cluster after plan {pid} was registered")
         q = self.q[: plan.rows]

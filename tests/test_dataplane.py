@@ -512,3 +512,21 @@ def test_a_page_copy_reaches_another_instance_in_every_layer(paged, src, dst):
     got, want = paged.slab(dst)[s_dst], paged.slab(src)[s_src]
     assert torch.equal(got[..., :5, :], want[..., :5, :])
     assert not got[..., 5:, :].any()
+
+
+def test_a_plans_layout_attends_slots_read_alike_once_for_all_their_rows():
+    """What the query engine works out once per plan (``AttendLayout``): items of several
+    row ranges over the same slots become one shared call for all those rows (cascade);
+    each range's other items stay its own; with the cascade off (a GPU), all are own."""
+    from query_engine.engine import AttendLayout
+
+    doc0, doc1 = AttendItem(0, 1, (4, 5), (C, C)), AttendItem(1, 2, (4, 5), (C, C))
+    tail0, tail1, doc2 = AttendItem(0, 1, (9,), (3,)), AttendItem(1, 2, (8,), (5,)), AttendItem(2, 4, (4, 5), (C, C))
+    layout = AttendLayout.of({2: (doc0, tail0, doc1, tail1, doc2), 0: (AttendItem(0, 1, (1,), (C,)),)})
+    assert layout.insts == (2, 0) and layout.stop == 4 and layout.disjoint
+    ((rows, work),) = layout.shared
+    assert rows.tolist() == [0, 1, 2, 3] and work == ((0, 0), (4, 5), (C, C))
+    assert sorted(layout.own) == [(0, 1, ((0, 1), (9, 1), (3, C))), (1, 2, ((0,), (8,), (5,)))]
+    flat = AttendLayout.of({2: (doc0, tail0, doc1)}, cascade=False)
+    assert not flat.shared and sorted(flat.own) == [(0, 1, ((0, 0, 0), (4, 5, 9), (C, C, 3))),
+                                                    (1, 2, ((0, 0), (4, 5), (C, C)))]

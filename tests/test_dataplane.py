@@ -174,13 +174,7 @@ def test_replicated_segments_give_the_same_result(cluster):
         have = {loc.instance for loc in cp.get_prefix_tree().replicas(key)}
         target = next(i for i in range(cluster.n_instances) if i not in have)
         reps.append(cp.start_replication(key, target))
-
-    def served(cluster=cluster):  # requests each transfer engine served (the stats' own ping included)
-        return {i: cluster.engine_stats()[("transfer", i)].requests for i in range(cluster.n_instances)}
-
-    idle, before = served(), served()  # what asking for the stats adds by itself
-    cluster.replicate(reps)
-    after = served()
+    served = _served_during(cluster, "transfer", range(cluster.n_instances), lambda: cluster.replicate(reps))
     for rep in reps:
         src, dst = cluster.slab(rep.source.instance)[rep.source.slot], cluster.slab(rep.target.instance)[rep.target.slot]
         assert torch.equal(src, dst)
@@ -189,7 +183,7 @@ def test_replicated_segments_give_the_same_result(cluster):
     asked = {i: sum(r.source.instance == i for r in reps) + (0 if cluster.share_slabs else
                                                               sum(r.target.instance == i for r in reps))
              for i in range(cluster.n_instances)}
-    assert {i: (after[i] - before[i]) - (before[i] - idle[i]) for i in after} == asked
+    assert served == asked
     tokens["s"] = tokens["r"][: 4 * C] + [5, 6, 7]
     run_iteration(cluster, tokens, {"s": 3}, first_prefix={"s": 4 * C})
     for rid in ("r", "s"):
@@ -370,6 +364,18 @@ def test_killed_remote_query_engine_fails_the_query_within_seconds():
         cp.finish_request("r")
 
 
+def _served_during(cluster, role, instances, action) -> dict[int, int]:
+    """Requests each ``role`` engine of ``instances`` served while ``action()`` ran, the
+    stats' own pings taken out (measured by asking for the stats twice beforehand)."""
+    def requests():
+        return {i: cluster.engine_stats()[(role, i)].requests for i in instances}
+
+    idle, before = requests(), requests()
+    action()
+    after = requests()
+    return {i: (after[i] - before[i]) - (before[i] - idle[i]) for i in instances}
+
+
 def _spread_decode(cluster, rid):
     """A request whose cached prefix spans instances, its decode plan registered; returns
     (plans, query plan, the instances other than the home holding part of it, client,
@@ -394,14 +400,9 @@ def test_shared_slabs_answer_remote_shares_without_asking_the_peers():
         with LocalCluster(3, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, share_slabs=share) as cluster:
             plans, qp, remote, client, q_buf = _spread_decode(cluster, "s")
             q_buf[:1] = torch.randn(1, TINY.num_q_heads, TINY.head_dim, generator=torch.Generator().manual_seed(3))
-
-            def requests(cluster=cluster, remote=remote):
-                return {i: cluster.engine_stats()[("query", i)].requests for i in remote}
-
-            idle, before = requests(), requests()  # what asking for the stats adds by itself
-            answers[share] = [tuple(t.clone() for t in client.query(layer)) for layer in range(TINY.num_layers)]
-            after = requests()
-            served = {i: (after[i] - before[i]) - (before[i] - idle[i]) for i in remote}
+            answers[share] = []
+            served = _served_during(cluster, "query", remote, lambda client=client, out=answers[share]: out.extend(
+                tuple(t.clone() for t in client.query(layer)) for layer in range(TINY.num_layers)))
             assert served == {i: 0 if share else TINY.num_layers for i in remote}, served
             cluster.control.abort(plans)
             cluster.control.finish_request("s")

@@ -26,7 +26,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+#include "vec16.h"
+
 namespace {
+
+using namespace tokenlake_cpu;
 
 constexpr int64_t kBlock = 32;  // tokens per score block
 // Below this much work (valid tokens x grouped rows x kv heads) a call runs on the calling
@@ -159,49 +164,13 @@ inline __attribute__((always_inline)) void run_task(const Task& t) {
 }
 
 // ---------------------------------------------------------------------------------
-// The vector path (head dims that are multiples of 16): 16 lanes of float, written with
-// GCC's vector extensions so that one source compiles to AVX-512, AVX2 (pairs of
-// registers) and SSE. Per block of 16 tokens and per query row, the 16 dot products
+// The vector path (head dims that are multiples of 16): 16 lanes of float (vec16.h). Per block of 16 tokens and per query row, the 16 dot products
 // are accumulated as 16 vectors of partial sums and reduced together by a transpose
 // tree (15 shuffle pairs instead of 16 horizontal sums), the softmax runs on the 16
 // scores as one vector, and the output row stays in registers while it accumulates
 // the block's 16 V rows. Half K/V are widened once per block into an L1 scratch.
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h16 __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef _Float16 v16fp16 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 16;
 constexpr int64_t kAhead = 2;  // blocks between the one computed and the one prefetched
-
-inline __attribute__((always_inline)) v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline __attribute__((always_inline)) void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-
-inline __attribute__((always_inline)) v16f splat(float x) { return v16f{} + x; }
-
-// Lane j of the result is the sum of every lane of a[j] (a holds 16 vectors; it is overwritten).
-inline __attribute__((always_inline)) v16f transpose_sum(v16f* a) {
-  // Step h pairs a[i] with a[i + h]: each 2h-lane group of the result holds h lanes of
-  // partial sums of a[i] then h of a[i + h]; after h = 8, 4, 2, 1 lane j holds a[j]'s sum.
-  const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const v16i hi8 = lo8 + 8;
-  const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const v16i hi4 = lo4 + 4;
-  const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const v16i hi2 = lo2 + 2;
-  const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const v16i hi1 = lo1 + 1;
-  for (int i = 0; i < 8; ++i) a[i] = __builtin_shuffle(a[i], a[i + 8], lo8) + __builtin_shuffle(a[i], a[i + 8], hi8);
-  for (int i = 0; i < 4; ++i) a[i] = __builtin_shuffle(a[i], a[i + 4], lo4) + __builtin_shuffle(a[i], a[i + 4], hi4);
-  for (int i = 0; i < 2; ++i) a[i] = __builtin_shuffle(a[i], a[i + 2], lo2) + __builtin_shuffle(a[i], a[i + 2], hi2);
-  return __builtin_shuffle(a[0], a[1], lo1) + __builtin_shuffle(a[0], a[1], hi1);
-}
 
 // exp_neg on 16 lanes (the same polynomial as the scalar one).
 inline __attribute__((always_inline)) v16f exp_neg16(v16f x) {
@@ -346,30 +315,12 @@ inline __attribute__((always_inline)) void dispatch_task(const Task& t) {
     dispatch_task<T, kE>(t);                                              \
   }
 
-TL_VARIANT(task_avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-TL_VARIANT(task_avx2, "avx2,fma,f16c")
+TL_VARIANT(task_avx512, TL_TARGET_AVX512)
+TL_VARIANT(task_avx2, TL_TARGET_AVX2)
 
 template <typename T, int kE>
 __attribute__((noinline)) void task_base(const Task& t) {
   dispatch_task<T, kE>(t);
-}
-
-enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
-
-Isa detect_isa() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kBase;
-}
-
-Isa& forced_isa() {
-  static Isa isa = detect_isa();
-  return isa;
 }
 
 template <typename T, int kE>
@@ -499,29 +450,4 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
     }
   }
   return {o, lse};
-}
-
-// The instruction set the kernel runs with: "avx512", "avx2" or "base".
-std::string isa_name() {
-  switch (forced_isa()) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "base";
-  }
-}
-
-// Forces a lower instruction set (tests compare the variants); an unsupported higher one
-// is refused.
-void set_isa(const std::string& name) {
-  Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBase;
-  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "base", "unknown isa ", name);
-  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(detect_isa()),
-              "this CPU does not support ", name);
-  forced_isa() = want;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("slab_attention", &slab_attention, "partial attention over slab slots (CPU)");
-  m.def("isa", &isa_name, "the instruction set in use");
-  m.def("set_isa", &set_isa, "force an instruction set not above the CPU's");
 }

@@ -116,8 +116,9 @@ def test_an_instruction_set_above_the_cpus_is_refused(kernel):
 
 
 def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
-    """A tiny run of ``tokenlake bench kernel``: its JSON has the memory bandwidth and a
-    row per (dtype, rows, tokens) with the kernel's and torch's GB/s."""
+    """A tiny run of ``tokenlake bench kernel``: its JSON has the memory bandwidth, a row
+    per (dtype, rows, tokens) with the kernel's and torch's GB/s, and a linear row per
+    rows with the projection kernel's and BLAS's."""
     from tokenlake.tools.bench_kernel import bench_kernel
 
     out = bench_kernel(tokens=(1024,), rows=(1, 2), dtypes=("float32", "bfloat16"), repeats=1,
@@ -128,6 +129,10 @@ def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
     for r in out["results"]:
         assert r["kernel_gbps"] > 0 and r["torch_gbps"] > 0 and r["torch_slab_gbps"] > 0
         assert r["kernel_vs_torch"] == pytest.approx(r["kernel_gbps"] / r["torch_gbps"])
+    assert [r["rows"] for r in out["linear"]] == [1, 2]
+    for r in out["linear"]:
+        assert r["kernel_gbps"] > 0 and r["blas_gbps"] > 0 and r["weight_mb"] > 400
+        assert r["kernel_vs_blas"] == pytest.approx(r["kernel_gbps"] / r["blas_gbps"])
 
 
 def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch):

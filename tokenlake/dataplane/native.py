@@ -1,15 +1,18 @@
-"""The native CPU kernel of partial attention over slab slots (``csrc/``), built as a torch
-C++ extension (docs/design.md §4 "Attention backends").
+"""The native CPU kernels (``csrc/``), built as one torch C++ extension (docs/design.md §4
+"Attention backends").
 
-:func:`load` compiles ``csrc/slab_attention_cpu.cpp`` once (``make`` does it when it sets
-the virtualenv up; otherwise the first call does) into ``build/native`` beside the
-checkout, with torch's own extension builder (g++ and ninja), and returns the module, or
-None where it cannot be built (no compiler, an installed package without ``csrc/``).
-:func:`slab_attention` has the contract of
-:func:`tokenlake.dataplane.attention_slab.slab_partial_attention` for CPU slabs and is
-tested against the float64 reference (tests/test_native_kernel.py). The query engines
-call it through ``slab_partial_attention`` for few query rows (decode, short chunks)
-where it is built; ``tokenlake bench kernel`` measures it.
+:func:`load` compiles the sources in ``csrc/`` once (``make`` does it when it sets the
+virtualenv up; otherwise the first call does) into ``build/native`` beside the checkout,
+with torch's own extension builder (g++ and ninja), and returns the module, or None where
+it cannot be built (no compiler, an installed package without ``csrc/``).
+
+- :func:`slab_attention` has the contract of
+  :func:`tokenlake.dataplane.attention_slab.slab_partial_attention` for CPU slabs and is
+  tested against the float64 reference (tests/test_native_kernel.py). The query engines
+  call it through ``slab_partial_attention`` for few query rows (decode, short chunks)
+  where it is built; ``tokenlake bench kernel`` measures it.
+- :func:`linear` is ``x @ w.T`` for a few rows of ``x``: the model's projections in a
+  decode step (:func:`tokenlake.model.llama.model.linear`; tests/test_native_linear.py).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from tokenlake.dataplane.attention import Partial, Tensor
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "csrc" / "slab_attention_cpu.cpp"
+CSRC = ROOT / "csrc"
+SOURCES = tuple(CSRC / f for f in ("module.cpp", "slab_attention_cpu.cpp", "linear_cpu.cpp"))
+HEADERS = tuple(CSRC / f for f in ("kernels.h", "vec16.h"))
 BUILD_DIR = ROOT / "build" / "native"
-NAME = "tokenlake_slab_attention_cpu"
+NAME = "tokenlake_native_cpu"
 FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 #: Slab dtypes the kernel reads (K/V); q and the results are float32.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,18 +58,18 @@ def load(verbose: bool = False):
         if _prebuilt is not None:
             _module = _prebuilt
             return _module
-        if not SOURCE.is_file():
-            log.info("no %s: the native kernel is not available", SOURCE)
+        if not all(f.is_file() for f in SOURCES + HEADERS):
+            log.info("no sources in %s: the native kernels are not available", CSRC)
             return None
         try:
             from torch.utils import cpp_extension
 
             BUILD_DIR.mkdir(parents=True, exist_ok=True)
-            _module = cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS,
+            _module = cpp_extension.load(NAME, [str(f) for f in SOURCES], extra_cflags=FLAGS,
+                                         extra_include_paths=[str(CSRC)],
                                          build_directory=str(BUILD_DIR), verbose=verbose)
         except Exception as exc:  # a missing compiler or ninja, a failed build
-            log.warning("native slab attention kernel not built (%s): using the torch path",
-                        exc)
+            log.warning("native kernels not built (%s): using the torch path", exc)
             _module = None
         return _module
 
@@ -82,8 +87,10 @@ def load_prebuilt():
             return _prebuilt
         _prebuilt_tried = True
         so = BUILD_DIR / f"{NAME}.so"
-        if not (so.is_file() and SOURCE.is_file() and so.stat().st_mtime >= SOURCE.stat().st_mtime):
-            log.info("no current build of %s: the torch path serves", SOURCE.name)
+        inputs = SOURCES + HEADERS
+        if not (so.is_file() and all(f.is_file() for f in inputs)
+                and so.stat().st_mtime >= max(f.stat().st_mtime for f in inputs)):
+            log.info("no current build of the kernels in %s: the torch path serves", CSRC)
             return None
         try:
             loader = importlib.machinery.ExtensionFileLoader(NAME, str(so))
@@ -124,7 +131,21 @@ def slab_attention(q: Tensor, slab: Tensor | Sequence[Tensor], layer: int, slots
     return Partial(o, lse)
 
 
-if __name__ == "__main__":  # `make` builds the kernel when it sets the virtualenv up
+def linear(x: Tensor, w: Tensor, module=None) -> Tensor:
+    """``x @ w.T`` (``x`` ``[M, K]``, ``w`` ``[N, K]`` contiguous, both float32 on the CPU)
+    by the kernel: ``w`` read once per 8 rows of ``x``, each row of the result computed
+    from its own row of ``x`` alone. Raises RuntimeError when the kernel is not available
+    and ValueError for operands it does not take."""
+    mod = load() if module is None else module
+    if mod is None:
+        raise RuntimeError("the native kernels are not built")
+    try:
+        return mod.small_linear(x, w)
+    except RuntimeError as exc:  # TORCH_CHECK failures
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+if __name__ == "__main__":  # `make` builds the kernels when it sets the virtualenv up
     built = load()
-    print("native slab attention kernel: " + (f"built ({built.isa()})" if built is not None
-                                               else "not built (the torch path serves)"))
+    print("native kernels: " + (f"built ({built.isa()})" if built is not None
+                                else "not built (the torch path serves)"))

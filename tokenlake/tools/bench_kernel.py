@@ -10,6 +10,11 @@ of ``rows`` rows, and three calls timed alternately (median of ``repeats``): the
 before timing) and the torch few-row slab path (the pool's path where the kernel is not built). Bandwidth is
 ``2 x tokens x kv_heads x head_dim x bytes`` over the time. The machine's memory read
 bandwidth is the best of several multi-threaded reductions over a 1 GiB buffer.
+
+``linear``: the projections of one decode step of SmolLM2-135M (30 layers of q, k, v, o,
+gate, up and down; random float32 weights, 425 MB) on ``rows`` rows, by the csrc kernel
+(:func:`tokenlake.dataplane.native.linear`) and by ``torch.nn.functional.linear`` (BLAS),
+timed alternately: weight bytes read per second and the ratio.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import json
 import statistics
 
 Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 32, 8, 128, 512
+#: SmolLM2-135M's projections per layer, (out, in): q, k, v, o, gate, up, down.
+LINEAR_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+LINEAR_LAYERS = 30
 DTYPES = ("float32", "bfloat16")  # torch is imported only when the benchmark runs
 
 
@@ -57,7 +65,7 @@ def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "
                 row = _measure(native, slab_partial_attention, slab, r, repeats)
                 row["kernel_vs_bandwidth"] = row["kernel_gbps"] / max(bw.values())
                 results.append({"dtype": dname, **row})
-    return {"memory_read_gbps": max(bw.values()), "memory_read_methods_gbps": bw,
+    return {"linear": [_measure_linear(native, r, repeats) for r in rows],"memory_read_gbps": max(bw.values()), "memory_read_methods_gbps": bw,
             "isa": mod.isa(), "threads": torch.get_num_threads(),
             "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                       "slot_tokens": CAPACITY},
@@ -92,6 +100,32 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
             "kernel_ms": med["kernel"] * 1e3,
             "kernel_ms_range": [min(times["kernel"]) * 1e3, max(times["kernel"]) * 1e3],
             "kernel_vs_torch": med["torch"] / med["kernel"]}
+
+
+def _measure_linear(native, rows: int, repeats: int) -> dict:
+    """One decode step's projections (module docstring) on ``rows`` rows: kernel vs BLAS."""
+    import torch
+
+    from tokenlake.dataplane.attention_slab import interleaved_times
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * 0.02 for _ in range(LINEAR_LAYERS) for n, k in LINEAR_SHAPES]
+    xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in LINEAR_SHAPES}}
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+
+    def step(fn):
+        for w in weights:
+            fn(xs[w.shape[1]], w)
+
+    times = interleaved_times({"kernel": lambda: step(native.linear),
+                               "blas": lambda: step(torch.nn.functional.linear)}, repeats)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"rows": rows, "weight_mb": nbytes / 1e6,
+            "kernel_gbps": nbytes / med["kernel"] / 1e9, "blas_gbps": nbytes / med["blas"] / 1e9,
+            "kernel_ms": med["kernel"] * 1e3, "blas_ms": med["blas"] * 1e3,
+            "kernel_ms_range": [min(times["kernel"]) * 1e3, max(times["kernel"]) * 1e3],
+            "blas_ms_range": [min(times["blas"]) * 1e3, max(times["blas"]) * 1e3],
+            "kernel_vs_blas": med["blas"] / med["kernel"]}
 
 
 def _torch_slab(slab_partial_attention, q, slab, ids, counts, scale):
@@ -136,4 +170,8 @@ def run_kernel(args: argparse.Namespace) -> int:
               f"{row['kernel_gbps']:5.1f} GB/s ({row['kernel_vs_bandwidth']:.0%} of bandwidth), "
               f"torch {row['torch_gbps']:5.1f} GB/s, torch slab path {row['torch_slab_gbps']:5.1f} "
               f"GB/s: kernel / torch {row['kernel_vs_torch']:.2f}x")
+    for row in result["linear"]:
+        print(f"decode-step projections, rows {row['rows']}: kernel {row['kernel_gbps']:5.1f} GB/s "
+              f"({row['kernel_ms']:.1f} ms), BLAS {row['blas_gbps']:5.1f} GB/s ({row['blas_ms']:.1f} ms): "
+              f"kernel / BLAS {row['kernel_vs_blas']:.2f}x")
     return 0

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tokenlake.tools.cli_args import OPENMP_ENV
+
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "8192", "--enforce-eager",
              "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(512 << 20)]
 
@@ -56,6 +58,9 @@ def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: st
         if mode == "query":
             args += ["--no-enable-prefix-caching", "--no-async-scheduling"]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # the same cores for all
+    for name, value in OPENMP_ENV.items():  # vLLM's own threading, not the one we chose for us
+        if env.get(name) == value:
+            del env[name]
     return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import tokenlake
 from tokenlake.core.errors import ConfigError
 from tokenlake.tools import cli_bench, cli_config, cli_eval, cli_model, cli_pool, cli_status
-from tokenlake.tools.cli_args import PROG, Parser, UsageError, report
+from tokenlake.tools.cli_args import OPENMP_ENV, PROG, Parser, UsageError, report
 
 
 def build_parser() -> Parser:
@@ -56,8 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``tokenlake ARGV``; returns the exit code (parse errors raise ``SystemExit(2)``)."""
     # Idle OpenMP workers of torch spin by default and take the CPU from the engine
     # processes on small machines (measured: zmq sends 7x slower in the compute engine).
+    # Passive workers sleep at once, though, and a decode step's ~200 back-to-back kernel
+    # calls then pay a wake-up each (~50 us): GNU OpenMP's workers spin 2,000 rounds
+    # (tens of microseconds) before they sleep, bridging those gaps but not a wait for
+    # the pool (measured with `tokenlake bench e2e`: 1.1-1.3x the decode tokens/s).
     # Must be set before torch is imported; an explicit setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for name, value in OPENMP_ENV.items():
+        os.environ.setdefault(name, value)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = f"{PROG} {shlex.join(argv)}"  # recorded in the files a command writes

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plans(what.add_parser("plans", help="gen_plans latency and prefix-match throughput"))
     add_query_vs_fetch(what.add_parser(
         "query-vs-fetch", help="one decode query through the pool vs fetching the prefix KV"))
-    add_kernel(what.add_parser("kernel", help="the csrc slab-attention kernel vs memory bandwidth and torch"))
+    add_kernel(what.add_parser("kernel", help="the csrc kernels (slab attention, few-row linear) vs memory bandwidth, torch and BLAS"))
     add_curve(what.add_parser(
         "curve", help="what CURVE costs a query and a put (secure vs insecure pool, JSON)"))
     add_vllm(what.add_parser(

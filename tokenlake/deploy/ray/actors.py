@@ -167,8 +167,10 @@ class ComputeActor:
     def __init__(self, instance: int, weights_loader: Callable[[], Any] | None = None,
                  threads: int = 1) -> None:
         # Idle OpenMP workers that spin starve the engines on small machines (the CLI
-        # sets the same); it only takes effect before torch loads OpenMP.
+        # sets the same, and the short spin that bridges a decode step's kernel calls); it
+        # only takes effect before torch loads OpenMP.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.environ.setdefault("GOMP_SPINCOUNT", "2000")
         import torch  # after the line above, which must come first
 
         if weights_loader is None:  # the model layer: torch and the weights package

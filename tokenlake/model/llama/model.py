@@ -23,9 +23,17 @@ import torch
 import torch.nn.functional as F
 
 from tokenlake.core.errors import TokenLakeError
+from tokenlake.dataplane import native
 from tokenlake.model.llama.weights import LayerWeights, LlamaConfig, LlamaWeights
 
 Tensor = torch.Tensor
+
+#: Rows up to which the projections go to the csrc kernel (:func:`linear`) where it is
+#: built: BLAS sgemm reads SmolLM2's weights at 5-9 GB/s for 1-32 rows, the kernel at
+#: 14-24 GB/s for 1-8 (``tokenlake bench kernel``, its ``linear`` rows); at 64 rows the two are even.
+NATIVE_LINEAR_ROWS = 32
+#: Whether :func:`linear` uses the kernel when it is built (:func:`use_native_linear`).
+_native_linear = {"on": True}
 
 
 class LlamaInputError(TokenLakeError, ValueError):
@@ -57,6 +65,26 @@ def check_token_ids(config: LlamaConfig, token_ids: Sequence[int] | Tensor) -> T
     if bad.numel():
         raise TokenIdError(f"token ids outside [0, {config.vocab_size}): {bad[:5].tolist()}")
     return ids
+
+
+def use_native_linear(on: bool) -> None:
+    """Turns the csrc kernel for few-row projections on (the default, where it is built)
+    or off (BLAS; benchmarks and tests compare the two)."""
+    _native_linear["on"] = bool(on)
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` (``x`` ``[n, in]``, ``w`` ``[out, in]``): the csrc kernel for at most
+    :data:`NATIVE_LINEAR_ROWS` float32 CPU rows where it is built (each row then depends on
+    itself alone: a request decodes the same numbers in any batch), ``F.linear``
+    otherwise. The reference engine and the compute engine both project through here."""
+    if (x.shape[0] <= NATIVE_LINEAR_ROWS and _native_linear["on"] and x.dtype == torch.float32
+            and w.dtype == torch.float32 and x.device.type == "cpu" and w.device.type == "cpu"
+            and w.is_contiguous()):
+        mod = native.load_prebuilt()  # never compiles here
+        if mod is not None:
+            return mod.small_linear(x, w)
+    return F.linear(x, w)
 
 
 def _layer(w: LlamaWeights, layer: int | LayerWeights) -> LayerWeights:
@@ -104,9 +132,9 @@ def qkv(w: LlamaWeights, layer: int | LayerWeights, hidden: Tensor, positions: T
     c, lw = w.config, _layer(w, layer)
     n = hidden.shape[0]
     x = rms_norm(hidden, lw.attn_norm, c.rms_eps)
-    q = F.linear(x, lw.wq).view(n, c.num_q_heads, c.head_dim)
-    k = F.linear(x, lw.wk).view(n, c.num_kv_heads, c.head_dim)
-    v = F.linear(x, lw.wv).view(n, c.num_kv_heads, c.head_dim)
+    q = linear(x, lw.wq).view(n, c.num_q_heads, c.head_dim)
+    k = linear(x, lw.wk).view(n, c.num_kv_heads, c.head_dim)
+    v = linear(x, lw.wv).view(n, c.num_kv_heads, c.head_dim)
     cos, sin = rope if rope is not None else rope_tables(c, positions)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -128,11 +156,11 @@ def finish_layer(w: LlamaWeights, layer: int | LayerWeights, hidden: Tensor,
     RMSNorm and SwiGLU MLP (``down(silu(gate(x)) * up(x))``) plus the residual.
     Returns the new ``[n, hidden]`` float32."""
     c, lw = w.config, _layer(w, layer)
-    hidden = hidden + F.linear(attn.reshape(attn.shape[0], -1), lw.wo)
+    hidden = hidden + linear(attn.reshape(attn.shape[0], -1), lw.wo)
     x = rms_norm(hidden, lw.ffn_norm, c.rms_eps)
-    return hidden + F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up), lw.w_down)
+    return hidden + linear(F.silu(linear(x, lw.w_gate)) * linear(x, lw.w_up), lw.w_down)
 
 
 def logits(w: LlamaWeights, hidden: Tensor) -> Tensor:
     """``[n, vocab]`` float32 logits: final RMSNorm, then the tied LM head (``embed.T``)."""
-    return F.linear(rms_norm(hidden, w.final_norm, w.config.rms_eps), w.embed)
+    return linear(rms_norm(hidden, w.final_norm, w.config.rms_eps), w.embed)

@@ -1,0 +1,17 @@
+// The functions of the native CPU module (registered in module.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+// slab_attention_cpu.cpp: partial attention of a few query rows over slab slots.
+std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::vector<torch::Tensor> slabs,
+                                                        int64_t layer, torch::Tensor slots,
+                                                        torch::Tensor tokens, double scale,
+                                                        torch::Tensor sources);
+
+// linear_cpu.cpp: x @ w.T for a few rows of x.
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);

@@ -11,6 +11,7 @@
 // and float16 K/V are widened one block at a time). Tasks run on ATen's intra-op
 // threads and are merged exactly by log-sum-exp. The inner loops are compiled three
 // times (AVX-512, AVX2, baseline) and picked at run time from what the CPU supports.
+// K/V blocks a few blocks ahead (across slot ends) are prefetched into L2.
 
 #include <torch/extension.h>
 
@@ -170,7 +171,7 @@ inline __attribute__((always_inline)) void run_task(const Task& t) {
 // scores as one vector, and the output row stays in registers while it accumulates
 // the block's 16 V rows. Half K/V are widened once per block into an L1 scratch.
 
-constexpr int64_t kAhead = 2;  // blocks between the one computed and the one prefetched
+constexpr int64_t kAhead = 4;  // blocks between the one computed and the one prefetched
 
 // exp_neg on 16 lanes (the same polynomial as the scalar one).
 inline __attribute__((always_inline)) v16f exp_neg16(v16f x) {
@@ -237,6 +238,23 @@ inline __attribute__((always_inline)) const float* block16(const T* src, float* 
   return dst;
 }
 
+// The K and V rows `ahead` tokens into slot i, or past its valid tokens into the next
+// slot with any (null if none).
+template <typename T>
+inline __attribute__((always_inline)) void ahead_block(const Task& t, int64_t i, int64_t ahead, int64_t E,
+                                                       const char** nk, const char** nv) {
+  for (; i < t.n_slots; ++i) {
+    if (ahead < t.tokens[i]) {
+      const T *K, *V;
+      slot_planes<T>(t, i, E, &K, &V);
+      *nk = reinterpret_cast<const char*>(K + ahead * E);
+      *nv = reinterpret_cast<const char*>(V + ahead * E);
+      return;
+    }
+    ahead -= std::max<int64_t>(t.tokens[i], 0);
+  }
+}
+
 template <typename T, int kE>
 inline __attribute__((always_inline)) void run_task_v(const Task& t) {
   static_assert(kE % kLanes == 0, "the vector path needs head_dim % 16 == 0");
@@ -253,20 +271,21 @@ inline __attribute__((always_inline)) void run_task_v(const Task& t) {
     slot_planes<T>(t, i, kE, &K, &V);
     for (int64_t b0 = 0; b0 < n; b0 += kLanes) {
       const int64_t nb = std::min(kLanes, n - b0);
-      // The block after next is prefetched a share per query row, spread over this
-      // block's work (all at once, the requests queue behind each other and stall).
+      // The block kAhead blocks on (in the next slot past this one's end) is prefetched
+      // into L2, a share per query row spread over this block's work (all at once, the
+      // requests queue behind each other and stall; into L1, they crowd its few miss
+      // buffers: 1.5x slower).
       constexpr int64_t kLines = kLanes * kE * static_cast<int64_t>(sizeof(T)) / 64;
-      const int64_t ahead = b0 + kAhead * kLanes;
-      const char* nk = reinterpret_cast<const char*>(K + std::min(ahead, n - 1) * kE);
-      const char* nv = reinterpret_cast<const char*>(V + std::min(ahead, n - 1) * kE);
-      const int64_t lines = ahead < n ? kLines : 0, per_row = (lines + R - 1) / R;
+      const char *nk = nullptr, *nv = nullptr;
+      ahead_block<T>(t, i, b0 + kAhead * kLanes, kE, &nk, &nv);
+      const int64_t lines = nk != nullptr ? kLines : 0, per_row = (lines + R - 1) / R;
       const float* k = block16<T, kE>(K + b0 * kE, kbuf, nb);
       const float* v = block16<T, kE>(V + b0 * kE, vbuf, nb);
       const v16i live = lane < static_cast<int32_t>(nb);
       for (int64_t r = 0; r < R; ++r) {
         for (int64_t line = r * per_row; line < std::min(lines, (r + 1) * per_row); ++line) {
-          __builtin_prefetch(nk + line * 64);
-          __builtin_prefetch(nv + line * 64);
+          __builtin_prefetch(nk + line * 64, 0, 1);
+          __builtin_prefetch(nv + line * 64, 0, 1);
         }
         const float* qr = t.q + r * kE;
         v16f acc[kLanes];

@@ -123,12 +123,16 @@ def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
 
     out = bench_kernel(tokens=(1024,), rows=(1, 2), dtypes=("float32", "bfloat16"), repeats=1,
                        buffer_gib=0.05)
-    assert out["memory_read_gbps"] > 0 and out["isa"] == kernel.isa()
+    assert out["memory_read_gbps"] > 0 and out["compute_gflops"] > 0 and out["isa"] == kernel.isa()
     assert [(r["dtype"], r["rows"], r["tokens"]) for r in out["results"]] == [
         ("float32", 1, 1024), ("float32", 2, 1024), ("bfloat16", 1, 1024), ("bfloat16", 2, 1024)]
     for r in out["results"]:
         assert r["kernel_gbps"] > 0 and r["torch_gbps"] > 0 and r["torch_slab_gbps"] > 0
         assert r["kernel_vs_torch"] == pytest.approx(r["kernel_gbps"] / r["torch_gbps"])
+        per_byte = 2 * 4 * r["rows"] / (4 if r["dtype"] == "float32" else 2)  # 32 / 8 heads
+        assert r["flops_per_byte"] == per_byte
+        assert r["roof_gbps"] == pytest.approx(min(out["memory_read_gbps"], out["compute_gflops"] / per_byte))
+        assert r["bound"] == ("memory" if r["roof_gbps"] == out["memory_read_gbps"] else "compute")
     assert [r["rows"] for r in out["linear"]] == [1, 2]
     for r in out["linear"]:
         assert r["kernel_gbps"] > 0 and r["blas_gbps"] > 0 and r["weight_mb"] > 400

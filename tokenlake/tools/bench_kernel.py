@@ -9,7 +9,11 @@ of ``rows`` rows, and three calls timed alternately (median of ``repeats``): the
 (``scaled_dot_product_attention`` on the same K/V, gathered into one contiguous tensor
 before timing) and the torch few-row slab path (the pool's path where the kernel is not built). Bandwidth is
 ``2 x tokens x kv_heads x head_dim x bytes`` over the time. The machine's memory read
-bandwidth is the best of several multi-threaded reductions over a 1 GiB buffer.
+bandwidth is the best of several multi-threaded reductions over a 1 GiB buffer; its
+float32 compute rate the best BLAS matrix product. With those two each row has a
+roofline: at 8 query rows (32 grouped rows per KV head) the attention does 16 FLOPs per
+float32 byte of KV, more than this machine can do at its read bandwidth, so its roof is
+compute (``roof_gbps``, ``bound``, ``kernel_vs_roof``).
 
 ``linear``: the projections of one decode step of SmolLM2-135M (30 layers of q, k, v, o,
 gate, up and down; random float32 weights, 425 MB) on ``rows`` rows, by the csrc kernel
@@ -44,6 +48,30 @@ def memory_read_gbps(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
     return {name: buf.numel() * 4 / min(ts) / 1e9 for name, ts in times.items()}
 
 
+def compute_gflops(n: int = 1536, repeats: int = 5) -> float:
+    """GFLOP/s of the best of ``repeats`` float32 ``n x n`` matrix products on every
+    thread (BLAS): the machine's attainable float32 multiply-add rate."""
+    import torch
+
+    from tokenlake.dataplane.attention_slab import interleaved_times
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times = interleaved_times({"mm": lambda: torch.mm(a, b)}, repeats)
+    return 2 * n ** 3 / min(times["mm"]) / 1e9
+
+
+def _add_roof(row: dict, element_size: int, bandwidth_gbps: float, peak_gflops: float) -> None:
+    """The roofline of one result row: the attention does 4 x head_dim FLOPs per query
+    head, row and token (q.k and p.v) over 2 x head_dim x kv_heads elements of K/V per
+    token, so ``flops_per_byte`` = 2 x (q_heads / kv_heads) x rows / element size; the
+    best KV read rate it can reach is the lesser of the bandwidth and peak / that."""
+    flops_per_byte = 2 * (Q_HEADS // KV_HEADS) * row["rows"] / element_size
+    roof = min(bandwidth_gbps, peak_gflops / flops_per_byte)
+    row.update(flops_per_byte=flops_per_byte, kernel_gflops=row["kernel_gbps"] * flops_per_byte,
+               roof_gbps=roof, bound="memory" if roof == bandwidth_gbps else "compute",
+               kernel_vs_roof=row["kernel_gbps"] / roof)
+
+
 def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "bfloat16"),
                  repeats: int = 7, buffer_gib: float = 1.0) -> dict:
     """The JSON of ``tokenlake bench kernel`` (module docstring)."""
@@ -56,6 +84,7 @@ def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "
     if mod is None:
         raise RuntimeError("the native kernel is not built (g++ and ninja are needed)")
     bw = memory_read_gbps(buffer_gib)
+    peak = compute_gflops()
     results = []
     for dname in dtypes:
         for n in tokens:
@@ -64,8 +93,10 @@ def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "
             for r in rows:
                 row = _measure(native, slab_partial_attention, slab, r, repeats)
                 row["kernel_vs_bandwidth"] = row["kernel_gbps"] / max(bw.values())
+                _add_roof(row, slab.element_size(), max(bw.values()), peak)
                 results.append({"dtype": dname, **row})
-    return {"linear": [_measure_linear(native, r, repeats) for r in rows],"memory_read_gbps": max(bw.values()), "memory_read_methods_gbps": bw,
+    return {"memory_read_gbps": max(bw.values()), "memory_read_methods_gbps": bw,
+            "compute_gflops": peak, "linear": [_measure_linear(native, r, repeats) for r in rows],
             "isa": mod.isa(), "threads": torch.get_num_threads(),
             "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                       "slot_tokens": CAPACITY},
@@ -163,11 +194,12 @@ def run_kernel(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"memory read bandwidth {result['memory_read_gbps']:.1f} GB/s "
-          f"({result['threads']} threads, kernel isa {result['isa']})")
+    print(f"memory read bandwidth {result['memory_read_gbps']:.1f} GB/s, float32 BLAS "
+          f"{result['compute_gflops']:.0f} GFLOP/s ({result['threads']} threads, kernel isa {result['isa']})")
     for row in result["results"]:
         print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: kernel "
-              f"{row['kernel_gbps']:5.1f} GB/s ({row['kernel_vs_bandwidth']:.0%} of bandwidth), "
+              f"{row['kernel_gbps']:5.1f} GB/s ({row['kernel_vs_bandwidth']:.0%} of bandwidth, "
+              f"{row['kernel_vs_roof']:.0%} of the {row['bound']} roof {row['roof_gbps']:.1f}), "
               f"torch {row['torch_gbps']:5.1f} GB/s, torch slab path {row['torch_slab_gbps']:5.1f} "
               f"GB/s: kernel / torch {row['kernel_vs_torch']:.2f}x")
     for row in result["linear"]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -59,6 +60,27 @@ def test_version_is_the_installed_package_version(capsys):
     code, out, _ = run(["--version"], capsys)
     assert code == 0
     assert out.strip() == f"tokenlake {metadata.version('tokenlake')}"
+
+
+def test_the_command_line_sets_its_openmp_defaults_and_keeps_the_users(monkeypatch, capsys):
+    """``tokenlake`` gives itself (and the engines it starts) passive OpenMP waits with a
+    short spin unless the user set them; a vLLM server it starts gets neither of ours."""
+    from tokenlake.tools.bench_vllm import vllm_env
+    from tokenlake.tools.cli_args import OPENMP_ENV
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")  # recorded, so teardown undoes what main sets
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "77")
+    run(["--version"], capsys)
+    assert os.environ["OMP_WAIT_POLICY"] == OPENMP_ENV["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert os.environ["GOMP_SPINCOUNT"] == "77"
+    env = vllm_env({**os.environ, "PATH": "/bin"})
+    assert "OMP_WAIT_POLICY" not in env and env["GOMP_SPINCOUNT"] == "77" and env["PATH"] == "/bin"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    run(["--version"], capsys)
+    assert os.environ["GOMP_SPINCOUNT"] == OPENMP_ENV["GOMP_SPINCOUNT"]
+    assert "GOMP_SPINCOUNT" not in vllm_env(os.environ)
 
 
 def test_the_tree_has_every_command():

@@ -57,11 +57,18 @@ def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: st
                                           "instance": instance}})]
         if mode == "query":
             args += ["--no-enable-prefix-caching", "--no-async-scheduling"]
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # the same cores for all
-    for name, value in OPENMP_ENV.items():  # vLLM's own threading, not the one we chose for us
+    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=vllm_env(os.environ))
+
+
+def vllm_env(environ) -> dict[str, str]:
+    """A vLLM server's environment: ``environ`` on the same cores as everything else, and
+    with vLLM's own OpenMP threading, not the settings the command line chose for itself
+    (``OPENMP_ENV``; a different value the user set is kept)."""
+    env = {**environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    for name, value in OPENMP_ENV.items():
         if env.get(name) == value:
             del env[name]
-    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    return env
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:

@@ -2,8 +2,9 @@
 //
 // A decode step of a small model is a chain of matrix-vector products: every weight is
 // read once per step and used by only a few rows, so the time is the weight's bytes over
-// the memory bandwidth. BLAS sgemm with M of 1-8 stays far below that (5-9 GB/s for
-// SmolLM2's shapes on the development machine against ~33 GB/s read). Here w [N, K]
+// the memory bandwidth. BLAS sgemm with M of 1-8 stays far below that (about a third of
+// the read bandwidth for SmolLM2's shapes on the development machine; `tokenlake bench
+// kernel` measures both). Here w [N, K]
 // (row-major, as a model stores it) is streamed once: each step takes 16 / kM rows of w
 // and kM rows of x and keeps the 16 dot products as 16 vectors of partial sums, reduced
 // together at the end by a transpose tree (vec16.h). Row blocks of w are spread over

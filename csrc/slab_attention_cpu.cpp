@@ -272,9 +272,9 @@ inline __attribute__((always_inline)) void run_task_v(const Task& t) {
     for (int64_t b0 = 0; b0 < n; b0 += kLanes) {
       const int64_t nb = std::min(kLanes, n - b0);
       // The block kAhead blocks on (in the next slot past this one's end) is prefetched
-      // into L2, a share per query row spread over this block's work (all at once, the
-      // requests queue behind each other and stall; into L1, they crowd its few miss
-      // buffers: 1.5x slower).
+      // with low locality (prefetcht2, which fills L2 on this CPU), a share per query
+      // row spread over this block's work (all at once, the requests queue behind each
+      // other and stall; into L1, they crowd its few miss buffers: 1.5x slower).
       constexpr int64_t kLines = kLanes * kE * static_cast<int64_t>(sizeof(T)) / 64;
       const char *nk = nullptr, *nv = nullptr;
       ahead_block<T>(t, i, b0 + kAhead * kLanes, kE, &nk, &nv);

@@ -43,6 +43,7 @@ def _isas(kernel):
     (576, 1536),   # its down projection
     (5, 3),        # K below one vector, N below one block
     (37, 50),      # a K tail and an N tail for every row kernel
+    (1001, 1000),  # both tails on the threaded path: the last thread's blocks end at N
 ])
 def test_kernel_equals_the_reference(kernel, n, k):
     try:
@@ -61,14 +62,15 @@ def test_kernel_equals_the_reference(kernel, n, k):
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel):
     """Row i of x @ w.T is bit for bit the same whether x has 1, 3, 8 or 20 rows, and on one
     thread or two: a request decodes the same numbers in any batch."""
-    x, w = _operands(20, 576, 1536, seed=7)
-    alone = torch.cat([native.linear(x[i : i + 1], w) for i in range(20)])
     threads = torch.get_num_threads()
     try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            for m in (3, 8, 20):
-                assert torch.equal(native.linear(x[:m], w), alone[:m])
+        for n, k in ((576, 1536), (1001, 1000)):  # the second with K and N tails
+            x, w = _operands(20, n, k, seed=7)
+            alone = torch.cat([native.linear(x[i : i + 1], w) for i in range(20)])
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for m in (3, 8, 20):
+                    assert torch.equal(native.linear(x[:m], w), alone[:m])
     finally:
         torch.set_num_threads(threads)
 
@@ -104,6 +106,12 @@ def test_the_models_linear_routes_few_rows_to_the_kernel(kernel):
     assert torch.equal(llama.linear(x[:limit, :100], w[:, :100].contiguous()),  # a strided x
                       native.linear(x[:limit, :100], w[:, :100].contiguous()))
     assert torch.equal(llama.linear(x[:4], w.T.contiguous().T), F.linear(x[:4], w))  # not contiguous
+    x3 = x[:4].reshape(2, 2, -1)  # F.linear takes more dimensions, the kernel does not
+    assert torch.equal(llama.linear(x3, w), F.linear(x3, w))
+    xg = x[:4].clone().requires_grad_()  # autograd records: BLAS, with a gradient
+    assert llama.linear(xg, w).grad_fn is not None
+    with torch.no_grad():
+        assert torch.equal(llama.linear(xg, w), native.linear(x[:4], w))
     llama.use_native_linear(False)
     try:
         assert torch.equal(llama.linear(x[:4], w), F.linear(x[:4], w))

@@ -17,6 +17,7 @@ it cannot be built (no compiler, an installed package without ``csrc/``).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import importlib.util
 import logging
@@ -33,10 +34,11 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 SOURCES = tuple(CSRC / f for f in ("module.cpp", "slab_attention_cpu.cpp", "linear_cpu.cpp"))
-HEADERS = tuple(CSRC / f for f in ("kernels.h", "vec16.h"))
 BUILD_DIR = ROOT / "build" / "native"
 NAME = "tokenlake_native_cpu"
 FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+#: Beside the built module: the :func:`fingerprint` it was built from.
+STAMP = BUILD_DIR / f"{NAME}.fingerprint"
 #: Slab dtypes the kernel reads (K/V); q and the results are float32.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -58,7 +60,7 @@ def load(verbose: bool = False):
         if _prebuilt is not None:
             _module = _prebuilt
             return _module
-        if not all(f.is_file() for f in SOURCES + HEADERS):
+        if not all(f.is_file() for f in SOURCES):
             log.info("no sources in %s: the native kernels are not available", CSRC)
             return None
         try:
@@ -68,18 +70,37 @@ def load(verbose: bool = False):
             _module = cpp_extension.load(NAME, [str(f) for f in SOURCES], extra_cflags=FLAGS,
                                          extra_include_paths=[str(CSRC)],
                                          build_directory=str(BUILD_DIR), verbose=verbose)
+            tmp = STAMP.with_suffix(".tmp")
+            tmp.write_text(fingerprint())
+            tmp.replace(STAMP)  # atomic: a reader sees the old stamp or the new one
         except Exception as exc:  # a missing compiler or ninja, a failed build
             log.warning("native kernels not built (%s): using the torch path", exc)
             _module = None
         return _module
 
 
+def fingerprint() -> str:
+    """A hash of what a build depends on: every source and header in ``csrc/``, the
+    compiler flags and torch's version (a copy that keeps old file times, or a torch
+    upgrade, must not pass a stale build as current)."""
+    h = hashlib.sha256()
+    for f in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(" ".join(FLAGS).encode() + b"\0" + torch.__version__.encode())
+    return h.hexdigest()
+
+
 def load_prebuilt():
     """The module as ``make`` (or an earlier :func:`load`) built it from the current
-    source, imported directly; None if there is none or it is older than the source.
-    Never compiles and never waits for a build lock: what a query engine calls on a
-    query's path (a build would take most of a minute). The answer is kept."""
+    sources (its stamp holds their :func:`fingerprint`), imported directly; None if there
+    is none or it is stale. Never compiles: what a query engine and every projection of
+    the model call (a build would take most of a minute). The answer is kept, and read
+    without the lock once known."""
     global _prebuilt, _prebuilt_tried
+    if _module is not None:
+        return _module
+    if _prebuilt_tried:
+        return _prebuilt
     with _lock:
         if _module is not None:
             return _module
@@ -87,9 +108,11 @@ def load_prebuilt():
             return _prebuilt
         _prebuilt_tried = True
         so = BUILD_DIR / f"{NAME}.so"
-        inputs = SOURCES + HEADERS
-        if not (so.is_file() and all(f.is_file() for f in inputs)
-                and so.stat().st_mtime >= max(f.stat().st_mtime for f in inputs)):
+        try:
+            current = so.is_file() and CSRC.is_dir() and STAMP.read_text() == fingerprint()
+        except OSError:
+            current = False
+        if not current:
             log.info("no current build of the kernels in %s: the torch path serves", CSRC)
             return None
         try:

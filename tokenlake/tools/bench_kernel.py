@@ -16,7 +16,7 @@ float32 byte of KV, more than this machine can do at its read bandwidth, so its 
 compute (``roof_gbps``, ``bound``, ``kernel_vs_roof``).
 
 ``linear``: the projections of one decode step of SmolLM2-135M (30 layers of q, k, v, o,
-gate, up and down; random float32 weights, 425 MB) on ``rows`` rows, by the csrc kernel
+gate, up and down; random float32 weights, 425 MB) on ``linear_rows`` rows, by the csrc kernel
 (:func:`tokenlake.dataplane.native.linear`) and by ``torch.nn.functional.linear`` (BLAS),
 timed alternately: weight bytes read per second and the ratio.
 """
@@ -73,7 +73,8 @@ def _add_roof(row: dict, element_size: int, bandwidth_gbps: float, peak_gflops: 
 
 
 def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "bfloat16"),
-                 repeats: int = 7, buffer_gib: float = 1.0) -> dict:
+                 repeats: int = 7, buffer_gib: float = 1.0, linear_rows=(1, 8, 32),
+                 linear_layers: int = LINEAR_LAYERS) -> dict:
     """The JSON of ``tokenlake bench kernel`` (module docstring)."""
     import torch
 
@@ -96,7 +97,7 @@ def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "
                 _add_roof(row, slab.element_size(), max(bw.values()), peak)
                 results.append({"dtype": dname, **row})
     return {"memory_read_gbps": max(bw.values()), "memory_read_methods_gbps": bw,
-            "compute_gflops": peak, "linear": [_measure_linear(native, r, repeats) for r in rows],
+            "compute_gflops": peak, "linear": [_measure_linear(native, r, repeats, linear_layers) for r in linear_rows],
             "isa": mod.isa(), "threads": torch.get_num_threads(),
             "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                       "slot_tokens": CAPACITY},
@@ -133,14 +134,14 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
             "kernel_vs_torch": med["torch"] / med["kernel"]}
 
 
-def _measure_linear(native, rows: int, repeats: int) -> dict:
+def _measure_linear(native, rows: int, repeats: int, layers: int = LINEAR_LAYERS) -> dict:
     """One decode step's projections (module docstring) on ``rows`` rows: kernel vs BLAS."""
     import torch
 
     from tokenlake.dataplane.attention_slab import interleaved_times
 
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * 0.02 for _ in range(LINEAR_LAYERS) for n, k in LINEAR_SHAPES]
+    weights = [torch.randn(n, k, generator=g) * 0.02 for _ in range(layers) for n, k in LINEAR_SHAPES]
     xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in LINEAR_SHAPES}}
     nbytes = sum(w.numel() * w.element_size() for w in weights)
 
@@ -175,6 +176,8 @@ def add_kernel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768, 65536],
                    help="prefix tokens per measurement (rounded up to whole 512-token slots)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="query rows")
+    p.add_argument("--linear-rows", type=int, nargs="+", default=[1, 8, 32],
+                   help="rows of the projections measured against BLAS")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
                    help="K/V dtypes of the slab")
     p.add_argument("--repeats", type=int, default=7, help="timed calls of each, interleaved")
@@ -185,10 +188,11 @@ def add_kernel(p: argparse.ArgumentParser) -> None:
 def run_kernel(args: argparse.Namespace) -> int:
     from tokenlake.tools.cli_args import UsageError
 
-    if min(args.tokens) < 1 or min(args.rows) < 1 or args.repeats < 1:
-        raise UsageError("bench kernel: --tokens, --rows and --repeats must be positive")
+    if min(args.tokens) < 1 or min(args.rows) < 1 or min(args.linear_rows) < 1 or args.repeats < 1:
+        raise UsageError("bench kernel: --tokens, --rows, --linear-rows and --repeats must be positive")
     try:
-        result = bench_kernel(tuple(args.tokens), tuple(args.rows), tuple(args.dtypes), args.repeats)
+        result = bench_kernel(tuple(args.tokens), tuple(args.rows), tuple(args.dtypes), args.repeats,
+                              linear_rows=tuple(args.linear_rows))
     except RuntimeError as exc:
         raise UsageError(f"bench kernel: {exc}") from None
     if args.json:

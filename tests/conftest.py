@@ -60,6 +60,22 @@ def _ours_or_orphaned(name: str) -> bool:
 
 
 @pytest.fixture(scope="module")
+def kernel():
+    """The built csrc module (``native.load``); skips where there is no compiler, and
+    fails where g++ and ninja are present but the build did not succeed."""
+    import shutil
+
+    from tokenlake.dataplane import native
+
+    mod = native.load()
+    if mod is None:
+        assert shutil.which("g++") is None or shutil.which("ninja") is None, \
+            "g++ and ninja are here, so the kernel must build"
+        pytest.skip("no compiler: the torch path serves")
+    return mod
+
+
+@pytest.fixture(scope="module")
 def smollm2():
     """``(weights, tokenizer, reference engine)`` of the shipped model."""
     from tokenlake.model.llama.reference import ReferenceEngine

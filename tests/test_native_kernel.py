@@ -4,24 +4,11 @@ large logits, every instruction set this CPU has, and its refusals."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from tokenlake.dataplane import native
 from tokenlake.dataplane.attention import partial_attention_ref
-
-CAN_BUILD = shutil.which("g++") is not None and shutil.which("ninja") is not None
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    mod = native.load()
-    if mod is None:
-        assert not CAN_BUILD, "g++ and ninja are here, so the kernel must build"
-        pytest.skip("no compiler: the torch path serves")
-    return mod
 
 
 def _slab(slots, layers, kv_heads, capacity, head_dim, dtype, seed=0):

@@ -6,25 +6,12 @@ row's result does not depend on the rows beside it, its refusals, and that the m
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tokenlake.dataplane import native
 from tokenlake.model.llama import model as llama
-
-CAN_BUILD = shutil.which("g++") is not None and shutil.which("ninja") is not None
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    mod = native.load()
-    if mod is None:
-        assert not CAN_BUILD, "g++ and ninja are here, so the kernel must build"
-        pytest.skip("no compiler: the torch path serves")
-    return mod
 
 
 def _operands(m, n, k, seed=0):

@@ -28,7 +28,7 @@ import torch
 
 from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.dataplane.attention import empty_partial, merge, merge_many
-from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
+from tokenlake.dataplane.attention_paged import flashinfer_slab_attention, warm_up
 from tokenlake.dataplane.attention_slab import slabs_partial_attention
 from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
 from tokenlake.dataplane.messages import (
@@ -118,6 +118,8 @@ class QueryEngine(EngineLoop):
         self.slabs = {spec.instance: self.slab, **self.map_shared_slabs(self.slab)}
         self.home_plans: dict[int, HomePlan] = {}
         self.peer_plans: dict[tuple[int, int], AttendLayout] = {}  # (home, plan) -> its items here
+        if self.slab.is_cuda:  # before the engine reports ready: a first use compiles the kernel
+            warm_up(self.slab, self.q_heads)
 
     # -------------------------------------------------------------- dispatch
     def handle(self, identity, msg_id: int, message: WireMessage) -> None:

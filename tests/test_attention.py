@@ -303,7 +303,7 @@ def test_flashinfer_matches_reference(causal):
     got = BACKENDS.backend_for("cuda")(q, k, v, causal=causal)
     want = A.partial_attention_ref(q.cpu(), k.cpu(), v.cpu(), causal=causal)
     assert_partial_close((got[0].cpu(), got[1].cpu()), want, atol=2e-2)
-    slab = torch.stack([k[:100], v[:100]]).transpose(1, 2).unsqueeze(1).unsqueeze(0).contiguous()  # [1,1,2,8,100,128]
+    slab = torch.stack([k[:100], v[:100]]).transpose(1, 2)[None, None].contiguous()  # [1, 1, 2, 8, 100, 128]
     got = SLAB.slab_partial_attention(q, slab, 0, [0], [100])
     want = A.partial_attention_ref(q.cpu(), k[:100].cpu(), v[:100].cpu())
     assert_partial_close((got[0].cpu(), got[1].cpu()), want, atol=2e-2)

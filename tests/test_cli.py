@@ -327,6 +327,15 @@ def test_bench_scheduler_takes_its_options_and_records_them(capsys):
     assert result["config"] == {"requests": 8, "prefill_share": 0.5, "prefill_dops": "all"}
 
 
+def test_bench_gpu_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run(["bench", "gpu", "--rows", "1", "--no-query-vs-fetch"], capsys)
+    assert code == 2 and out == ""
+    assert err.strip() == "tokenlake: error: bench gpu needs a CUDA GPU; this torch sees none"
+
+
 def test_bench_sim_replays_a_given_trace(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps({"timestamp": 100 * i, "input_length": 600,

@@ -56,6 +56,8 @@ def test_full_slots_and_one_tail_are_one_entry():
     slab, q = _slab(), torch.randn(3, 4, 8)
     batch = _check(q, slab, 1, [(0, 3, [5, 2, 7], [C, 9, C])])
     assert batch.kv_indices == (5, 7, 2) and batch.last_page_len == (9,) and batch.entries == 1
+    assert batch.is_identity(3)  # the packed rows are the caller's: no gather, no merge
+    assert not paged_batch([(0, 2, [5], [C])], C).is_identity(3)  # row 2 attends nothing
 
 
 def test_a_page_hit_beside_an_own_tail_is_a_second_entry_merged_back():
@@ -64,6 +66,7 @@ def test_a_page_hit_beside_an_own_tail_is_a_second_entry_merged_back():
     slab, q = _slab(), torch.randn(2, 4, 8)
     batch = _check(q, slab, 0, [(0, 2, [1, 3, 4], [C, 4, 11])])
     assert batch.entries == 2 and batch.rows == ((0, 2), (0, 2))
+    assert not batch.is_identity(2)
 
 
 def test_groups_of_several_requests_empty_slots_and_rows_without_prefix():
@@ -96,15 +99,20 @@ def test_bad_groups_are_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_flashinfer_launch_equals_the_reference():
+    """Layer after layer with the same groups (planned once), then other groups (planned
+    again): every result equals the reference of its own groups and layer."""
     pytest.importorskip("flashinfer")
     from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
 
     slab = torch.randn(12, 2, 2, 8, 64, 128).bfloat16().cuda()
     q = torch.randn(6, 32, 128).cuda()
-    groups = [(0, 1, [0, 1, 2], [64, 64, 17]), (1, 6, [3, 4, 5], [64, 30, 12])]
-    got = flashinfer_slab_attention(q, slab, 1, groups, 128 ** -0.5)
-    batch = paged_batch(groups, 64)
-    q_packed = q[torch.tensor(batch.q_index(), device=q.device)].bfloat16().float()
-    want = unpack(batch, *paged_reference(q_packed, slab[:, 1, 0], slab[:, 1, 1], batch, 128 ** -0.5), 6)
-    torch.testing.assert_close(got.o, want.o, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got.lse, want.lse, rtol=2e-2, atol=2e-2)
+    first = [(0, 1, [0, 1, 2], [64, 64, 17]), (1, 6, [3, 4, 5], [64, 30, 12])]
+    other = [(0, 6, [6, 7], [64, 5]), (2, 4, [8], [40])]
+    for groups, layer in ((first, 1), (first, 0), (other, 1), (first, 1)):
+        got = flashinfer_slab_attention(q, slab, layer, groups, 128 ** -0.5)
+        batch = paged_batch(groups, 64)
+        q_packed = q[torch.tensor(batch.q_index(), device=q.device)].bfloat16().float()
+        want = unpack(batch, *paged_reference(q_packed, slab[:, layer, 0], slab[:, layer, 1], batch,
+                                              128 ** -0.5), 6)
+        torch.testing.assert_close(got.o, want.o, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.lse, want.lse, rtol=2e-2, atol=2e-2)

@@ -22,6 +22,7 @@ from tokenlake.dataplane.attention import (
     softmax_scale,
 )
 from tokenlake.dataplane.attention_cpu import partial_attention
+from tokenlake.dataplane.attention_paged import FLASHINFER_BACKEND
 
 
 def flashinfer_partial_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
@@ -51,7 +52,7 @@ def flashinfer_partial_attention(q: Tensor, k: Tensor, v: Tensor, scale: float |
         return out
     o, lse2 = flashinfer.single_prefill_with_kv_cache(
         q[skip:].to(k.dtype), k, v, causal=causal, kv_layout=kv_layout,
-        sm_scale=softmax_scale(scale, head_dim), return_lse=True)
+        sm_scale=softmax_scale(scale, head_dim), return_lse=True, backend=FLASHINFER_BACKEND)
     out.o[skip:], out.lse[skip:] = o.float(), lse_base2_to_natural(lse2.float())
     return out
 

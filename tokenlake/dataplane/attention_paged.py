@@ -60,6 +60,11 @@ class PagedBatch:
         """The caller's row of every packed q row."""
         return [r for start, stop in self.rows for r in range(start, stop)]
 
+    def is_identity(self, rows: int) -> bool:
+        """The packed rows are the caller's ``rows`` rows, each once and in order (one
+        entry per row range, the ranges back to back from 0): no gather, no merge."""
+        return self.q_index() == list(range(rows))
+
 
 def paged_batch(groups: Sequence[Group], page_tokens: int) -> PagedBatch:
     """The CSR batch of ``groups`` over pages of ``page_tokens`` (the slab's ``C``).
@@ -117,6 +122,8 @@ def paged_reference(q_packed: Tensor, k_pages: Tensor, v_pages: Tensor, batch: P
 def unpack(batch: PagedBatch, o_packed: Tensor, lse_packed: Tensor, rows: int) -> Partial:
     """One partial per caller row: the entries over the same rows merged by LSE; rows no
     entry covers attend nothing (``lse = -inf``, ``o = 0``)."""
+    if batch.is_identity(rows):  # every row in one entry, in order: nothing to merge
+        return Partial(o_packed.float(), lse_packed.float())
     out = empty_partial(rows, o_packed.shape[1], o_packed.shape[2], device=o_packed.device)
     o, lse = out
     for e, (start, stop) in enumerate(batch.rows):
@@ -126,13 +133,28 @@ def unpack(batch: PagedBatch, o_packed: Tensor, lse_packed: Tensor, rows: int) -
     return out
 
 
-_wrappers: dict[str, tuple[object, threading.Lock]] = {}
+#: FlashInfer's FA2 kernels: a query engine attends a few rows per request, where the Hopper
+#: (FA3) kernels gain nothing, and FA2 compiles in a fraction of FA3's time on first use.
+FLASHINFER_BACKEND = "fa2"
+
+@dataclass
+class _Planned:
+    """A device's FlashInfer wrapper, the lock that keeps a plan and its runs together,
+    and what it was last planned for: a query engine attends the same groups in every
+    layer, so only the first layer of a query plans (FlashInfer's plan works on the
+    host and copies its schedule to the device); the others only launch."""
+
+    wrapper: object
+    lock: threading.Lock
+    key: tuple | None = None
+
+
+_wrappers: dict[str, _Planned] = {}
 _wrappers_lock = threading.Lock()
 
 
-def _wrapper(device: torch.device):
-    """The FlashInfer prefill wrapper (and its workspace) of ``device`` with the lock that
-    keeps its plan and run together, made once."""
+def _wrapper(device: torch.device) -> _Planned:
+    """The FlashInfer prefill wrapper (and its workspace) of ``device``, made once."""
     try:
         import flashinfer  # optional GPU dependency: only where this path runs
     except ImportError as exc:
@@ -141,8 +163,9 @@ def _wrapper(device: torch.device):
     with _wrappers_lock:
         if key not in _wrappers:
             workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-            _wrappers[key] = (flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="HND"),
-                              threading.Lock())
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="HND",
+                                                                     backend=FLASHINFER_BACKEND)
+            _wrappers[key] = _Planned(wrapper, threading.Lock())
         return _wrappers[key]
 
 
@@ -151,9 +174,10 @@ def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Seque
     """Partial attention of the ``groups`` of ``q`` ``[rows, q_heads, E]`` over a CUDA
     slab's slots in **one** FlashInfer launch (non-causal batched prefill over the slab
     as a paged cache; q cast to the slab's half dtype), merged back per row. Returns
-    float32 ``o`` and natural-log ``lse`` on the slab's device. Never run on this
-    project's machines (no GPU): the translation it uses is tested by
-    :func:`paged_reference`. Raises ``RuntimeError`` without CUDA or FlashInfer."""
+    float32 ``o`` and natural-log ``lse`` on the slab's device. The translation is
+    tested against :func:`paged_reference` on the CPU, the call itself on a GPU
+    (``pytest -m gpu``; README "GPU path"). Raises ``RuntimeError`` without CUDA or
+    FlashInfer."""
     if not (torch.cuda.is_available() and slab.is_cuda):
         raise RuntimeError("flashinfer_slab_attention needs a CUDA slab on a CUDA build")
     rows, q_heads, head_dim = q.shape
@@ -165,11 +189,28 @@ def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Seque
     def ints(values) -> Tensor:  # on the host: plan() reads them there (no device sync)
         return torch.tensor(values, dtype=torch.int32)
 
-    wrapper, lock = _wrapper(dev)
-    with torch.cuda.device(dev), lock:  # one plan, then its run: not another thread's
-        wrapper.plan(ints(batch.qo_indptr), ints(batch.kv_indptr), ints(batch.kv_indices),
-                     ints(batch.last_page_len), q_heads, slab.shape[3], head_dim, slab.shape[4], causal=False,
-                     sm_scale=softmax_scale(scale, head_dim), q_data_type=slab.dtype, kv_data_type=slab.dtype)
-        q_packed = q.to(dev)[torch.tensor(batch.q_index(), device=dev)].to(slab.dtype)
-        o, lse2 = wrapper.run(q_packed, (slab[:, layer, 0], slab[:, layer, 1]), return_lse=True)
-    return unpack(batch, o.float(), lse_base2_to_natural(lse2.float()), rows)
+    sm_scale = softmax_scale(scale, head_dim)
+    key = (batch, q_heads, slab.shape[3], head_dim, slab.shape[4], sm_scale, slab.dtype)
+    planned = _wrapper(dev)
+    q_packed = q.to(dev) if batch.is_identity(rows) else q.to(dev)[torch.tensor(batch.q_index(), device=dev)]
+    with torch.cuda.device(dev), planned.lock:  # one plan, then its runs: not another thread's
+        if planned.key != key:
+            planned.key = None  # a plan that fails halfway plans again next time
+            planned.wrapper.plan(ints(batch.qo_indptr), ints(batch.kv_indptr), ints(batch.kv_indices),
+                                 ints(batch.last_page_len), q_heads, slab.shape[3], head_dim, slab.shape[4],
+                                 causal=False, sm_scale=sm_scale, q_data_type=slab.dtype,
+                                 kv_data_type=slab.dtype)
+            planned.key = key
+        o, lse2 = planned.wrapper.run(q_packed.to(slab.dtype), (slab[:, layer, 0], slab[:, layer, 1]),
+                                      return_lse=True)
+    return unpack(batch, o, lse_base2_to_natural(lse2.float()), rows)
+
+
+def warm_up(slab: Tensor, q_heads: int) -> None:
+    """Loads the batched kernel for ``slab``'s dtype and head size before the first
+    query needs it: the first use on a machine compiles it (FlashInfer's JIT, cached
+    under ``~/.cache/flashinfer``; tens of seconds per shape), longer than a query may
+    wait. Reads one token of slot 0; writes nothing."""
+    q = torch.zeros(1, q_heads, slab.shape[5], device=slab.device)
+    flashinfer_slab_attention(q, slab, 0, [(0, 1, [0], [1])])
+    torch.cuda.synchronize(slab.device)

@@ -148,6 +148,7 @@ class InstanceClient:
             raise PlanError("call init_query first")
         _index(layer, "layer", self.kv.shape[0])
         pid, rows = self._query_plan
+        _written(self.q)
         msg_id = self._send("query", Query(pid, layer))
         return QueryHandle(self, msg_id, rows)
 
@@ -174,6 +175,7 @@ class InstanceClient:
         _index(layers, "layers", self.kv.shape[0] + 1)
         if layers < 1 or layer < 0 or layer + layers > self.kv.shape[0]:
             raise PlanError(f"layers [{layer}, {layer + layers}) outside [0, {self.kv.shape[0]})")
+        _written(self.kv)
         msg_id = self._send("transfer", Put(self._transfer_plan[0], layer, layers))
         handle = PutHandle(self, msg_id, layer)
         while self._puts and self._puts[0]._done:  # waited for by their owner already
@@ -253,3 +255,11 @@ def _index(value, name: str, bound: int) -> int:
     if not 0 <= value < bound:
         raise PlanError(f"{name} {value} outside [0, {bound})")
     return value
+
+
+def _written(buf: torch.Tensor) -> None:
+    """On a GPU pool the caller's writes into ``buf`` may still be queued on its CUDA
+    stream, while the engine that reads the buffer (another process, by IPC handle) sees
+    only device memory: wait for them before the message that lets the engine read."""
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()

@@ -107,14 +107,15 @@ class ClusterBase(abc.ABC):
         clock, seed: injected clock and seed of the control plane.
         timeout_s: wait limit of the driver and of clients for an engine's answer
             (seconds); peer_timeout_s: engine-to-engine limit; start_timeout_s: limit
-            of the start-up.
+            of the start-up (``None``: 60 s, or 900 s for a GPU pool, whose query
+            engines compile FlashInfer's kernels on a machine's first use).
         host: what the engines bind.
         kv_dtype: the element type of the pool's K/V (``"float32"``, ``"bfloat16"``,
             ``"float16"``): slabs, puts, replicas and migrations carry it; queries still
             send float32 q rows and get float32 partials (docs/design.md "KV dtype").
         device: where the buffers live: ``"cpu"`` (POSIX shared memory) or ``"cuda"`` /
             ``"cuda:N"`` (CUDA IPC; half ``kv_dtype`` only, FlashInfer's batched kernels;
-            docs/design.md "GPU path": never run on this project's machines).
+            docs/design.md "GPU path").
         kv_layout: whose KV the pool holds (``tokenlake.core.control.KV_LAYOUTS``; part
             of the namespace, so the layouts never match each other).
         share_slabs: every engine maps the other instances' slabs (one machine; CPU
@@ -139,7 +140,7 @@ class ClusterBase(abc.ABC):
         seed: int = 0,
         timeout_s: float = 5.0,
         peer_timeout_s: float = 2.0,
-        start_timeout_s: float = 60.0,
+        start_timeout_s: float | None = None,
         host: str = "127.0.0.1",
         insecure: bool = False,
         kv_layout: str = "tokenlake",
@@ -150,7 +151,7 @@ class ClusterBase(abc.ABC):
     ) -> None:
         from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
 
-        self.share_slabs = bool(share_slabs) and device == "cpu"  # CUDA slabs: by message (never run)
+        self.share_slabs = bool(share_slabs) and device == "cpu"  # CUDA slabs: by message
         self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, kv_dtype, clock, seed,
                                     kv_layout, page_tokens, self.share_slabs)  # checks kv_dtype
         if device != "cpu" and kv_dtype == "float32":
@@ -161,6 +162,8 @@ class ClusterBase(abc.ABC):
         self.slots_per_instance = self.control.config.slots_per_instance
         self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows, kv_dtype, device)
         self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
+        if start_timeout_s is None:
+            start_timeout_s = 60.0 if device == "cpu" else 900.0
         self.start_timeout_s, self.host = start_timeout_s, host
         self.insecure = bool(insecure)
         #: the cluster's CURVE keys (all of them: this process is the owner); None if insecure

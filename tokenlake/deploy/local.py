@@ -74,7 +74,7 @@ class LocalCluster(ClusterBase):
         seed: int = 0,
         timeout_s: float = 5.0,
         peer_timeout_s: float = 2.0,
-        start_timeout_s: float = 60.0,
+        start_timeout_s: float | None = None,
         host: str = "127.0.0.1",
         insecure: bool = False,
         kv_layout: str = "tokenlake",

@@ -100,7 +100,8 @@ def test_bad_groups_are_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_flashinfer_launch_equals_the_reference():
     """Layer after layer with the same groups (planned once), then other groups (planned
-    again): every result equals the reference of its own groups and layer."""
+    again), then one row per request (the decode kernel; a page hit beside an own tail
+    makes two entries of one row): every result equals the reference of its groups and layer."""
     pytest.importorskip("flashinfer")
     from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
 
@@ -108,7 +109,9 @@ def test_one_flashinfer_launch_equals_the_reference():
     q = torch.randn(6, 32, 128).cuda()
     first = [(0, 1, [0, 1, 2], [64, 64, 17]), (1, 6, [3, 4, 5], [64, 30, 12])]
     other = [(0, 6, [6, 7], [64, 5]), (2, 4, [8], [40])]
-    for groups, layer in ((first, 1), (first, 0), (other, 1), (first, 1)):
+    decode = [(0, 1, [0, 1, 9], [64, 20, 7]), (2, 3, [10], [64]), (5, 6, [11, 3], [64, 64])]  # one row each
+    assert paged_batch(decode, 64).is_decode() and not paged_batch(first, 64).is_decode()
+    for groups, layer in ((first, 1), (first, 0), (other, 1), (decode, 1), (decode, 0), (first, 1)):
         got = flashinfer_slab_attention(q, slab, layer, groups, 128 ** -0.5)
         batch = paged_batch(groups, 64)
         q_packed = q[torch.tensor(batch.q_index(), device=q.device)].bfloat16().float()

@@ -15,14 +15,14 @@ empty slots are dropped. :func:`unpack` merges the entries of each group back in
 partial per q row, exactly by log-sum-exp. :func:`paged_reference` is what the kernel
 computes, in torch on any device: the tests check the translation against the slab
 attention (tests/test_paged_plan.py), without a GPU. :func:`flashinfer_slab_attention`
-makes the one call per layer per query: it has never run here (no GPU; README says so).
+makes the one call per layer per query (tested on a GPU, ``pytest -m gpu``; CI has none).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +59,10 @@ class PagedBatch:
     def q_index(self) -> list[int]:
         """The caller's row of every packed q row."""
         return [r for start, stop in self.rows for r in range(start, stop)]
+
+    def is_decode(self) -> bool:
+        """Every entry reads one q row (FlashInfer's decode kernels serve it)."""
+        return all(stop - start == 1 for start, stop in self.rows)
 
     def is_identity(self, rows: int) -> bool:
         """The packed rows are the caller's ``rows`` rows, each once and in order (one
@@ -133,51 +137,86 @@ def unpack(batch: PagedBatch, o_packed: Tensor, lse_packed: Tensor, rows: int) -
     return out
 
 
-#: FlashInfer's FA2 kernels: a query engine attends a few rows per request, where the Hopper
-#: (FA3) kernels gain nothing, and FA2 compiles in a fraction of FA3's time on first use.
+#: FlashInfer's FA2 kernels: they run on every CUDA GPU FlashInfer supports (FA3 on Hopper
+#: only), and a query engine attends a few rows per request, not FA3's long query tiles.
 FLASHINFER_BACKEND = "fa2"
 
+
 @dataclass
-class _Planned:
-    """A device's FlashInfer wrapper, the lock that keeps a plan and its runs together,
-    and what it was last planned for: a query engine attends the same groups in every
-    layer, so only the first layer of a query plans (FlashInfer's plan works on the
-    host and copies its schedule to the device); the others only launch."""
+class _Wrappers:
+    """A device's two FlashInfer wrappers (batched prefill for entries of several rows,
+    batched decode when every entry is one row: a decode step's queries), the lock that
+    keeps a plan and its runs together, and what each was last planned for: a query
+    engine attends the same groups in every layer, so only a query's first layer plans
+    (FlashInfer's plan works on the host and copies its schedule to the device); the
+    others only launch."""
 
-    wrapper: object
+    prefill: object
+    decode: object
     lock: threading.Lock
-    key: tuple | None = None
+    keys: dict[str, tuple] = field(default_factory=dict)
 
 
-_wrappers: dict[str, _Planned] = {}
-_wrappers_lock = threading.Lock()
+_by_device: dict[str, _Wrappers] = {}
+_by_device_lock = threading.Lock()
 
 
-def _wrapper(device: torch.device) -> _Planned:
-    """The FlashInfer prefill wrapper (and its workspace) of ``device``, made once."""
+def _wrappers(device: torch.device) -> _Wrappers:
+    """The FlashInfer wrappers (and their workspaces) of ``device``, made once."""
     try:
         import flashinfer  # optional GPU dependency: only where this path runs
     except ImportError as exc:
         raise RuntimeError("FlashInfer is not installed (pip install 'tokenlake[gpu]')") from exc
     key = str(device)
-    with _wrappers_lock:
-        if key not in _wrappers:
-            workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="HND",
-                                                                     backend=FLASHINFER_BACKEND)
-            _wrappers[key] = _Planned(wrapper, threading.Lock())
-        return _wrappers[key]
+    with _by_device_lock:
+        if key not in _by_device:
+            def workspace() -> Tensor:
+                return torch.empty(128 << 20, dtype=torch.uint8, device=device)
+
+            _by_device[key] = _Wrappers(
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), kv_layout="HND",
+                                                               backend=FLASHINFER_BACKEND),
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), kv_layout="HND",
+                                                              use_tensor_cores=False, backend=FLASHINFER_BACKEND),
+                threading.Lock())
+        return _by_device[key]
+
+
+def _planned(ws: _Wrappers, batch: PagedBatch, q_heads: int, slab: Tensor, sm_scale: float):
+    """The wrapper that serves ``batch`` over ``slab``, planned for it (again only if its
+    last plan was for something else). The caller holds ``ws.lock``."""
+    kv_heads, page, head_dim = slab.shape[3], slab.shape[4], slab.shape[5]
+    decode = batch.is_decode()
+    kind = "decode" if decode else "prefill"
+    key = (batch, q_heads, kv_heads, head_dim, page, sm_scale, slab.dtype)
+    wrapper = ws.decode if decode else ws.prefill
+    if ws.keys.get(kind) == key:
+        return wrapper
+
+    def ints(values) -> Tensor:  # on the host: plan() reads them there (no device sync)
+        return torch.tensor(values, dtype=torch.int32)
+
+    ws.keys.pop(kind, None)  # a plan that fails halfway plans again next time
+    pages = (ints(batch.kv_indptr), ints(batch.kv_indices), ints(batch.last_page_len))
+    if decode:
+        wrapper.plan(*pages, q_heads, kv_heads, head_dim, page, sm_scale=sm_scale,
+                     q_data_type=slab.dtype, kv_data_type=slab.dtype)
+    else:
+        wrapper.plan(ints(batch.qo_indptr), *pages, q_heads, kv_heads, head_dim, page, causal=False,
+                     sm_scale=sm_scale, q_data_type=slab.dtype, kv_data_type=slab.dtype)
+    ws.keys[kind] = key
+    return wrapper
 
 
 def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[Group],
                               scale: float | None = None) -> Partial:
     """Partial attention of the ``groups`` of ``q`` ``[rows, q_heads, E]`` over a CUDA
-    slab's slots in **one** FlashInfer launch (non-causal batched prefill over the slab
-    as a paged cache; q cast to the slab's half dtype), merged back per row. Returns
-    float32 ``o`` and natural-log ``lse`` on the slab's device. The translation is
-    tested against :func:`paged_reference` on the CPU, the call itself on a GPU
-    (``pytest -m gpu``; README "GPU path"). Raises ``RuntimeError`` without CUDA or
-    FlashInfer."""
+    slab's slots in **one** FlashInfer launch (the slab as a paged cache: batched decode
+    when every entry is one row, non-causal batched prefill otherwise; q cast to the
+    slab's half dtype), merged back per row. Returns float32 ``o`` and natural-log
+    ``lse`` on the slab's device. The translation is tested against
+    :func:`paged_reference` on the CPU, the call itself on a GPU (``pytest -m gpu``;
+    docs/design.md "GPU path"). Raises ``RuntimeError`` without CUDA or FlashInfer."""
     if not (torch.cuda.is_available() and slab.is_cuda):
         raise RuntimeError("flashinfer_slab_attention needs a CUDA slab on a CUDA build")
     rows, q_heads, head_dim = q.shape
@@ -185,32 +224,20 @@ def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Seque
     if batch.entries == 0:
         return empty_partial(rows, q_heads, head_dim, device=slab.device)
     dev = slab.device
-
-    def ints(values) -> Tensor:  # on the host: plan() reads them there (no device sync)
-        return torch.tensor(values, dtype=torch.int32)
-
-    sm_scale = softmax_scale(scale, head_dim)
-    key = (batch, q_heads, slab.shape[3], head_dim, slab.shape[4], sm_scale, slab.dtype)
-    planned = _wrapper(dev)
     q_packed = q.to(dev) if batch.is_identity(rows) else q.to(dev)[torch.tensor(batch.q_index(), device=dev)]
-    with torch.cuda.device(dev), planned.lock:  # one plan, then its runs: not another thread's
-        if planned.key != key:
-            planned.key = None  # a plan that fails halfway plans again next time
-            planned.wrapper.plan(ints(batch.qo_indptr), ints(batch.kv_indptr), ints(batch.kv_indices),
-                                 ints(batch.last_page_len), q_heads, slab.shape[3], head_dim, slab.shape[4],
-                                 causal=False, sm_scale=sm_scale, q_data_type=slab.dtype,
-                                 kv_data_type=slab.dtype)
-            planned.key = key
-        o, lse2 = planned.wrapper.run(q_packed.to(slab.dtype), (slab[:, layer, 0], slab[:, layer, 1]),
-                                      return_lse=True)
+    ws = _wrappers(dev)
+    with torch.cuda.device(dev), ws.lock:  # one plan, then its runs: not another thread's
+        wrapper = _planned(ws, batch, q_heads, slab, softmax_scale(scale, head_dim))
+        o, lse2 = wrapper.run(q_packed.to(slab.dtype), (slab[:, layer, 0], slab[:, layer, 1]), return_lse=True)
     return unpack(batch, o, lse_base2_to_natural(lse2.float()), rows)
 
 
 def warm_up(slab: Tensor, q_heads: int) -> None:
-    """Loads the batched kernel for ``slab``'s dtype and head size before the first
-    query needs it: the first use on a machine compiles it (FlashInfer's JIT, cached
-    under ``~/.cache/flashinfer``; tens of seconds per shape), longer than a query may
-    wait. Reads one token of slot 0; writes nothing."""
-    q = torch.zeros(1, q_heads, slab.shape[5], device=slab.device)
-    flashinfer_slab_attention(q, slab, 0, [(0, 1, [0], [1])])
+    """Loads the batched kernels (decode and prefill) for ``slab``'s dtype and head size
+    before the first query needs them: the first use on a machine compiles them
+    (FlashInfer's JIT, cached under ``~/.cache/flashinfer``; 20-35 s per kernel on an H100
+    machine), longer than a query may wait. Reads one token of slot 0; writes nothing."""
+    q = torch.zeros(2, q_heads, slab.shape[5], device=slab.device)
+    flashinfer_slab_attention(q[:1], slab, 0, [(0, 1, [0], [1])])  # decode
+    flashinfer_slab_attention(q, slab, 0, [(0, 2, [0], [1])])  # prefill
     torch.cuda.synchronize(slab.device)

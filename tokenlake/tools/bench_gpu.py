@@ -5,7 +5,7 @@ Three figures, each against a baseline measured in the same process:
 * **device read bandwidth**: the best of read-only reductions (``sum``, ``amax``) over a
   few GiB of device memory, the denominator of the next figure;
 * **slab attention** (what a GPU query engine runs per layer): one batched FlashInfer
-  launch over a slab's slots (:func:`~tokenlake.dataplane.attention_paged.flashinfer_slab_attention`)
+  launch (decode kernel for 1 row, prefill for 8) over a slab's slots (:func:`~tokenlake.dataplane.attention_paged.flashinfer_slab_attention`)
   for 1 and 8 query rows of a Llama-3-8B-shaped layer (32 / 8 heads x 128) over 16K-64K
   tokens in 512-token slots, in bfloat16 and float16, as GB/s of K/V read: the whole call
   as a query engine makes it for every layer but a query's first (launch and the merge
@@ -67,7 +67,12 @@ def device_read_gbps(device: torch.device, gib: float = 4.0, repeats: int = 10) 
 
 
 def _slab_rows(device: torch.device, tokens: int, rows: int, dtype: torch.dtype, repeats: int) -> dict:
-    from tokenlake.dataplane.attention_paged import _wrapper, flashinfer_slab_attention, paged_batch
+    from tokenlake.dataplane.attention_paged import (
+        _planned,
+        _wrappers,
+        flashinfer_slab_attention,
+        paged_batch,
+    )
 
     qh, kvh, e, c = SHAPE["q_heads"], SHAPE["kv_heads"], SHAPE["head_dim"], SHAPE["slot_tokens"]
     n = tokens // c
@@ -91,23 +96,18 @@ def _slab_rows(device: torch.device, tokens: int, rows: int, dtype: torch.dtype,
     assert err < 3e-2, f"FlashInfer slab attention disagrees with torch: max |o| error {err}"
 
     batch = paged_batch(groups, c)
-    planned = _wrapper(device)
-    ints = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    ws = _wrappers(device)
     q_packed = q.to(dtype)
-
-    with planned.lock:
-        planned.key = None  # planned here, not by flashinfer_slab_attention: it plans again
-        planned.wrapper.plan(ints(batch.qo_indptr), ints(batch.kv_indptr), ints(batch.kv_indices),
-                             ints(batch.last_page_len), qh, kvh, e, c, causal=False, sm_scale=scale,
-                             q_data_type=dtype, kv_data_type=dtype)
+    with ws.lock:
+        wrapper = _planned(ws, batch, qh, slab, scale)  # decode for 1 row, prefill for 8
         times = cuda_times_ms({
-            "kernel": lambda: planned.wrapper.run(q_packed, (slab[:, 0, 0], slab[:, 0, 1]), return_lse=True),
+            "kernel": lambda: wrapper.run(q_packed, (slab[:, 0, 0], slab[:, 0, 1]), return_lse=True),
             "torch": lambda: torch.nn.functional.scaled_dot_product_attention(qt, k, v, scale=scale,
                                                                               enable_gqa=True),
         }, repeats)
 
     def first_layer():  # a query's first layer plans; the others reuse the plan
-        planned.key = None
+        ws.keys.clear()
         flashinfer_slab_attention(q, slab, 0, groups, scale)
 
     # the whole call takes the wrapper's lock itself: timed outside it
@@ -118,6 +118,7 @@ def _slab_rows(device: torch.device, tokens: int, rows: int, dtype: torch.dtype,
     gbps = {name: kv_bytes / (ms / 1e3) / 1e9 for name, ms in med.items()}
     return {
         "dtype": str(dtype).removeprefix("torch."), "rows": rows, "tokens": n * c, "kv_bytes": kv_bytes,
+        "kernel": "decode" if batch.is_decode() else "prefill",
         "first_call_s": first_call_s, "max_abs_error_vs_torch": err,
         "kernel_ms": med["kernel"], "call_ms": med["call"], "call_planned_ms": med["call_planned"],
         "torch_ms": med["torch"],

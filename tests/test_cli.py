@@ -88,8 +88,8 @@ def test_the_tree_has_every_command():
         ("demo",), ("walkthrough",), ("serve",), ("threshold",), ("fit-roofline",),
         ("profile-cpu",), ("profile-latency",), ("eval",), ("sim",), ("config", "show"),
         ("status",),
-        *(("bench", b) for b in ("plans", "query-vs-fetch", "kernel", "curve", "vllm", "e2e", "scheduler", "sim", "serve", "http",
-                                         "soak")),
+        *(("bench", b) for b in ("plans", "query-vs-fetch", "kernel", "gpu", "curve", "vllm", "e2e", "scheduler", "sim",
+                                         "serve", "http", "soak")),
     }
 
 

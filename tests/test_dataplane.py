@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,8 +37,10 @@ C = 8
 POOL_BYTES = 64 * TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4  # 64 slots
 
 
-def run_iteration(cluster, tokens, new, dops=None, first_prefix=None, coalesce=False, homes=None, model=TINY):
-    """Plans and executes one iteration; every request's query result is checked."""
+def run_iteration(cluster, tokens, new, dops=None, first_prefix=None, coalesce=False, homes=None, model=None):
+    """Plans and executes one iteration; every request's query result is checked
+    (``model``: the cluster's own by default)."""
+    model = model or cluster.model
     first_prefix = first_prefix or {}
     cp = cluster.control
     n_batches = len(dops) if dops else min(len(new), cluster.n_instances)
@@ -68,15 +71,29 @@ def run_iteration(cluster, tokens, new, dops=None, first_prefix=None, coalesce=F
     return plans
 
 
+def _pool_id(p) -> str:
+    return f"N{p[0]}" + ("" if p[1] == "float32" else f"-{p[1]}") + ("" if p[2] else "-messages")
+
+
+_ON_GPU = (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+
+
 @pytest.fixture(scope="module", params=[(1, "float32", True), (2, "float32", True), (4, "float32", True),
-                                        (4, "float32", False), (2, "bfloat16", True), (3, "float16", True)],
-                ids=lambda p: f"N{p[0]}" + ("" if p[1] == "float32" else f"-{p[1]}") + ("" if p[2] else "-messages"))
+                                        (4, "float32", False), (2, "bfloat16", True), (3, "float16", True),
+                                        pytest.param((3, "bfloat16", False, "cuda"), marks=_ON_GPU,
+                                                     id="N3-bfloat16-cuda")],
+                ids=_pool_id)
 def cluster(request):
     """Pools of 1-4 instances; ``-messages``: remote shares asked of the peers' query
-    engines (``share_slabs=False``, as between hosts) instead of read from their slabs."""
-    n, kv_dtype, share = request.param
-    with LocalCluster(n, TINY, POOL_BYTES, segment_tokens=C, max_rows=256, kv_dtype=kv_dtype,
-                      share_slabs=share) as c:
+    engines (``share_slabs=False``, as between hosts) instead of read from their slabs;
+    ``-cuda``: every buffer on the GPU (peers by message; head size 64, one FlashInfer
+    compiles), run with ``pytest -m gpu`` where there is one."""
+    n, kv_dtype, share, *on = request.param
+    device = on[0] if on else "cpu"
+    model = TINY if device == "cpu" else replace(TINY, name="tiny-gpu", head_dim=64)
+    pool = POOL_BYTES * model.head_dim // TINY.head_dim  # 64 slots or more
+    with LocalCluster(n, model, pool, segment_tokens=C, max_rows=256, kv_dtype=kv_dtype,
+                      share_slabs=share, device=device) as c:
         yield c
 
 
@@ -134,7 +151,7 @@ def test_put_of_a_layer_range_outside_the_model_is_refused(cluster):
         client = cluster.client(plans.transfer_plans[0].home)
         client.init_transfer(plans.transfer_plans[0])
         with pytest.raises(PlanError):
-            client.put(1, TINY.num_layers)
+            client.put(1, cluster.model.num_layers)
         with pytest.raises(PlanError):
             client.put(0, 0)
     finally:
@@ -251,7 +268,7 @@ def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
         sock.send_multipart(wire.encode(wire.Kind.QUERY, 7, {"key": f"{inst}:1", "layer": 0}))
         with pytest.raises(WireError, match="QUERY: field 'plan' is missing"):
             wire.raise_if_error(wire.recv(sock, 5.0))
-        sock.send_multipart(PeerQuery(inst, 1, 0, torch.zeros(1, TINY.num_q_heads, TINY.head_dim)).encode(8))
+        sock.send_multipart(PeerQuery(inst, 1, 0, torch.zeros(1, TINY.num_q_heads, cluster.model.head_dim)).encode(8))
         with pytest.raises(PlanError, match="unknown plan"):
             wire.raise_if_error(wire.recv(sock, 5.0))
         # a transfer engine's kind sent to a query engine is refused by name

@@ -20,6 +20,7 @@ from tokenlake.tools.bench_kernel import add_kernel
 from tokenlake.tools.bench_plans import bench_plans
 from tokenlake.tools.cli_args import UsageError, at_least, fraction, positive
 from tokenlake.tools.cli_bench_e2e import add_e2e
+from tokenlake.tools.cli_bench_gpu import add_gpu
 from tokenlake.tools.cli_eval import SYSTEM_NAMES
 
 WORKLOADS = ("loogle", "sharegpt", "mooncake")  # tokenlake/tools/bench_serve_load.py
@@ -123,36 +124,6 @@ def run_query_vs_fetch(args: argparse.Namespace) -> int:
     for r in result["results"]:
         print(f"{r['dtype']:8s} S={r['prefix_tokens']:>6}: query {r['query_ms']:8.2f} ms {r['query_bytes']:>10} B"
               f" | fetch {r['fetch_ms']:8.2f} ms {r['fetch_bytes']:>12} B")
-    return 0
-
-
-# --------------------------------------------------------------------------- gpu
-
-
-def add_gpu(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=positive(int), nargs="+", default=[16384, 65536], metavar="TOKENS",
-                   help="prefix lengths of the slab attention rows")
-    p.add_argument("--rows", type=positive(int), nargs="+", default=[1, 8], help="query rows")
-    p.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16"), default=["bfloat16", "float16"],
-                   help="K/V dtypes")
-    p.add_argument("--repeats", type=positive(int), default=20, help="timed calls per figure")
-    p.add_argument("--prefixes", type=positive(int), nargs="+", default=[16384, 65536], metavar="TOKENS",
-                   help="prefix lengths of the query-vs-fetch rows")
-    p.add_argument("--no-query-vs-fetch", action="store_true", help="skip the pool rows")
-    _json_flag(p, always=True)
-    p.set_defaults(run=run_gpu)
-
-
-def run_gpu(args: argparse.Namespace) -> int:
-    import torch  # only when this benchmark runs
-
-    if not torch.cuda.is_available():
-        raise UsageError("bench gpu needs a CUDA GPU; this torch sees none")
-    from tokenlake.tools.bench_gpu import bench_gpu
-
-    result = bench_gpu(tuple(args.tokens), tuple(args.rows), tuple(args.dtypes), args.repeats,
-                       not args.no_query_vs_fetch, tuple(args.prefixes))
-    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -224,9 +224,9 @@ def test_two_clients_query_concurrently(cluster):
             for _ in range(20):
                 q.normal_()
                 part = client.query(0)
-                ref = reference_prefix(tokens[qp.spans[0].request_id], qp.spans[0].prefix_tokens, q, 0,
-                                       kv_dtype=getattr(torch, cluster.kv_dtype))
-                assert (part.o.double() - ref[0]).abs().max() < 1e-5
+                ref = reference_prefix(tokens[qp.spans[0].request_id], qp.spans[0].prefix_tokens, q.cpu(), 0,
+                                       cluster.model, kv_dtype=getattr(torch, cluster.kv_dtype))
+                assert (part.o.cpu().double() - ref[0]).abs().max() < (2e-2 if q.is_cuda else 1e-5)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 

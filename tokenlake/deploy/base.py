@@ -14,6 +14,7 @@ the wire messages, which do, are imported where a message is built.
 from __future__ import annotations
 
 import abc
+import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,6 +157,9 @@ class ClusterBase(abc.ABC):
                                     kv_layout, page_tokens, self.share_slabs)  # checks kv_dtype
         if device != "cpu" and kv_dtype == "float32":
             raise ConfigError("a GPU pool holds float16 or bfloat16 K/V (FlashInfer's kernels), not float32")
+        if device != "cpu" and importlib.util.find_spec("flashinfer") is None:
+            raise ConfigError("a GPU pool attends with FlashInfer, which is not installed "
+                              "(pip install 'tokenlake[gpu]')")
         self.kv_dtype = kv_dtype
         self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
         self.segment_tokens = segment_tokens

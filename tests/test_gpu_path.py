@@ -35,9 +35,15 @@ def test_the_layout_puts_every_buffer_on_the_device():
     assert specs["slab"].dtype == specs["kv"].dtype == "bfloat16" and specs["q"].dtype == "float32"
 
 
-def test_a_gpu_pool_without_flashinfer_is_refused_before_anything_starts(monkeypatch):
+def _flashinfer_found(monkeypatch, found: bool) -> None:
+    """Makes ``importlib.util.find_spec("flashinfer")`` find it or not; other names as they are."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if found else None) if name == "flashinfer" else real(name, *a))
+
+
+def test_a_gpu_pool_without_flashinfer_is_refused_before_anything_starts(monkeypatch):
+    _flashinfer_found(monkeypatch, False)
     before = set(list_buffers())
     with pytest.raises(ConfigError, match="FlashInfer, which is not installed"):
         LocalCluster(1, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda")
@@ -46,8 +52,7 @@ def test_a_gpu_pool_without_flashinfer_is_refused_before_anything_starts(monkeyp
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without CUDA")
 def test_without_cuda_a_gpu_pool_fails_to_start_and_leaves_nothing(monkeypatch):
-    real = importlib.util.find_spec  # as if FlashInfer were installed: CUDA is what is missing
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else real(name, *a))
+    _flashinfer_found(monkeypatch, True)  # as if installed: CUDA is what is missing
     before = set(list_buffers())
     with pytest.raises(SharedMemoryError, match="CUDA is unavailable"):
         with LocalCluster(2, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda"):

@@ -66,8 +66,10 @@ class PagedBatch:
 
     def is_identity(self, rows: int) -> bool:
         """The packed rows are the caller's ``rows`` rows, each once and in order (one
-        entry per row range, the ranges back to back from 0): no gather, no merge."""
-        return self.q_index() == list(range(rows))
+        entry per row range, the ranges back to back from 0): no gather, no merge.
+        Read off the ranges, not :meth:`q_index` (asked twice a call, every layer)."""
+        ends = [0] + [stop for _, stop in self.rows]
+        return ends[-1] == rows and all(start == end for (start, _), end in zip(self.rows, ends))
 
 
 def paged_batch(groups: Sequence[Group], page_tokens: int) -> PagedBatch:

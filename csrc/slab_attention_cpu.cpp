@@ -7,8 +7,10 @@
 // lse [rows, q_heads] of the softmax over every valid token of the listed slots.
 //
 // Work: each kv head's query heads are its group; a task is one kv head and a run of
-// slots, walked block by block with an online softmax (float32 accumulation; bfloat16
-// and float16 K/V are widened one block at a time). Tasks run on ATen's intra-op
+// slots, walked block by block with an online softmax (float32 accumulation). Head dims
+// that are multiples of 32 take the vector path, which reads K/V in place and turns
+// bfloat16 into floats by two bit operations per 32 elements (see below); others take a
+// scalar loop that widens a block at a time. Tasks run on ATen's intra-op
 // threads and are merged exactly by log-sum-exp. The inner loops are compiled three
 // times (AVX-512, AVX2, baseline) and picked at run time from what the CPU supports.
 // K/V blocks a few blocks ahead (across slot ends) are prefetched into L2.
@@ -52,7 +54,7 @@ struct Task {
   float* o;  // [R, E] unnormalised output (sum of p * v)
   float* m;  // [R] running max
   float* l;  // [R] running sum of exp(s - m)
-  float* scratch;  // [2 * kBlock * E + R * kBlock] floats
+  float* scratch;  // per task (see slab_attention)
 };
 
 template <typename T>
@@ -165,11 +167,22 @@ inline __attribute__((always_inline)) void run_task(const Task& t) {
 }
 
 // ---------------------------------------------------------------------------------
-// The vector path (head dims that are multiples of 16): 16 lanes of float (vec16.h). Per block of 16 tokens and per query row, the 16 dot products
-// are accumulated as 16 vectors of partial sums and reduced together by a transpose
-// tree (15 shuffle pairs instead of 16 horizontal sums), the softmax runs on the 16
-// scores as one vector, and the output row stays in registers while it accumulates
-// the block's 16 V rows. Half K/V are widened once per block into an L1 scratch.
+// The vector path (head dims that are multiples of 32): 16 lanes of float (vec16.h).
+//
+// K/V are read straight from the slab, 32 elements (one 64-byte line of bfloat16 or
+// float16, two of float32) at a time, as two float vectors, and each pair is used for
+// every query row of a row group before the next is read: nothing is widened into a
+// scratch buffer and read back. bfloat16 splits a line by bit operations alone: the
+// 32-bit lane i holds elements 2i (low half) and 2i + 1 (high half), so `lane << 16` and
+// `lane & 0xffff0000` are the two as floats. Those vectors hold the even and the odd
+// elements; q and the output are kept in that same "split order" (q rearranged once per
+// task, o put back in order at its end), so no shuffle is ever needed on K or V.
+//
+// A row group is kRG rows (4, 2 or 1) and a block 16 tokens: its QK step accumulates
+// kRG x (16 / kRG) dot products as 16 vectors of partial sums and reduces them by one
+// transpose tree per 16 / kRG tokens (lane rr * kTG + jj: row rr, token jj), the online
+// softmax runs on those vectors, row by row segments of kTG lanes, and the PV step keeps
+// kRG rows x up to 4 pairs of output vectors in registers over the block's 16 V rows.
 
 constexpr int64_t kAhead = 4;  // blocks between the one computed and the one prefetched
 
@@ -193,49 +206,156 @@ inline __attribute__((always_inline)) v16f exp_neg16(v16f x) {
   return p * scale;
 }
 
-// Horizontal max and sum by halving (4 shuffle steps, not a chain of 15).
-inline __attribute__((always_inline)) v16f fold(v16f v, int step, bool max) {
+// Max or sum within each aligned segment of kSeg lanes, broadcast to the segment (log2
+// kSeg halving steps).
+template <int kSeg>
+inline __attribute__((always_inline)) v16f segment_fold(v16f v, bool max) {
   const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16f w = __builtin_shuffle(v, lane ^ step);
-  return max ? (v > w ? v : w) : v + w;
+  for (int step = kSeg / 2; step; step >>= 1) {
+    const v16f w = __builtin_shuffle(v, lane ^ step);
+    v = max ? (v > w ? v : w) : v + w;
+  }
+  return v;
 }
 
-inline __attribute__((always_inline)) float hmax16(v16f v) {
-  for (int step = 8; step; step >>= 1) v = fold(v, step, true);
-  return v[0];
-}
-
-inline __attribute__((always_inline)) float hsum16(v16f v) {
-  for (int step = 8; step; step >>= 1) v = fold(v, step, false);
-  return v[0];
-}
-
-// n rows of kE elements of K or V as 16 float rows: in place for a full float32 block,
-// otherwise widened (or copied) into dst and padded with zero rows, so that the loops
-// over a block's tokens always run 16 times (unrolled, accumulators in registers).
-template <typename T, int kE>
-inline __attribute__((always_inline)) const float* block16(const T* src, float* dst, int64_t n) {
+// 32 elements of K or V (or q) as two float vectors in split order.
+template <typename T>
+inline __attribute__((always_inline)) void split32(const T* src, v16f* a, v16f* b) {
   if constexpr (std::is_same_v<T, float>) {
-    if (n == kLanes) return src;
-    std::memcpy(dst, src, n * kE * sizeof(float));
+    *a = load16(src);
+    *b = load16(src + kLanes);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    v16u w;
+    std::memcpy(&w, src, sizeof w);
+    const v16u lo = w << 16, hi = w & 0xffff0000u;
+    std::memcpy(a, &lo, sizeof lo);
+    std::memcpy(b, &hi, sizeof hi);
   } else {
-    for (int64_t i = 0; i < n * kE; i += kLanes) {
-      v16h16 h;
-      std::memcpy(&h, src + i, sizeof h);
-      v16f f;
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        const v16u w = __builtin_convertvector(h, v16u) << 16;  // bfloat16 = top half of a float
-        std::memcpy(&f, &w, sizeof f);
-      } else {
-        v16fp16 x;
-        std::memcpy(&x, &h, sizeof x);
-        f = __builtin_convertvector(x, v16f);
+    v16fp16 x, y;
+    std::memcpy(&x, src, sizeof x);
+    std::memcpy(&y, src + kLanes, sizeof y);
+    *a = __builtin_convertvector(x, v16f);
+    *b = __builtin_convertvector(y, v16f);
+  }
+}
+
+// Where element k of a row in split order sits in the row in natural order.
+template <typename T>
+inline int64_t natural_index(int64_t k) {
+  if constexpr (!std::is_same_v<T, c10::BFloat16>) return k;
+  const int64_t base = k & ~int64_t{31}, i = k & 31;
+  return base + (i < kLanes ? 2 * i : 2 * (i - kLanes) + 1);
+}
+
+// Scratch of a vector-path task (floats), after the q rows in split order.
+struct SplitState {
+  float* q;   // [R, E] pre-scaled q in split order
+  float* m;   // [R, 16]: the running max of the row group starting at row r, lane-expanded
+  float* l;   // [R, 16]: its running sum
+  float* p;   // [4, 16]: one row group's probabilities of a block
+  void* pad;  // 16 K and 16 V rows of a partial block, zero past its tokens
+};
+
+// One block (16 tokens: K and V rows in natural order; rows past nb are zero or any
+// finite data, their scores masked) for rows r0 .. r0 + kRG of the task.
+template <typename T, int kE, int kRG>
+inline __attribute__((always_inline)) void block_rows(const Task& t, const SplitState& st, const T* K,
+                                                      const T* V, int64_t nb, int64_t r0,
+                                                      const char* pk, const char* pv, int64_t pf_lines) {
+  constexpr int kTG = kLanes / kRG;   // tokens per transpose tree
+  constexpr int kP = kE / 32;         // 32-element pieces per row
+  constexpr int kCP = kP < 8 / kRG ? kP : 8 / kRG;  // pieces per PV pass (<= 16 accumulators)
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const float* q = st.q + r0 * kE;
+  v16f S[kRG];
+#pragma GCC unroll 4
+  for (int g = 0; g < kRG; ++g) {
+    v16f acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = v16f{};
+#pragma GCC unroll 4
+    for (int p = 0; p < kP; ++p) {
+#pragma GCC unroll 16
+      for (int jj = 0; jj < kTG; ++jj) {
+        const int64_t j = g * kTG + jj;
+        // The prefetch share of this token (the lines of the block kAhead on).
+        if (pf_lines > 0 && p == 0) {
+          const int64_t per = (pf_lines + kLanes - 1) / kLanes;
+          for (int64_t line = j * per; line < std::min(pf_lines, (j + 1) * per); ++line) {
+            __builtin_prefetch(pk + line * 64, 0, 1);
+            __builtin_prefetch(pv + line * 64, 0, 1);
+          }
+        }
+        v16f ka, kb;
+        split32<T>(K + j * kE + p * 32, &ka, &kb);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < kRG; ++rr) {
+          const float* qr = q + rr * kE + p * 32;
+          acc[rr * kTG + jj] += load16(qr) * ka;  // two statements: two FMAs, not mul + FMA + add
+          acc[rr * kTG + jj] += load16(qr + kLanes) * kb;
+        }
       }
-      store16(dst + i, f);
+    }
+    S[g] = transpose_sum(acc);
+    const v16i token = (lane & (kTG - 1)) + g * kTG;
+    S[g] = token < static_cast<int32_t>(nb) ? S[g] : splat(kNegInf);
+  }
+  // Online softmax, each row on its segment of kTG lanes.
+  v16f mx = S[0];
+  for (int g = 1; g < kRG; ++g) mx = mx > S[g] ? mx : S[g];
+  mx = segment_fold<kTG>(mx, true);
+  float* mrow = st.m + r0 * kLanes;
+  float* lrow = st.l + r0 * kLanes;
+  const v16f m_old = load16(mrow);
+  const v16f mb = m_old > mx ? m_old : mx;
+  const v16f corr = exp_neg16(m_old - mb);  // ~0 on the first block (m = -inf)
+  v16f sum = v16f{};
+#pragma GCC unroll 4
+  for (int g = 0; g < kRG; ++g) {
+    const v16i token = (lane & (kTG - 1)) + g * kTG;
+    v16f pg = exp_neg16(S[g] - mb);
+    pg = token < static_cast<int32_t>(nb) ? pg : v16f{};
+    sum += pg;
+    store16(st.p + g * kLanes, pg);
+  }
+  sum = segment_fold<kTG>(sum, false);
+  store16(lrow, load16(lrow) * corr + sum);
+  store16(mrow, mb);
+  // PV: o = o * corr + sum_j p_j v_j, kCP pieces of every row of the group at a time.
+  float* o = t.o + r0 * kE;
+#pragma GCC unroll 4
+  for (int p0 = 0; p0 < kP; p0 += kCP) {
+    v16f oa[kRG][kCP], ob[kRG][kCP];
+#pragma GCC unroll 4
+    for (int rr = 0; rr < kRG; ++rr) {
+      const float c = corr[rr * kTG];
+      for (int c2 = 0; c2 < kCP; ++c2) {
+        oa[rr][c2] = load16(o + rr * kE + (p0 + c2) * 32) * c;
+        ob[rr][c2] = load16(o + rr * kE + (p0 + c2) * 32 + kLanes) * c;
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) {  // rows past nb have p = 0 (and finite V)
+      v16f va[kCP], vb[kCP];
+#pragma GCC unroll 4
+      for (int c2 = 0; c2 < kCP; ++c2) split32<T>(V + j * kE + (p0 + c2) * 32, &va[c2], &vb[c2]);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < kRG; ++rr) {
+        const v16f pj = splat(st.p[(j / kTG) * kLanes + rr * kTG + j % kTG]);
+#pragma GCC unroll 4
+        for (int c2 = 0; c2 < kCP; ++c2) {
+          oa[rr][c2] += pj * va[c2];
+          ob[rr][c2] += pj * vb[c2];
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int rr = 0; rr < kRG; ++rr) {
+      for (int c2 = 0; c2 < kCP; ++c2) {
+        store16(o + rr * kE + (p0 + c2) * 32, oa[rr][c2]);
+        store16(o + rr * kE + (p0 + c2) * 32 + kLanes, ob[rr][c2]);
+      }
     }
   }
-  std::fill(dst + n * kE, dst + kLanes * kE, 0.f);
-  return dst;
 }
 
 // The K and V rows `ahead` tokens into slot i, or past its valid tokens into the next
@@ -255,15 +375,29 @@ inline __attribute__((always_inline)) void ahead_block(const Task& t, int64_t i,
   }
 }
 
+// The row group starting at row r0 of R: 4 rows while 4 are left, then 2, then 1.
+inline int row_group(int64_t R, int64_t r0) { return R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1; }
+
 template <typename T, int kE>
 inline __attribute__((always_inline)) void run_task_v(const Task& t) {
-  static_assert(kE % kLanes == 0, "the vector path needs head_dim % 16 == 0");
-  constexpr int kC = kE / kLanes;  // vectors per row
+  static_assert(kE % 32 == 0, "the vector path needs head_dim % 32 == 0");
   const int64_t R = t.rows;
-  float* kbuf = t.scratch;
-  float* vbuf = kbuf + kLanes * kE;
+  SplitState st;
+  st.q = t.scratch;
+  st.m = st.q + R * kE;
+  st.l = st.m + R * kLanes;
+  st.p = st.l + R * kLanes;
+  st.pad = st.p + 4 * kLanes;
+  T* padk = static_cast<T*>(st.pad);
+  T* padv = padk + kLanes * kE;
   reset_task(t, kE);
-  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t k = 0; k < kE; ++k) st.q[r * kE + k] = t.q[r * kE + natural_index<T>(k)];
+    std::fill(st.m + r * kLanes, st.m + (r + 1) * kLanes, kNegInf);
+    std::fill(st.l + r * kLanes, st.l + (r + 1) * kLanes, 0.f);
+  }
+  // Bytes of one block's K (or V) rows, and the 64-byte lines prefetched per block.
+  constexpr int64_t kBytes = kLanes * kE * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < t.n_slots; ++i) {
     const int64_t n = t.tokens[i];
     if (n <= 0) continue;
@@ -271,57 +405,53 @@ inline __attribute__((always_inline)) void run_task_v(const Task& t) {
     slot_planes<T>(t, i, kE, &K, &V);
     for (int64_t b0 = 0; b0 < n; b0 += kLanes) {
       const int64_t nb = std::min(kLanes, n - b0);
+      const T* k = K + b0 * kE;
+      const T* v = V + b0 * kE;
+      if (nb < kLanes) {  // the rows past the slot's valid tokens may hold anything (NaN)
+        std::memcpy(padk, k, nb * kE * sizeof(T));
+        std::memcpy(padv, v, nb * kE * sizeof(T));
+        std::memset(static_cast<void*>(padk + nb * kE), 0, (kLanes - nb) * kE * sizeof(T));
+        std::memset(static_cast<void*>(padv + nb * kE), 0, (kLanes - nb) * kE * sizeof(T));
+        k = padk;
+        v = padv;
+      }
       // The block kAhead blocks on (in the next slot past this one's end) is prefetched
-      // with low locality (prefetcht2, which fills L2 on this CPU), a share per query
-      // row spread over this block's work (all at once, the requests queue behind each
-      // other and stall; into L1, they crowd its few miss buffers: 1.5x slower).
-      constexpr int64_t kLines = kLanes * kE * static_cast<int64_t>(sizeof(T)) / 64;
+      // with low locality (prefetcht2, which fills L2 on this CPU), spread over the first
+      // row group's tokens (all at once, the requests queue behind each other and stall).
       const char *nk = nullptr, *nv = nullptr;
       ahead_block<T>(t, i, b0 + kAhead * kLanes, kE, &nk, &nv);
-      const int64_t lines = nk != nullptr ? kLines : 0, per_row = (lines + R - 1) / R;
-      const float* k = block16<T, kE>(K + b0 * kE, kbuf, nb);
-      const float* v = block16<T, kE>(V + b0 * kE, vbuf, nb);
-      const v16i live = lane < static_cast<int32_t>(nb);
-      for (int64_t r = 0; r < R; ++r) {
-        for (int64_t line = r * per_row; line < std::min(lines, (r + 1) * per_row); ++line) {
-          __builtin_prefetch(nk + line * 64, 0, 1);
-          __builtin_prefetch(nv + line * 64, 0, 1);
-        }
-        const float* qr = t.q + r * kE;
-        v16f acc[kLanes];
-        for (int j = 0; j < kLanes; ++j) acc[j] = v16f{};
-#pragma GCC unroll 16
-        for (int c = 0; c < kC; ++c) {
-          const v16f qc = load16(qr + c * kLanes);
-#pragma GCC unroll 16
-          for (int j = 0; j < kLanes; ++j) acc[j] += qc * load16(k + j * kE + c * kLanes);
-        }
-        v16f sc = transpose_sum(acc);
-        sc = live ? sc : splat(kNegInf);
-        const float mb = std::max(t.m[r], hmax16(sc));
-        const float corr = exp_neg(t.m[r] - mb);  // 0 on the first block (m = -inf)
-        v16f p = exp_neg16(sc - mb);
-        p = live ? p : v16f{};
-        t.l[r] = t.l[r] * corr + hsum16(p);
-        t.m[r] = mb;
-        float* orow = t.o + r * kE;
-        v16f o[kC];
-        for (int c = 0; c < kC; ++c) o[c] = load16(orow + c * kLanes) * corr;
-#pragma GCC unroll 16
-        for (int j = 0; j < kLanes; ++j) {  // padded rows have p = 0 and V = 0
-          const v16f pj = splat(p[j]);
-#pragma GCC unroll 16
-          for (int c = 0; c < kC; ++c) o[c] += pj * load16(v + j * kE + c * kLanes);
-        }
-        for (int c = 0; c < kC; ++c) store16(orow + c * kLanes, o[c]);
+      int64_t lines = nk != nullptr ? kBytes / 64 : 0;
+      for (int64_t r0 = 0; r0 < R;) {
+        const int rg = row_group(R, r0);
+        if (rg == 4) block_rows<T, kE, 4>(t, st, k, v, nb, r0, nk, nv, lines);
+        else if (rg == 2) block_rows<T, kE, 2>(t, st, k, v, nb, r0, nk, nv, lines);
+        else block_rows<T, kE, 1>(t, st, k, v, nb, r0, nk, nv, lines);
+        lines = 0;
+        r0 += rg;
       }
+    }
+  }
+  // Back to the task's layout: m, l per row, o in natural order.
+  for (int64_t r0 = 0; r0 < R;) {
+    const int rg = row_group(R, r0), tg = static_cast<int>(kLanes) / rg;
+    for (int rr = 0; rr < rg; ++rr) {
+      t.m[r0 + rr] = st.m[r0 * kLanes + rr * tg];
+      t.l[r0 + rr] = st.l[r0 * kLanes + rr * tg];
+    }
+    r0 += rg;
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t r = 0; r < R; ++r) {
+      float* row = t.o + r * kE;
+      std::memcpy(st.q, row, kE * sizeof(float));  // the q scratch is free by now
+      for (int64_t k = 0; k < kE; ++k) row[natural_index<T>(k)] = st.q[k];
     }
   }
 }
 
 template <typename T, int kE>
 inline __attribute__((always_inline)) void dispatch_task(const Task& t) {
-  if constexpr (kE > 0 && kE % kLanes == 0) {
+  if constexpr (kE > 0 && kE % 32 == 0) {
     run_task_v<T, kE>(t);
   } else {
     run_task<T, kE>(t);
@@ -415,9 +545,20 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
   const int64_t per_head = std::max<int64_t>(
       1, std::min<int64_t>(n, (2 * threads + kv_heads - 1) / kv_heads));
   const int64_t tasks = kv_heads * per_head;
-  std::vector<float> o_parts(tasks * R * E), m_parts(tasks * R), l_parts(tasks * R);
-  const int64_t scratch = 2 * kBlock * E + R * kBlock;  // also covers the vector path's 16-token blocks
-  std::vector<float> scratch_all(tasks * scratch);
+  // Each task's output rows and scratch start on a 64-byte line (a vector load that
+  // straddles two lines costs two): sizes rounded up to 16 floats, bases aligned.
+  const auto lines = [](int64_t floats) { return (floats + kLanes - 1) / kLanes * kLanes; };
+  const int64_t o_size = lines(R * E);
+  // The scalar path's blocks and scores, or the vector path's SplitState and padded block.
+  const int64_t scratch = lines(std::max(2 * kBlock * E + R * kBlock, (R + 2 * kLanes) * E + 2 * R * kLanes + 4 * kLanes));
+  std::vector<float> o_store(tasks * o_size + kLanes), m_parts(tasks * R), l_parts(tasks * R);
+  std::vector<float> scratch_store(tasks * scratch + kLanes);
+  const auto aligned = [](std::vector<float>& v) {
+    const auto at = reinterpret_cast<std::uintptr_t>(v.data());
+    return v.data() + ((64 - at % 64) % 64) / sizeof(float);
+  };
+  float* o_parts = aligned(o_store);
+  float* scratch_all = aligned(scratch_store);
   void (*fn)(const Task&) = nullptr;
   const Isa isa = forced_isa();
   if (dtype == torch::kFloat32) fn = pick<float>(isa, E);
@@ -433,8 +574,8 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
       const int64_t h = id / per_head, part = id % per_head;
       const int64_t lo = n * part / per_head, hi = n * (part + 1) / per_head;
       Task t{qp + h * R * E, bases.data() + lo, sl + lo, tk + lo, hi - lo, h, layer, layers, kv_heads,
-             capacity, E, R, o_parts.data() + id * R * E, m_parts.data() + id * R,
-             l_parts.data() + id * R, scratch_all.data() + id * scratch};
+             capacity, E, R, o_parts + id * o_size, m_parts.data() + id * R,
+             l_parts.data() + id * R, scratch_all + id * scratch};
       fn(t);
     }
   });
@@ -460,7 +601,7 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
         const int64_t id = h * per_head + p;
         const float w = std::exp(m_parts[id * R + r] - mx);
         total += w * l_parts[id * R + r];
-        const float* src = o_parts.data() + (id * R + r) * E;
+        const float* src = o_parts + id * o_size + r * E;
         for (int64_t e = 0; e < E; ++e) out[e] += w * src[e];
       }
       const float inv = 1.f / total;

@@ -24,7 +24,10 @@ inline __attribute__((always_inline)) v16f load16(const float* p) {
 
 inline __attribute__((always_inline)) void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 
-inline __attribute__((always_inline)) v16f splat(float x) { return v16f{} + x; }
+// A broadcast (not `v16f{} + x`, which costs an add, as 0 + x is not x for x = -0).
+inline __attribute__((always_inline)) v16f splat(float x) {
+  return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
 
 // Lane j of the result is the sum of every lane of a[j] (a holds 16 vectors; it is overwritten).
 inline __attribute__((always_inline)) v16f transpose_sum(v16f* a) {

@@ -38,6 +38,7 @@ TOL = {torch.float32: 4e-6, torch.bfloat16: 4e-6, torch.float16: 4e-6}  # the ex
     (1, 9, 3, 64),     # SmolLM2's GQA, one decode row
     (8, 32, 8, 128),   # Llama-3-8B shape, eight rows
     (3, 4, 4, 32),     # no GQA, odd rows
+    (7, 8, 8, 128),    # no GQA, 7 rows: the vector path's row groups of 4, 2 and 1
 ])
 def test_kernel_equals_the_reference(kernel, dtype, rows, q_heads, kv_heads, head_dim):
     capacity = 80  # not a multiple of the kernel's block: partial blocks at every slot end
@@ -54,6 +55,31 @@ def test_kernel_equals_the_reference(kernel, dtype, rows, q_heads, kv_heads, hea
             assert got.lse.shape == (rows, q_heads)
             torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
             torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-6, atol=4e-6)
+    finally:
+        kernel.set_isa(_isas(kernel)[-1])
+
+
+@pytest.mark.parametrize("dtype", native.DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 64, 32])  # the vector path (two widths) and the scalar one
+def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, dtype, head_dim):
+    """A slot's rows past its valid tokens hold whatever an earlier segment or an
+    uninitialised page left there: NaN and infinities there must not reach the result
+    (the vector path reads whole 16-token blocks, so a partial block is copied and
+    padded first)."""
+    capacity = 48
+    slab = _slab(3, 1, 2, capacity, head_dim, dtype, seed=7)
+    slots, tokens = [2, 0], [37, 5]
+    for s, n in zip(slots, tokens):
+        slab[s, :, :, :, n::2] = float("nan")
+        slab[s, :, :, :, n + 1::2] = float("inf")
+    q = torch.randn(2, 4, head_dim, generator=torch.Generator().manual_seed(8))
+    want = _reference(q, slab, 0, slots, tokens, head_dim ** -0.5)
+    try:
+        for isa in _isas(kernel):
+            kernel.set_isa(isa)
+            got = native.slab_attention(q, slab, 0, slots, tokens, head_dim ** -0.5)
+            assert torch.isfinite(got.o).all() and torch.isfinite(got.lse).all(), isa
+            torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
     finally:
         kernel.set_isa(_isas(kernel)[-1])
 

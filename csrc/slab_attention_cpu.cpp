@@ -396,8 +396,10 @@ inline __attribute__((always_inline)) void run_task_v(const Task& t) {
     std::fill(st.m + r * kLanes, st.m + (r + 1) * kLanes, kNegInf);
     std::fill(st.l + r * kLanes, st.l + (r + 1) * kLanes, 0.f);
   }
-  // Bytes of one block's K (or V) rows, and the 64-byte lines prefetched per block.
+  // Bytes of one block's K (or V) rows (64-byte lines prefetched per block), row groups.
   constexpr int64_t kBytes = kLanes * kE * static_cast<int64_t>(sizeof(T));
+  int64_t groups = 0;
+  for (int64_t r0 = 0; r0 < R; ++groups) r0 += row_group(R, r0);
   for (int64_t i = 0; i < t.n_slots; ++i) {
     const int64_t n = t.tokens[i];
     if (n <= 0) continue;
@@ -416,17 +418,19 @@ inline __attribute__((always_inline)) void run_task_v(const Task& t) {
         v = padv;
       }
       // The block kAhead blocks on (in the next slot past this one's end) is prefetched
-      // with low locality (prefetcht2, which fills L2 on this CPU), spread over the first
-      // row group's tokens (all at once, the requests queue behind each other and stall).
+      // with low locality (prefetcht2, which fills L2 on this CPU), an equal share of its
+      // lines per row group, spread over the group's tokens (all at once, the requests
+      // queue behind each other and stall: 8 query rows ran 5-30% slower).
       const char *nk = nullptr, *nv = nullptr;
       ahead_block<T>(t, i, b0 + kAhead * kLanes, kE, &nk, &nv);
-      int64_t lines = nk != nullptr ? kBytes / 64 : 0;
-      for (int64_t r0 = 0; r0 < R;) {
+      const int64_t lines = nk != nullptr ? kBytes / 64 : 0, share = (lines + groups - 1) / groups;
+      for (int64_t r0 = 0, gi = 0; r0 < R; ++gi) {
         const int rg = row_group(R, r0);
-        if (rg == 4) block_rows<T, kE, 4>(t, st, k, v, nb, r0, nk, nv, lines);
-        else if (rg == 2) block_rows<T, kE, 2>(t, st, k, v, nb, r0, nk, nv, lines);
-        else block_rows<T, kE, 1>(t, st, k, v, nb, r0, nk, nv, lines);
-        lines = 0;
+        const int64_t lo = std::min(lines, gi * share), count = std::min(lines, lo + share) - lo;
+        const char *gk = nk + lo * 64, *gv = nv + lo * 64;
+        if (rg == 4) block_rows<T, kE, 4>(t, st, k, v, nb, r0, gk, gv, count);
+        else if (rg == 2) block_rows<T, kE, 2>(t, st, k, v, nb, r0, gk, gv, count);
+        else block_rows<T, kE, 1>(t, st, k, v, nb, r0, gk, gv, count);
         r0 += rg;
       }
     }

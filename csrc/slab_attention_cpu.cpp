@@ -256,8 +256,8 @@ struct SplitState {
   void* pad;  // 16 K and 16 V rows of a partial block, zero past its tokens
 };
 
-// One block (16 tokens: K and V rows in natural order; rows past nb are zero or any
-// finite data, their scores masked) for rows r0 .. r0 + kRG of the task.
+// One block (16 tokens: K and V rows in natural order; rows past nb are the zeros the
+// caller pads a partial block with, their scores masked) for rows r0 .. r0 + kRG of the task.
 template <typename T, int kE, int kRG>
 inline __attribute__((always_inline)) void block_rows(const Task& t, const SplitState& st, const T* K,
                                                       const T* V, int64_t nb, int64_t r0,
@@ -334,7 +334,7 @@ inline __attribute__((always_inline)) void block_rows(const Task& t, const Split
       }
     }
 #pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) {  // rows past nb have p = 0 (and finite V)
+    for (int j = 0; j < kLanes; ++j) {  // rows past nb have p = 0 and V = 0
       v16f va[kCP], vb[kCP];
 #pragma GCC unroll 4
       for (int c2 = 0; c2 < kCP; ++c2) split32<T>(V + j * kE + (p0 + c2) * 32, &va[c2], &vb[c2]);

@@ -11,7 +11,6 @@ namespace tokenlake_cpu {
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h16 __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef _Float16 v16fp16 __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 16;

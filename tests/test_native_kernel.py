@@ -24,12 +24,6 @@ def _reference(q, slab, layer, slots, tokens, scale):
     return partial_attention_ref(q.double(), k, v, scale=scale)
 
 
-def _isas(kernel):
-    best = kernel.isa()
-    order = ["base", "avx2", "avx512"]
-    return order[: order.index(best) + 1]
-
-
 TOL = {torch.float32: 4e-6, torch.bfloat16: 4e-6, torch.float16: 4e-6}  # the exp polynomial alone once cost 5e-6
 
 
@@ -40,28 +34,25 @@ TOL = {torch.float32: 4e-6, torch.bfloat16: 4e-6, torch.float16: 4e-6}  # the ex
     (3, 4, 4, 32),     # no GQA, odd rows
     (7, 8, 8, 128),    # no GQA, 7 rows: the vector path's row groups of 4, 2 and 1
 ])
-def test_kernel_equals_the_reference(kernel, dtype, rows, q_heads, kv_heads, head_dim):
+def test_kernel_equals_the_reference(kernel, isas, dtype, rows, q_heads, kv_heads, head_dim):
     capacity = 80  # not a multiple of the kernel's block: partial blocks at every slot end
     slab = _slab(6, 2, kv_heads, capacity, head_dim, dtype)
     q = torch.randn(rows, q_heads, head_dim, generator=torch.Generator().manual_seed(1))
     slots, tokens = [4, 0, 2, 5], [80, 17, 0, 33]  # full, partial, empty, partial
     scale = head_dim ** -0.5
     want = _reference(q, slab, 1, slots, tokens, scale)
-    try:
-        for isa in _isas(kernel):
-            kernel.set_isa(isa)
-            got = native.slab_attention(q, slab, 1, slots, tokens, scale)
-            assert got.o.dtype == torch.float32 and got.o.shape == (rows, q_heads, head_dim)
-            assert got.lse.shape == (rows, q_heads)
-            torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
-            torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-6, atol=4e-6)
-    finally:
-        kernel.set_isa(_isas(kernel)[-1])
+    for isa in isas:
+        kernel.set_isa(isa)
+        got = native.slab_attention(q, slab, 1, slots, tokens, scale)
+        assert got.o.dtype == torch.float32 and got.o.shape == (rows, q_heads, head_dim)
+        assert got.lse.shape == (rows, q_heads)
+        torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
+        torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-6, atol=4e-6)
 
 
 @pytest.mark.parametrize("dtype", native.DTYPES)
 @pytest.mark.parametrize("head_dim", [128, 64, 32])  # the vector path (two widths) and the scalar one
-def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, dtype, head_dim):
+def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, dtype, head_dim):
     """A slot's rows past its valid tokens hold whatever an earlier segment or an
     uninitialised page left there: NaN and infinities there must not reach the result
     (the vector path reads whole 16-token blocks, so a partial block is copied and
@@ -74,14 +65,11 @@ def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, dtype, head_d
         slab[s, :, :, :, n + 1::2] = float("inf")
     q = torch.randn(2, 4, head_dim, generator=torch.Generator().manual_seed(8))
     want = _reference(q, slab, 0, slots, tokens, head_dim ** -0.5)
-    try:
-        for isa in _isas(kernel):
-            kernel.set_isa(isa)
-            got = native.slab_attention(q, slab, 0, slots, tokens, head_dim ** -0.5)
-            assert torch.isfinite(got.o).all() and torch.isfinite(got.lse).all(), isa
-            torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
-    finally:
-        kernel.set_isa(_isas(kernel)[-1])
+    for isa in isas:
+        kernel.set_isa(isa)
+        got = native.slab_attention(q, slab, 0, slots, tokens, head_dim ** -0.5)
+        assert torch.isfinite(got.o).all() and torch.isfinite(got.lse).all(), isa
+        torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
 
 
 def test_many_slots_split_over_threads_and_large_logits(kernel):
@@ -183,7 +171,7 @@ def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", [64, 16])  # the vector path and the scalar one
-def test_the_softmax_exp_is_accurate_to_float_rounding(kernel, head_dim):
+def test_the_softmax_exp_is_accurate_to_float_rounding(kernel, isas, head_dim):
     """63 tokens whose scores sit 0.05 ln 2 below the first one's: every weight is
     2^-0.05, where a Taylor polynomial of 2^f (the kernel's first exp) is 4e-6 off; the
     LSE must be exact to float rounding."""
@@ -195,14 +183,11 @@ def test_the_softmax_exp_is_accurate_to_float_rounding(kernel, head_dim):
     q = torch.zeros(1, 1, head_dim)
     q[0, 0, 0] = 1.0
     total = 1 + 63 * 2 ** -0.05
-    try:
-        for isa in _isas(kernel):
-            kernel.set_isa(isa)
-            got = native.slab_attention(q, slab, 0, [0], [64], 1.0)
-            assert abs(got.lse.item() - math.log(total)) < 5e-7, (isa, got.lse.item() - math.log(total))
-            assert abs(got.o[0, 0, 0].item() - 1 / total) < 5e-7 / total
-    finally:
-        kernel.set_isa(_isas(kernel)[-1])
+    for isa in isas:
+        kernel.set_isa(isa)
+        got = native.slab_attention(q, slab, 0, [0], [64], 1.0)
+        assert abs(got.lse.item() - math.log(total)) < 5e-7, (isa, got.lse.item() - math.log(total))
+        assert abs(got.o[0, 0, 0].item() - 1 / total) < 5e-7 / total
 
 
 @pytest.mark.parametrize("dtype", native.DTYPES)

@@ -19,11 +19,6 @@ def _operands(m, n, k, seed=0):
     return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05
 
 
-def _isas(kernel):
-    order = ["base", "avx2", "avx512"]
-    return order[: order.index(kernel.isa()) + 1]
-
-
 @pytest.mark.parametrize("n,k", [
     (576, 576),    # SmolLM2's q/o projections: w past the threads' bound
     (192, 576),    # its k/v projections
@@ -32,18 +27,15 @@ def _isas(kernel):
     (37, 50),      # a K tail and an N tail for every row kernel
     (1001, 1000),  # both tails on the threaded path: the last thread's blocks end at N
 ])
-def test_kernel_equals_the_reference(kernel, n, k):
-    try:
-        for isa in _isas(kernel):
-            kernel.set_isa(isa)
-            for m in (*range(1, 10), 13, 16, 17, 33):  # every row kernel, padded ones, 1-5 passes
-                x, w = _operands(m, n, k, seed=m)
-                got = native.linear(x, w)
-                assert got.dtype == torch.float32 and got.shape == (m, n)
-                want = x.double() @ w.double().T
-                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * k ** 0.5)
-    finally:
-        kernel.set_isa(_isas(kernel)[-1])
+def test_kernel_equals_the_reference(kernel, isas, n, k):
+    for isa in isas:
+        kernel.set_isa(isa)
+        for m in (*range(1, 10), 13, 16, 17, 33):  # every row kernel, padded ones, 1-5 passes
+            x, w = _operands(m, n, k, seed=m)
+            got = native.linear(x, w)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            want = x.double() @ w.double().T
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * k ** 0.5)
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel):

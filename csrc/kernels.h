@@ -15,3 +15,6 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
 
 // linear_cpu.cpp: x @ w.T for a few rows of x.
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
+
+// roof_cpu.cpp: a stream read with W multiply-adds per line (the read-rate roof of a kernel).
+double roof_stream(torch::Tensor buf, int64_t fmas, double c);

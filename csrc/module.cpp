@@ -35,6 +35,7 @@ void set_isa(const std::string& name) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slab_attention", &slab_attention, "partial attention over slab slots (CPU)");
   m.def("small_linear", &small_linear, "x @ w.T for a few rows of x (CPU, float32)");
+  m.def("roof_stream", &roof_stream, "a stream read with W multiply-adds per 64-byte line (CPU)");
   m.def("isa", &isa_name, "the instruction set in use");
   m.def("set_isa", &set_isa, "force an instruction set not above the CPU's");
 }

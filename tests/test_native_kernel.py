@@ -134,10 +134,45 @@ def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
         assert r["flops_per_byte"] == per_byte
         assert r["roof_gbps"] == pytest.approx(min(out["memory_read_gbps"], out["compute_gflops"] / per_byte))
         assert r["bound"] == ("memory" if r["roof_gbps"] == out["memory_read_gbps"] else "compute")
+        # the stream loop does the attention's multiply-adds per 64-byte line (2 per FLOP-byte)
+        assert r["stream_fmas_per_line"] == 2 * per_byte and r["stream_gbps"] > 0
+        assert r["kernel_vs_stream"] == pytest.approx(r["kernel_gbps"] / r["stream_gbps"])
     assert [r["rows"] for r in out["linear"]] == [1, 3]
     for r in out["linear"]:
         assert r["kernel_gbps"] > 0 and r["blas_gbps"] > 0 and r["weight_mb"] == pytest.approx(14.2, abs=0.1)
         assert r["kernel_vs_blas"] == pytest.approx(r["kernel_gbps"] / r["blas_gbps"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmas", [1, 4, 64])
+def test_the_stream_loop_reads_every_line_once(kernel, isas, dtype, fmas):
+    """``roof_stream`` (the bench's read-rate roof) reads each 64-byte line of the buffer
+    once, as 16 floats, and multiplies it ``fmas`` times by c: its result is fmas x c x the
+    buffer's sum as float32, on every instruction set; a line counted twice, or one left
+    out, would move the sum by far more than rounding."""
+    from tokenlake.dataplane.native import roof_stream
+
+    g = torch.Generator().manual_seed(fmas)
+    # small integers, exact in float32 whatever the order of the sums; the buffer's bytes
+    # read as float32 are what the loop sums, so a bfloat16 buffer is made from them
+    as_float = torch.randint(-8, 9, (64 * 1024 + 48,), generator=g).float()
+    buf = as_float.view(dtype)
+    for isa in isas:
+        kernel.set_isa(isa)
+        assert roof_stream(buf, fmas, 0.5, module=kernel) == fmas * 0.5 * float(as_float.sum())
+
+
+@pytest.mark.parametrize("buf, fmas, needle", [
+    (torch.zeros(40), 4, "whole number of 64-byte lines"),
+    (torch.zeros(32, 2)[:, 0], 4, "contiguous"),
+    (torch.zeros(64), 3, "power of two"),
+    (torch.zeros(64), 128, "power of two"),
+])
+def test_the_stream_loop_refuses_what_it_does_not_take(kernel, buf, fmas, needle):
+    from tokenlake.dataplane.native import roof_stream
+
+    with pytest.raises(ValueError, match=needle):
+        roof_stream(buf, fmas, module=kernel)
 
 
 def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch):

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
-SOURCES = tuple(CSRC / f for f in ("module.cpp", "slab_attention_cpu.cpp", "linear_cpu.cpp"))
+SOURCES = tuple(CSRC / f for f in ("module.cpp", "slab_attention_cpu.cpp", "linear_cpu.cpp", "roof_cpu.cpp"))
 BUILD_DIR = ROOT / "build" / "native"
 NAME = "tokenlake_native_cpu"
 FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
@@ -164,6 +164,22 @@ def linear(x: Tensor, w: Tensor, module=None) -> Tensor:
         raise RuntimeError("the native kernels are not built")
     try:
         return mod.small_linear(x, w)
+    except RuntimeError as exc:  # TORCH_CHECK failures
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def roof_stream(buf: Tensor, fmas: int, c: float = 1.0, module=None) -> float:
+    """Reads every 64-byte line of ``buf`` once (as 16 floats) and does ``fmas``
+    multiply-adds by ``c`` with it, on ATen's threads, prefetching as the attention kernel
+    does: the read-rate roof of a kernel doing that arithmetic per line (``tokenlake bench
+    kernel``; csrc/roof_cpu.cpp). Returns the sum of the products (``fmas * c`` times
+    the sum of ``buf`` read as float32, up to rounding). Raises RuntimeError when the
+    kernels are not available and ValueError for a buffer or ``fmas`` it does not take."""
+    mod = load() if module is None else module
+    if mod is None:
+        raise RuntimeError("the native kernels are not built")
+    try:
+        return mod.roof_stream(buf, int(fmas), float(c))
     except RuntimeError as exc:  # TORCH_CHECK failures
         raise ValueError(str(exc).splitlines()[0]) from None
 

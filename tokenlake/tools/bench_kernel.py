@@ -15,6 +15,15 @@ roofline: at 8 query rows (32 grouped rows per KV head) the attention does 16 FL
 float32 byte of KV, more than this machine can do at its read bandwidth, so its roof is
 compute (``roof_gbps``, ``bound``, ``kernel_vs_roof``).
 
+A roofline assumes arithmetic hides behind the loads; on a core running one thread it does
+not fully (the loads in flight are bounded by how far the instruction window reaches
+past the arithmetic). So each row also times, alternately with the others, the csrc
+stream loop (:func:`tokenlake.dataplane.native.roof_stream`) over the same slab: every
+64-byte line read once with the attention's multiply-adds per line (4 x rows in float32,
+8 x rows in bfloat16, rounded up to a power of two; ``stream_fmas_per_line``) and nothing
+else: ``stream_gbps`` is the read rate a kernel doing that arithmetic reaches here,
+``kernel_vs_stream`` the kernel's share of it.
+
 ``linear``: the projections of one decode step of SmolLM2-135M (30 layers of q, k, v, o,
 gate, up and down; random float32 weights, 425 MB) on ``linear_rows`` rows, by the csrc kernel
 (:func:`tokenlake.dataplane.native.linear`) and by ``torch.nn.functional.linear`` (BLAS),
@@ -119,8 +128,10 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
     qs = q.transpose(0, 1).unsqueeze(0).to(slab.dtype)  # [1, Hq, rows, E]
     scale = HEAD_DIM ** -0.5
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    fmas = _stream_fmas(rows, slab.element_size())
     times = interleaved_times({
         "kernel": lambda: native.slab_attention(q, slab, 0, ids, counts, scale),
+        "stream": lambda: native.roof_stream(slab, fmas),
         "torch": lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True),
         "torch_slab": lambda: _torch_slab(slab_partial_attention, q, slab, ids, counts, scale),
     }, repeats)
@@ -129,9 +140,18 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
             "kernel_gbps": kv_bytes / med["kernel"] / 1e9,
             "torch_gbps": kv_bytes / med["torch"] / 1e9,
             "torch_slab_gbps": kv_bytes / med["torch_slab"] / 1e9,
+            "stream_fmas_per_line": fmas, "stream_gbps": kv_bytes / med["stream"] / 1e9,
+            "kernel_vs_stream": med["stream"] / med["kernel"],
             "kernel_ms": med["kernel"] * 1e3,
             "kernel_ms_range": [min(times["kernel"]) * 1e3, max(times["kernel"]) * 1e3],
             "kernel_vs_torch": med["torch"] / med["kernel"]}
+
+
+def _stream_fmas(rows: int, element_size: int) -> int:
+    """The attention's 16-lane multiply-adds per 64-byte line of K/V (2 x ``flops_per_byte``
+    of :func:`_add_roof`), rounded up to the power of two the stream loop takes."""
+    fmas = 2 * 2 * (Q_HEADS // KV_HEADS) * rows // element_size
+    return min(64, 1 << max(0, (fmas - 1).bit_length()))
 
 
 def _measure_linear(native, rows: int, repeats: int, layers: int = LINEAR_LAYERS) -> dict:
@@ -203,7 +223,8 @@ def run_kernel(args: argparse.Namespace) -> int:
     for row in result["results"]:
         print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: kernel "
               f"{row['kernel_gbps']:5.1f} GB/s ({row['kernel_vs_bandwidth']:.0%} of bandwidth, "
-              f"{row['kernel_vs_roof']:.0%} of the {row['bound']} roof {row['roof_gbps']:.1f}), "
+              f"{row['kernel_vs_roof']:.0%} of the {row['bound']} roof {row['roof_gbps']:.1f}, "
+              f"{row['kernel_vs_stream']:.0%} of the stream loop's {row['stream_gbps']:.1f}), "
               f"torch {row['torch_gbps']:5.1f} GB/s, torch slab path {row['torch_slab_gbps']:5.1f} "
               f"GB/s: kernel / torch {row['kernel_vs_torch']:.2f}x")
     for row in result["linear"]:

@@ -33,6 +33,7 @@ TOL = {torch.float32: 4e-6, torch.bfloat16: 4e-6, torch.float16: 4e-6}  # the ex
     (8, 32, 8, 128),   # Llama-3-8B shape, eight rows
     (3, 4, 4, 32),     # no GQA, odd rows
     (7, 8, 8, 128),    # no GQA, 7 rows: the vector path's row groups of 4, 2 and 1
+    (7, 9, 3, 64),     # 21 grouped rows per kv head: five row groups of 4, then 1
 ])
 def test_kernel_equals_the_reference(kernel, isas, dtype, rows, q_heads, kv_heads, head_dim):
     capacity = 80  # not a multiple of the kernel's block: partial blocks at every slot end
@@ -52,7 +53,8 @@ def test_kernel_equals_the_reference(kernel, isas, dtype, rows, q_heads, kv_head
 
 @pytest.mark.parametrize("dtype", native.DTYPES)
 @pytest.mark.parametrize("head_dim", [128, 64, 32])  # the vector path (two widths) and the scalar one
-def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, dtype, head_dim):
+@pytest.mark.parametrize("rows", [2, 16])  # 4 grouped rows per kv head, 32 (eight row groups)
+def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, dtype, head_dim, rows):
     """A slot's rows past its valid tokens hold whatever an earlier segment or an
     uninitialised page left there: NaN and infinities there must not reach the result
     (the vector path reads whole 16-token blocks, so a partial block is copied and
@@ -63,7 +65,7 @@ def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, dtype, 
     for s, n in zip(slots, tokens):
         slab[s, :, :, :, n::2] = float("nan")
         slab[s, :, :, :, n + 1::2] = float("inf")
-    q = torch.randn(2, 4, head_dim, generator=torch.Generator().manual_seed(8))
+    q = torch.randn(rows, 4, head_dim, generator=torch.Generator().manual_seed(8))
     want = _reference(q, slab, 0, slots, tokens, head_dim ** -0.5)
     for isa in isas:
         kernel.set_isa(isa)
@@ -72,11 +74,12 @@ def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, dtype, 
         torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def test_many_slots_split_over_threads_and_large_logits(kernel):
+@pytest.mark.parametrize("rows", [2, 12])  # 4 grouped rows per kv head, 24 (six row groups)
+def test_many_slots_split_over_threads_and_large_logits(kernel, rows):
     """64 slots (tasks split a kv head's slots, merged by LSE) and logits near 1e3:
     the online softmax neither overflows nor loses the small terms."""
     slab = _slab(64, 1, 2, 64, 64, torch.float32, seed=3)
-    q = 40 * torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(4))
+    q = 40 * torch.randn(rows, 4, 64, generator=torch.Generator().manual_seed(4))
     slots = list(range(63, -1, -1))
     tokens = [64 if s % 3 else 5 for s in slots]
     want = _reference(q, slab, 0, slots, tokens, 1.0)

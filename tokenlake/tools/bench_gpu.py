@@ -19,7 +19,9 @@ Three figures, each against a baseline measured in the same process:
 
 The first FlashInfer call of a shape compiles its kernels (FlashInfer's JIT, cached under
 ``~/.cache/flashinfer``); its time is reported as ``first_call_s`` and kept out of the
-medians. Asserts only that the slab attention agrees with the torch reference.
+medians. Before anything is timed the GPU runs matrix products for 2 s (:func:`warm_up`), so
+that its clocks have ramped up. Asserts only that the slab attention agrees with the torch
+reference.
 """
 
 from __future__ import annotations
@@ -56,6 +58,20 @@ def cuda_times_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[st
             stop.synchronize()
             out[name].append(start.elapsed_time(stop))
     return out
+
+
+def warm_up(device: torch.device, seconds: float = 2.0) -> int:
+    """Keeps the GPU busy with matrix products for ``seconds`` so that its clocks have
+    ramped up before anything is timed (the first dtype measured used to run 1.5-2x slower
+    than the same kernels later in the run); returns the products run."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize(device)
+        done += 10
+    return done
 
 
 def device_read_gbps(device: torch.device, gib: float = 4.0, repeats: int = 10) -> dict[str, float]:
@@ -135,6 +151,7 @@ def bench_gpu(tokens=(16384, 65536), rows=(1, 8), dtypes=("bfloat16", "float16")
     """The figures of the module docstring as one dict (JSON-ready). Raises
     ``RuntimeError`` without CUDA (or FlashInfer, at the first slab call)."""
     device = _require_cuda()
+    warm_up(device)
     bandwidth = device_read_gbps(device)
     best = max(bandwidth.values())
     results = []

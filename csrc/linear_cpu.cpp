@@ -98,11 +98,7 @@ using PassFn = void (*)(const Pass&, int64_t, int64_t);
 
 template <int kM>
 PassFn pick_m(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return &pass_avx512<kM>;
-    case Isa::kAvx2: return &pass_avx2<kM>;
-    default: return &pass_base<kM>;
-  }
+  return for_isa<PassFn>(isa, &pass_avx512<kM>, &pass_avx2<kM>, &pass_base<kM>);
 }
 
 // The narrowest kernel taking `rows` rows: 1, 2, 4 or 8.

@@ -32,20 +32,31 @@ constexpr int64_t kAheadBytes = 8192;  // prefetch distance (the attention's blo
 constexpr int64_t kLine = 64;
 
 // Lines [l0, l1) of `buf`: each loaded once and multiplied into kW accumulators (round
-// robin) by c; returns the sum of every lane of every accumulator.
+// robin over kAcc) by c; returns the sum of every lane of every accumulator. With kW below
+// kAcc each iteration takes kAcc / kW lines, so that every accumulator index is a constant
+// and the accumulators stay in registers (a rotating index put them on the stack).
 template <int kW>
 inline __attribute__((always_inline)) double roof_lines(const char* buf, int64_t l0, int64_t l1,
                                                         int64_t n_lines, float c) {
+  constexpr int kGroup = kW < kAcc ? kAcc / kW : 1;  // lines per iteration
   v16f acc[kAcc];
   for (int i = 0; i < kAcc; ++i) acc[i] = v16f{};
   const v16f cv = splat(c);
-  int slot = 0;
-  for (int64_t l = l0; l < l1; ++l) {
-    if (l + kAheadBytes / kLine < n_lines) __builtin_prefetch(buf + l * kLine + kAheadBytes, 0, 1);
+  int64_t l = l0;
+  for (; l + kGroup <= l1; l += kGroup) {
+#pragma GCC unroll 8
+    for (int g = 0; g < kGroup; ++g) {
+      const int64_t line = l + g;
+      if (line + kAheadBytes / kLine < n_lines) __builtin_prefetch(buf + line * kLine + kAheadBytes, 0, 1);
+      const v16f x = load16(reinterpret_cast<const float*>(buf + line * kLine));
+#pragma GCC unroll 64
+      for (int w = 0; w < kW; ++w) acc[(g * kW + w) % kAcc] += x * cv;
+    }
+  }
+  for (; l < l1; ++l) {  // fewer than kGroup lines left
     const v16f x = load16(reinterpret_cast<const float*>(buf + l * kLine));
 #pragma GCC unroll 64
-    for (int w = 0; w < kW; ++w) acc[(slot + w) % kAcc] += x * cv;
-    slot = (slot + kW) % kAcc;
+    for (int w = 0; w < kW; ++w) acc[w % kAcc] += x * cv;
   }
   double total = 0;
   for (int i = 0; i < kAcc; ++i)
@@ -72,11 +83,7 @@ __attribute__((noinline)) double roof_base(const char* b, int64_t l0, int64_t l1
 
 template <int kW>
 RoofFn pick_w(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return &roof_avx512<kW>;
-    case Isa::kAvx2: return &roof_avx2<kW>;
-    default: return &roof_base<kW>;
-  }
+  return for_isa<RoofFn>(isa, &roof_avx512<kW>, &roof_avx2<kW>, &roof_base<kW>);
 }
 
 }  // namespace

@@ -478,11 +478,8 @@ __attribute__((noinline)) void task_base(const Task& t) {
 
 template <typename T, int kE>
 void (*pick_e(Isa isa))(const Task&) {
-  switch (isa) {
-    case Isa::kAvx512: return &task_avx512<T, kE>;
-    case Isa::kAvx2: return &task_avx2<T, kE>;
-    default: return &task_base<T, kE>;
-  }
+  using TaskFn = void (*)(const Task&);
+  return for_isa<TaskFn>(isa, &task_avx512<T, kE>, &task_avx2<T, kE>, &task_base<T, kE>);
 }
 
 template <typename T>

@@ -66,6 +66,16 @@ inline Isa& forced_isa() {
   return isa;
 }
 
+// The variant of a kernel built for `isa`, among the three built for each instruction set.
+template <typename Fn>
+inline Fn for_isa(Isa isa, Fn avx512, Fn avx2, Fn base) {
+  switch (isa) {
+    case Isa::kAvx512: return avx512;
+    case Isa::kAvx2: return avx2;
+    default: return base;
+  }
+}
+
 // The variants' target attributes (x86-64; elsewhere only the baseline is built).
 #define TL_TARGET_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #define TL_TARGET_AVX2 "avx2,fma,f16c"

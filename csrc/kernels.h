@@ -13,6 +13,9 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
                                                         torch::Tensor tokens, double scale,
                                                         torch::Tensor sources);
 
+// slab_attention_cpu.cpp: the path it takes for a dtype, grouped rows and head dim.
+std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64_t head_dim);
+
 // linear_cpu.cpp: x @ w.T for a few rows of x.
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
 

@@ -7,6 +7,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace tokenlake_cpu {
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -46,14 +51,29 @@ inline __attribute__((always_inline)) v16f transpose_sum(v16f* a) {
   return __builtin_shuffle(a[0], a[1], lo1) + __builtin_shuffle(a[0], a[1], hi1);
 }
 
-enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAmx: AVX-512 and the tile unit with bfloat16 products (Sapphire Rapids on), which the
+// OS lets this process use; the kernels without a tile variant run their AVX-512 one.
+enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+// Asks Linux for the tile data state (off for a process until asked); true if granted.
+inline bool amx_permitted() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 inline Isa detect_isa() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted())
+      return Isa::kAmx;
     return Isa::kAvx512;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
   return Isa::kBase;
@@ -70,6 +90,7 @@ inline Isa& forced_isa() {
 template <typename Fn>
 inline Fn for_isa(Isa isa, Fn avx512, Fn avx2, Fn base) {
   switch (isa) {
+    case Isa::kAmx:
     case Isa::kAvx512: return avx512;
     case Isa::kAvx2: return avx2;
     default: return base;

@@ -80,7 +80,7 @@ def isas(kernel):
     """The instruction sets this CPU runs the kernels with, lowest first, for a test to
     force each in turn (``kernel.set_isa``); the best is restored afterwards, also when
     the test fails."""
-    order = ["base", "avx2", "avx512"]
+    order = ["base", "avx2", "avx512", "amx"]
     supported = order[: order.index(kernel.isa()) + 1]
     yield supported
     kernel.set_isa(supported[-1])

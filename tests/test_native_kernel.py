@@ -34,6 +34,8 @@ TOL = {torch.float32: 4e-6, torch.bfloat16: 4e-6, torch.float16: 4e-6}  # the ex
     (3, 4, 4, 32),     # no GQA, odd rows
     (7, 8, 8, 128),    # no GQA, 7 rows: the vector path's row groups of 4, 2 and 1
     (7, 9, 3, 64),     # 21 grouped rows per kv head: five row groups of 4, then 1
+    (5, 16, 2, 128),   # 40 grouped rows: three row tiles of the tile path, the last part padding
+    (2, 8, 1, 64),     # 16 grouped rows: the fewest the tile path takes, one full row tile
 ])
 def test_kernel_equals_the_reference(kernel, isas, dtype, rows, q_heads, kv_heads, head_dim):
     capacity = 80  # not a multiple of the kernel's block: partial blocks at every slot end
@@ -74,19 +76,40 @@ def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, dtype, 
         torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [2, 12])  # 4 grouped rows per kv head, 24 (six row groups)
-def test_many_slots_split_over_threads_and_large_logits(kernel, rows):
+def test_many_slots_split_over_threads_and_large_logits(kernel, isas, rows, dtype):
     """64 slots (tasks split a kv head's slots, merged by LSE) and logits near 1e3:
-    the online softmax neither overflows nor loses the small terms."""
-    slab = _slab(64, 1, 2, 64, 64, torch.float32, seed=3)
+    the online softmax neither overflows nor loses the small terms (the tile path raises
+    its running max lazily: here it must, many times)."""
+    slab = _slab(64, 1, 2, 64, 64, dtype, seed=3)
     q = 40 * torch.randn(rows, 4, 64, generator=torch.Generator().manual_seed(4))
     slots = list(range(63, -1, -1))
     tokens = [64 if s % 3 else 5 for s in slots]
     want = _reference(q, slab, 0, slots, tokens, 1.0)
-    got = native.slab_attention(q, slab, 0, slots, tokens, 1.0)
-    assert torch.isfinite(got.o).all() and got.lse.max() > 500
-    torch.testing.assert_close(got.o.double(), want.o, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-6, atol=1e-3)
+    for isa in isas:
+        kernel.set_isa(isa)
+        got = native.slab_attention(q, slab, 0, slots, tokens, 1.0)
+        assert torch.isfinite(got.o).all() and got.lse.max() > 500
+        torch.testing.assert_close(got.o.double(), want.o, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-6, atol=1e-3)
+
+
+def test_the_tile_path_takes_many_bfloat16_rows(kernel, isas):
+    """With tiles (``isa() == "amx"``), bfloat16 calls of 16 or more grouped rows and head
+    dim 64 or 128 take the tile path; the rest, and every call on a lower instruction set,
+    take the vector or the scalar path. The tests above run each on every path this CPU has."""
+    if "amx" not in isas:
+        pytest.skip("this CPU (or OS) gives no tiles")
+    path = kernel.attention_path
+    assert path("bfloat16", 32, 128) == "tile" and path("bfloat16", 16, 64) == "tile"
+    assert path("bfloat16", 15, 128) == "vector"  # fewer rows than a tile pays for
+    assert path("float32", 32, 128) == "vector" and path("float16", 32, 128) == "vector"
+    assert path("bfloat16", 32, 96) == "scalar"
+    kernel.set_isa("avx512")
+    assert path("bfloat16", 32, 128) == "vector"
+    with pytest.raises(RuntimeError, match="dtype"):
+        path("int8", 32, 128)
 
 
 def test_no_tokens_gives_the_empty_partial(kernel):
@@ -113,10 +136,13 @@ def test_calls_that_do_not_fit_are_refused(kernel, slots, tokens, layer, needle)
 
 
 def test_an_instruction_set_above_the_cpus_is_refused(kernel):
-    if kernel.isa() == "avx512":
+    order = ["base", "avx2", "avx512", "amx"]
+    have = order.index(kernel.isa())
+    if have == len(order) - 1:
         pytest.skip("this CPU has every variant")
     with pytest.raises(RuntimeError, match="does not support"):
-        kernel.set_isa("avx512")
+        kernel.set_isa(order[have + 1])
+    assert kernel.isa() == order[have]
 
 
 def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
@@ -125,17 +151,23 @@ def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
     rows with the projection kernel's and BLAS's."""
     from tokenlake.tools.bench_kernel import bench_kernel
 
-    out = bench_kernel(tokens=(1024,), rows=(1, 2), dtypes=("float32", "bfloat16"), repeats=1,
+    out = bench_kernel(tokens=(1024,), rows=(1, 4), dtypes=("float32", "bfloat16"), repeats=1,
                        buffer_gib=0.05, linear_rows=(1, 3), linear_layers=1)
     assert out["memory_read_gbps"] > 0 and out["compute_gflops"] > 0 and out["isa"] == kernel.isa()
     assert [(r["dtype"], r["rows"], r["tokens"]) for r in out["results"]] == [
-        ("float32", 1, 1024), ("float32", 2, 1024), ("bfloat16", 1, 1024), ("bfloat16", 2, 1024)]
+        ("float32", 1, 1024), ("float32", 4, 1024), ("bfloat16", 1, 1024), ("bfloat16", 4, 1024)]
     for r in out["results"]:
         assert r["kernel_gbps"] > 0 and r["torch_gbps"] > 0 and r["torch_slab_gbps"] > 0
         assert r["kernel_vs_torch"] == pytest.approx(r["kernel_gbps"] / r["torch_gbps"])
         per_byte = 2 * 4 * r["rows"] / (4 if r["dtype"] == "float32" else 2)  # 32 / 8 heads
         assert r["flops_per_byte"] == per_byte
-        assert r["roof_gbps"] == pytest.approx(min(out["memory_read_gbps"], out["compute_gflops"] / per_byte))
+        # rows=4 is 16 grouped rows: bfloat16 takes the tile path where the CPU has tiles,
+        # whose roof is the bandwidth (the compute peak measured is the vector units')
+        assert r["path"] == kernel.attention_path(r["dtype"], 4 * r["rows"], 128)
+        assert r["path"] == ("tile" if kernel.isa() == "amx" and r["dtype"] == "bfloat16" and r["rows"] == 4
+                             else "vector")
+        vector_roof = min(out["memory_read_gbps"], out["compute_gflops"] / per_byte)
+        assert r["roof_gbps"] == pytest.approx(out["memory_read_gbps"] if r["path"] == "tile" else vector_roof)
         assert r["bound"] == ("memory" if r["roof_gbps"] == out["memory_read_gbps"] else "compute")
         # the stream loop does the attention's multiply-adds per 64-byte line (2 per FLOP-byte)
         assert r["stream_fmas_per_line"] == 2 * per_byte and r["stream_gbps"] > 0

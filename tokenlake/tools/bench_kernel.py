@@ -24,6 +24,9 @@ stream loop (:func:`tokenlake.dataplane.native.roof_stream`) over the same slab:
 else: ``stream_gbps`` is the read rate a kernel doing that arithmetic reaches here,
 ``kernel_vs_stream`` the kernel's share of it.
 
+``path``: the kernel's path for the row (``native.attention_path``): "tile" (the AMX
+matrix unit; bfloat16 with 16 or more grouped rows on CPUs that have it) or "vector".
+
 ``linear``: the projections of one decode step of SmolLM2-135M (30 layers of q, k, v, o,
 gate, up and down; random float32 weights, 425 MB) on ``linear_rows`` rows, by the csrc kernel
 (:func:`tokenlake.dataplane.native.linear`) and by ``torch.nn.functional.linear`` (BLAS),
@@ -73,9 +76,11 @@ def _add_roof(row: dict, element_size: int, bandwidth_gbps: float, peak_gflops: 
     """The roofline of one result row: the attention does 4 x head_dim FLOPs per query
     head, row and token (q.k and p.v) over 2 x head_dim x kv_heads elements of K/V per
     token, so ``flops_per_byte`` = 2 x (q_heads / kv_heads) x rows / element size; the
-    best KV read rate it can reach is the lesser of the bandwidth and peak / that."""
+    best KV read rate it can reach is the lesser of the bandwidth and peak / that. The peak
+    is the vector units' (a float32 BLAS product); a row on the tile path (``path`` "tile")
+    multiplies on the AMX unit, not bound by it, so its roof is the bandwidth."""
     flops_per_byte = 2 * (Q_HEADS // KV_HEADS) * row["rows"] / element_size
-    roof = min(bandwidth_gbps, peak_gflops / flops_per_byte)
+    roof = bandwidth_gbps if row.get("path") == "tile" else min(bandwidth_gbps, peak_gflops / flops_per_byte)
     row.update(flops_per_byte=flops_per_byte, kernel_gflops=row["kernel_gbps"] * flops_per_byte,
                roof_gbps=roof, bound="memory" if roof == bandwidth_gbps else "compute",
                kernel_vs_roof=row["kernel_gbps"] / roof)
@@ -137,6 +142,8 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
     }, repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {"rows": rows, "tokens": slots * CAPACITY,
+            "path": native.load().attention_path(str(slab.dtype).removeprefix("torch."),
+                                                 rows * (Q_HEADS // KV_HEADS), HEAD_DIM),
             "kernel_gbps": kv_bytes / med["kernel"] / 1e9,
             "torch_gbps": kv_bytes / med["torch"] / 1e9,
             "torch_slab_gbps": kv_bytes / med["torch_slab"] / 1e9,

@@ -552,6 +552,28 @@ inline __attribute__((always_inline)) void transpose16(v16u* a) {
   }
 }
 
+// exp_neg16 with AVX-512's floor (vrndscaleps) and power-of-two scaling (vscalefps):
+// the same polynomial and the same results in 11 operations instead of 16.
+__attribute__((target(TL_TARGET_AMX), always_inline)) inline v16f exp_tile(v16f x) {
+  __m512 v;
+  std::memcpy(&v, &x, sizeof v);
+  v = _mm512_max_ps(v, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(2.1690609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2443082e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6784726e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5483525e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022980e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314699e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_scalef_ps(p, fi);
+  v16f out;
+  std::memcpy(&out, &p, sizeof out);
+  return out;
+}
+
 template <int kE>
 __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t) {
   static_assert(kE % 32 == 0, "head_dim % 32");
@@ -609,32 +631,39 @@ __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t
   // Stages of one block (buffer `buf` of the scores and V tiles: 0 or 1).
   const auto scores = [&](const uint16_t* k, int buf) __attribute__((target(TL_TARGET_AMX), always_inline)) {
     float* sc = st.st + buf * kAmxTok * Rp;
-    for (int64_t rt = 0; rt < Rt; rt += 2) {
-      const bool two = rt + 1 < Rt;
+    // One row tile at a time: accumulators 0 (tokens 0-15) and 1 (16-31); K tiles of a
+    // chunk pair in 2, 4 (even chunk) and 3, 5 (odd); q^T tiles alternate between 6 and 7,
+    // so each load goes to a tile no product in flight reads.
+    for (int64_t rt = 0; rt < Rt; ++rt) {
+      const auto qt = [&](int s, int64_t c) { return st.qt + ((s * Rt + rt) * kC + c) * (kTile / 2); };
       _tile_zero(0);
       _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t c = 0; c < kC; ++c) {
-        _tile_loadd(4, k + c * 32, kE * 2);
-        _tile_loadd(5, k + 16 * kE + c * 32, kE * 2);
-        for (int s = 0; s < 3; ++s) {
-          _tile_loadd(6, st.qt + ((s * Rt + rt) * kC + c) * (kTile / 2), 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 5, 6);
-          if (two) {
-            _tile_loadd(7, st.qt + ((s * Rt + rt + 1) * kC + c) * (kTile / 2), 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
+      for (int64_t c = 0; c < kC; c += 2) {
+        _tile_loadd(2, k + c * 32, kE * 2);
+        _tile_loadd(4, k + 16 * kE + c * 32, kE * 2);
+        _tile_loadd(6, qt(0, c), 64);
+        _tile_loadd(7, qt(1, c), 64);
+        _tile_dpbf16ps(0, 2, 6);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(3, k + (c + 1) * 32, kE * 2);
+        _tile_loadd(5, k + 16 * kE + (c + 1) * 32, kE * 2);
+        _tile_loadd(6, qt(2, c), 64);
+        _tile_dpbf16ps(0, 2, 7);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(7, qt(0, c + 1), 64);
+        _tile_dpbf16ps(0, 2, 6);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(6, qt(1, c + 1), 64);
+        _tile_dpbf16ps(0, 3, 7);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_loadd(7, qt(2, c + 1), 64);
+        _tile_dpbf16ps(0, 3, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(0, 3, 7);
+        _tile_dpbf16ps(1, 5, 7);
       }
       _tile_stored(0, sc + rt * 16, Rp * 4);
       _tile_stored(1, sc + 16 * Rp + rt * 16, Rp * 4);
-      if (two) {
-        _tile_stored(2, sc + (rt + 1) * 16, Rp * 4);
-        _tile_stored(3, sc + 16 * Rp + (rt + 1) * 16, Rp * 4);
-      }
     }
   };
   const auto vtiles = [&](const uint16_t* v, int buf) __attribute__((target(TL_TARGET_AMX), always_inline)) {
@@ -661,7 +690,7 @@ __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t
       bool any = false;
       for (int r = 0; r < 16; ++r) any |= m_new[r] != m_old[r];
       if (any) {
-        const v16f corr = exp_neg16(m_old - m_new);
+        const v16f corr = exp_tile(m_old - m_new);
         store16(st.l + rt * 16, load16(st.l + rt * 16) * corr);
         for (int r = 0; r < 16; ++r) {
           if (corr[r] == 1.f) continue;
@@ -678,7 +707,7 @@ __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t
         for (int u = 0; u < 2; ++u) {
           const int64_t tk = 2 * j + u;
           v16f p = v16f{};
-          if (tk < nb) p = exp_neg16(load16(sc + tk * Rp + rt * 16) - m_new);
+          if (tk < nb) p = exp_tile(load16(sc + tk * Rp + rt * 16) - m_new);
           sum += p;
           split3(p, &h[u], &md[u], &lo[u]);
         }
@@ -696,25 +725,30 @@ __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t
   };
   const auto pv = [&](int buf) __attribute__((target(TL_TARGET_AMX), always_inline)) {
     const uint16_t* vb = st.vb + buf * (kE / 16) * (kTile / 2);
+    // Column tiles alternate between (output 0, V 5) and (1, 6): the next one's loads go
+    // to tiles no product in flight reads; the probabilities' parts sit in 2, 3, 4.
     for (int64_t rt = 0; rt < Rt; ++rt) {
+      float* orow = st.o + rt * 16 * kE;
       _tile_loadd(2, st.pa + (0 * Rt + rt) * (kTile / 2), 64);
       _tile_loadd(3, st.pa + (1 * Rt + rt) * (kTile / 2), 64);
       _tile_loadd(4, st.pa + (2 * Rt + rt) * (kTile / 2), 64);
+      _tile_loadd(0, orow, kE * 4);
+      _tile_loadd(5, vb, 64);
       for (int64_t et = 0; et < kE / 16; et += 2) {
-        float* o0 = st.o + rt * 16 * kE + et * 16;
-        float* o1 = o0 + 16;
-        _tile_loadd(0, o0, kE * 4);
-        _tile_loadd(1, o1, kE * 4);
-        _tile_loadd(5, vb + et * (kTile / 2), 64);
+        _tile_loadd(1, orow + (et + 1) * 16, kE * 4);
         _tile_loadd(6, vb + (et + 1) * (kTile / 2), 64);
         _tile_dpbf16ps(0, 2, 5);
-        _tile_dpbf16ps(1, 2, 6);
         _tile_dpbf16ps(0, 3, 5);
-        _tile_dpbf16ps(1, 3, 6);
         _tile_dpbf16ps(0, 4, 5);
+        _tile_stored(0, orow + et * 16, kE * 4);
+        if (et + 2 < kE / 16) {
+          _tile_loadd(0, orow + (et + 2) * 16, kE * 4);
+          _tile_loadd(5, vb + (et + 2) * (kTile / 2), 64);
+        }
+        _tile_dpbf16ps(1, 2, 6);
+        _tile_dpbf16ps(1, 3, 6);
         _tile_dpbf16ps(1, 4, 6);
-        _tile_stored(0, o0, kE * 4);
-        _tile_stored(1, o1, kE * 4);
+        _tile_stored(1, orow + (et + 1) * 16, kE * 4);
       }
     }
   };

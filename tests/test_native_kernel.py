@@ -36,6 +36,7 @@ TOL = {torch.float32: 4e-6, torch.bfloat16: 4e-6, torch.float16: 4e-6}  # the ex
     (7, 9, 3, 64),     # 21 grouped rows per kv head: five row groups of 4, then 1
     (5, 16, 2, 128),   # 40 grouped rows: three row tiles of the tile path, the last part padding
     (2, 8, 1, 64),     # 16 grouped rows: the fewest the tile path takes, one full row tile
+    (100, 9, 3, 64),   # 300 grouped rows: a prefill chunk's query, 19 row tiles
 ])
 def test_kernel_equals_the_reference(kernel, isas, dtype, rows, q_heads, kv_heads, head_dim):
     capacity = 80  # not a multiple of the kernel's block: partial blocks at every slot end
@@ -210,10 +211,12 @@ def test_the_stream_loop_refuses_what_it_does_not_take(kernel, buf, fmas, needle
         roof_stream(buf, fmas, module=kernel)
 
 
-def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch, dtype):
     """``slab_partial_attention`` (what a query engine calls) hands few-row calls to the
-    kernel when it is built, and many-row calls (prefill chunks) to torch; both give the
-    reference's answer, and switching the kernel off gives torch's few-row path."""
+    kernel when it is built, and many-row calls (prefill chunks) to torch, except bfloat16
+    ones where the kernel has its tile path (AMX CPUs), which take it up to TILE_ROWS;
+    all give the reference's answer, and switching the kernel off gives torch's path."""
     from tokenlake.dataplane import attention_slab
 
     calls = []
@@ -223,21 +226,26 @@ def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch):
             calls.append(args[0].shape[0])
             return kernel.slab_attention(*args)
 
+        def attention_path(self, *args):
+            return kernel.attention_path(*args)
+
     monkeypatch.setattr(attention_slab, "_native_kernel", lambda: Spy() if attention_slab._native["on"] else None)
-    slab = _slab(6, 2, 3, 64, 64, torch.bfloat16)
+    slab = _slab(6, 2, 3, 64, 64, dtype)
     slots, tokens = [1, 3, 4], [64, 40, 0]
     for rows in (1, 8, 64):  # 64 rows x 3 heads per group: beyond SMALL_ROWS
         q = torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(rows))
         want = _reference(q, slab, 1, slots, tokens, 0.125)
         got = attention_slab.slab_partial_attention(q, slab, 1, slots, tokens, 0.125)
         torch.testing.assert_close(got.o.double(), want.o, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-6, atol=1e-5)
         attention_slab.use_native(False)
         try:
             off = attention_slab.slab_partial_attention(q, slab, 1, slots, tokens, 0.125)
         finally:
             attention_slab.use_native(True)
         torch.testing.assert_close(off.o.double(), want.o, rtol=2e-5, atol=2e-5)
-    assert calls == [1, 8]
+    tiles = kernel.isa() == "amx" and dtype == torch.bfloat16
+    assert calls == ([1, 8, 64] if tiles else [1, 8])
 
 
 @pytest.mark.parametrize("head_dim", [64, 16])  # the vector path and the scalar one

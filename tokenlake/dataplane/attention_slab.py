@@ -36,13 +36,35 @@ from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
 #: Measured for SmolLM2 shapes (9/3 heads x 64, C=256, 1 thread, 1 row): 4 slots
 #: 0.87 -> 0.09 ms, 16 slots 3.1 -> 0.25 ms.
 SMALL_ROWS = 64
+#: Grouped rows up to which a call that the kernel would run on its tile path (bfloat16
+#: on CPUs with AMX; ``native.attention_path``) goes to the kernel, past SMALL_ROWS: a
+#: prefill chunk's query over cached segments. Against the torch path, alternately in one
+#: process (2 threads, 4K cached tokens): SmolLM2's 9/3 heads x 64, 64-512 rows (192-1536
+#: grouped) 1.69x-1.40x; 32/8 x 128, 64-512 rows (256-2048 grouped) 1.74x-1.05x, falling
+#: with the rows (the per-task scratch outgrows L2), hence the bound.
+TILE_ROWS = 2048
 #: Whether few-row CPU calls go to the csrc kernel when it is built (:func:`use_native`).
 _native = {"on": True}
 
 
+def _kernel_for(slab: Tensor, grouped_rows: int, contiguous: bool):
+    """The csrc module if it takes this CPU call: few grouped rows in any pool dtype, or up
+    to TILE_ROWS where it runs them on the tile path; else None (the torch path)."""
+    kernel = _native_kernel()
+    if kernel is None or not contiguous or slab.dtype not in native.DTYPES:
+        return None
+    if grouped_rows <= SMALL_ROWS:
+        return kernel
+    dtype = str(slab.dtype).removeprefix("torch.")
+    if grouped_rows <= TILE_ROWS and kernel.attention_path(dtype, grouped_rows, slab.shape[5]) == "tile":
+        return kernel
+    return None
+
+
 def use_native(on: bool) -> None:
-    """Turns the csrc kernel on the few-row CPU path on (the default, where it is built)
-    or off (the torch path; benchmarks compare the two)."""
+    """Turns the csrc kernel on the CPU path (few rows, and bfloat16 calls of up to
+    TILE_ROWS on CPUs where it has its tile path) on (the default, where it is built) or
+    off (the torch path; benchmarks compare the two)."""
     _native["on"] = bool(on)
 
 
@@ -108,8 +130,7 @@ def slab_partial_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[
                                          scale)
     scale = softmax_scale(scale, head_dim)
     grouped_rows = rows * (q_heads // slab.shape[3])
-    kernel = _native_kernel() if grouped_rows <= SMALL_ROWS and slab.is_contiguous() and \
-        slab.dtype in native.DTYPES else None
+    kernel = _kernel_for(slab, grouped_rows, slab.is_contiguous())
     if kernel is not None:
         return native.slab_attention(q, slab, layer, [s for s, _ in work], [n for _, n in work], scale, kernel)
     qg = to_grouped(q, slab.shape[3])
@@ -144,8 +165,8 @@ def slabs_partial_attention(q: Tensor, slabs: Sequence[Tensor], layer: int, sour
         raise ValueError("the slabs of one call must have one shape, dtype and device")
     _check_slab(q, first, layer, slots, tokens)
     rows, q_heads, head_dim = q.shape
-    kernel = _native_kernel() if not first.is_cuda and rows * (q_heads // first.shape[3]) <= SMALL_ROWS \
-        and first.dtype in native.DTYPES and all(slabs[k].is_contiguous() for k in used) else None
+    kernel = None if first.is_cuda else \
+        _kernel_for(first, rows * (q_heads // first.shape[3]), all(slabs[k].is_contiguous() for k in used))
     if kernel is not None and rows:
         work = [(k, s, n) for k, s, n in zip(sources, slots, tokens) if n > 0]
         if not work:

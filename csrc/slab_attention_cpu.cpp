@@ -459,7 +459,7 @@ inline __attribute__((always_inline)) void run_task_v(const Task& t) {
 }
 
 // ---------------------------------------------------------------------------------
-// The tile path (bfloat16 K/V, 8 or more grouped rows, CPUs with AMX): the two matrix
+// The tile path (bfloat16 K/V, kAmxRows or more grouped rows, CPUs with AMX): the two matrix
 // products of attention on the tile unit, the softmax on 16-lane vectors.
 //
 // A block is 32 tokens. Scores come out token-major (st[t][r] = K q^T: K rows are the A

@@ -488,13 +488,6 @@ constexpr int64_t kAmxRows = 16;
 constexpr float kAmxSlack = 8.f;    // the running max is raised only past max + this
 constexpr int64_t kTile = 1024;     // bytes of a tile: 16 rows x 64 bytes
 
-// Bytes of scratch the tile path needs for R grouped rows and head dim E.
-inline int64_t amx_scratch_bytes(int64_t R, int64_t E) {
-  const int64_t Rt = (R + 15) / 16, Rp = Rt * 16;
-  return 3 * Rt * (E / 32) * kTile + Rp * E * 4 + 2 * Rp * 4 + 2 * kAmxTok * Rp * 4 + 3 * Rt * kTile +
-         2 * (E / 16) * kTile + 2 * kAmxTok * E * 2;
-}
-
 struct AmxState {
   uint16_t* qt;   // [3, Rt, E / 32] B tiles of q^T (part s, row tile, 32 columns): [16 pairs, 16 rows, 2]
   float* o;       // [Rt * 16, E] unnormalised output, columns in unpack order (amx_column)
@@ -505,6 +498,33 @@ struct AmxState {
   uint16_t* vb;   // [2, E / 16] B tiles of V: [16 token pairs, 16 columns, 2]
   uint16_t* pad;  // [2, 32, E] K and V rows of a partial block, zero past its tokens
 };
+
+// The tile path's scratch for R grouped rows and head dim E, laid out once for both its
+// size and its pieces: returns the bytes it takes and, given st, points st's pieces into
+// `base` (64-byte aligned; every piece is a whole number of 64-byte lines).
+inline int64_t amx_layout(int64_t R, int64_t E, char* base = nullptr, AmxState* st = nullptr) {
+  const int64_t Rt = (R + 15) / 16, Rp = Rt * 16;
+  int64_t at = 0;
+  const auto take = [&](int64_t bytes) {
+    const int64_t off = at;
+    at += bytes;
+    return off;
+  };
+  const int64_t qt = take(3 * Rt * (E / 32) * kTile), o = take(Rp * E * 4), m = take(Rp * 4),
+                l = take(Rp * 4), sc = take(2 * kAmxTok * Rp * 4), pa = take(3 * Rt * kTile),
+                vb = take(2 * (E / 16) * kTile), pad = take(2 * kAmxTok * E * 2);
+  if (st != nullptr) {
+    st->qt = reinterpret_cast<uint16_t*>(base + qt);
+    st->o = reinterpret_cast<float*>(base + o);
+    st->m = reinterpret_cast<float*>(base + m);
+    st->l = reinterpret_cast<float*>(base + l);
+    st->st = reinterpret_cast<float*>(base + sc);
+    st->pa = reinterpret_cast<uint16_t*>(base + pa);
+    st->vb = reinterpret_cast<uint16_t*>(base + vb);
+    st->pad = reinterpret_cast<uint16_t*>(base + pad);
+  }
+  return at;
+}
 
 // Column n of the O tile et: the element of the natural row (vpunpck{l,h}wd order).
 inline int64_t amx_column(int64_t et, int64_t n) {
@@ -579,16 +599,8 @@ __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t
   static_assert(kE % 32 == 0, "head_dim % 32");
   constexpr int64_t kC = kE / 32;
   const int64_t R = t.rows, Rt = (R + 15) / 16, Rp = Rt * 16;
-  char* base = reinterpret_cast<char*>(t.scratch);  // 64-byte aligned, amx_scratch_bytes long
   AmxState st;
-  st.qt = reinterpret_cast<uint16_t*>(base); base += 3 * Rt * kC * kTile;
-  st.o = reinterpret_cast<float*>(base); base += Rp * kE * 4;
-  st.m = reinterpret_cast<float*>(base); base += Rp * 4;
-  st.l = reinterpret_cast<float*>(base); base += Rp * 4;
-  st.st = reinterpret_cast<float*>(base); base += 2 * kAmxTok * Rp * 4;
-  st.pa = reinterpret_cast<uint16_t*>(base); base += 3 * Rt * kTile;
-  st.vb = reinterpret_cast<uint16_t*>(base); base += 2 * (kE / 16) * kTile;
-  st.pad = reinterpret_cast<uint16_t*>(base);
+  amx_layout(R, kE, reinterpret_cast<char*>(t.scratch), &st);
   for (int64_t rt = 0; rt < Rt; ++rt) {
     for (int64_t c = 0; c < kC; ++c) {
       v16u w[3][16];
@@ -924,7 +936,7 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
 #if defined(__x86_64__)
   if (uses_tiles(isa, dtype, R, E)) {
     fn = E == 128 ? &run_task_amx<128> : &run_task_amx<64>;
-    scratch = std::max(scratch, amx_scratch_bytes(R, E) / static_cast<int64_t>(sizeof(float)));
+    scratch = std::max(scratch, amx_layout(R, E) / static_cast<int64_t>(sizeof(float)));
   }
 #endif
   scratch = lines(scratch);

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <utility>
 
 #include "kernels.h"
 #include "vec16.h"
@@ -11,27 +12,28 @@ namespace {
 
 using tokenlake_cpu::Isa;
 
+// The instruction sets by name, highest first.
+constexpr std::pair<const char*, Isa> kIsas[] = {
+    {"amx", Isa::kAmx}, {"avx512", Isa::kAvx512}, {"avx2", Isa::kAvx2}, {"base", Isa::kBase}};
+
 // "amx", "avx512", "avx2" or "base".
 std::string isa_name() {
-  switch (tokenlake_cpu::forced_isa()) {
-    case Isa::kAmx: return "amx";
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "base";
-  }
+  for (const auto& [name, isa] : kIsas)
+    if (isa == tokenlake_cpu::forced_isa()) return name;
+  return "base";
 }
 
 // Forces a lower instruction set (tests compare the variants); an unsupported higher one
 // is refused.
 void set_isa(const std::string& name) {
-  Isa want = name == "amx"      ? Isa::kAmx
-             : name == "avx512" ? Isa::kAvx512
-             : name == "avx2"   ? Isa::kAvx2
-                                : Isa::kBase;
-  TORCH_CHECK(name == "amx" || name == "avx512" || name == "avx2" || name == "base", "unknown isa ", name);
-  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(tokenlake_cpu::detect_isa()),
-              "this CPU does not support ", name);
-  tokenlake_cpu::forced_isa() = want;
+  for (const auto& [known, isa] : kIsas) {
+    if (name != known) continue;
+    TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(tokenlake_cpu::detect_isa()),
+                "this CPU does not support ", name);
+    tokenlake_cpu::forced_isa() = isa;
+    return;
+  }
+  TORCH_CHECK(false, "unknown isa ", name);
 }
 
 }  // namespace

@@ -484,6 +484,10 @@ constexpr int64_t kAmxTok = 32;     // tokens per block (the depth of one probab
 // The tile path from this many grouped rows (a tile holds 16): in one run of 16K-64K
 // tokens on 2 threads it read 0.8-1.0x as fast as the vector path at 8 rows, 1.0-1.2x at
 // 12, 1.2-1.65x at 16 and 1.45-1.65x at 32. Prefetching the block 1-4 ahead gained nothing.
+// Below it, the QK step alone on tiles (K rows as A tiles, q^T's parts as B tiles of as
+// many columns as rows, softmax and PV on vectors) ran 0.55-0.75x the vector path at 1-8
+// grouped rows, 0.74x even with 4 products a block on q^T tiles kept in registers: on this
+// CPU a tile product with its loads costs more than the 8 x R multiply-adds it replaces.
 constexpr int64_t kAmxRows = 16;
 constexpr float kAmxSlack = 8.f;    // the running max is raised only past max + this
 constexpr int64_t kTile = 1024;     // bytes of a tile: 16 rows x 64 bytes

@@ -145,12 +145,17 @@ def test_cancelled_stream_frees_its_request_within_a_second(served):
             "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", served.http.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
-        got = 0
+        chunks = []
         for line in r.iter_lines():
-            got += line.startswith("data:")
-            if got == 3:  # three tokens out: leave mid-stream
+            if line.startswith("data:"):
+                chunks.append(json.loads(line.removeprefix("data:")))
+            if len(chunks) == 3:  # three tokens out: leave mid-stream
                 break
-        assert _live(served)[0], "the request holds the pool while it streams"
+        # Three token chunks, not an error and [DONE] (an ended request holds nothing).
+        assert all(c.get("choices") and c["choices"][0]["finish_reason"] is None for c in chunks), chunks
+        live = _live(served)
+        assert live[0], ("the request holds the pool while it streams", live,
+                         "recoveries", served.http.loop.recoveries)
     closed = time.monotonic()  # the client went away mid-stream
     while _live(served) != ((), 0):
         assert time.monotonic() - closed < 1.0, f"still held: {_live(served)}"

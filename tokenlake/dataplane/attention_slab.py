@@ -55,8 +55,8 @@ def _kernel_for(slab: Tensor, grouped_rows: int, contiguous: bool):
         return None
     if grouped_rows <= SMALL_ROWS:
         return kernel
-    dtype = str(slab.dtype).removeprefix("torch.")
-    if grouped_rows <= TILE_ROWS and kernel.attention_path(dtype, grouped_rows, slab.shape[5]) == "tile":
+    if grouped_rows <= TILE_ROWS and native.attention_path(slab.dtype, grouped_rows, slab.shape[5],
+                                                           module=kernel) == "tile":
         return kernel
     return None
 

@@ -154,6 +154,17 @@ def slab_attention(q: Tensor, slab: Tensor | Sequence[Tensor], layer: int, slots
     return Partial(o, lse)
 
 
+def attention_path(dtype: torch.dtype, grouped_rows: int, head_dim: int, module=None) -> str:
+    """The path :func:`slab_attention` takes for K/V of ``dtype`` with ``grouped_rows``
+    query rows per kv head (rows x query heads per kv head) and ``head_dim``, with the
+    instruction set in use: "tile" (AMX), "vector" or "scalar" (csrc/slab_attention_cpu.cpp).
+    Raises RuntimeError when the kernel is not available."""
+    mod = load() if module is None else module
+    if mod is None:
+        raise RuntimeError("the native slab attention kernel is not built")
+    return mod.attention_path(str(dtype).removeprefix("torch."), int(grouped_rows), int(head_dim))
+
+
 def linear(x: Tensor, w: Tensor, module=None) -> Tensor:
     """``x @ w.T`` (``x`` ``[M, K]``, ``w`` ``[N, K]`` contiguous, both float32 on the CPU)
     by the kernel: ``w`` read once per 8 rows of ``x``, each row of the result computed

@@ -142,8 +142,7 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
     }, repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {"rows": rows, "tokens": slots * CAPACITY,
-            "path": native.load().attention_path(str(slab.dtype).removeprefix("torch."),
-                                                 rows * (Q_HEADS // KV_HEADS), HEAD_DIM),
+            "path": native.attention_path(slab.dtype, rows * (Q_HEADS // KV_HEADS), HEAD_DIM),
             "kernel_gbps": kv_bytes / med["kernel"] / 1e9,
             "torch_gbps": kv_bytes / med["torch"] / 1e9,
             "torch_slab_gbps": kv_bytes / med["torch_slab"] / 1e9,

@@ -487,7 +487,7 @@ constexpr int64_t kAmxTok = 32;     // tokens per block (the depth of one probab
 // Below it, the QK step alone on tiles (K rows as A tiles, q^T's parts as B tiles of as
 // many columns as rows, softmax and PV on vectors) ran 0.55-0.75x the vector path at 1-8
 // grouped rows, 0.74x even with 4 products a block on q^T tiles kept in registers: on this
-// CPU a tile product with its loads costs more than the 8 x R multiply-adds it replaces.
+// CPU a tile product with its loads costs more than the multiply-adds, splits and tree it replaces.
 constexpr int64_t kAmxRows = 16;
 constexpr float kAmxSlack = 8.f;    // the running max is raised only past max + this
 constexpr int64_t kTile = 1024;     // bytes of a tile: 16 rows x 64 bytes

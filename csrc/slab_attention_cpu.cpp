@@ -485,7 +485,7 @@ constexpr int64_t kAmxTok = 32;     // tokens per block (the depth of one probab
 // tokens on 2 threads it read 0.8-1.0x as fast as the vector path at 8 rows, 1.0-1.2x at
 // 12, 1.2-1.65x at 16 and 1.45-1.65x at 32. Prefetching the block 1-4 ahead gained nothing.
 // Below it, the QK step alone on tiles (K rows as A tiles, q^T's parts as B tiles of as
-// many columns as rows, softmax and PV on vectors) ran 0.55-0.75x the vector path at 1-8
+// many columns as rows, softmax and PV on vectors) ran 0.55-0.87x the vector path at 1-12
 // grouped rows, 0.74x even with 4 products a block on q^T tiles kept in registers: on this
 // CPU a tile product with its loads costs more than the multiply-adds, splits and tree it replaces.
 constexpr int64_t kAmxRows = 16;

@@ -1,6 +1,7 @@
 """The parts of the HTTP service that need no model: sampling, the incremental
 detokenizer with stop strings, the request bodies, and the engine loop's threading
-(submit, stream, cancel, a failed iteration, shutdown) over a scripted backend."""
+(submit, stream, cancel, a failed iteration, a request failing alone, shutdown) over a
+scripted backend."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenlake.service.engine_loop import EngineFailed, EngineLoop, LoopClosed
+from tokenlake.service.engine_loop import EngineFailed, EngineLoop, LoopClosed, RequestFailed
 from tokenlake.service.openai_api import ChatCompletionRequest, CompletionRequest, Detokenizer
-from tokenlake.serving.sampling import SamplingError, SamplingParams, next_token
+from tokenlake.serving.sampling import MIN_TEMPERATURE, SamplingError, SamplingParams, next_token
 from tokenlake.serving.server import BadRequest, GenerationRequest, RequestResult
 
 # ------------------------------------------------------------------ sampling
@@ -49,6 +50,27 @@ def test_a_seed_fixes_the_draws():
 def test_sampling_parameters_out_of_range(kw):
     with pytest.raises(SamplingError):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("t", [1e-40, 1e-30, MIN_TEMPERATURE / 2])
+def test_a_temperature_too_small_to_divide_by_is_greedy(t):
+    """1e-40 made ``logits / t`` overflow (softmax NaN, multinomial raised); such
+    temperatures are greedy: argmax, no generator."""
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(3)) * 30
+    params = SamplingParams(temperature=t, seed=1)
+    assert params.greedy and params.generator() is None
+    assert next_token(logits, params, None) == int(torch.argmax(logits))
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("t", [0.0, 0.7])
+def test_logits_no_token_can_be_chosen_from_raise_a_sampling_error(bad, t):
+    logits = torch.zeros(50)
+    logits[7] = bad
+    params = SamplingParams(temperature=t, seed=1)
+    with pytest.raises(SamplingError):
+        next_token(logits, params, params.generator())
 
 
 # ------------------------------------------------------------------ detokenizer
@@ -125,6 +147,8 @@ class Scripted:
         self.results: dict[str, RequestResult] = {}
         self.live: dict[str, GenerationRequest] = {}
         self.fail_next = False
+        self.fail_alone: set[str] = set()  # requests that fail on their own at their next step
+        self.on_error = None
         self.steps: list[tuple[str, ...]] = []
         self.cancelled: list[str] = []
         self.cancel_seen = threading.Event()
@@ -154,6 +178,11 @@ class Scripted:
             raise RuntimeError("boom")
         for rid, req in list(self.live.items()):
             res = self.results[rid]
+            if rid in self.fail_alone:  # as Server._emit: retired, finish_reason "error"
+                del self.live[rid]
+                res.done, res.finish_reason, res.error = True, "error", "SamplingError: NaN"
+                self.on_error(rid, res.error)
+                continue
             res.output_ids.append(len(res.output_ids))
             if len(res.output_ids) == req.max_new_tokens:
                 res.done, res.finish_reason = True, "length"
@@ -353,3 +382,43 @@ def test_a_backend_that_cannot_queue_a_request_fails_only_that_one(loop):
         return await _tokens(await lp.submit(GenerationRequest("n", (1,), 2)))
 
     assert asyncio.run(main()) == [0, 1]
+
+
+def test_a_request_failing_on_its_own_fails_alone(loop):
+    """The backend reports one request failed (``on_error``): its caller gets
+    :class:`RequestFailed`, the request beside it all its tokens, and the loop keeps
+    nothing of either."""
+    lp, backend = loop
+    backend.fail_alone.add("bad")
+
+    async def main():
+        bad = await lp.submit(GenerationRequest("bad", (1,), 5))
+        good = await lp.submit(GenerationRequest("good", (1,), 4))
+        with pytest.raises(RequestFailed, match="SamplingError: NaN"):
+            await _tokens(bad)
+        return await _tokens(good)
+
+    assert asyncio.run(main()) == [0, 1, 2, 3]
+    assert lp.live == 0 and backend.results == {}
+
+
+def test_closing_a_stream_wakes_its_reader(loop):
+    """A reader waiting for the next token returns once its stream is closed (a client
+    that hung up while its non-streamed answer was being generated)."""
+    lp, backend = loop
+    backend.gated = True
+
+    async def main():
+        s = await lp.submit(GenerationRequest("w", (1,), 100))
+        reader = asyncio.ensure_future(_tokens(s))
+        await asyncio.sleep(0)  # one turn of the loop: the reader runs until it waits
+        assert not reader.done()  # for its first token (none comes: the backend is gated)
+        s.close()
+        return await asyncio.wait_for(reader, 10)
+
+    try:
+        assert asyncio.run(main()) == []
+    finally:  # the engine thread waits in a gated step: let it go
+        backend.gated = False
+        backend.gate.release()
+    assert backend.cancel_seen.wait(10) and backend.cancelled == ["w"]

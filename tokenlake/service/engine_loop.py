@@ -8,7 +8,9 @@ inbox and applied between iterations, every iteration batches whatever is live a
 moment, and each new token is handed to the asyncio loop of the caller that submitted
 the request (``call_soon_threadsafe``). A caller that stops listening (its HTTP client
 went away) cancels its request, which frees the request's leases and slots before the
-next iteration.
+next iteration. A request that fails on its own (the backend's ``on_error``: its
+sampling, its token) raises :class:`RequestFailed` to its caller alone; a failed
+iteration ends the requests it was serving (:class:`EngineFailed`).
 
     loop = EngineLoop(server).start()
     stream = await loop.submit(GenerationRequest("r1", prompt_ids, 16))  # BadRequest: refused
@@ -34,9 +36,12 @@ log = logging.getLogger(__name__)
 
 
 class ServingBackend(Protocol):
-    """What the loop needs of a server (``Server``, ``ReferenceServer``)."""
+    """What the loop needs of a server (``Server``, ``ReferenceServer``). The loop sets
+    ``on_token`` and ``on_error`` (``(request_id, message)``: that request failed on its
+    own, its result has ``finish_reason == "error"``; a backend may never call it)."""
 
     on_token: Callable[[str, int], None] | None
+    on_error: Callable[[str, str], None] | None
     results: dict[str, RequestResult]
 
     @property
@@ -59,6 +64,14 @@ class EngineFailed(TokenLakeError, RuntimeError):
 
 class LoopClosed(TokenLakeError, RuntimeError):
     """The loop is stopping or stopped: no new requests."""
+
+
+class RequestFailed(TokenLakeError, RuntimeError):
+    """This request failed on its own (its sampling, its token, its detokenizing); the
+    requests served beside it go on."""
+
+
+_CLOSED = object()  # wakes a stream's reader when the stream is closed
 
 
 @dataclass(frozen=True)
@@ -121,22 +134,46 @@ class RequestStream:
             pass
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        async for batch in self.batches():
+            for event in batch:
+                yield event
+
+    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
+        """The events in order, as lists of those that had arrived when the reader
+        asked (one at least): a reader that does some work per wake-up, such as a hop to
+        a worker thread, does it once for all of them. Leaving early cancels the request;
+        a failure is raised after the events before it."""
         try:
             while not self.finished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished, self.hit_tokens = item.done, item.hit_tokens
-                yield item
+                items = [await self._queue.get()]
+                while not self._queue.empty():
+                    items.append(self._queue.get_nowait())
+                batch: list[TokenEvent] = []
+                for item in items:
+                    if item is _CLOSED:  # closed while this reader waited: no more events
+                        self.finished = True
+                        break
+                    if isinstance(item, BaseException):
+                        self.finished = True
+                        if batch:
+                            yield batch
+                        raise item
+                    self.finished, self.hit_tokens = item.done, item.hit_tokens
+                    batch.append(item)
+                    if item.done:
+                        break
+                if batch:
+                    yield batch
         finally:
             self.close()
 
     def close(self) -> None:
-        """Cancels the request unless it finished (idempotent)."""
+        """Cancels the request unless it finished (idempotent); a reader waiting for its
+        next event stops waiting (the iteration ends). Call it on the caller's loop."""
         if not self.finished:
             self.finished = True
             self._owner.cancel(self.request_id)
+            self._queue.put_nowait(_CLOSED)
 
 
 class EngineLoop:
@@ -164,6 +201,7 @@ class EngineLoop:
         self.recoveries = 0  # times heal repaired something (metrics and tests read it)
         self.observer = observer or LoopObserver()
         server.on_token = self._on_token
+        server.on_error = self._on_error
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -336,6 +374,15 @@ class EngineLoop:
         if res.done:
             del self._streams[request_id]
             self._finished(request_id)
+
+    def _on_error(self, request_id: str, message: str) -> None:
+        """``request_id`` failed on its own (the backend retired it): its caller gets
+        :class:`RequestFailed`; the other requests are untouched."""
+        log.warning("request %s failed: %s", request_id, message)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._deliver(RequestFailed(f"the request failed: {message}"))
+        self._finished(request_id)
 
     def _finished(self, request_id: str) -> None:
         res = self.server.pop_result(request_id)

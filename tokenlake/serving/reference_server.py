@@ -42,6 +42,8 @@ class ReferenceServer:
         weights: the model.
         chunk_tokens: most prompt tokens prefilled per iteration.
         on_token: ``on_token(request_id, token_id)``, after the result is updated.
+            (``on_error(request_id, message)``, set after construction, hears of a
+            request that failed on its own, as on :class:`~tokenlake.serving.server.Server`.)
         kv_dtype: the element type of the KV caches (attention math stays float32).
     """
 
@@ -54,6 +56,7 @@ class ReferenceServer:
         self.cfg = weights.config
         self.chunk_tokens = chunk_tokens
         self.on_token = on_token
+        self.on_error: Callable[[str, str], None] | None = None  # a request failed alone
         self.results: dict[str, RequestResult] = {}
         self._live: dict[str, _Seq] = {}  # in arrival order
         self.iterations = 0
@@ -100,14 +103,30 @@ class ReferenceServer:
         self.iterations += 1
 
     def _emit(self, s: _Seq, logits: torch.Tensor) -> None:
+        """As :meth:`Server._emit <tokenlake.serving.server.Server._emit>`: a fault of
+        this request alone ends it with ``finish_reason == "error"``, the others go on."""
         req, res = s.req, s.result
-        token = next_token(logits, req.sampling, s.generator)
-        res.output_ids.append(token)
-        if token in req.stop_ids or len(res.output_ids) >= req.max_new_tokens:
-            res.done, res.finish_reason = True, "stop" if token in req.stop_ids else "length"
-            del self._live[req.request_id]
-        if self.on_token is not None:
-            self.on_token(res.request_id, token)
+        try:
+            token = next_token(logits, req.sampling, s.generator)
+            if not 0 <= token < self.cfg.vocab_size:
+                raise ValueError(f"sampled token {token} is outside the vocabulary "
+                                 f"[0, {self.cfg.vocab_size})")
+            res.output_ids.append(token)
+            if token in req.stop_ids or len(res.output_ids) >= req.max_new_tokens:
+                res.done, res.finish_reason = True, "stop" if token in req.stop_ids else "length"
+                del self._live[req.request_id]
+            if self.on_token is not None:
+                self.on_token(res.request_id, token)
+        except Exception as e:
+            self._fail(s, e)
+
+    def _fail(self, s: _Seq, error: Exception) -> None:
+        res = s.result
+        res.error = f"{type(error).__name__}: {error}"
+        self._live.pop(res.request_id, None)
+        res.done, res.finish_reason = True, "error"
+        if self.on_error is not None:
+            self.on_error(res.request_id, res.error)
 
     def cancel(self, request_id: str) -> bool:
         s = self._live.pop(request_id, None)

@@ -38,7 +38,10 @@ class RequestResult:
     prefill_tokens: int = 0  # prompt tokens computed
     logits: list[torch.Tensor] = field(default_factory=list)  # last-row logits per output token
     done: bool = False
-    finish_reason: str | None = None  # "stop" (a stop id), "length" or "abort" once done
+    # once done: "stop" (a stop id), "length", "abort" (cancelled) or "error" (this
+    # request failed on its own: its sampling, its token or its stop check; ``error`` says how)
+    finish_reason: str | None = None
+    error: str | None = None  # why it failed ("SamplingError: ..."), with finish_reason "error"
 
 
 def check_request(req: GenerationRequest, cfg, used_ids) -> None:

@@ -1,11 +1,16 @@
 """Choosing the next token from a row of logits: greedy, or sampled with temperature and
 nucleus (top-p) truncation, reproducibly when a seed is given.
 
-Greedy (``temperature == 0``) is ``argmax`` -- the same choice the reference engine makes,
-so greedy output through the pool is token-identical to it. Sampling draws from
-``softmax(logits / temperature)`` restricted to the smallest set of most likely tokens
-whose probability reaches ``top_p`` (the nucleus); a request's draws come from its own
-``torch.Generator``, so a seed gives the same tokens whatever else is batched with it.
+Greedy (``temperature`` below :data:`MIN_TEMPERATURE`, 0 included) is ``argmax`` -- the
+same choice the reference engine makes, so greedy output through the pool is
+token-identical to it. Sampling draws from ``softmax(logits / temperature)`` restricted
+to the smallest set of most likely tokens whose probability reaches ``top_p`` (the
+nucleus); a request's draws come from its own ``torch.Generator``, so a seed gives the
+same tokens whatever else is batched with it.
+
+Logits that make the choice undefined (NaN or +inf; probabilities that are not finite or
+sum to 0) raise :class:`SamplingError`: the serving loop ends that one request with
+``finish_reason == "error"`` and serves the others on.
 """
 
 from __future__ import annotations
@@ -17,14 +22,25 @@ import torch
 
 from tokenlake.core.errors import TokenLakeError
 
+#: Temperatures below this are taken as 0 (greedy), as vLLM does (its ``_SAMPLING_EPS``).
+#: Below it the distribution is one-hot except between logits closer than ~1e-4, and
+#: below ~1e-37 ``logits / temperature`` overflows float32, so the softmax is NaN.
+MIN_TEMPERATURE = 1e-5
+
 
 class SamplingError(TokenLakeError, ValueError):
-    """Sampling parameters out of range."""
+    """Sampling parameters out of range, or logits no token can be chosen from."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature`` >= 0 (0: greedy), ``0 < top_p <= 1``, ``seed`` (None: a fresh one)."""
+    """How a request chooses its tokens.
+
+    ``temperature``: in [0, 100]; below :data:`MIN_TEMPERATURE` (1e-5, 0 included) the
+    request is greedy (argmax, no generator), so a temperature such as 1e-40, which would
+    make ``logits / temperature`` overflow, is served as greedy rather than refused.
+    ``top_p``: in (0, 1], the nucleus. ``seed``: the generator's seed (None: a fresh one).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -38,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def generator(self) -> torch.Generator | None:
         """The request's random stream (None when greedy)."""
@@ -53,10 +69,16 @@ GREEDY = SamplingParams()
 
 def next_token(logits: torch.Tensor, params: SamplingParams,
                generator: torch.Generator | None) -> int:
-    """The token ``params`` choose from one row of ``logits`` (``[vocab]``)."""
+    """The token ``params`` choose from one row of ``logits`` (``[vocab]``, any float
+    dtype). Raises :class:`SamplingError` when the row holds NaN or +inf, or when its
+    probabilities are not finite."""
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise SamplingError("the logits hold NaN or +inf: no token can be chosen")
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        raise SamplingError(f"softmax(logits / {params.temperature}) is not a distribution")
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the more likely tokens

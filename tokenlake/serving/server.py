@@ -164,6 +164,10 @@ class Server:
         self.admission_holds = 0  # iterations skipped because the pool was full
         self._admitted_now: list[_Live] = []
 
+    #: ``on_error(request_id, message)``: a request failed on its own (see :meth:`_emit`);
+    #: its result has ``finish_reason == "error"`` and ``error``. None: nobody is told.
+    on_error: Callable[[str, str], None] | None = None
+
     # ------------------------------------------------------------- requests
     def submit(self, req: GenerationRequest) -> RequestResult:
         """Queues a request; raises :class:`BadRequest` without touching anything else."""
@@ -346,15 +350,38 @@ class Server:
         return BatchRequest(live.req.request_id, new, prefix)
 
     def _emit(self, live: _Live, logits: torch.Tensor) -> None:
+        """``live``'s next token from its last-row ``logits``: chosen, checked, recorded,
+        the request retired on a stop id or its length, the client told. Never raises for
+        a fault of this request alone (its sampling, a token outside the vocabulary, its
+        stop check, its ``on_token``): that request ends with ``finish_reason == "error"``
+        (:meth:`_fail`) and the iteration goes on for the others."""
         req, res = live.req, live.result
-        token = next_token(logits, req.sampling, live.generator)
-        res.output_ids.append(token)
-        if self.keep_logits:
-            res.logits.append(logits.clone())
-        if token in req.stop_ids or len(res.output_ids) >= req.max_new_tokens:
-            self._retire(live, "stop" if token in req.stop_ids else "length")
-        if self.on_token is not None:
-            self.on_token(res.request_id, token)
+        try:
+            token = next_token(logits, req.sampling, live.generator)
+            if not 0 <= token < self.cfg.vocab_size:  # its next decode would fail the batch
+                raise ValueError(f"sampled token {token} is outside the vocabulary "
+                                 f"[0, {self.cfg.vocab_size})")
+            res.output_ids.append(token)
+            if self.keep_logits:
+                res.logits.append(logits.clone())
+            if token in req.stop_ids or len(res.output_ids) >= req.max_new_tokens:
+                self._retire(live, "stop" if token in req.stop_ids else "length")
+            if self.on_token is not None:
+                self.on_token(res.request_id, token)
+        except Exception as e:
+            self._fail(live, e)
+
+    def _fail(self, live: _Live, error: Exception) -> None:
+        """``live`` failed on its own: it is retired (leases and tail back to the pool)
+        with ``finish_reason == "error"`` and ``result.error`` naming the fault, and
+        :attr:`on_error` is told. Nothing else changes."""
+        res = live.result
+        res.error = f"{type(error).__name__}: {error}"
+        if not res.done:
+            self._retire(live, "error")
+        res.finish_reason = "error"
+        if self.on_error is not None:
+            self.on_error(res.request_id, res.error)
 
     def _retire(self, live: _Live, reason: str) -> None:
         """``live`` is done: out of the tracker, its leases and tail back to the pool."""

@@ -1,16 +1,21 @@
 """The OpenAI-compatible HTTP API of a served pool, driven by the official ``openai``
 client and by raw HTTP: answers equal the reference engine's, streams, metrics, a
-cancelled stream frees its request at once, bad input gets 4xx and changes nothing."""
+cancelled stream or a non-streamed client that hangs up frees its request at once, bad
+input gets 4xx and changes nothing, a request failing in sampling fails alone (the
+front door's limits, on a model-free backend: ``tests/test_http_limits.py``)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlake.deploy.local import LocalCluster
@@ -162,6 +167,121 @@ def test_cancelled_stream_frees_its_request_within_a_second(served):
         time.sleep(0.01)
     m = _metrics(served)
     assert m[("tokenlake_requests_total", (("outcome", "abort"),))] >= 1
+
+
+def test_a_non_streamed_client_that_hangs_up_frees_its_request_within_a_second(served):
+    """The issue's 899 of 900: a non-streamed request whose client goes away is cancelled
+    (its handler saw the disconnect but waited for tokens that never came)."""
+    body = json.dumps({"model": SERVED_MODEL, "prompt": DOC + " Tell me a long story.",
+                       "max_tokens": 400, "temperature": 0, "ignore_eos": True}).encode()
+    u = urlsplit(served.http.url)
+    in_flight = served.http.metrics.in_flight
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 60
+        while not served.http.loop.server.results or not _live(served)[0]:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    closed = time.monotonic()
+    while _live(served) != ((), 0) or in_flight._value.get():
+        assert time.monotonic() - closed < 1.0, (_live(served), in_flight._value.get())
+        time.sleep(0.01)
+
+
+def test_a_request_that_fails_in_sampling_fails_alone(model, served, monkeypatch):
+    """NaN logits for one request (injected into the compute engine's output) in
+    iterations it shares with a streaming greedy request: that request alone ends, with a
+    500 body (an error chunk when it streams); the greedy request's answer is the
+    reference's; a temperature of 1e-40 is served as greedy (it used to fail the whole
+    iteration); the pool holds nothing afterwards."""
+    _, tok, ref = model
+    server = served.http.loop.server
+    poison = (7, 7, 7, 7, 7, 7)  # a prompt starting so gets NaN logits
+    run = server.engine.run
+
+    def poisoned(plans, batches):
+        out = run(plans, batches)
+        for rid, logits in out.logits.items():
+            if server.tracker[rid].req.prompt_ids[:len(poison)] == poison:
+                out.logits[rid] = torch.full_like(logits, float("nan"))
+        return out
+
+    monkeypatch.setattr(server.engine, "run", poisoned)
+    long_prompt = DOC + " Tell me a long story."
+    want = tok.decode(ref.generate(tok.encode(long_prompt), 32, stop_ids=()).output_ids,
+                      skip_special_tokens=True)
+    count = "One, two, three, four,"
+    count_want, _ = _reference_text(model, tok.encode(count), 6)
+    url = served.http.url + "/v1/completions"
+    body = {"model": SERVED_MODEL, "prompt": long_prompt, "max_tokens": 32, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    text, first, done = [], threading.Event(), threading.Event()
+
+    def innocent():
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    text.append(json.loads(line[5:])["choices"][0]["text"])
+                    first.set()
+        done.set()
+
+    thread = threading.Thread(target=innocent)
+    thread.start()
+    try:
+        assert first.wait(120)
+        bad = {"model": SERVED_MODEL, "prompt": list(poison) + [42, 43], "max_tokens": 8}
+        plain = httpx.post(url, json=bad, timeout=120)
+        with httpx.stream("POST", url, json={**bad, "stream": True}, timeout=120) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        tiny = httpx.post(url, json={"model": SERVED_MODEL, "prompt": count, "max_tokens": 6,
+                                     "temperature": 1e-40}, timeout=120)
+        assert not done.is_set(), "the greedy request ended before the failures: no overlap"
+    finally:
+        thread.join(120)
+    assert plain.status_code == 500, plain.text
+    err = plain.json()["error"]
+    assert err["type"] == "server_error" and "SamplingError" in err["message"]
+    assert events[-1] == "[DONE]" and "SamplingError" in json.loads(events[-2])["error"]["message"]
+    assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == count_want
+    assert "".join(text) == want, "the greedy request beside the failing one changed"
+    assert _live(served) == ((), 0)
+    assert _metrics(served)[("tokenlake_requests_total", (("outcome", "error"),))] >= 2
+
+
+def test_the_reference_server_ends_a_failing_request_alone(model):
+    """The baseline's iterations too: NaN logits for one request of a decode batch end
+    that request (``finish_reason == "error"``), the others' tokens are
+    ``generate``'s."""
+    from tokenlake.serving.reference_server import ReferenceServer
+    from tokenlake.serving.server import GenerationRequest
+
+    weights, tok, ref = model
+    server = ReferenceServer(weights, chunk_tokens=64)
+    failed = []
+    server.on_error = lambda rid, message: failed.append((rid, message))
+    decode = server.engine.decode_batch
+
+    def poisoned(caches, tokens):
+        logits = decode(caches, tokens)
+        bad = server._live.get("bad")
+        for i, cache in enumerate(caches):
+            if bad is not None and cache is bad.cache and len(bad.result.output_ids) == 2:
+                logits[i] = float("nan")  # its third token
+        return logits
+
+    server.engine.decode_batch = poisoned
+    prompts = {rid: tuple(tok.encode(f"Count from {n}:")) for rid, n in
+               (("a", 1), ("bad", 5), ("b", 9))}
+    for rid, p in prompts.items():
+        server.submit(GenerationRequest(rid, p, 6, ()))
+    while server.busy:
+        server.step()
+    assert server.results["bad"].finish_reason == "error"
+    assert server.results["bad"].output_ids == ref.generate(list(prompts["bad"]), 2, ()).output_ids
+    assert failed == [("bad", server.results["bad"].error)] and "SamplingError" in failed[0][1]
+    for rid in ("a", "b"):
+        assert server.results[rid].output_ids == ref.generate(list(prompts[rid]), 6, ()).output_ids
 
 
 def test_concurrent_requests_are_batched(model, served):

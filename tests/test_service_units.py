@@ -1,7 +1,7 @@
 """The parts of the HTTP service that need no model: sampling, the incremental
-detokenizer with stop strings, the request bodies, and the engine loop's threading
-(submit, stream, cancel, a failed iteration, a request failing alone, shutdown) over a
-scripted backend."""
+detokenizer with stop strings (linear in the output), the request bodies, and the engine
+loop's threading (submit, stream, cancel, a failed iteration, a request failing alone,
+shutdown) over a scripted backend."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenlake.service.engine_loop import EngineFailed, EngineLoop, LoopClosed, RequestFailed
-from tokenlake.service.openai_api import ChatCompletionRequest, CompletionRequest, Detokenizer
+from tokenlake.service.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Detokenizer,
+    StopMatcher,
+)
 from tokenlake.serving.sampling import MIN_TEMPERATURE, SamplingError, SamplingParams, next_token
 from tokenlake.serving.server import BadRequest, GenerationRequest, RequestResult
 
@@ -97,6 +102,91 @@ def test_held_back_text_that_is_not_a_stop_comes_out():
 def test_partial_characters_wait_for_their_bytes():
     d = Detokenizer(lambda ids: "ab\ufffd" if len(ids) == 1 else "abé", [])
     assert d.add(1) == "ab" and d.add(2) == "é"
+    d = Detokenizer(lambda ids: "ab\ufffd", [])  # a character never completed
+    assert d.add(1) == "ab" and d.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("kind,per_token", [("text", 4), ("control", 4), ("broken", 100)])
+def test_detokenizing_is_linear_in_the_output(kind, per_token):
+    """Each token decodes only the ids since the last character boundary (the former
+    detokenizer decoded all of them at every token: 2,000 tokens, 2 million ids), also
+    when tokens add no text (control tokens skipped: a model emitting EOS under
+    ``ignore_eos``) or never complete a character (bytes that are none: at most
+    ``MAX_PENDING`` ids wait)."""
+    decoded = []
+    ids = {"text": [ord("a") + i % 20 for i in range(2000)], "control": [0] * 2000,
+           "broken": [0xFFFD] * 2000}[kind]
+
+    def counting(window):
+        decoded.append(len(window))
+        return "".join(chr(i) for i in window if i)  # 0: a control token, no text
+
+    d = Detokenizer(counting, ["xyz"])
+    text = "".join(d.add(i) for i in ids) + d.flush()
+    assert text == counting(ids)
+    assert sum(decoded[:-1]) <= per_token * len(ids)
+
+
+class _Counted(str):
+    """A stop string that counts how often a character of it is read."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        _Counted.reads += 1
+        return str.__getitem__(self, i)
+
+
+@pytest.mark.parametrize("stop,text", [("a" * 999 + "b", "a" * 20_000),
+                                       ("ab" * 499 + "bb", "ab" * 10_000 + "a"),
+                                       ("aab" * 333, "aaba" * 5000)])
+def test_stop_matching_reads_each_character_a_bounded_number_of_times(stop, text):
+    """Four stops of 1,000 characters that the text keeps almost matching: feeding 20,000
+    characters one at a time reads the stops O(text + stops) times, not O(text x stop)
+    (the issue's four 200,000-character stops took 15 s for 6 tokens)."""
+    _Counted.reads = 0
+    m = StopMatcher([_Counted(stop)] * 4)
+    assert all(m.feed(c) is None for c in text)
+    assert _Counted.reads <= 4 * 4 * (len(stop) + len(text))  # KMP: < 4 reads a character
+    assert m.held == max(k for k in range(len(stop)) if text.endswith(stop[:k]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab", max_size=40), st.lists(st.text(alphabet="ab", min_size=1,
+                                                             max_size=6), min_size=1, max_size=4),
+       st.lists(st.integers(1, 5), min_size=1, max_size=40))
+def test_stop_matcher_finds_what_a_search_finds(text, stops, cuts):
+    """Fed in any pieces, the matcher reports the earliest-starting stop among those that
+    end in the piece that first completes one, as ``str.find`` on the text so far does."""
+    m, fed, i = StopMatcher(stops), "", 0
+    for n in cuts * 40:
+        piece, i = text[i:i + n], i + n
+        if not piece:
+            break
+        prev, fed = len(fed), fed + piece
+        found = m.feed(piece)
+        # a stop ending in this piece (none ended earlier: we stopped at the first)
+        starts = [fed.find(s, max(0, prev - len(s) + 1)) for s in stops]
+        want = min((x for x in starts if x >= 0), default=None)
+        assert found == want
+        if found is not None:
+            break
+        assert m.held == max((k for s in stops for k in range(len(s))
+                              if fed.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 49151), st.sampled_from([1, 2, 0]),
+                          st.integers(128, 400)), min_size=1, max_size=30))
+def test_incremental_text_is_the_whole_decode_with_the_real_tokenizer(ids):
+    """SmolLM2's byte-level tokens (partial characters, control tokens skipped): the
+    deltas add up to ``decode(ids)``."""
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    d = Detokenizer(lambda x: tok.decode(x, skip_special_tokens=True), [])
+    out = "".join(d.add(i) for i in ids) + d.flush()
+    assert out == tok.decode(ids, skip_special_tokens=True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -130,9 +220,14 @@ def test_bodies_validate_and_refuse_what_is_not_served():
                                  max_completion_tokens=5)
     assert chat.max_tokens == 5
     for bad in ({"n": 2}, {"echo": True}, {"max_tokens": 0}, {"stop": ["a"] * 5},
-                {"prompt": []}, {"prompt": ["a", "b"]}, {"logprobs": 2}):
+                {"prompt": []}, {"prompt": ["a", "b"]}, {"logprobs": 2},
+                {"prompt": [True]}, {"max_tokens": True}, {"temperature": False},
+                {"prompt": "\ud800"}, {"stop": "a\udc00"}, {"model": "\ud800"}):
         with pytest.raises(ValueError):
             CompletionRequest(**{"model": "m", "prompt": "p", **bad})
+    assert CompletionRequest(model="m", prompt="snow \u2603 \U0001f600").prompt.endswith("\U0001f600")
+    with pytest.raises(ValueError, match="surrogate"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "\udfff"}])
 
 
 # ------------------------------------------------------------------ engine loop

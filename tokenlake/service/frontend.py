@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
 from tokenlake.core.errors import ConfigError
 from tokenlake.service.engine_loop import EngineLoop, LoopObserver, ServingBackend
 from tokenlake.service.http import ModelInfo, create_app
+from tokenlake.service.limits import HttpLimits
 from tokenlake.service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -32,10 +34,13 @@ class HttpFrontend:
         model: name, tokenizer and limits of what is served.
         pool_stats: the control plane's ``stats`` (None: no pool; no pool metrics).
         instances: the pool's instances at start (metrics report one gone as down).
+        limits: what the HTTP front door accepts (body size and time, prompt tokens,
+            stop strings; default :class:`~tokenlake.service.limits.HttpLimits`).
     """
 
     def __init__(self, backend: ServingBackend, model: ModelInfo, host: str = "127.0.0.1",
-                 port: int = 8000, pool_stats=None, instances=(), heal=None) -> None:
+                 port: int = 8000, pool_stats=None, instances=(), heal=None,
+                 limits: HttpLimits | None = None) -> None:
         self.loop = EngineLoop(backend, heal=heal)
         self.metrics = ServiceMetrics(pool_stats, instances,
                                       lambda: (self.loop.queue_length, self.loop.running))
@@ -45,7 +50,9 @@ class HttpFrontend:
         engine = getattr(backend, "engine", None)
         if hasattr(engine, "on_query"):
             engine.on_query = self.metrics.query.observe
-        self.app = create_app(self.loop, model, self.metrics)
+        # one thread builds every request's detokenizer (it starts on first use)
+        self._detok = ThreadPoolExecutor(1, thread_name_prefix="tokenlake-detok")
+        self.app = create_app(self.loop, model, self.metrics, limits, self._detok)
         self.host, self.port = host, port
         self.url = ""
         self._server: uvicorn.Server | None = None
@@ -105,6 +112,7 @@ class HttpFrontend:
             self._server.should_exit = True
             self._thread.join()
             self._thread = None
+        self._detok.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> HttpFrontend:
         return self.start()

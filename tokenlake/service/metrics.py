@@ -3,9 +3,9 @@
 Two kinds, in one registry per service:
 
 * what the serving loop observes as it runs: requests by outcome, prompt, hit and
-  generated tokens, and histograms of time to first token, time between tokens, the
-  iteration time and the pool's query latency (:class:`ServiceMetrics` methods, called
-  from the engine thread and the HTTP handlers);
+  generated tokens, the generation requests being answered, and histograms of time to
+  first token, time between tokens, the iteration time and the pool's query latency
+  (:class:`ServiceMetrics` methods, called from the engine thread and the HTTP handlers);
 * what the pool holds, read from the control plane when scraped
   (:class:`_PoolCollector`): slots used and their capacity, cumulative segment reads
   per instance, replications, evictions, segments, whether each instance is up, and
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -103,6 +103,8 @@ class ServiceMetrics:
         self.query = Histogram("tokenlake_query_latency_seconds",
                                "One layer's pool queries, first sent to last answered",
                                registry=r, buckets=_QUERY_BUCKETS)
+        self.in_flight = Gauge("tokenlake_http_in_flight", "POST requests being answered "
+                               "(a stream: until it ends)", registry=r)
         for outcome in ("stop", "length", "abort", "error", "rejected"):
             self.requests.labels(outcome)  # every outcome shows, at 0 until it happens
         r.register(_PoolCollector(stats, instances, loop_counts))

@@ -25,6 +25,7 @@ from tokenlake.dataplane import credentials as credentials_file
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.service.frontend import HttpFrontend
 from tokenlake.service.http import ModelInfo
+from tokenlake.service.limits import HttpLimits
 from tokenlake.service.server import DEFAULT_CONTROL_PORT, ControlServer
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def _model_info(weights, tokenizer, max_request_tokens: int | None = None) -> Mo
 def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAULT_CONTROL_PORT,
                  http_port: int = DEFAULT_HTTP_PORT, model=None,
                  chunk_tokens: int = 512, credentials: str | None = None,
-                 compute: str = "one") -> Iterator[Served]:
+                 compute: str = "one", limits: HttpLimits | None = None) -> Iterator[Served]:
     """Serves the started ``cluster``: its control plane on ``host:control_port`` and,
     when ``model`` (``(weights, tokenizer)``) is given, the HTTP API on ``host:http_port``
     (0: any free port). The control port's credentials (the member's CURVE keys) are
@@ -84,7 +85,8 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
     ``compute`` (a :class:`LocalCluster`; Ray clusters bring their compute actors):
     ``"one"`` compute engine for every instance, driven by continuous batching, or
     ``"per-instance"`` (:class:`~tokenlake.model.compute.ParallelComputeEngine`): the
-    goodput DP, whose DoP k prefills run their k sub-batches at once."""
+    goodput DP, whose DoP k prefills run their k sub-batches at once. ``limits``: what
+    the HTTP front door accepts (default :class:`HttpLimits`)."""
     from scheduler.continuous import ContinuousBatching
     from tokenlake.serving.server import Server
 
@@ -121,7 +123,7 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
         heal = (lambda: _replace_dead_engines(cluster, control, server)) if local else None
         with HttpFrontend(server, _model_info(weights, tokenizer, room), host, http_port,
                           pool_stats=shared.stats, instances=shared.instances,
-                          heal=heal) as http:
+                          heal=heal, limits=limits) as http:
             if local:  # an engine that dies is replaced at once, not at the next failure
                 cluster.add_failure_listener(lambda role, instance: http.loop.request_heal())
             yield Served(control, http, path)
@@ -143,7 +145,8 @@ def _replace_dead_engines(cluster: LocalCluster, control: ControlServer, server)
 
 @contextlib.contextmanager
 def reference_service(model, *, host: str = "127.0.0.1", http_port: int = DEFAULT_HTTP_PORT,
-                      chunk_tokens: int = 512, kv_dtype: str = "float32") -> Iterator[Served]:
+                      chunk_tokens: int = 512, kv_dtype: str = "float32",
+                      limits: HttpLimits | None = None) -> Iterator[Served]:
     """The baseline: ``model`` (``(weights, tokenizer)``) on the reference engine behind
     the same HTTP API, its KV caches in ``kv_dtype`` (as a pool of that dtype holds
     them); no pool, no prefix cache, no control port."""
@@ -153,7 +156,8 @@ def reference_service(model, *, host: str = "127.0.0.1", http_port: int = DEFAUL
 
     weights, tokenizer = model
     server = ReferenceServer(weights, chunk_tokens, kv_dtype=getattr(torch, check_kv_dtype(kv_dtype)))
-    with HttpFrontend(server, _model_info(weights, tokenizer), host, http_port) as http:
+    with HttpFrontend(server, _model_info(weights, tokenizer), host, http_port,
+                      limits=limits) as http:
         yield Served(None, http)
 
 
@@ -175,6 +179,7 @@ def serve_local(
     page_tokens: int | None = None,
     compute: str = "one",
     kv_dtype: str = "float32",
+    limits: HttpLimits | None = None,
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
@@ -194,7 +199,8 @@ def serve_local(
     mode; the namespace keeps vLLM's KV apart), served without the HTTP API (vLLM
     computes, not this process). ``page_tokens``: granularity of prefix hits (None: 16
     where it divides ``segment_tokens``). ``compute``: see :func:`pool_service`;
-    ``kv_dtype``: the slabs' element type (float32, bfloat16, float16).
+    ``kv_dtype``: the slabs' element type (float32, bfloat16, float16); ``limits``: the
+    HTTP front door's (default :class:`HttpLimits`).
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
@@ -208,7 +214,8 @@ def serve_local(
         if engine == "reference":
             if weights is None:
                 raise ValueError(f"the reference engine serves {SERVED_MODEL} only")
-            served = stack.enter_context(reference_service(weights, host=host, http_port=http_port, kv_dtype=kv_dtype))
+            served = stack.enter_context(reference_service(weights, host=host, http_port=http_port, kv_dtype=kv_dtype,
+                                                              limits=limits))
         else:
             progress(f"starting {instances} instances (a query and a transfer engine each) ...")
             cluster = stack.enter_context(LocalCluster(
@@ -216,7 +223,7 @@ def serve_local(
                 kv_layout=kv_layout, page_tokens=page_tokens, kv_dtype=kv_dtype))
             served = stack.enter_context(pool_service(
                 cluster, host=host, control_port=control_port, http_port=http_port,
-                model=weights, credentials=credentials, compute=compute))
+                model=weights, credentials=credentials, compute=compute, limits=limits))
         on_ready(served)
         try:
             stop.wait()

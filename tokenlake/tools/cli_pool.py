@@ -161,7 +161,8 @@ def _ray_service(cfg, json_lines: bool):
             progress("instances on other nodes: starting a compute actor per instance ...")
             cluster.start_compute()
         return pool_service(cluster, host=cfg.host, control_port=cfg.control_port,
-                            http_port=cfg.http_port, model=model, credentials=cfg.credentials)
+                            http_port=cfg.http_port, model=model, credentials=cfg.credentials,
+                            limits=cfg.http_limits())
 
     return attach
 
@@ -198,7 +199,7 @@ def _serve_local(cfg, json_lines: bool) -> int:
                     http_port=cfg.http_port, engine=cfg.engine, engine_host=cfg.bind,
                     insecure=cfg.insecure, credentials=cfg.credentials,
                     kv_layout=cfg.kv_layout, page_tokens=cfg.page_tokens, compute=cfg.compute,
-                    kv_dtype=cfg.kv_dtype, stop=stop, on_ready=ready,
+                    kv_dtype=cfg.kv_dtype, limits=cfg.http_limits(), stop=stop, on_ready=ready,
                     progress=lambda line: emit("progress", line, message=line))
     except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

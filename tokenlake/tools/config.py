@@ -95,7 +95,8 @@ class ServeSettings:
 
     The defaults are those of ``tokenlake serve`` before a file existed. Units: MiB for
     ``pool_mb``, tokens for ``segment_tokens``, rows for ``max_rows``, CPUs and GPUs (Ray
-    resources) for ``ray_*_per_instance``.
+    resources) for ``ray_*_per_instance``; the ``http_*`` limits are those of
+    :class:`~tokenlake.service.limits.HttpLimits` (:meth:`http_limits`).
     """
 
     model: str = _setting("smollm2-135m", "str", "model whose KV the pool holds",
@@ -117,6 +118,19 @@ class ServeSettings:
                                  "free port, printed at start)", _port_or_any, metavar="PORT")
     http_port: int = _setting(8000, "int", "HTTP port (OpenAI-compatible API, metrics; 0: any "
                               "free port, printed at start)", _port_or_any, metavar="PORT")
+    http_max_body_kib: int = _setting(4096, "int", "largest HTTP request body, KiB (413 above; "
+                                      "the Content-Length is checked before reading)",
+                                      _positive, metavar="KIB")
+    http_body_timeout_s: float = _setting(10.0, "float", "seconds an HTTP request body may take "
+                                          "to arrive in full (408 after)", _positive,
+                                          flag="--http-body-timeout", metavar="S")
+    http_max_prompt_tokens: int | None = _setting(None, "int", "most prompt tokens of an HTTP "
+                                                  "request (unset: the model's context); a "
+                                                  "text prompt too long to fit is refused "
+                                                  "before it is tokenized", _positive,
+                                                  metavar="TOKENS")
+    http_max_stop_chars: int = _setting(1000, "int", "most characters of one stop string "
+                                        "(at most 4 strings)", _positive, metavar="CHARS")
     engine: str = _setting("pool", "str", "what serves the HTTP API: 'pool' (the model through the "
                            "pool) or 'reference' (the same model, no pool, no prefix cache: the "
                            "baseline)", choices=ENGINES, metavar="NAME")
@@ -179,6 +193,16 @@ class ServeSettings:
                               f"({self.segment_tokens})")
         if self.control_port == self.http_port != 0:
             raise ConfigError(f"control_port and http_port must differ, both are {self.http_port}")
+
+    def http_limits(self):
+        """The ``http_*`` settings as the HTTP front door's
+        :class:`~tokenlake.service.limits.HttpLimits`."""
+        from tokenlake.service.limits import HttpLimits
+
+        return HttpLimits(max_body_bytes=self.http_max_body_kib << 10,
+                          body_timeout_s=self.http_body_timeout_s,
+                          max_prompt_tokens=self.http_max_prompt_tokens,
+                          max_stop_chars=self.http_max_stop_chars)
 
     def to_dict(self) -> dict[str, object]:
         """The settings as JSON-ready values, keyed by setting name (ports as a list)."""

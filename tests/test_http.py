@@ -194,7 +194,9 @@ def test_a_request_that_fails_in_sampling_fails_alone(model, served, monkeypatch
     iterations it shares with a streaming greedy request: that request alone ends, with a
     500 body (an error chunk when it streams); the greedy request's answer is the
     reference's; a temperature of 1e-40 is served as greedy (it used to fail the whole
-    iteration); the pool holds nothing afterwards."""
+    iteration); /health answers meanwhile; the pool holds nothing afterwards."""
+    from test_http_limits import Window  # tests/ is on the path (conftest)
+
     _, tok, ref = model
     server = served.http.loop.server
     poison = (7, 7, 7, 7, 7, 7)  # a prompt starting so gets NaN logits
@@ -231,14 +233,16 @@ def test_a_request_that_fails_in_sampling_fails_alone(model, served, monkeypatch
     try:
         assert first.wait(120)
         bad = {"model": SERVED_MODEL, "prompt": list(poison) + [42, 43], "max_tokens": 8}
-        plain = httpx.post(url, json=bad, timeout=120)
-        with httpx.stream("POST", url, json={**bad, "stream": True}, timeout=120) as r:
-            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-        tiny = httpx.post(url, json={"model": SERVED_MODEL, "prompt": count, "max_tokens": 6,
-                                     "temperature": 1e-40}, timeout=120)
+        with Window(served.http.url) as window:  # /health, probed from another process
+            plain = httpx.post(url, json=bad, timeout=120)
+            with httpx.stream("POST", url, json={**bad, "stream": True}, timeout=120) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            tiny = httpx.post(url, json={"model": SERVED_MODEL, "prompt": count,
+                                         "max_tokens": 6, "temperature": 1e-40}, timeout=120)
         assert not done.is_set(), "the greedy request ended before the failures: no overlap"
     finally:
         thread.join(120)
+    window.assert_fast()
     assert plain.status_code == 500, plain.text
     err = plain.json()["error"]
     assert err["type"] == "server_error" and "SamplingError" in err["message"]

@@ -11,7 +11,11 @@ memory and answers two kinds of work:
   over the slots the plan names, returned as ``(o, lse)`` (``PEER_QUERY_RESULT``).
 
 Plans are registered once (``REGISTER_QUERY_PLAN``, which the home passes on to each
-peer as ``PEER_REGISTER_PLAN``) and reused for every layer. A peer whose slab is on this
+peer as ``PEER_REGISTER_PLAN``) and reused for every layer. A plan belongs to the session
+that registered it (:class:`~tokenlake.dataplane.engine.Caller`): its id is the
+session's, its q rows and results are in that session's buffers, and only that session
+can query or release it. Towards peers the home names a plan by an id of its own
+(unique on this engine), so the plans of different sessions never meet there. A peer whose slab is on this
 machine (``EngineSpec.shared_slabs``) is not asked at all: the home maps that slab and
 attends its slots itself, the plan's leases keeping them as they were (docs/data-plane.md
 "Co-located slabs"). Their items arrive typed
@@ -21,6 +25,7 @@ here, before anything is stored or sent on.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +35,7 @@ from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.dataplane.attention import empty_partial, merge, merge_many
 from tokenlake.dataplane.attention_paged import flashinfer_slab_attention, warm_up
 from tokenlake.dataplane.attention_slab import slabs_partial_attention
-from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
+from tokenlake.dataplane.engine import Caller, EngineLoop, EngineSpec, Pending
 from tokenlake.dataplane.messages import (
     AttendItem,
     PeerQuery,
@@ -48,7 +53,16 @@ from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import error_message
 
 #: Plans one home may have registered on this engine at once (the oldest is dropped).
-MAX_PEER_PLANS = 64
+#: Only engines send peer plans (docs/security.md), and a home releases every plan it
+#: replaces or drops, so the bound is a guard against lost releases: it is sized for
+#: the plans of many sessions homed there at once (a session keeps one query plan per
+#: home registered, and one more while the release of the last is on its way; a server
+#: serves 64 sessions by default).
+MAX_PEER_PLANS = 256
+#: Plans one session may have registered with its home at once (the oldest is dropped:
+#: a client releases each plan when it registers the next, so only a client that loses
+#: its releases ever reaches the bound).
+MAX_SESSION_PLANS = 64
 
 
 Work = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # slab indices, slots, token counts
@@ -97,11 +111,16 @@ class AttendLayout:
 
 @dataclass(frozen=True)
 class HomePlan:
-    """A sub-batch plan registered by this instance's compute engine."""
+    """A sub-batch plan registered by a compute engine homed on this instance."""
 
     rows: int
     local: AttendLayout  # the items attended here (own and shared slabs)
     remote: dict[int, tuple[int, int]]  # instance -> (lo, hi) rows its query engine needs
+    peer_id: int  # the plan's id towards the peers (unique on this engine)
+    session: bytes  # whose plan it is
+    q: torch.Tensor  # the session's buffers: q rows in, the merged partial out
+    out_o: torch.Tensor
+    out_lse: torch.Tensor
 
 
 class QueryEngine(EngineLoop):
@@ -116,27 +135,30 @@ class QueryEngine(EngineLoop):
         self.q_heads = self.q.shape[1]
         # instance -> a slab this engine attends itself: its own, and co-located peers'
         self.slabs = {spec.instance: self.slab, **self.map_shared_slabs(self.slab)}
-        self.home_plans: dict[int, HomePlan] = {}
-        self.peer_plans: dict[tuple[int, int], AttendLayout] = {}  # (home, plan) -> its items here
+        self.home_plans: dict[tuple[bytes, int], HomePlan] = {}  # (session, its plan id) -> plan
+        self.peer_plans: dict[tuple[int, int], AttendLayout] = {}  # (home, peer id) -> its items here
+        self._peer_ids = itertools.count(1)
         if self.slab.is_cuda:  # before the engine reports ready: a first use compiles the kernel
             warm_up(self.slab, self.q_heads)
 
     # -------------------------------------------------------------- dispatch
-    def handle(self, identity, msg_id: int, message: WireMessage) -> None:
+    def handle(self, identity, msg_id: int, message: WireMessage, caller: Caller) -> None:
         match message:
             case Query():
-                self._serve_home(identity, msg_id, message)
+                self._serve_home(identity, msg_id, message, caller)
             case PeerQuery():
                 self._serve_peer(identity, msg_id, message)
             case RegisterQueryPlan():
-                self._register_home(message)
+                self._register_home(message, caller)
                 self.reply(identity, PlanAck(message.plan).encode(msg_id))
             case PeerRegisterPlan():
+                if message.home not in self.peers:  # a home is a peer of this engine
+                    raise PlanError(f"instance {message.home} is not a peer of instance {self.spec.instance}")
                 self._check_items(message.items, self.q.shape[0])
                 self._keep_peer_plan((message.home, message.plan), message.items)
                 self.reply(identity, PlanAck(message.plan).encode(msg_id))
             case ReleasePlan():
-                self._release(message.plan)
+                self._release((caller.require_session(), message.plan))
                 self.reply(identity, PlanAck(message.plan).encode(msg_id))
             case PeerReleasePlan():
                 self.peer_plans.pop((message.home, message.plan), None)
@@ -173,7 +195,8 @@ class QueryEngine(EngineLoop):
         for old in mine[: max(0, len(mine) - MAX_PEER_PLANS)]:
             del self.peer_plans[old]
 
-    def _register_home(self, message: RegisterQueryPlan) -> None:
+    def _register_home(self, message: RegisterQueryPlan, caller: Caller) -> None:
+        session, bufs = self.session_buffers(caller)
         pid, rows = message.plan, message.rows
         if not 0 < rows <= self.q.shape[0]:
             raise PlanError(f"plan has {rows} rows; q_buf holds at most {self.q.shape[0]}")
@@ -187,19 +210,38 @@ class QueryEngine(EngineLoop):
                 local[task.instance] = local.get(task.instance, ()) + task.items
             else:
                 checked.append(task)
+        key = (session, pid)
+        self._release(key)  # an id registered again replaces its plan
+        peer_id = next(self._peer_ids)
         remote: dict[int, tuple[int, int]] = {}
         for task in checked:  # all validated: now tell the peers
             lo, hi = min(it.start for it in task.items), max(it.stop for it in task.items)
             shifted = tuple(it.shifted(-lo) for it in task.items)
-            self.tell(task.instance, PeerRegisterPlan(self.spec.instance, pid, shifted))
+            self.tell(task.instance, PeerRegisterPlan(self.spec.instance, peer_id, shifted))
             remote[task.instance] = (lo, hi)
-        self.home_plans[pid] = HomePlan(rows, AttendLayout.of(local, not self.slab.is_cuda), remote)
+        self.home_plans[key] = HomePlan(rows, AttendLayout.of(local, not self.slab.is_cuda), remote,
+                                        peer_id, session, bufs["q"], bufs["out_o"], bufs["out_lse"])
+        mine = [k for k in self.home_plans if k[0] == session]
+        for old in mine[: max(0, len(mine) - MAX_SESSION_PLANS)]:  # the oldest first
+            self._release(old)
 
-    def _release(self, pid: int) -> None:
-        home = self.home_plans.pop(pid, None)
+    def _release(self, key: tuple[bytes, int]) -> None:
+        home = self.home_plans.pop(key, None)
         if home is not None:
             for inst in home.remote:
-                self.tell(inst, PeerReleasePlan(self.spec.instance, pid))
+                if inst in self.peers:
+                    self.tell(inst, PeerReleasePlan(self.spec.instance, home.peer_id))
+
+    def drop_session(self, token: bytes) -> None:
+        for key in [k for k in self.home_plans if k[0] == token]:
+            self._release(key)
+
+    def connect_peers(self, endpoints: dict[int, str | None]) -> None:
+        """As the loop's, and forgets the plans that a re-pointed (restarted or removed)
+        home had registered here: a new home process numbers its plans afresh."""
+        super().connect_peers(endpoints)
+        for key in [k for k in self.peer_plans if k[0] in endpoints]:
+            del self.peer_plans[key]
 
     # ------------------------------------------------------------- compute
     def _partial(self, q: torch.Tensor, layout: AttendLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,21 +286,22 @@ class QueryEngine(EngineLoop):
         o, lse = self._partial(q, layout, layer)
         self.reply(identity, PeerQueryResult(layer, o, lse).encode(msg_id))
 
-    def _serve_home(self, identity, msg_id: int, message: Query) -> None:
+    def _serve_home(self, identity, msg_id: int, message: Query, caller: Caller) -> None:
         pid = message.plan
-        plan = self.home_plans.get(pid)
+        session, _ = self.session_buffers(caller)
+        plan = self.home_plans.get((session, pid))
         if plan is None:
             raise PlanError(f"unknown plan {pid} on instance {self.spec.instance}")
         layer = self._check_layer(message.layer)
         gone = [i for i in plan.local.insts if i != self.spec.instance and i not in self.peers]
         if gone:  # its slab may be zeroed for a restart: never read it after it left
             raise EngineUnavailable(f"instance {gone[0]} left the cluster after plan {pid} was registered")
-        q = self.q[: plan.rows]
-        pending = self.new_pending(PeerQueryResult)
+        q = plan.q[: plan.rows]
+        pending = self.new_pending(PeerQueryResult, session)
         pending.on_done = lambda p: self._finish_home(identity, msg_id, plan, layer, p)
         pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
         for inst, (lo, hi) in plan.remote.items():  # q rows out first: peers work meanwhile
-            self.ask(inst, PeerQuery(self.spec.instance, pid, layer, q[lo:hi]), pending)
+            self.ask(inst, PeerQuery(self.spec.instance, plan.peer_id, layer, q[lo:hi]), pending)
         try:
             own = PeerQueryResult(layer, *self._partial(q, plan.local, layer))  # merged like a peer's
         except Exception as exc:  # one reply only: the ERROR; the peers' late results are dropped
@@ -269,7 +312,7 @@ class QueryEngine(EngineLoop):
             self._finish_home(identity, msg_id, plan, layer, pending)
 
     def _finish_home(self, identity, msg_id: int, plan: HomePlan, layer: int, pending: Pending) -> None:
-        o, lse = self.out_o[: plan.rows], self.out_lse[: plan.rows]
+        o, lse = plan.out_o[: plan.rows], plan.out_lse[: plan.rows]
         parts = []  # (lo, hi, o, lse), every one checked before the caller's buffers are written
         for inst, result in pending.results:  # PeerQueryResults (Pending.expect)
             lo, hi = (0, plan.rows) if inst == self.spec.instance else plan.remote[inst]

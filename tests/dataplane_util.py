@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tokenlake.core.specs import ModelSpec
+from tokenlake.dataplane import wire
 from tokenlake.dataplane.attention import merge, partial_attention_ref
 
 TINY = ModelSpec(
@@ -86,3 +87,17 @@ def full_attention_check(tokens, span, q, o, lse, layer, model: ModelSpec = TINY
     all_kv = token_kv(tokens[: p + n], 0, layer, model).to(kv_dtype).double()
     ro, rlse = partial_attention_ref(q.double(), all_kv[:, 0], all_kv[:, 1], causal=True)
     return (mo - ro).abs().max().item(), (mlse - rlse).abs().max().item()
+
+
+def engine_request(cluster, key: tuple[str, int], message, reply, **who):
+    """One request to one engine of a ``LocalCluster`` as another engine of the cluster
+    (``PEER_*`` kinds are accepted from engines only), or as ``who`` says
+    (``as_owner``, ``as_engine``, ``routing_id``: :meth:`LocalCluster._dealer`)."""
+    from tokenlake.dataplane.messages import expect
+
+    sock = cluster._dealer(key, **(who or {"as_engine": True}))
+    try:
+        sock.send_multipart(message.encode(1))
+        return expect(wire.recv(sock, cluster.timeout_s), reply)
+    finally:
+        sock.close(0)

@@ -64,7 +64,8 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.CP_ABORT: m.CpAbort(4),
     Kind.CP_FINISH_REQUEST: m.CpFinishRequest("a"),
     Kind.CP_STATS: m.CpStats(),
-    Kind.CP_STATS_RESULT: m.CpStatsResult(STATS, (0, 1), "smollm2-135m/f32/C64/vllm-cpu", 64),
+    Kind.CP_STATS_RESULT: m.CpStatsResult(STATS, (0, 1), "smollm2-135m/f32/C64/vllm-cpu", 64, (
+        m.SessionInfo(1, 4242, "vllm-worker-0", 12.5, 0.25, 1, 3, (0, 1)),)),
     Kind.CP_CLIENT_INFO: m.CpClientInfo(1),
     Kind.CP_LEASE_PREFIX: m.CpLeasePrefix("r1", (5, 6, 7, 8)),
     Kind.CP_LEASED: m.CpLeased((SegmentLocation(0, 3), SegmentLocation(1, 7))),
@@ -72,6 +73,10 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
         1, {"query": "tcp://127.0.0.1:5001", "transfer": "tcp://127.0.0.1:5002"},
         {"q": BufferSpec("tokenlake-1-ab-q-1", (8, 4, 2), "float32")}, 5.0,
         ClusterKeys.generate().member_view().to_dict()),
+    Kind.CP_OPEN_SESSION: m.CpOpenSession(4242, "vllm-worker-0"),
+    Kind.CP_SESSION: m.CpSession(3, 0.5, 3.0),
+    Kind.CP_HEARTBEAT: m.CpHeartbeat(),
+    Kind.CP_CLOSE_SESSION: m.CpCloseSession(),
 }
 
 

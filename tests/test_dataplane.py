@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from dataplane_util import TINY, execute, full_attention_check, reference_prefix
+from dataplane_util import TINY, engine_request, execute, full_attention_check, reference_prefix
 
-from tokenlake.core.errors import EngineUnavailable, PlanError
+from tokenlake.core.errors import EngineUnavailable, NotAuthorized, PlanError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.messages import (
@@ -22,6 +22,7 @@ from tokenlake.dataplane.messages import (
     ErrorReply,
     InstanceItems,
     PeerQuery,
+    PeerQueryResult,
     Ping,
     Pong,
     Put,
@@ -244,8 +245,12 @@ def test_two_clients_query_concurrently(cluster):
 
 
 def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
+    from tokenlake.dataplane.messages.session import new_token
+
     inst = 0
-    sock = cluster._dealer(("query", inst), as_owner=False)  # a member of the cluster
+    token = new_token()
+    cluster.open_session(token, 900, inst)  # a member's session, as tokenlake.connect opens
+    sock = cluster._dealer(("query", inst), as_owner=False, routing_id=token)
     try:
         sock.send_multipart([b"\xff\x00garbage", b"x"])  # malformed header
         reply = parse(wire.recv(sock, 5.0))
@@ -268,9 +273,12 @@ def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
         sock.send_multipart(wire.encode(wire.Kind.QUERY, 7, {"key": f"{inst}:1", "layer": 0}))
         with pytest.raises(WireError, match="QUERY: field 'plan' is missing"):
             wire.raise_if_error(wire.recv(sock, 5.0))
-        sock.send_multipart(PeerQuery(inst, 1, 0, torch.zeros(1, TINY.num_q_heads, cluster.model.head_dim)).encode(8))
-        with pytest.raises(PlanError, match="unknown plan"):
+        peer_query = PeerQuery(inst, 1, 0, torch.zeros(1, TINY.num_q_heads, cluster.model.head_dim))
+        sock.send_multipart(peer_query.encode(8))
+        with pytest.raises(NotAuthorized):  # the peers' kinds come from engines only
             wire.raise_if_error(wire.recv(sock, 5.0))
+        with pytest.raises(PlanError, match="unknown plan"):  # from an engine: read, and refused
+            engine_request(cluster, ("query", inst), peer_query, PeerQueryResult)
         # a transfer engine's kind sent to a query engine is refused by name
         sock.send_multipart(Put(1, 0).encode(6))
         with pytest.raises(WireError, match="query engine cannot handle PUT"):
@@ -279,6 +287,7 @@ def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
         assert expect(wire.recv(sock, 5.0), Pong).instance == inst
     finally:
         sock.close(0)
+        cluster.close_session(token)
 
 
 def test_killed_query_engine_becomes_engine_unavailable():

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import zmq
-from dataplane_util import TINY, execute
+from dataplane_util import TINY, engine_request, execute
 from test_dataplane import POOL_BYTES, C, run_iteration
 
 from tokenlake.core.errors import ConfigError, TokenLakeError
@@ -167,12 +167,12 @@ def test_a_plan_naming_a_slot_many_times_is_refused(cluster):
     from tokenlake.dataplane.messages.query import PeerRegisterPlan
 
     with pytest.raises(PlanError, match="slot twice"):
-        cluster._request(("query", 0), PeerRegisterPlan(1, 900, (_item([0] * 20000),)), PlanAck)
+        engine_request(cluster, ("query", 0), PeerRegisterPlan(1, 900, (_item([0] * 20000),)), PlanAck)
     rows, slots = cluster.max_rows, cluster.control.stats().pool.slots_capacity[0]
     every = _item(range(slots), 0, rows)  # every row over every slot: the most there is
-    cluster._request(("query", 0), PeerRegisterPlan(1, 901, (every,)), PlanAck)
+    engine_request(cluster, ("query", 0), PeerRegisterPlan(1, 901, (every,)), PlanAck)
     with pytest.raises(PlanError, match="row-slot reads"):
-        cluster._request(("query", 0), PeerRegisterPlan(1, 902, (every, every)), PlanAck)
+        engine_request(cluster, ("query", 0), PeerRegisterPlan(1, 902, (every, every)), PlanAck)
 
 
 def test_a_read_naming_a_slot_twice_is_refused(cluster):
@@ -192,12 +192,12 @@ def test_peer_plans_are_bounded_per_home(cluster):
     from tokenlake.dataplane.messages.query import PeerQuery, PeerRegisterPlan
 
     for pid in range(2000, 2000 + MAX_PEER_PLANS + 10):
-        cluster._request(("query", 0), PeerRegisterPlan(1, pid, (_item([0]),)), PlanAck)
+        engine_request(cluster, ("query", 0), PeerRegisterPlan(1, pid, (_item([0]),)), PlanAck)
     q = torch.zeros(1, TINY.num_q_heads, TINY.head_dim)
     with pytest.raises(PlanError, match="unknown plan"):  # the oldest went
-        cluster._request(("query", 0), PeerQuery(1, 2000, 0, q), PeerQueryResult)
-    newest = cluster._request(("query", 0), PeerQuery(1, 2000 + MAX_PEER_PLANS + 9, 0, q),
-                              PeerQueryResult)
+        engine_request(cluster, ("query", 0), PeerQuery(1, 2000, 0, q), PeerQueryResult)
+    newest = engine_request(cluster, ("query", 0), PeerQuery(1, 2000 + MAX_PEER_PLANS + 9, 0, q),
+                            PeerQueryResult)
     assert newest.o.shape == (1, TINY.num_q_heads, TINY.head_dim)
 
 
@@ -263,7 +263,7 @@ def test_a_failed_local_part_is_the_only_reply_and_late_peer_results_are_dropped
         sock.setsockopt(zmq.LINGER, 0)
         from tokenlake.dataplane.auth import connect_secure
 
-        connect_secure(sock, cluster.keys)
+        connect_secure(sock, cluster.keys, as_owner=True)  # the owner's own client
         sock.connect(twin.endpoint)
         try:
             sock.send_multipart(RegisterQueryPlan.from_plan(424242, qp).encode(1))
@@ -301,30 +301,31 @@ def _rss_mib(pid: int) -> float:
 
 def test_a_flood_of_peer_plans_is_bounded_and_memory_returns_to_its_baseline(cluster):
     """Finding 4: peer plan registrations used to be kept forever (+95 MB for 60 large
-    ones). A member registers four times ``MAX_PEER_PLANS`` plans of the largest size the
-    checks allow (every row reads every slot), then releases them, three times over. The
+    ones). A peer (only engines may send peer plans) registers twice ``MAX_PEER_PLANS``
+    plans in which every row reads every slot, then releases them, three times over. The
     engine keeps at most ``MAX_PEER_PLANS`` per home (the oldest go), so its memory peaks
-    at what that many plans take (two tuples of 8-byte references per slot entry, with
-    room to spare: four times as many plans would not fit); after the first round (which
-    grows the allocator's pools once) it returns to the same level every round."""
+    below what that many plans could take (two tuples of 8-byte references per slot
+    entry, with room to spare; ``test_peer_plans_are_bounded_per_home`` shows the oldest
+    going); after the first round (which grows the allocator's pools once) it returns to
+    the same level every round."""
     from query_engine.engine import MAX_PEER_PLANS
     from tokenlake.dataplane import wire
     from tokenlake.dataplane.messages import PeerRegisterPlan, PeerReleasePlan, PlanAck
     from tokenlake.dataplane.messages.query import AttendItem
 
     pid = cluster._procs[("query", 1)].pid
-    slots, rows = cluster.slots_per_instance, cluster.max_rows
+    slots, rows = cluster.slots_per_instance, cluster.max_rows // 4  # a quarter: a faster test
     items = tuple(AttendItem(r, r + 1, tuple(range(slots)), (C,) * slots) for r in range(rows))
-    sock = cluster._dealer(("query", 1), as_owner=False)
+    sock = cluster._dealer(("query", 1), as_engine=True)  # only engines send peer plans
     before, after, peaks, mid = _rss_mib(pid), [], [], 1
     try:
         for _ in range(3):
-            for plan in range(4 * MAX_PEER_PLANS):
+            for plan in range(2 * MAX_PEER_PLANS):
                 sock.send_multipart(PeerRegisterPlan(0, 50_000 + plan, items).encode(mid))
                 assert isinstance(messages.parse(wire.recv(sock, 30.0)), PlanAck)
                 mid += 1
             peaks.append(_rss_mib(pid))
-            for plan in range(4 * MAX_PEER_PLANS):
+            for plan in range(2 * MAX_PEER_PLANS):
                 sock.send_multipart(PeerReleasePlan(0, 50_000 + plan).encode(mid))
                 assert isinstance(messages.parse(wire.recv(sock, 30.0)), PlanAck)
                 mid += 1

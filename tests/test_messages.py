@@ -20,6 +20,7 @@ from tokenlake.core.errors import CapacityError, PlanError
 from tokenlake.core.plans import PageCopy, PutItem, QueryItem, QueryPlan, QueryTask, TransferPlan
 from tokenlake.dataplane import messages as m
 from tokenlake.dataplane import wire
+from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import Kind
 
@@ -32,7 +33,7 @@ SEG = torch.randn(2, 2, 2, 4, 8)
 EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.PING: m.Ping(),
     Kind.PONG: m.Pong("query", 1, 64, 1, 10, 0.25),
-    Kind.ERROR: m.ErrorReply("CapacityError", "pool full"),
+    Kind.ERROR: m.ErrorReply("SegmentInFlight", "stored by another iteration", ("r1", "r2")),
     Kind.ACK: m.Ack(),
     Kind.RELEASE_PLAN: m.ReleasePlan(7),
     Kind.PLAN_ACK: m.PlanAck(7),
@@ -52,6 +53,8 @@ EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.SEGMENT_DATA: m.SegmentData(1, (2, 5), (SEG[0], SEG[1])),
     Kind.SHUTDOWN: m.Shutdown(),
     Kind.PEERS: m.Peers(((1, "tcp://127.0.0.1:5555"), (2, None))),
+    Kind.OPEN_SESSION: m.OpenSession(b"S" + b"t" * 15, {"kv": BufferSpec("tokenlake-1-ab-s3-kv-0", (2, 8, 2, 2, 4), "bfloat16")}),
+    Kind.CLOSE_SESSION: m.CloseSession(b"S" + b"t" * 15),
     Kind.PEER_REGISTER_PLAN: m.PeerRegisterPlan(0, 7, (m.AttendItem(0, 3, (0,), (8,)),)),
     Kind.PEER_RELEASE_PLAN: m.PeerReleasePlan(0, 7),
     Kind.PEER_QUERY: m.PeerQuery(0, 7, 1, Q),
@@ -147,7 +150,8 @@ def wrong_value(value):
 
 CASES = [(k, f) for k in Kind for f in EXAMPLES[k].body() if not (k == Kind.PUT and f == "layers")]
 #: Fields that may be absent (their default applies); a wrong type is still refused.
-OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"), (Kind.PEER_PUT, "copies")}
+OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"): (), (Kind.PEER_PUT, "copies"): (),
+            (Kind.CP_STATS_RESULT, "sessions"): (), (Kind.ERROR, "request_ids"): ()}
 
 
 @pytest.mark.parametrize(("kind", "name"), CASES, ids=[f"{k.name}-{f}" for k, f in CASES])
@@ -157,7 +161,7 @@ def test_a_missing_or_mistyped_field_is_named(kind, name):
     if (kind, name) in OPTIONAL:
         got = m.parse(wire.decode(wire.encode(kind, 5, {k: v for k, v in body.items() if k != name},
                                               tensors)))
-        assert same(got, dataclasses.replace(example, copies=()))
+        assert same(got, dataclasses.replace(example, **{name: OPTIONAL[(kind, name)]}))
     else:
         err = refused(kind, {k: v for k, v in body.items() if k != name}, tensors)
         assert err.field == name and str(err).startswith(f"{kind.name}: field {name!r}"), err

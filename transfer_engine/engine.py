@@ -17,6 +17,10 @@ and executes:
   slab (``EngineSpec.shared_slabs``) it is one copy, without a message;
 * ``READ_SEGMENT``: one layer of some slots, returned as frames (``SEGMENT_DATA``);
 * from peers: ``PEER_PUT`` and ``PEER_SEGMENT`` written into the local slab.
+
+A transfer plan belongs to the session that registered it
+(:class:`~tokenlake.dataplane.engine.Caller`): its rows come from that session's ``kv``
+buffer, and only that session can put through it or release it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenlake.core.errors import PlanError
-from tokenlake.dataplane.engine import EngineLoop, EngineSpec, Pending
+from tokenlake.dataplane.engine import Caller, EngineLoop, EngineSpec, Pending
 from tokenlake.dataplane.messages import (
     CopyDone,
     CopySegment,
@@ -47,17 +51,22 @@ from tokenlake.dataplane.messages import (
 from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import error_message
 
+#: Transfer plans one session may have registered at once (the oldest is dropped: a
+#: client releases each plan when it registers the next).
+MAX_SESSION_PLANS = 64
+
 
 @dataclass(frozen=True)
 class TransferPlanState:
     """A registered transfer plan: its rows, the puts into this slab, the puts per peer,
-    and its page copies here and per peer."""
+    its page copies here and per peer, and the session's ``kv`` buffer it reads."""
 
     rows: int
     local: tuple[PutTarget, ...]
     remote: dict[int, tuple[PutTarget, ...]]
     copies: tuple[SlotCopy, ...]
     remote_copies: dict[int, tuple[SlotCopy, ...]]
+    kv: torch.Tensor
 
 
 class TransferEngine(EngineLoop):
@@ -68,23 +77,24 @@ class TransferEngine(EngineLoop):
         self.num_slots, self.num_layers, _, self.kv_heads, self.C, self.head_dim = self.slab.shape
         self.kv = bufs["kv"]  # [layers, max_rows, 2, kv_heads, head_dim]
         self.shared = self.map_shared_slabs(self.slab)  # co-located peers' slabs: copies go straight in
-        self.plans: dict[int, TransferPlanState] = {}
+        self.plans: dict[tuple[bytes, int], TransferPlanState] = {}  # (session, its plan id) -> plan
 
-    def handle(self, identity, msg_id: int, message: WireMessage) -> None:
+    def handle(self, identity, msg_id: int, message: WireMessage, caller: Caller) -> None:
         match message:
             case Put():
-                self._put(identity, msg_id, message)
+                self._put(identity, msg_id, message, caller)
             case PeerPut():
                 self._peer_put(identity, msg_id, message)
             case RegisterTransferPlan():
-                self._register(message)
+                self._register(message, caller)
                 self.reply(identity, PlanAck(message.plan).encode(msg_id))
             case ReleasePlan():
-                self.plans.pop(message.plan, None)
+                self.plans.pop((caller.require_session(), message.plan), None)
                 self.reply(identity, PlanAck(message.plan).encode(msg_id))
             case CopySegment():
                 self._copy(identity, msg_id, message)
             case ReadSegment():
+                caller.require_session()
                 self._read(identity, msg_id, message)
             case PeerSegment():
                 self._store_segment(message)
@@ -110,7 +120,12 @@ class TransferEngine(EngineLoop):
             raise PlanError(f"layers [{first}, {first + n}) outside [0, {self.num_layers})")
         return range(first, first + n)
 
-    def _register(self, message: RegisterTransferPlan) -> None:
+    def drop_session(self, token: bytes) -> None:
+        for key in [k for k in self.plans if k[0] == token]:
+            del self.plans[key]
+
+    def _register(self, message: RegisterTransferPlan, caller: Caller) -> None:
+        session, bufs = self.session_buffers(caller)
         rows = message.rows
         if not 0 < rows <= self.kv.shape[1]:
             raise PlanError(f"plan has {rows} rows; kv_buf holds at most {self.kv.shape[1]}")
@@ -137,9 +152,13 @@ class TransferEngine(EngineLoop):
                 copies.append(cp)
             else:
                 remote_copies.setdefault(cp.src_instance, []).append(cp)
-        self.plans[message.plan] = TransferPlanState(
+        self.plans.pop((session, message.plan), None)  # an id registered again replaces its plan
+        self.plans[(session, message.plan)] = TransferPlanState(
             rows, tuple(local), {i: tuple(p) for i, p in remote.items()}, tuple(copies),
-            {i: tuple(c) for i, c in remote_copies.items()})
+            {i: tuple(c) for i, c in remote_copies.items()}, bufs["kv"])
+        mine = [k for k in self.plans if k[0] == session]
+        for old in mine[: max(0, len(mine) - MAX_SESSION_PLANS)]:  # the oldest first
+            del self.plans[old]
 
     def _check_copy(self, cp: SlotCopy) -> None:
         """A copy whose source is this instance (slots of the destination are checked
@@ -177,13 +196,14 @@ class TransferEngine(EngineLoop):
         n = rows.shape[0]
         self.slab[slot, layer, :, :, offset : offset + n, :].copy_(rows.permute(1, 2, 0, 3))
 
-    def _put(self, identity, msg_id: int, message: Put) -> None:
-        plan = self.plans.get(message.plan)
+    def _put(self, identity, msg_id: int, message: Put, caller: Caller) -> None:
+        session, _ = self.session_buffers(caller)
+        plan = self.plans.get((session, message.plan))
         if plan is None:
             raise PlanError(f"unknown transfer plan {message.plan} on instance {self.spec.instance}")
         layers = self._check_layers(message.layer, message.layers)
-        kv = self.kv
-        pending = self._answer(identity, msg_id, PutDone(layers.start))
+        kv = plan.kv
+        pending = self._answer(identity, msg_id, PutDone(layers.start), session)
         remote_copies = plan.remote_copies
         for inst in plan.remote.keys() | remote_copies.keys():  # remote first: they store while we do
             puts = plan.remote.get(inst, ())
@@ -207,10 +227,10 @@ class TransferEngine(EngineLoop):
         if not pending.waiting:
             pending.on_done(pending)
 
-    def _answer(self, identity, msg_id: int, answer: WireMessage) -> Pending:
-        """A :class:`Pending` for the peers asked on behalf of request ``msg_id``: its
-        ``on_done`` replies ``answer``, a failure replies the error."""
-        pending = self.new_pending(type(answer))
+    def _answer(self, identity, msg_id: int, answer: WireMessage, session: bytes = b"") -> Pending:
+        """A :class:`Pending` for the peers asked on behalf of request ``msg_id`` (of
+        ``session``): its ``on_done`` replies ``answer``, a failure replies the error."""
+        pending = self.new_pending(type(answer), session)
         pending.on_done = lambda p: self.reply(identity, answer.encode(msg_id))
         pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
         return pending

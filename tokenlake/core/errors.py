@@ -46,3 +46,20 @@ class EngineUnavailable(TokenLakeError):
 class NotAuthorized(TokenLakeError):
     """A request that only the cluster's owner may send (``SHUTDOWN``, ``PEERS``) came
     from another process, or a client holds no valid keys for the cluster."""
+
+
+class SessionEnded(NotAuthorized):
+    """A client's session on a served pool is not open: never opened, closed, or ended
+    by the server because the client stopped heartbeating (docs/security.md). Open a new
+    one (a new ``tokenlake.connect``)."""
+
+
+class SegmentInFlight(PlanError):
+    """A request's new tokens complete a segment that another client's iteration is
+    still storing: the request cannot be planned now. ``request_ids`` are the requests
+    that must wait (plan the rest of the batch without them, and these again once that
+    iteration completed, or was aborted and they store the segment themselves)."""
+
+    def __init__(self, message: str, request_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.request_ids = tuple(request_ids)

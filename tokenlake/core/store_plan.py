@@ -28,7 +28,7 @@ from array import array
 from collections.abc import Sequence
 
 from tokenlake.core.assembly import Prepared
-from tokenlake.core.errors import CapacityError, PlanError
+from tokenlake.core.errors import CapacityError, SegmentInFlight
 from tokenlake.core.plans import Batch
 from tokenlake.core.pool import CachePool
 from tokenlake.core.prefix_tree import SegmentLocation
@@ -164,11 +164,13 @@ class StorePlanner:
         parent = state.chain[-1] if state.chain else None
         if key in tree and not tree.is_ready(key) and not tx.stores(key):
             # Being stored by another iteration in flight: its abort would pull the
-            # segment from under this request (and it is not visible to plans yet).
-            raise PlanError(
-                f"segment {key.hex()} of request {owner!r} is still being stored "
-                "by plans in flight; complete them first"
-            )
+            # segment from under this request (and it is not visible to plans yet). The
+            # request waits: planned again once that iteration completed (it then reuses
+            # the segment) or was aborted (it then stores the segment itself).
+            raise SegmentInFlight(
+                f"segment {key.hex()} of request {owner!r} is still being stored by another "
+                "iteration in flight: plan the request again once it completed or aborted",
+                (owner,))
         if key in tree:  # dedup: the pool already has (or this iteration stores) it
             tx.counts.dedup_segments += 1
             if tail is not None:

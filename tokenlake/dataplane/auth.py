@@ -9,13 +9,17 @@ key pairs, generated when it starts (:meth:`ClusterKeys.generate`):
   connects (the engines hold its secret half);
 * the **owner** pair: the process that started the cluster, and only it, may send
   ``SHUTDOWN`` and ``PEERS`` (an engine that talks for the owner, the Ray relay, holds it);
-* the **member** pair: data-plane clients, peer engines and ``tokenlake.connect`` callers.
+* the **member** pair: data-plane clients and ``tokenlake.connect`` callers.
 
-A server accepts a connection only from the owner or member public key (a ZAP handler,
-:class:`Gatekeeper`); it learns which one from each message (:func:`sender`). Who holds
-what: the owner all six halves; an engine the server pair, the member pair and the
-owner's public key; a member the server's public key and the member pair
-(:meth:`ClusterKeys.engine_view`, :meth:`ClusterKeys.member_view`).
+An engine connects to its peers with the server pair as its client keys: only an
+engine holds that secret, so a peer request (``PEER_*``) is known to come from an
+engine. A server accepts a connection only from the owner, member or server public key
+(a ZAP handler, :class:`Gatekeeper`); it learns which one from each message
+(:func:`sender`: ``"owner"``, ``"member"`` or ``"engine"``). Who holds what: the owner
+all six halves; an engine the server pair, the member pair and the owner's public key; a
+member the server's public key and the member pair (:meth:`ClusterKeys.engine_view`,
+:meth:`ClusterKeys.member_view`). Members are told apart from each other by their
+session (:mod:`tokenlake.dataplane.messages.session`), not by their keys.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from tokenlake.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-OWNER, MEMBER = "owner", "member"
+OWNER, MEMBER, ENGINE = "owner", "member", "engine"
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,12 @@ class ClusterKeys:
         """What a client holds: the server's public key and the member pair."""
         return replace(self, server_secret=None, owner_secret=None)
 
+    def owner_client_view(self) -> ClusterKeys:
+        """What the owner's own compute engines hold (its in-process clients, Ray's
+        compute actors): the member view plus the owner pair, so that their clients use
+        the instances' own buffers (the owner's session)."""
+        return replace(self, server_secret=None)
+
     def to_dict(self) -> dict[str, str | None]:
         return asdict(self)
 
@@ -101,29 +111,37 @@ def serve_secure(sock: zmq.Socket, keys: ClusterKeys | None) -> None:
     sock.curve_server = True
 
 
-def connect_secure(sock: zmq.Socket, keys: ClusterKeys | None, *, as_owner: bool = False) -> None:
+def connect_secure(sock: zmq.Socket, keys: ClusterKeys | None, *, as_owner: bool = False,
+                   as_engine: bool = False) -> None:
     """Makes ``sock`` (before it connects) a CURVE client of the cluster's servers, as
-    the member or, with ``as_owner``, as the owner; nothing with ``keys=None``."""
+    the member or, with ``as_owner``, as the owner, or, with ``as_engine``, as an engine
+    (the server pair: what an engine's peer requests are sent with); nothing with
+    ``keys=None``."""
     if keys is None:
         return
-    public, secret = ((keys.owner_public, keys.owner_secret) if as_owner
-                      else (keys.member_public, keys.member_secret))
+    if as_engine:
+        public, secret, who = keys.server_public, keys.server_secret, ENGINE
+    elif as_owner:
+        public, secret, who = keys.owner_public, keys.owner_secret, OWNER
+    else:
+        public, secret, who = keys.member_public, keys.member_secret, MEMBER
     if secret is None:
-        raise ConfigError(f"these CURVE keys have no {'owner' if as_owner else 'member'} secret")
+        raise ConfigError(f"these CURVE keys have no {who} secret")
     sock.curve_serverkey = keys.server_public.encode()
     sock.curve_publickey = public.encode()
     sock.curve_secretkey = secret.encode()
 
 
 class Gatekeeper(ThreadAuthenticator):
-    """The ZAP handler of one zmq context: it admits CURVE clients with the owner's or
-    the member's public key, and names them ``"owner"`` or ``"member"`` in the
-    ``User-Id`` of every message they send. Start it before the context's servers bind;
-    :meth:`stop` it before terminating the context."""
+    """The ZAP handler of one zmq context: it admits CURVE clients with the owner's, the
+    member's or the server's (an engine's) public key, and names them ``"owner"``,
+    ``"member"`` or ``"engine"`` in the ``User-Id`` of every message they send. Start it
+    before the context's servers bind; :meth:`stop` it before terminating the context."""
 
     def __init__(self, ctx: zmq.Context, keys: ClusterKeys) -> None:
         super().__init__(ctx, log=logging.getLogger(__name__ + ".zap"))
-        self._names = {keys.owner_public.encode(): OWNER, keys.member_public.encode(): MEMBER}
+        self._names = {keys.owner_public.encode(): OWNER, keys.member_public.encode(): MEMBER,
+                       keys.server_public.encode(): ENGINE}
         self._refused = 0
 
     def start(self) -> None:
@@ -152,7 +170,7 @@ def guard(ctx: zmq.Context, keys: ClusterKeys | None) -> Gatekeeper | None:
 
 
 def sender(frame: zmq.Frame) -> str | None:
-    """``"owner"`` or ``"member"``: who sent the message ``frame`` (a received frame, not
+    """``"owner"``, ``"member"`` or ``"engine"``: who sent the message ``frame`` (a received frame, not
     the ROUTER's identity frame) belongs to; ``None`` on a socket without CURVE."""
     try:
         who = frame.get("User-Id")

@@ -13,6 +13,11 @@ the instance's query and transfer engines, so handing work over is a small messa
 
 Every wait has a timeout; a dead engine surfaces as
 :class:`~tokenlake.core.errors.EngineUnavailable` within about ``poll_s`` of its death.
+
+A client acts for one session (:mod:`tokenlake.dataplane.messages.session`): the owner's
+in-process clients use the instance's own buffers, and a client of another process
+(``tokenlake.connect``) uses its session's buffers, with its session's token as the
+routing id of its sockets, so its plans never meet another client's.
 """
 
 from __future__ import annotations
@@ -91,9 +96,13 @@ class InstanceClient:
         timeout_s: float = 5.0,
         poll_s: float = 0.05,
         keys: ClusterKeys | None = None,
+        routing_id: bytes | None = None,
+        as_owner: bool = False,
     ) -> None:
         self.instance = instance
         self.keys = keys  # CURVE keys: the member's pair is used (None: insecure cluster)
+        self.routing_id = routing_id  # a client session's token or alias (its sockets' routing id)
+        self.as_owner = as_owner  # the owner's in-process client (the instance's own buffers)
         self.endpoints = endpoints
         self.q = buffers["q"]  # [max_rows, q_heads, head_dim]
         self.out_o = buffers["out_o"]
@@ -116,7 +125,9 @@ class InstanceClient:
         for role in ("query", "transfer"):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            connect_secure(sock, self.keys)
+            if self.routing_id is not None:
+                sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
+            connect_secure(sock, self.keys, as_owner=self.as_owner)
             sock.connect(self.endpoints[role])
             self._socks[role] = sock
 

@@ -7,6 +7,16 @@ and peer engines connect to it with DEALER sockets), maps its instance's slab fr
 shared memory, and serves messages until told to stop or until its parent dies. The
 loop never blocks on one peer: requests it sends to peers are answered on their DEALER
 sockets and matched by message id, with a deadline each (docs/design.md §4 "Failure").
+
+Every request is checked against who sent it (:class:`Caller`) before it is served:
+the lifecycle kinds (``SHUTDOWN``, ``PEERS``, ``OPEN_SESSION``, ``CLOSE_SESSION``,
+``COPY_SEGMENT``) come from the cluster's owner only, the peer kinds (``PEER_*``) from
+another engine only, and a plan operation (register, query, put, release) acts in the
+caller's session: the buffers and plan ids of a client session
+(:mod:`tokenlake.dataplane.messages.session`) are its own, and the owner's in-process
+clients use the instance's own buffers (session ``b""``). Without CURVE nothing is
+authenticated: a request on a session's routing id is that session's, any other is the
+owner's.
 """
 
 from __future__ import annotations
@@ -22,11 +32,42 @@ import msgpack
 import torch
 import zmq
 
-from tokenlake.core.errors import ConfigError, EngineUnavailable, NotAuthorized, TokenLakeError
+from tokenlake.core.errors import (
+    ConfigError,
+    EngineUnavailable,
+    NotAuthorized,
+    PlanError,
+    TokenLakeError,
+)
 from tokenlake.dataplane import messages, wire
-from tokenlake.dataplane.auth import OWNER, ClusterKeys, connect_secure, guard, sender, serve_secure
+from tokenlake.dataplane.auth import (
+    ENGINE,
+    OWNER,
+    ClusterKeys,
+    connect_secure,
+    guard,
+    sender,
+    serve_secure,
+)
 from tokenlake.dataplane.engine_spec import ROLES, EngineSpec
-from tokenlake.dataplane.messages import Ack, ErrorReply, Peers, Ping, Pong, Shutdown, WireMessage
+from tokenlake.dataplane.messages import (
+    Ack,
+    CloseSession,
+    CopySegment,
+    ErrorReply,
+    OpenSession,
+    PeerPut,
+    PeerQuery,
+    PeerRegisterPlan,
+    PeerReleasePlan,
+    Peers,
+    PeerSegment,
+    Ping,
+    Pong,
+    Shutdown,
+    WireMessage,
+)
+from tokenlake.dataplane.messages.session import session_of
 from tokenlake.dataplane.ratelog import RateLimitedLog
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, pid_alive, unlink_prefix
@@ -35,7 +76,38 @@ from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ROLES", "EngineLoop", "EngineSpec", "Pending", "run_engine"]
+__all__ = ["ROLES", "Caller", "EngineLoop", "EngineSpec", "Pending", "run_engine"]
+
+#: The kinds only the cluster's owner may send.
+OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment)
+#: The kinds only another engine of the cluster may send.
+PEER_KINDS = (PeerRegisterPlan, PeerReleasePlan, PeerQuery, PeerPut, PeerSegment)
+#: Client sessions one engine serves at once (the control server bounds them lower).
+MAX_SESSIONS = 256
+#: The owner's own session: its in-process clients use the instance's buffers.
+OWNER_SESSION = b""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent the request being served.
+
+    ``who``: the CURVE principal (``"owner"``, ``"member"``, ``"engine"``; ``None``
+    without CURVE). ``session``: the session whose buffers and plans a plan operation
+    uses: a client session's token, :data:`OWNER_SESSION` for the owner (and for anyone
+    on a pool without CURVE that is not a session), ``None`` for a sender with no
+    session (a member that opened none, or an engine).
+    """
+
+    who: str | None
+    session: bytes | None
+
+    def require_session(self) -> bytes:
+        """The caller's session, or :class:`NotAuthorized` if it has none."""
+        if self.session is None:
+            raise NotAuthorized("plan operations need a session: open one with the pool's "
+                                "control server (tokenlake.connect does)")
+        return self.session
 
 
 @dataclass
@@ -52,6 +124,7 @@ class Pending:
     on_done: Callable[[Pending], None] | None = None
     on_fail: Callable[[Pending, BaseException], None] | None = None
     asked: dict[int, int] = field(default_factory=dict)  # message id -> the peer instance
+    session: bytes = OWNER_SESSION  # on whose behalf (a closing session waits for it)
 
 
 class EngineLoop:
@@ -84,6 +157,11 @@ class EngineLoop:
         self._peers_changed = True  # serve() rebuilds its poller when set
         self.keys = ClusterKeys.from_dict(spec.keys) if spec.keys is not None else None
         self._gate = None
+        # session token -> its buffers by name (the owner's session: the instance's own,
+        # filled by map_buffers); the mappings of client sessions, to close with them
+        self.sessions: dict[bytes, dict[str, torch.Tensor]] = {}
+        self._session_maps: dict[bytes, list[SharedTensor]] = {}
+        self._closing: dict[bytes, list[tuple[Any, int]]] = {}  # token -> CLOSE_SESSIONs to answer
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -131,7 +209,7 @@ class EngineLoop:
                     continue
                 sock = fresh[inst] = self.ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                connect_secure(sock, self.keys)
+                connect_secure(sock, self.keys, as_engine=True)
                 sock.connect(ep)
         except zmq.ZMQError as e:
             for sock in fresh.values():
@@ -148,9 +226,12 @@ class EngineLoop:
         self._peers_changed = True
 
     def map_buffers(self) -> dict[str, torch.Tensor]:
-        """Maps the shared buffers named in the spec (closed again by :meth:`close`)."""
+        """Maps the shared buffers named in the spec (closed again by :meth:`close`); the
+        home buffers among them (all but the slab) are the owner's session's."""
         self._maps = {n: SharedTensor.attach(BufferSpec.from_dict(d)) for n, d in self.spec.buffers.items()}
-        return {n: m.tensor for n, m in self._maps.items()}
+        bufs = {n: m.tensor for n, m in self._maps.items()}
+        self.sessions[OWNER_SESSION] = {n: t for n, t in bufs.items() if n != "slab"}
+        return bufs
 
     def map_shared_slabs(self, slab: torch.Tensor) -> dict[int, torch.Tensor]:
         """Maps the other instances' slabs named in ``spec.shared_slabs`` (closed by
@@ -167,6 +248,9 @@ class EngineLoop:
     def close(self) -> None:
         for m in getattr(self, "_maps", {}).values():
             m.close()
+        for maps in self._session_maps.values():
+            for m in maps:
+                m.close()
         for sock in self.peers.values():
             sock.close(0)
         if self.router is not None:
@@ -236,9 +320,8 @@ class EngineLoop:
             msg = wire.decode(payload)
             msg_id = msg.msg_id
             message = messages.parse(msg)
-            if isinstance(message, (Shutdown, Peers)) and self.keys is not None:
-                if sender(payload[0]) != OWNER:
-                    raise NotAuthorized(f"only the cluster's owner may send {msg.kind.name}")
+            caller = self._caller(identity, payload[0])
+            self._authorize(caller, message)
             if isinstance(message, Shutdown):
                 self._stop = True
                 self.reply(identity, Ack().encode(msg_id))
@@ -247,8 +330,13 @@ class EngineLoop:
             elif isinstance(message, Peers):
                 self.connect_peers(dict(message.peers))
                 self.reply(identity, Ack().encode(msg_id))
+            elif isinstance(message, OpenSession):
+                self._open_session(message)
+                self.reply(identity, Ack().encode(msg_id))
+            elif isinstance(message, CloseSession):
+                self._close_session(identity, msg_id, message.token)
             else:
-                self.handle(identity, msg_id, message)
+                self.handle(identity, msg_id, message, caller)
         except Exception as exc:  # a bad request must not stop the engine
             msg_id = getattr(exc, "msg_id", None) or msg_id  # WireError knows it if readable
             if not isinstance(exc, TokenLakeError):  # a case no check caught: still typed
@@ -256,6 +344,88 @@ class EngineLoop:
             self._rejected.note(f"{self.spec.role} engine {self.spec.instance}: refused a "
                                 f"request: {type(exc).__name__}: {exc}")
             self.reply(identity, wire.error_message(msg_id, exc))
+
+    def _caller(self, identity, first_frame) -> Caller:
+        """Who sent a request: the CURVE principal of its first frame and the session of
+        its routing id (see :class:`Caller`)."""
+        who = sender(first_frame) if self.keys is not None else None
+        token = session_of(identity.bytes if hasattr(identity, "bytes") else bytes(identity))
+        if token is not None and token in self.sessions:
+            return Caller(who, token)
+        return Caller(who, OWNER_SESSION if who in (OWNER, None) else None)
+
+    def _authorize(self, caller: Caller, message: WireMessage) -> None:
+        """Refuses (``NotAuthorized``) a lifecycle kind from anyone but the owner and a
+        peer kind from anyone but an engine (with CURVE; a client session never sends
+        either)."""
+        session = caller.session not in (None, OWNER_SESSION)
+        if isinstance(message, OWNER_KINDS) and (session or caller.who not in (OWNER, None)):
+            raise NotAuthorized(f"only the cluster's owner may send {message.KIND.name}")
+        if isinstance(message, PEER_KINDS) and (session or caller.who not in (ENGINE, None)):
+            raise NotAuthorized(f"only an engine of the cluster may send {message.KIND.name}")
+
+    # ------------------------------------------------------------- sessions
+    def _open_session(self, message: OpenSession) -> None:
+        """Maps a client session's buffers (the shapes of the instance's own)."""
+        token = message.token
+        if token in self.sessions:
+            raise PlanError("a session with this token is open already")
+        if len(self.sessions) > MAX_SESSIONS:
+            raise PlanError(f"this engine serves {MAX_SESSIONS} sessions at most")
+        own = {n: BufferSpec.from_dict(d) for n, d in self.spec.buffers.items() if n != "slab"}
+        if set(message.buffers) != set(own):
+            raise PlanError(f"a session of a {self.spec.role} engine needs the buffers "
+                            f"{sorted(own)}, got {sorted(message.buffers)}")
+        for name, spec in message.buffers.items():
+            mine = own[name]
+            if (spec.shape, spec.dtype, spec.device) != (mine.shape, mine.dtype, mine.device):
+                raise PlanError(f"session buffer {name} is {spec.dtype} {spec.shape} on "
+                                f"{spec.device}; this instance's is {mine.dtype} {mine.shape}")
+        maps: list[SharedTensor] = []
+        try:
+            for spec in message.buffers.values():
+                maps.append(SharedTensor.attach(spec))
+        except Exception:
+            for m in maps:
+                m.close()
+            raise
+        self.sessions[token] = {name: m.tensor for name, m in zip(message.buffers, maps)}
+        self._session_maps[token] = maps
+
+    def _close_session(self, identity, msg_id: int, token: bytes) -> None:
+        """Ends a session here: its plans go at once (:meth:`drop_session`); the answer
+        (and the unmapping) waits until no request it started is waiting for a peer."""
+        if token == OWNER_SESSION:
+            raise PlanError("the owner's session cannot be closed")
+        if token not in self.sessions:  # closed already (or never opened here): done
+            self.reply(identity, Ack().encode(msg_id))
+            return
+        self.drop_session(token)
+        self._closing.setdefault(token, []).append((identity, msg_id))
+        self._settle_closing()
+
+    def _settle_closing(self) -> None:
+        """Finishes every close whose session has nothing left in flight here."""
+        if not self._closing:
+            return
+        busy = {p.session for p in self._pending.values()}
+        for token in [t for t in self._closing if t not in busy]:
+            for m in self._session_maps.pop(token, []):
+                m.close()
+            self.sessions.pop(token, None)
+            for identity, msg_id in self._closing.pop(token):
+                self.reply(identity, Ack().encode(msg_id))
+
+    def session_buffers(self, caller: Caller) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """``(token, buffers)`` of the caller's session for a plan operation;
+        ``NotAuthorized`` if it has none, ``PlanError`` if it is closing."""
+        token = caller.require_session()
+        if token in self._closing:
+            raise PlanError("this session is being closed")
+        return token, self.sessions[token]
+
+    def drop_session(self, token: bytes) -> None:
+        """Forgets every plan of session ``token`` (subclasses; called on CLOSE_SESSION)."""
 
     def _on_reply(self, instance: int, frames: list) -> None:
         self.peer_replies += 1  # read by tests: a peer's answer was taken in
@@ -284,6 +454,7 @@ class EngineLoop:
                 log.warning("instance %d: peer results unusable: %s", self.spec.instance, exc)
                 self._fail(pending, exc if isinstance(exc, TokenLakeError)
                            else WireError(f"a peer's result could not be used: {exc}"))
+        self._settle_closing()
 
     def reply(self, identity, frames: list) -> None:
         assert self.router is not None
@@ -312,10 +483,10 @@ class EngineLoop:
             raise ConfigError(f"instance {instance} is not a peer of instance {self.spec.instance}")
         return sock
 
-    def new_pending(self, expect: type[WireMessage]) -> Pending:
-        """A :class:`Pending` expecting ``expect`` replies within ``peer_timeout_s``; set
-        its ``on_done`` and ``on_fail`` before asking."""
-        return Pending(time.monotonic() + self.spec.peer_timeout_s, expect)
+    def new_pending(self, expect: type[WireMessage], session: bytes = OWNER_SESSION) -> Pending:
+        """A :class:`Pending` expecting ``expect`` replies within ``peer_timeout_s``, on
+        behalf of ``session``; set its ``on_done`` and ``on_fail`` before asking."""
+        return Pending(time.monotonic() + self.spec.peer_timeout_s, expect, session=session)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -335,10 +506,12 @@ class EngineLoop:
         if pending.on_fail is not None:
             cb, pending.on_fail, pending.on_done = pending.on_fail, None, None
             cb(pending, exc)
+        self._settle_closing()
 
-    def handle(self, identity, msg_id: int, message: WireMessage) -> None:  # pragma: no cover - abstract
-        """Serves one request (already read into its typed message); replies with
-        :meth:`reply`. An exception is answered with ``ERROR`` by the loop."""
+    def handle(self, identity, msg_id: int, message: WireMessage, caller: Caller) -> None:  # pragma: no cover
+        """Serves one request (already read into its typed message and authorized for
+        ``caller``); replies with :meth:`reply`. An exception is answered with ``ERROR``
+        by the loop."""
         raise NotImplementedError
 
 

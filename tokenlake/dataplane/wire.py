@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: 2: peer traffic got its own kinds and every body a fixed schema (docs/protocol.md).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_HEADER_BYTES = 1 << 20  # a header frame larger than 1 MiB is refused
 MAX_BODY_DEPTH = 32  # deepest nesting of lists/maps in a body
 MAX_ERROR_TEXT = 64 * 1024  # an ERROR's message is cut to this many characters
@@ -64,7 +64,8 @@ class Kind(enum.IntEnum):
     """Message kinds, grouped by tens: 0x every engine, 1x a query engine's clients,
     2x a transfer engine's clients, 3x the driver, 4x query engine to query engine, 5x
     transfer engine to transfer engine, 6x a control-plane server's clients, 7x that
-    server's answers. :mod:`tokenlake.dataplane.messages` has the body of each."""
+    server's answers, 8x a client's session with that server.
+    :mod:`tokenlake.dataplane.messages` has the body of each."""
 
     PING = 1
     PONG = 2
@@ -84,6 +85,8 @@ class Kind(enum.IntEnum):
     SEGMENT_DATA = 26
     SHUTDOWN = 30
     PEERS = 31
+    OPEN_SESSION = 32
+    CLOSE_SESSION = 33
     PEER_REGISTER_PLAN = 40
     PEER_RELEASE_PLAN = 41
     PEER_QUERY = 42
@@ -105,6 +108,10 @@ class Kind(enum.IntEnum):
     CP_STATS_RESULT = 76
     CP_CLIENT_INFO_RESULT = 77
     CP_LEASED = 78
+    CP_OPEN_SESSION = 80
+    CP_SESSION = 81
+    CP_HEARTBEAT = 82
+    CP_CLOSE_SESSION = 83
 
 
 class RemoteError(TokenLakeError):
@@ -330,8 +337,14 @@ def recv_routed(
 # ---------------------------------------------------------------- errors across the wire
 
 
+#: Most request ids an ``ERROR`` names (``SegmentInFlight``: the requests that must wait).
+MAX_ERROR_REQUEST_IDS = 4096
+
+
 def error_message(msg_id: int, exc: BaseException) -> list:
-    """``ERROR`` frames answering ``msg_id`` with ``{"type": class name, "message": str}``.
+    """``ERROR`` frames answering ``msg_id`` with ``{"type": class name, "message": str}``
+    and, for an error that names requests (``SegmentInFlight.request_ids``),
+    ``"request_ids": [str]``.
 
     A :class:`RemoteError` being passed on keeps the type name of its origin.
     """
@@ -341,7 +354,11 @@ def error_message(msg_id: int, exc: BaseException) -> list:
         kind, text = type(exc).__name__, str(exc)
     if len(text) > MAX_ERROR_TEXT:
         text = text[:MAX_ERROR_TEXT] + "... (truncated)"
-    return encode(Kind.ERROR, msg_id, {"type": kind, "message": text})
+    body: dict[str, Any] = {"type": kind, "message": text}
+    rids = getattr(exc, "request_ids", None)
+    if rids:
+        body["request_ids"] = [str(r) for r in rids[:MAX_ERROR_REQUEST_IDS]]
+    return encode(Kind.ERROR, msg_id, body)
 
 
 def raise_if_error(msg: Message) -> Message:
@@ -353,19 +370,25 @@ def raise_if_error(msg: Message) -> Message:
     """
     if msg.kind != Kind.ERROR:
         return msg
-    raise remote_exception(msg.body.get("type"), msg.body.get("message"))
+    raise remote_exception(msg.body.get("type"), msg.body.get("message"), msg.body.get("request_ids"))
 
 
-def remote_exception(name: Any, text: Any) -> TokenLakeError:
-    """The exception an ``ERROR`` body ``{"type": name, "message": text}`` stands for.
+def remote_exception(name: Any, text: Any, request_ids: Any = None) -> TokenLakeError:
+    """The exception an ``ERROR`` body ``{"type": name, "message": text}`` stands for
+    (with ``request_ids``, when the body names requests and the class takes them).
 
     Raises:
-        WireError: ``name`` or ``text`` is not a str.
+        WireError: ``name`` or ``text`` is not a str, or ``request_ids`` not a list of str.
     """
     if not isinstance(name, str) or not isinstance(text, str):
         raise WireError(f"ERROR body {short({'type': name, 'message': text})} lacks str 'type' and 'message'")
+    if request_ids is not None and not (isinstance(request_ids, list)
+                                        and all(isinstance(r, str) for r in request_ids)):
+        raise WireError(f"ERROR body's request_ids must be a list of str, got {short(request_ids)}")
     cls = _known_errors().get(name)
     try:
+        if cls is not None and request_ids is not None and cls is errors.SegmentInFlight:
+            return cls(text, tuple(request_ids))
         return RemoteError(name, text) if cls is None else cls(text)
     except Exception:  # a known class whose constructor wants more than a message
         return RemoteError(name, text)

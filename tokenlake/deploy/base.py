@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
     from tokenlake.core.replication import Replication
     from tokenlake.dataplane.messages import Pong, WireMessage
+
+log = logging.getLogger(__name__)
 
 #: The reply class a request expects (a :class:`~tokenlake.dataplane.messages.WireMessage`).
 Reply = TypeVar("Reply", bound="WireMessage")
@@ -92,6 +95,15 @@ class BufferLayout:
         (``prefix`` is a cluster prefix of :func:`tokenlake.dataplane.shm_files.cluster_prefix`)."""
         return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, self.dtype(name), self.device)
                 for name, shape in self.shapes().items()}
+
+    def session_specs(self, prefix: str, session: int, instance: int) -> dict[str, BufferSpec]:
+        """``{name: spec}`` of a client session's own buffers on ``instance`` (the
+        :data:`CLIENT_BUFFERS`, shaped as the instance's), named
+        ``<prefix>s<session>-<name>-<instance>``: under the cluster's prefix, so whatever
+        unlinks the cluster's buffers unlinks them too."""
+        shapes = self.shapes()
+        return {name: BufferSpec(f"{prefix}s{session}-{name}-{instance}", shapes[name], self.dtype(name),
+                                 self.device) for name in CLIENT_BUFFERS}
 
 
 class ClusterBase(abc.ABC):
@@ -173,6 +185,9 @@ class ClusterBase(abc.ABC):
         #: the cluster's CURVE keys (all of them: this process is the owner); None if insecure
         self.keys: ClusterKeys | None = None if insecure else ClusterKeys.generate()
         self._ctx: Any = None  # the driver's zmq context: set by start(), cleared by close()
+        # (session token, instance) -> (session number, its buffers' spec dicts): the
+        # client sessions whose buffers this launcher made (re-opened on a restarted instance)
+        self._sessions: dict[tuple[bytes, int], tuple[int, dict[str, dict]]] = {}
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -229,6 +244,74 @@ class ClusterBase(abc.ABC):
         """Raises ``ConfigError`` unless :meth:`start` has run and :meth:`close` has not."""
         if self._ctx is None:
             raise ConfigError("the cluster is not running; use it as a context manager")
+
+    # ------------------------------------------------------------ client sessions
+    @abc.abstractmethod
+    def _make_session_buffers(self, session: int, instance: int) -> dict[str, BufferSpec]:
+        """Creates a session's :data:`CLIENT_BUFFERS` on ``instance``'s machine
+        (:meth:`BufferLayout.session_specs`); returns their specs."""
+
+    @abc.abstractmethod
+    def _drop_session_buffers(self, session: int, instance: int) -> None:
+        """Unlinks what :meth:`_make_session_buffers` made (idempotent)."""
+
+    @abc.abstractmethod
+    def _engine_endpoints(self, instance: int) -> dict[str, str]:
+        """``{role: endpoint}`` of ``instance``'s engines."""
+
+    def open_session(self, token: bytes, session: int, instance: int) -> dict[str, Any]:
+        """Gives client session ``session`` (token ``token``, the routing id of its
+        sockets) its own buffers on ``instance`` and registers them with the instance's
+        engines (``OPEN_SESSION``); returns what the session's client needs, as
+        :meth:`client_info` does for the owner's: ``{"instance", "endpoints", "buffers",
+        "timeout_s", "keys"}`` with the member's CURVE keys. Idempotent per instance."""
+        self._check_started()
+        if instance not in self.control.instances:
+            raise ConfigError(f"no instance {instance} in the pool")
+        known = self._sessions.get((token, instance))
+        if known is None:
+            specs = self._make_session_buffers(session, instance)
+            try:
+                self._open_on_engines(token, instance, specs)
+            except BaseException:
+                self._drop_session_buffers(session, instance)
+                raise
+            known = self._sessions[(token, instance)] = (session, {n: s.to_dict() for n, s in specs.items()})
+        return {"instance": instance, "endpoints": self._engine_endpoints(instance),
+                "buffers": dict(known[1]), "timeout_s": self.timeout_s,
+                "keys": None if self.keys is None else self.keys.member_view().to_dict()}
+
+    def _open_on_engines(self, token: bytes, instance: int, specs: dict[str, BufferSpec]) -> None:
+        from tokenlake.dataplane.messages import Ack, OpenSession
+
+        for role, names in ENGINE_BUFFERS.items():
+            mine = {n: specs[n] for n in names if n != "slab"}
+            self._request((role, instance), OpenSession(token, mine), Ack)
+
+    def close_session(self, token: bytes) -> None:
+        """Ends a client session on every instance it has buffers on: its engines drop
+        its plans and answer once nothing it started is still running there
+        (``CLOSE_SESSION``), then its buffers are unlinked. An engine that does not
+        answer (dead) is skipped: its replacement never knew the session."""
+        from tokenlake.dataplane.messages import Ack, CloseSession
+
+        for (tok, instance), (session, _specs) in list(self._sessions.items()):
+            if tok != token:
+                continue
+            for role in ENGINE_BUFFERS:
+                try:
+                    self._request((role, instance), CloseSession(token), Ack)
+                except Exception as exc:  # noqa: BLE001 - a dead or removed engine holds nothing
+                    log.warning("closing a session on the %s engine of instance %d: %s", role, instance, exc)
+            self._drop_session_buffers(session, instance)
+            del self._sessions[(tok, instance)]
+
+    def _reopen_sessions(self, instance: int) -> None:
+        """Registers the sessions that had buffers on ``instance`` with its new engines
+        (after a restart: the buffers outlived the old engines)."""
+        for (token, inst), (_session, specs) in self._sessions.items():
+            if inst == instance:
+                self._open_on_engines(token, instance, {n: BufferSpec.from_dict(d) for n, d in specs.items()})
 
     # ------------------------------------------------------------ the driver's requests
     def engine_stats(self) -> dict[tuple[str, int], Pong]:

@@ -39,8 +39,8 @@ from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
 from tokenlake.dataplane.messages import Shutdown, WireMessage, expect
-from tokenlake.dataplane.shm import BufferRegistry
-from tokenlake.dataplane.shm_files import cluster_prefix, new_cluster_id, sweep_stale
+from tokenlake.dataplane.shm import BufferRegistry, SharedTensor
+from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, new_cluster_id, sweep_stale
 from tokenlake.dataplane.sockets import send, send_frames
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
@@ -94,6 +94,7 @@ class LocalCluster(ClusterBase):
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._made: dict[tuple[int, str], Any] = {}  # the created BufferSpecs (CUDA: with IPC handles)
+        self._session_buffers: dict[tuple[int, int], dict[str, SharedTensor]] = {}  # (session, instance)
         self._procs: dict[tuple[str, int], mp.Process] = {}
         self._endpoints: dict[tuple[str, int], str] = {}
         self._clients: dict[int, InstanceClient] = {}
@@ -205,6 +206,9 @@ class LocalCluster(ClusterBase):
                 proc.join(timeout=2.0)
         self._procs.clear()
         self._buffers.clear()
+        for session, instance in list(self._session_buffers):
+            self._drop_session_buffers(session, instance)
+        self._sessions.clear()
         if self._registry is not None:
             self._registry.cleanup()
             self._registry = None
@@ -230,7 +234,7 @@ class LocalCluster(ClusterBase):
             bufs = {n: self._buffers[(instance, n)] for n in CLIENT_BUFFERS}
             eps = {role: self._endpoints[(role, instance)] for role in ROLES}
             client = InstanceClient(instance, eps, bufs, lambda: self._dead(instance), self.timeout_s,
-                                    keys=self.keys)
+                                    keys=self.keys, as_owner=True)
             client.start(self._ctx)
             self._clients[instance] = client
         return self._clients[instance]
@@ -249,6 +253,29 @@ class LocalCluster(ClusterBase):
                 "buffers": {n: self._made[(instance, n)].to_dict() for n in CLIENT_BUFFERS},
                 "timeout_s": self.timeout_s,
                 "keys": None if self.keys is None else self.keys.member_view().to_dict()}
+
+    # ------------------------------------------------------- client sessions
+    def _make_session_buffers(self, session: int, instance: int) -> dict[str, BufferSpec]:
+        specs = self.layout.session_specs(self._registry.prefix, session, instance)
+        made: dict[str, SharedTensor] = {}
+        try:
+            for name, spec in specs.items():
+                made[name] = SharedTensor.create(spec)  # a CUDA buffer's spec gains its IPC handle
+        except BaseException:
+            for st in made.values():
+                st.close()
+                st.unlink()
+            raise
+        self._session_buffers[(session, instance)] = made
+        return {name: st.spec for name, st in made.items()}
+
+    def _drop_session_buffers(self, session: int, instance: int) -> None:
+        for st in self._session_buffers.pop((session, instance), {}).values():
+            st.close()
+            st.unlink()
+
+    def _engine_endpoints(self, instance: int) -> dict[str, str]:
+        return {role: self._endpoints[(role, instance)] for role in ROLES}
 
     def slab(self, instance: int) -> torch.Tensor:
         """The driver's view of an instance's slab (tests and benchmarks read it)."""
@@ -309,6 +336,7 @@ class LocalCluster(ClusterBase):
             if key[1] != instance:
                 peer = self._endpoints[(key[0], instance)]
                 self._request(key, Peers(((instance, peer),)), Ack)
+        self._reopen_sessions(instance)
         self.control.add_instance(instance)
 
     def replace_failed(self, restart: bool = True) -> tuple[str, ...]:
@@ -390,12 +418,15 @@ class LocalCluster(ClusterBase):
                 return f"the {role} engine of instance {instance}"
         return None
 
-    def _dealer(self, key: tuple[str, int], *, as_owner: bool = True) -> zmq.Socket:
-        """A fresh DEALER connected to one engine, as the owner (or as a member); the
-        caller closes it."""
+    def _dealer(self, key: tuple[str, int], *, as_owner: bool = True, as_engine: bool = False,
+                routing_id: bytes | None = None) -> zmq.Socket:
+        """A fresh DEALER connected to one engine, as the owner (or as a member, or as
+        another engine; with ``routing_id``, a session's token); the caller closes it."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        connect_secure(sock, self.keys, as_owner=as_owner)
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        connect_secure(sock, self.keys, as_owner=as_owner and not as_engine, as_engine=as_engine)
         sock.connect(self._endpoints[key])
         return sock
 

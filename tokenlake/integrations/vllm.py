@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 LAYOUT = "vllm-cpu"  # load mode: vLLM's pages, opaque
 QUERY_LAYOUT = "hf"  # query mode: K/V rows [tokens, 2, kv_heads, head_dim], Hugging Face order
 MODES = ("load", "query")
+#: The connection number each side of one vLLM instance joins its pool session with
+#: (tokenlake.connect); the worker's reads use one more (vllm_load.READ_CONNECTION).
+ROLE_CONNECTION = {KVConnectorRole.SCHEDULER: 1, KVConnectorRole.WORKER: 2}
 
 
 class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
@@ -63,8 +66,12 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         if self.mode == "query":
             self._check_query_mode(vllm_config)
+        # The scheduler side plans and the worker side stores and completes: one session,
+        # joined by both processes (their engine id is the secret they share)
         self.cp = connect(extra["address"], float(extra.get("timeout_s", 10.0)),
-                          extra.get("credentials"))
+                          extra.get("credentials"), label=f"vllm-{role.name.lower()}",
+                          session=f"vllm:{self._kv_transfer_config.engine_id}",
+                          connection=ROLE_CONNECTION[role])
         namespace, self.C = self.cp.layout()
         self._check_namespace(namespace, self.mode, extra["address"])
         if self.mode == "load" and self.C % self.block_size:

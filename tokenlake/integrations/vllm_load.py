@@ -29,8 +29,12 @@ from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
 from tokenlake.dataplane.messages import ReadSegment, SegmentData, expect
+from tokenlake.dataplane.messages.session import alias
 from tokenlake.dataplane.sockets import send
 from tokenlake.integrations.vllm_meta import Load, Store, TokenLakeMetadata, layer_index
+
+#: The connection number of the worker's reads (the sides join with 1 and 2).
+READ_CONNECTION = 3
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +179,8 @@ class LoadMode:
             info = self.cp.client_info(instance)
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            # this session's other socket to the engine (the worker's client has one)
+            sock.setsockopt(zmq.ROUTING_ID, alias(self.cp.token, READ_CONNECTION))
             keys = None if info.keys is None else ClusterKeys.from_dict(dict(info.keys))
             connect_secure(sock, keys)
             sock.connect(info.endpoints["transfer"])

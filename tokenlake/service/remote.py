@@ -16,6 +16,14 @@ not answer raises :class:`~tokenlake.core.errors.EngineUnavailable`, a refused c
 typed exception the server raised (``PlanError``, ``CapacityError``, ``WireError``, ...).
 Threads may share one object: its calls are serialised by a lock (the data-plane
 clients it opens are for one thread each, as in-process ones are).
+
+The first call that plans, stores or reads opens the object's **session** with the
+server (docs/design.md §10): from then on a thread heartbeats every ``heartbeat_s``
+the server asks for, the data-plane clients use the session's own buffers, and the
+request ids it sends are its own. :meth:`RemoteControlPlane.close` ends the session
+(what it left in flight is aborted); a process that dies without closing is ended by
+the server once its heartbeats stop (``timeout_s``, 3 s by default). Reading
+statistics and matching prefixes need no session.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import zmq
 
 from tokenlake.core.control import ControlStats
 from tokenlake.core.cost_model import LatencyModel
-from tokenlake.core.errors import EngineUnavailable, TokenLakeError
+from tokenlake.core.errors import ConfigError, EngineUnavailable, SessionEnded, TokenLakeError
 from tokenlake.core.plans import Batch, Plans
 from tokenlake.core.prefix_tree import MatchResult, SegmentLocation
 from tokenlake.core.specs import HardwareProfile
@@ -44,37 +52,47 @@ from tokenlake.dataplane.messages import (
     CpCacheLoad,
     CpClientInfo,
     CpClientInfoResult,
+    CpCloseSession,
     CpComplete,
     CpFinishRequest,
     CpGenPlans,
+    CpHeartbeat,
     CpLeased,
     CpLeasePrefix,
     CpLoad,
     CpMatch,
     CpMatched,
+    CpOpenSession,
     CpPlans,
+    CpSession,
     CpStats,
     CpStatsResult,
     WireMessage,
     expect,
 )
 from tokenlake.dataplane.messages.base import M
+from tokenlake.dataplane.messages.session import alias, new_token, token_for
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.sockets import send
 
 
 def connect(address: str, timeout_s: float = 5.0,
-            credentials: str | os.PathLike | dict | ClusterKeys | None = None) -> RemoteControlPlane:
+            credentials: str | os.PathLike | dict | ClusterKeys | None = None,
+            label: str = "", session: str | None = None, connection: int = 0) -> RemoteControlPlane:
     """The control plane served at ``address`` (``"tcp://HOST:PORT"``), connected.
 
     ``timeout_s`` bounds every wait for the server (seconds). ``credentials``: the file
     ``tokenlake serve`` wrote (or its content, or the keys); by default the one it wrote
     for this port on this machine (:mod:`tokenlake.dataplane.credentials`), and no CURVE if
-    there is none. Connecting does not wait: a server that is not there, or that refuses
-    the keys, shows at the first call, as ``EngineUnavailable``.
+    there is none. ``label``: what ``tokenlake status`` calls this client's session.
+    ``session``: a secret the processes of one client share (each then joins the same
+    session, with its own ``connection`` number, 1 to 250: the vLLM connector's scheduler
+    and worker); by default the session is this object's alone. Connecting does not
+    wait: a server that is not there, or that refuses the keys, shows at the first call,
+    as ``EngineUnavailable``.
     """
     keys = credentials_load(credentials, address)
-    return RemoteControlPlane(address, timeout_s, keys).start()
+    return RemoteControlPlane(address, timeout_s, keys, label, session, connection).start()
 
 
 class RemotePrefixTree:
@@ -93,8 +111,9 @@ class RemotePrefixTree:
 class RemoteControlPlane:
     """A client of a :class:`~tokenlake.service.server.ControlServer` (see the module)."""
 
-    def __init__(self, address: str, timeout_s: float = 5.0, keys: ClusterKeys | None = None) -> None:
-        self.address, self.timeout_s, self.keys = address, timeout_s, keys
+    def __init__(self, address: str, timeout_s: float = 5.0, keys: ClusterKeys | None = None,
+                 label: str = "", session: str | None = None, connection: int = 0) -> None:
+        self.address, self.timeout_s, self.keys, self.label = address, timeout_s, keys, label
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
@@ -102,6 +121,17 @@ class RemoteControlPlane:
         self._clients: dict[int, InstanceClient] = {}
         self._attached: list[SharedTensor] = []
         self._in_flight: set[int] = set()  # iterations planned here, not yet completed or aborted
+        if session is None and connection:
+            raise ConfigError("a connection number needs a shared session secret")
+        if not 0 <= connection <= 250:
+            raise ConfigError(f"connection must be in [0, 250], got {connection}")
+        # this object's session (the token) and its connection's routing id to every socket
+        self.token = new_token() if session is None else token_for(session)
+        self.routing_id = self.token if connection == 0 else alias(self.token, connection)
+        self.connection = connection
+        self.session: CpSession | None = None  # once opened (the first call that needs it)
+        self._beat_stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> RemoteControlPlane:
@@ -110,15 +140,26 @@ class RemoteControlPlane:
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
             connect_secure(self._sock, self.keys)
             self._sock.connect(self.address)
         return self
 
     def close(self) -> None:
-        """Aborts the plans this object got and did not complete or abort (best effort:
-        a server that does not answer is given up after one timeout), closes the data-plane
-        clients, unmaps their buffers and closes the socket."""
-        self._abort_in_flight()
+        """Ends this object's session (leaves it, when other processes joined it too: the
+        last to leave ends it): the server aborts the plans it got and did not complete
+        or abort, and finishes its requests (best effort: a server that does not answer
+        is given up after one timeout, and ends the session itself once the heartbeats
+        stop); closes the data-plane clients, unmaps their buffers and closes the
+        socket."""
+        self._stop_heartbeat()
+        if self.session is not None and self._sock is not None:
+            try:  # the server closes it on the engines first, then aborts what is in flight
+                self._call(CpCloseSession(), Ack)
+            except TokenLakeError:  # ended already, or no server: it ends it by itself
+                pass
+            self.session = None
+        self._in_flight.clear()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -150,6 +191,7 @@ class RemoteControlPlane:
     def gen_plans(self, batches: Sequence[Batch], dops: Sequence[int],
                   homes: Sequence[int | None] | None = None) -> Plans:
         homes = None if homes is None else tuple(homes)
+        self.open_session()
         plans = self._call(CpGenPlans(tuple(batches), tuple(dops), homes), CpPlans).plans
         self._in_flight.add(plans.iteration)
         return plans
@@ -164,6 +206,7 @@ class RemoteControlPlane:
 
     def lease_prefix(self, request_id: str, prefix_token_ids: Sequence[int]) -> tuple[SegmentLocation, ...]:
         """:meth:`~tokenlake.core.control.ControlPlane.lease_prefix` on the server."""
+        self.open_session()
         request = CpLeasePrefix(request_id, tuple(int(t) for t in prefix_token_ids))
         return self._call(request, CpLeased).locations
 
@@ -198,27 +241,50 @@ class RemoteControlPlane:
                 buffers[name] = shared.tensor
             keys = None if info.keys is None else ClusterKeys.from_dict(dict(info.keys))
             client = InstanceClient(instance, dict(info.endpoints), buffers, lambda: None,
-                                    info.timeout_s, keys=keys)
+                                    info.timeout_s, keys=keys, routing_id=self.routing_id)
             client.start(self._ctx)
             self._clients[instance] = client
         return self._clients[instance]
 
     def client_info(self, instance: int) -> CpClientInfoResult:
         """What opening ``instance``'s data-plane client needs: its engines' endpoints,
-        its client buffers' specs and the cluster's wait limit (seconds)."""
+        this session's buffers there (made on first use) and the cluster's wait limit
+        (seconds)."""
+        self.open_session()
         return self._call(CpClientInfo(instance), CpClientInfoResult)
 
-    # ------------------------------------------------------------ internals
-    def _abort_in_flight(self) -> None:
-        while self._in_flight and self._sock is not None:
-            iteration = self._in_flight.pop()
-            try:
-                self._call(CpAbort(iteration), Ack)
-            except EngineUnavailable:  # no server to tell: it keeps them until it stops
-                self._in_flight.clear()
-            except TokenLakeError:  # completed or aborted meanwhile by someone else
-                pass
+    # ------------------------------------------------------------ the session
+    def open_session(self) -> CpSession:
+        """Opens this object's session with the server, once (every call that plans,
+        stores or reads does it first), and starts heartbeating. Raises
+        ``CapacityError`` when the server serves as many sessions as it may."""
+        if self.session is None:
+            self.session = self._call(CpOpenSession(os.getpid(), self.label), CpSession)
+            self._beat_stop.clear()
+            self._beat = threading.Thread(target=self._heartbeat, name="tokenlake-heartbeat",
+                                          daemon=True)
+            self._beat.start()
+        return self.session
 
+    def _heartbeat(self) -> None:
+        """Tells the server every ``heartbeat_s`` that this session is alive, until
+        :meth:`close` or the server says it ended the session."""
+        every = self.session.heartbeat_s
+        while not self._beat_stop.wait(every):
+            try:
+                self._call(CpHeartbeat(), Ack)
+            except SessionEnded:
+                return  # the next call that needs the session raises it
+            except TokenLakeError:  # a server that does not answer now: keep trying
+                continue
+
+    def _stop_heartbeat(self) -> None:
+        self._beat_stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
+
+    # ------------------------------------------------------------ internals
     def _call(self, request: WireMessage, reply: type[M]) -> M:
         """Sends ``request`` and returns the answer to it as a ``reply`` (answers to
         earlier calls that timed out are skipped)."""

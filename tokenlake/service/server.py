@@ -16,20 +16,41 @@ call fails, is answered with ``ERROR`` (the client raises the typed exception); 
 request that cannot be read never reaches the control plane, and a failed call leaves it
 as :class:`~tokenlake.core.control.ControlPlane` promises (a failed ``gen_plans``
 changes nothing).
+
+Every client that plans, stores or reads is a **session** (docs/design.md §10,
+:mod:`tokenlake.service.sessions`): it opens one (``CP_OPEN_SESSION``) on a connection
+whose routing id is its token, and from then on the server knows every request on that
+connection as the session's. A session's request ids are its own (two clients may both
+say ``"r1"``), its iterations can be completed or aborted by it alone, its data-plane
+buffers on each instance are its own (``CP_CLIENT_INFO`` creates them), and when it
+stops heartbeating the server ends it within ``timeout_s``: its engines' state first
+(so no write of it lands later), then its iterations are aborted (the segments it had
+not finished storing leave the pool) and its requests finished (their leases and tails
+go back). Reading statistics and matching prefixes need no session.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import zmq
 
 from tokenlake.core.control import ControlPlane
-from tokenlake.core.errors import ConfigError, PlanError
-from tokenlake.core.plans import Plans
+from tokenlake.core.errors import ConfigError, PlanError, SegmentInFlight, TokenLakeError
+from tokenlake.core.plans import (
+    Batch,
+    BatchRequest,
+    Plans,
+    QueryItem,
+    QueryPlan,
+    QueryTask,
+    RowSpan,
+)
 from tokenlake.dataplane import messages, wire
 from tokenlake.dataplane.auth import ClusterKeys, guard, serve_secure
 from tokenlake.dataplane.messages import (
@@ -38,21 +59,33 @@ from tokenlake.dataplane.messages import (
     CpCacheLoad,
     CpClientInfo,
     CpClientInfoResult,
+    CpCloseSession,
     CpComplete,
     CpFinishRequest,
     CpGenPlans,
+    CpHeartbeat,
     CpLeased,
     CpLeasePrefix,
     CpLoad,
     CpMatch,
     CpMatched,
+    CpOpenSession,
     CpPlans,
+    CpSession,
     CpStats,
     CpStatsResult,
     WireMessage,
 )
 from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.dataplane.sockets import bind_address, send_routed
+from tokenlake.service.sessions import (
+    HEARTBEAT_S,
+    ITERATION_TIMEOUT_S,
+    MAX_SESSIONS,
+    SESSION_TIMEOUT_S,
+    Session,
+    SessionTable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +101,14 @@ class ServedCluster(Protocol):
     control: ControlPlane
     keys: ClusterKeys | None  # the cluster's CURVE keys (None: started insecure)
 
-    def client_info(self, instance: int) -> Mapping[str, Any]:
-        """``{"endpoints": {role: endpoint}, "buffers": {name: BufferSpec dict},
-        "timeout_s": float, ...}`` of a running instance."""
+    def open_session(self, token: bytes, session: int, instance: int) -> Mapping[str, Any]:
+        """A client session's own buffers on ``instance``, registered with its engines:
+        ``{"endpoints": {role: endpoint}, "buffers": {name: BufferSpec dict},
+        "timeout_s": float, "keys": member keys or None}``
+        (:meth:`~tokenlake.deploy.base.ClusterBase.open_session`)."""
+
+    def close_session(self, token: bytes) -> None:
+        """Ends a client session on its engines and unlinks its buffers."""
 
 
 class ControlServer:
@@ -84,15 +122,28 @@ class ControlServer:
             ``insecure`` is served without CURVE, and another host than loopback is then
             logged as a warning.
         port: the TCP port; 0 binds any free one (read :attr:`address`).
-        poll_s: how often the serving thread checks for :meth:`close` (seconds).
+        poll_s: how often the serving thread checks for :meth:`close` and for silent
+            sessions (seconds).
+        session_timeout_s: silence after which a client session is ended (its clients
+            heartbeat every ``heartbeat_s``); iteration_timeout_s: the longest one of its
+            iterations may stay in flight; max_sessions: client sessions at once
+            (:mod:`tokenlake.service.sessions`).
+        clock: the sessions' clock (monotonic seconds).
 
     The constructor only stores; :meth:`start` binds and starts the thread,
     :meth:`close` stops it (both idempotent; also a context manager).
     """
 
     def __init__(self, cluster: ServedCluster, host: str = "127.0.0.1", port: int = 0,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, session_timeout_s: float = SESSION_TIMEOUT_S,
+                 heartbeat_s: float = HEARTBEAT_S, iteration_timeout_s: float = ITERATION_TIMEOUT_S,
+                 max_sessions: int = MAX_SESSIONS, clock: Callable[[], float] = time.monotonic) -> None:
         self.cluster, self.host, self.port, self.poll_s = cluster, host, port, poll_s
+        if not 0 < heartbeat_s < session_timeout_s:
+            raise ConfigError(f"heartbeat_s must be in (0, session_timeout_s={session_timeout_s:g}), "
+                              f"got {heartbeat_s:g}")
+        self.heartbeat_s = heartbeat_s
+        self.sessions = SessionTable(clock, session_timeout_s, iteration_timeout_s, max_sessions)
         self.keys: ClusterKeys | None = getattr(cluster, "keys", None)
         self._gate = None
         self.address = ""  # tcp://host:port once started
@@ -102,11 +153,14 @@ class ControlServer:
         self._stop = threading.Event()
         self._issued: dict[int, Plans] = {}  # plans in flight, by iteration
         self.lock = threading.RLock()  # held for every call of the control plane
+        # requests anyone admitted may send, and those of a session (with it)
         self._handlers: dict[type, Callable[[Any], WireMessage]] = {
-            CpMatch: self._match, CpCacheLoad: self._cache_load, CpGenPlans: self._gen_plans,
-            CpComplete: self._complete, CpAbort: self._abort, CpFinishRequest: self._finish,
-            CpStats: self._stats, CpClientInfo: self._client_info,
-            CpLeasePrefix: self._lease_prefix,
+            CpMatch: self._match, CpCacheLoad: self._cache_load, CpStats: self._stats,
+        }
+        self._session_handlers: dict[type, Callable[[Session, Any], WireMessage]] = {
+            CpGenPlans: self._gen_plans, CpComplete: self._complete, CpAbort: self._abort,
+            CpFinishRequest: self._finish, CpClientInfo: self._client_info,
+            CpLeasePrefix: self._lease_prefix, CpHeartbeat: self._heartbeat,
         }
 
     # ------------------------------------------------------------ lifecycle
@@ -140,11 +194,14 @@ class ControlServer:
                 "keys": None if self.keys is None else self.keys.member_view().to_dict()}
 
     def close(self) -> None:
-        """Stops serving and closes the port (the cluster stays up: its owner closes it)."""
+        """Stops serving, ends every client session (what they left in flight is
+        aborted) and closes the port (the cluster stays up: its owner closes it)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
             self._thread = None
+            for session in self.sessions:
+                self.end_session(session, "the server stops")
         self._release()
 
     def __enter__(self) -> ControlServer:
@@ -166,34 +223,101 @@ class ControlServer:
 
     # ------------------------------------------------------------ serving
     def _serve(self) -> None:
-        """The thread that owns the control plane: one request at a time."""
+        """The thread that owns the control plane: one request at a time, and between
+        them the sessions that went silent are ended."""
         sock = self._sock
         while not self._stop.is_set():
-            if not sock.poll(int(self.poll_s * 1000) + 1, zmq.POLLIN):
-                continue
-            frames = sock.recv_multipart(copy=False)
-            cut = 2 if len(frames) > 2 and len(frames[1]) == 0 else 1  # a REQ peer's delimiter
-            envelope, reply = frames[:cut], self._answer(frames[cut:])
-            try:
-                send_routed(sock, envelope, reply, timeout_s=self.poll_s)
-            except Exception as e:  # the client went away: nothing to tell it
-                log.warning("control reply dropped: %s", e)
+            if sock.poll(int(self.poll_s * 1000) + 1, zmq.POLLIN):
+                frames = sock.recv_multipart(copy=False)
+                cut = 2 if len(frames) > 2 and len(frames[1]) == 0 else 1  # a REQ peer's delimiter
+                envelope, reply = frames[:cut], self._answer(frames[0].bytes, frames[cut:])
+                try:
+                    send_routed(sock, envelope, reply, timeout_s=self.poll_s)
+                except Exception as e:  # the client went away: nothing to tell it
+                    log.warning("control reply dropped: %s", e)
+            for session, why in self.sessions.expired():
+                self.end_session(session, why)
 
-    def _answer(self, frames: list) -> list:
-        """The reply frames to one request's frames (``ERROR`` on any failure)."""
+    def _answer(self, identity: bytes, frames: list) -> list:
+        """The reply frames to one request's frames (``ERROR`` on any failure), from the
+        client whose routing id is ``identity``."""
         msg_id = 0
         try:
             msg_id, request = messages.decode(frames)
-            handler = self._handlers.get(type(request))
-            if handler is None:
-                raise wire.WireError(f"{request.KIND.name} is not a control-plane request")
             with self.lock:
-                answer = handler(request)
+                if isinstance(request, CpOpenSession):
+                    answer = self._open_session(identity, request)
+                elif isinstance(request, CpCloseSession):
+                    answer = self._close_session(self.sessions.get(identity), identity)
+                elif type(request) in self._session_handlers:
+                    session = self.sessions.get(identity)  # SessionEnded if there is none
+                    answer = self._session_handlers[type(request)](session, request)
+                elif type(request) in self._handlers:
+                    session = self.sessions.find(identity)
+                    if session is not None:
+                        self.sessions.get(identity)  # any request is a heartbeat
+                    answer = self._handlers[type(request)](request)
+                else:
+                    raise wire.WireError(f"{request.KIND.name} is not a control-plane request")
             return answer.encode(msg_id)
         except Exception as e:  # every failure becomes the client's typed exception
             msg_id = getattr(e, "msg_id", None) or msg_id
             log.info("control request %d refused: %s: %s", msg_id, type(e).__name__, e)
             return wire.error_message(msg_id, e)
+
+    # ------------------------------------------------------------ sessions
+    def _open_session(self, identity: bytes, req: CpOpenSession) -> CpSession:
+        try:
+            session = self.sessions.open(identity, req.pid, req.label)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        if len(session.connections) == 1:
+            log.info("session %d opened (pid %d, %s)", session.number, session.pid, session.label or "-")
+        return CpSession(session.number, self.heartbeat_s, self.sessions.timeout_s)
+
+    def _heartbeat(self, session: Session, req: CpHeartbeat) -> Ack:
+        return Ack()
+
+    def _close_session(self, session: Session, identity: bytes) -> Ack:
+        if self.sessions.leave(session, identity):  # the last of its connections left
+            self.end_session(session, "closed by the client")
+        return Ack()
+
+    def end_session(self, session: Session, why: str) -> None:
+        """Ends ``session``: its engines forget it and answer once nothing it started is
+        running (no write of it lands after this), then its iterations in flight are
+        aborted (the segments it had not finished storing leave the pool) and its
+        requests finished (their leases and open tails go back), its buffers unlinked."""
+        with self.lock:
+            self.sessions.remove(session)
+            try:
+                self.cluster.close_session(session.token)
+            except Exception:  # noqa: BLE001 - the control plane must be freed regardless
+                log.exception("could not close session %d on its engines", session.number)
+            control = self.cluster.control
+            aborted = finished = 0
+            for iteration in sorted(session.iterations):
+                plans = self._issued.pop(iteration, None)
+                if plans is not None:
+                    try:
+                        control.abort(plans)
+                        aborted += 1
+                    except TokenLakeError as e:
+                        log.warning("session %d: aborting iteration %d failed: %s", session.number, iteration, e)
+            session.iterations.clear()
+            live = set(control.live_requests)
+            for rid in sorted(session.requests & live):
+                try:
+                    control.finish_request(rid)
+                    finished += 1
+                except TokenLakeError as e:
+                    log.warning("session %d: finishing request %s failed: %s", session.number, rid, e)
+            session.requests.clear()
+            if why != "closed by the client":
+                self.sessions.ended += 1
+            log.log(logging.INFO if why == "closed by the client" else logging.WARNING,
+                    "session %d (pid %d, %s) ended: %s; %d iterations aborted, %d requests finished",
+                    session.number, session.pid, session.label or "-", why, aborted, finished)
 
     def shared_control(self) -> Serialised:
         """The served control plane for this process: every call (and every call on
@@ -209,44 +333,88 @@ class ControlServer:
     def _cache_load(self, req: CpCacheLoad) -> CpLoad:
         return CpLoad(self.cluster.control.get_cache_load(req.reqs, req.hardware, req.latency))
 
-    def _gen_plans(self, req: CpGenPlans) -> CpPlans:
-        plans = self.cluster.control.gen_plans(req.batches, req.dops, req.homes)
+    def _gen_plans(self, session: Session, req: CpGenPlans) -> CpPlans:
+        batches = tuple(_renamed_batch(b, session.prefix) for b in req.batches)
+        try:
+            plans = self.cluster.control.gen_plans(batches, req.dops, req.homes)
+        except SegmentInFlight as e:  # the client's own names for the requests that wait
+            raise SegmentInFlight(str(e).replace(f"'{session.prefix}", "'"), tuple(
+                self.sessions.external(session, r) for r in e.request_ids)) from None
         self._issued[plans.iteration] = plans
-        return CpPlans(plans)
+        session.iterations[plans.iteration] = self.sessions.clock()
+        session.requests.update(r.request_id for b in batches for r in b.requests)
+        return CpPlans(_renamed_plans(plans, session.prefix))
 
-    def _complete(self, req: CpComplete) -> Ack:
-        self.cluster.control.complete(self._take(req.iteration))
+    def _complete(self, session: Session, req: CpComplete) -> Ack:
+        self.cluster.control.complete(self._take(session, req.iteration))
+        self._forget_finished(session)
         return Ack()
 
-    def _abort(self, req: CpAbort) -> Ack:
-        self.cluster.control.abort(self._take(req.iteration))
+    def _abort(self, session: Session, req: CpAbort) -> Ack:
+        self.cluster.control.abort(self._take(session, req.iteration))
+        self._forget_finished(session)
         return Ack()
 
-    def _take(self, iteration: int) -> Plans:
-        plans = self._issued.pop(iteration, None)
-        if plans is None:
-            raise PlanError(f"iteration {iteration} has no plans in flight")
-        return plans
+    def _take(self, session: Session, iteration: int) -> Plans:
+        if iteration not in session.iterations:
+            raise PlanError(f"iteration {iteration} has no plans in flight for this session")
+        del session.iterations[iteration]
+        return self._issued.pop(iteration)
 
-    def _lease_prefix(self, req: CpLeasePrefix) -> CpLeased:
-        return CpLeased(self.cluster.control.lease_prefix(req.request_id, req.tokens))
+    def _forget_finished(self, session: Session) -> None:
+        """Drops the session's requests the control plane no longer knows (admitted in
+        an iteration that was aborted)."""
+        if session.requests:
+            session.requests &= set(self.cluster.control.live_requests)
 
-    def _finish(self, req: CpFinishRequest) -> Ack:
-        self.cluster.control.finish_request(req.request_id)
+    def _lease_prefix(self, session: Session, req: CpLeasePrefix) -> CpLeased:
+        rid = self.sessions.internal(session, req.request_id)
+        locations = self.cluster.control.lease_prefix(rid, req.tokens)
+        session.requests.add(rid)
+        return CpLeased(locations)
+
+    def _finish(self, session: Session, req: CpFinishRequest) -> Ack:
+        rid = self.sessions.internal(session, req.request_id)
+        self.cluster.control.finish_request(rid)
+        session.requests.discard(rid)
         return Ack()
 
     def _stats(self, req: CpStats) -> CpStatsResult:
         control = self.cluster.control
         return CpStatsResult(control.stats(), tuple(control.instances), control.config.namespace,
-                             control.config.segment_tokens)
+                             control.config.segment_tokens, self.sessions.infos())
 
-    def _client_info(self, req: CpClientInfo) -> CpClientInfoResult:
+    def _client_info(self, session: Session, req: CpClientInfo) -> CpClientInfoResult:
         if req.instance not in self.cluster.control.instances:
             raise ConfigError(f"no instance {req.instance} in the pool")
-        info = self.cluster.client_info(req.instance)
+        info = self.cluster.open_session(session.token, session.number, req.instance)
+        session.instances.add(req.instance)
         buffers = {name: BufferSpec.from_dict(spec) for name, spec in info["buffers"].items()}
         return CpClientInfoResult(req.instance, dict(info["endpoints"]), buffers,
                                   float(info["timeout_s"]), info.get("keys"))
+
+
+def _renamed_batch(batch: Batch, prefix: str) -> Batch:
+    """``batch`` with every request id in the session's namespace."""
+    return Batch(tuple(BatchRequest(prefix + r.request_id, r.new_token_ids, r.prefix_token_ids)
+                       for r in batch.requests), batch.phase)
+
+
+def _renamed_plans(plans: Plans, prefix: str) -> Plans:
+    """``plans`` with the session's namespace taken off every request id (what the
+    session sees is its own names)."""
+    cut = len(prefix)
+
+    def query(qp: QueryPlan) -> QueryPlan:
+        def task(t: QueryTask) -> QueryTask:
+            return QueryTask(t.instance, tuple(QueryItem(i.request_id[cut:], i.start, i.stop, i.slots, i.tokens)
+                                               for i in t.items))
+        spans = tuple(RowSpan(s.request_id[cut:], s.start, s.stop, s.position, s.prefix_tokens)
+                      for s in qp.spans)
+        return dataclasses.replace(qp, spans=spans, tasks=tuple(map(task, qp.tasks)),
+                                   tails=tuple(map(task, qp.tails)))
+
+    return dataclasses.replace(plans, query_plans=tuple(map(query, plans.query_plans)))
 
 
 class Serialised:

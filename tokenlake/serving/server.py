@@ -29,7 +29,7 @@ from scheduler.admission import admission_order
 from scheduler.api import BatchDecision, InstanceView, Snapshot
 from scheduler.goodput import GoodputScheduler
 from tokenlake.core.cost_model import LatencyModel
-from tokenlake.core.errors import CapacityError
+from tokenlake.core.errors import CapacityError, SegmentInFlight
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_hardware
 from tokenlake.model.compute import ComputeEngine
@@ -162,6 +162,8 @@ class Server:
         self.admit_limit: int | None = None  # most new admissions per iteration (see step)
         self.admission_patience_s = 30.0  # then a waiting request goes first (scheduler/admission.py)
         self.admission_holds = 0  # iterations skipped because the pool was full
+        self.waits_in_flight = 0  # requests that waited for a segment another client stored
+        self.in_flight_poll_s = 0.005  # how often an iteration of waiting requests is retried
         self._admitted_now: list[_Live] = []
 
     #: ``on_error(request_id, message)``: a request failed on its own (see :meth:`_emit`);
@@ -203,7 +205,10 @@ class Server:
             return
         cp = self.control
         try:
-            plans = cp.gen_plans(batches, dops)
+            plans = self._plan(batches, dops, prefilling)
+            if plans is None:  # every request waits for segments another client stores:
+                time.sleep(self.in_flight_poll_s)  # no signal tells when it is done; poll
+                return
         except CapacityError:
             new = len(self._admitted_now)
             self._take_back_admissions()
@@ -238,6 +243,40 @@ class Server:
             elif live.phase != DECODE:
                 continue  # a prefill chunk that is not the prompt's last
             self._emit(live, logits)
+
+    def _plan(self, batches: list[Batch], dops: list[int], prefilling: dict[str, int]):
+        """``gen_plans`` of the policy's batches; a request whose new tokens complete a
+        segment another client is still storing (``SegmentInFlight``) waits: it leaves
+        this iteration (its admission, if new, is taken back) and the rest is planned
+        without it. The next iteration matches it again, so it reuses the segment once
+        stored, or stores it itself if that client's iteration was aborted (its session
+        ended). Returns None when every request waits."""
+        while True:
+            try:
+                return self.control.gen_plans(batches, dops)
+            except SegmentInFlight as e:
+                waiting = set(e.request_ids)
+                if not waiting & {r.request_id for b in batches for r in b.requests}:
+                    raise  # names none of this iteration's requests: nothing to take out
+                self.waits_in_flight += len(waiting)
+                self._defer(waiting, prefilling)
+                kept = [(Batch(tuple(r for r in b.requests if r.request_id not in waiting), b.phase), d)
+                        for b, d in zip(batches, dops)]
+                kept = [(b, d) for b, d in kept if b.requests]
+                if not kept:
+                    return None
+                batches[:], dops[:] = [b for b, _ in kept], [d for _, d in kept]
+
+    def _defer(self, request_ids: set[str], prefilling: dict[str, int]) -> None:
+        """Takes ``request_ids`` out of this iteration (before its plans exist)."""
+        for live in [a for a in self._admitted_now if a.req.request_id in request_ids]:
+            self._admitted_now.remove(live)
+            self.tracker.requeue(live)
+            if not live.preemptions:
+                live.result.hit_tokens = live.result.prefill_tokens = 0
+            prefilling.pop(live.req.request_id, None)
+        for rid in request_ids & prefilling.keys():  # a later chunk: undo its count only
+            self.tracker[rid].result.prefill_tokens -= prefilling.pop(rid)
 
     def _take_back_admissions(self) -> None:
         for live in self._admitted_now:

@@ -58,6 +58,15 @@ from tokenlake.dataplane.messages.service import (
     CpPlans,
     CpStats,
     CpStatsResult,
+    SessionInfo,
+)
+from tokenlake.dataplane.messages.session import (
+    CloseSession,
+    CpCloseSession,
+    CpHeartbeat,
+    CpOpenSession,
+    CpSession,
+    OpenSession,
 )
 from tokenlake.dataplane.messages.transfer import (
     CopyDone,
@@ -76,9 +85,11 @@ from tokenlake.dataplane.messages.transfer import (
 from tokenlake.dataplane.tensor_frames import WireError
 
 __all__ = [
-    "TYPES", "Ack", "AttendItem", "CopyDone", "CopySegment", "CpAbort", "CpCacheLoad",
-    "CpClientInfo", "CpClientInfoResult", "CpComplete", "CpFinishRequest", "CpGenPlans",
-    "CpLeased", "CpLeasePrefix", "CpLoad", "CpMatch", "CpMatched", "CpPlans", "CpStats", "CpStatsResult", "ErrorReply", "Fields",
+    "TYPES", "Ack", "AttendItem", "CloseSession", "CopyDone", "CopySegment", "CpAbort",
+    "CpCacheLoad", "CpClientInfo", "CpClientInfoResult", "CpCloseSession", "CpComplete",
+    "CpFinishRequest", "CpGenPlans", "CpHeartbeat", "CpLeased", "CpLeasePrefix", "CpLoad",
+    "CpMatch", "CpMatched", "CpOpenSession", "CpPlans", "CpSession", "CpStats",
+    "CpStatsResult", "ErrorReply", "Fields", "OpenSession", "SessionInfo",
     "InstanceItems", "PeerPut", "PeerQuery", "PeerQueryResult", "PeerRegisterPlan",
     "PeerReleasePlan", "PeerSegment", "Peers", "Ping", "PlanAck", "Pong", "Put", "PutDone",
     "PutTarget", "Query", "QueryDone", "ReadSegment", "RegisterQueryPlan",

@@ -54,24 +54,34 @@ class Pong(WireMessage):
 
 @dataclass(frozen=True)
 class ErrorReply(WireMessage):
-    """``ERROR`` ``{"type": exception class name, "message": str}``: the answer to any
-    request that failed (built by ``wire.error_message``)."""
+    """``ERROR`` ``{"type": exception class name, "message": str, "request_ids": [str]
+    (optional)}``: the answer to any request that failed (built by
+    ``wire.error_message``); ``request_ids`` names the requests a ``SegmentInFlight``
+    keeps waiting."""
 
     KIND = Kind.ERROR
     type: str
     message: str
+    request_ids: tuple[str, ...] = ()  # optional: the requests an error names
 
     def body(self) -> dict:
-        return {"type": self.type, "message": self.message}
+        body = {"type": self.type, "message": self.message}
+        if self.request_ids:
+            body["request_ids"] = list(self.request_ids)
+        return body
 
     @classmethod
     def from_wire(cls, f: Fields) -> ErrorReply:
         f.tensors(0)
-        return cls(f.str("type"), f.str("message"))
+        rids = f.list("request_ids", default=[])
+        for i, r in enumerate(rids):
+            if not isinstance(r, str):
+                raise f.error(f"request_ids[{i}]", f"must be a str, got {short(r)}")
+        return cls(f.str("type"), f.str("message"), tuple(rids))
 
     def exception(self) -> TokenLakeError:
         """The typed exception this error stands for (``wire.raise_if_error``'s rules)."""
-        return remote_exception(self.type, self.message)
+        return remote_exception(self.type, self.message, list(self.request_ids) or None)
 
 
 @dataclass(frozen=True)

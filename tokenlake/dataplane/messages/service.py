@@ -157,16 +157,42 @@ class CpStats(_PlainBody, WireMessage):
 
 
 @dataclass(frozen=True)
+class SessionInfo:
+    """One session as ``tokenlake status`` lists it.
+
+    Attributes:
+        session: the server's number for it (1, 2, ...; 0 is the serving process's own).
+        pid: the client's process id, as it said when it opened the session.
+        label: what the client called itself (``tokenlake.connect(..., label=)``).
+        age_s: seconds since it opened; idle_s: seconds since its last message.
+        iterations: iterations it has in flight (planned, not completed or aborted).
+        requests: its live requests (each holding leases on its prefix).
+        instances: the instances it has buffers on.
+    """
+
+    session: int
+    pid: int
+    label: str
+    age_s: float
+    idle_s: float
+    iterations: int
+    requests: int
+    instances: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CpStatsResult(_PlainBody, WireMessage):
     """``CP_STATS_RESULT`` ``{"stats": ControlStats, "instances": [int], "namespace":
-    str, "segment_tokens": int}``: the statistics, the instances, and what a client
-    must agree with (the namespace says the model and the KV layout)."""
+    str, "segment_tokens": int, "sessions": [SessionInfo]}``: the statistics, the
+    instances, what a client must agree with (the namespace says the model and the KV
+    layout), and the open sessions (optional: an older server sends none)."""
 
     KIND = Kind.CP_STATS_RESULT
     stats: ControlStats
     instances: tuple[int, ...]
     namespace: str
     segment_tokens: int
+    sessions: tuple[SessionInfo, ...] = ()
 
 
 @dataclass(frozen=True)

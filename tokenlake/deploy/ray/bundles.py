@@ -168,7 +168,9 @@ class Bundles:
             "buffers": {n: info.buffers[n] for n in CLIENT_BUFFERS},
             "procs": {role: t.procs[(role, instance)].to_dict() for role in ENGINE_ROLES},
             "timeout_s": self.table.timeout_s,
-            "keys": None if self.keys is None else self.keys.member_view().to_dict(),
+            # the owner's compute engines (this driver, its compute actors) use the
+            # instance's own buffers: the owner's session (docs/security.md)
+            "keys": None if self.keys is None else self.keys.owner_client_view().to_dict(),
         }
 
     # ---------------------------------------------------------------- stop

@@ -54,6 +54,6 @@ def open_client(info: dict[str, Any], ctx: zmq.Context | None = None, timeout_s:
     keys = info.get("keys")
     client = InstanceClient(instance, dict(info["endpoints"]), buffers, dead,
                             info["timeout_s"] if timeout_s is None else timeout_s,
-                            keys=None if keys is None else ClusterKeys.from_dict(keys))
+                            keys=None if keys is None else ClusterKeys.from_dict(keys), as_owner=True)
     client.start(ctx if ctx is not None else zmq.Context.instance())
     return client

@@ -30,6 +30,7 @@ again in the same bundle with an empty slab.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from typing import Any
 
 import ray
 import zmq
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable
@@ -270,6 +271,7 @@ class RayCluster(ClusterBase):
         that were in flight)."""
         self._check_running(instance)
         self._teardown([instance], tell_peers=True)
+        self._forget_sessions(instance)
         if instance in self.control.instances:  # unless the caller removed it already
             return self.control.remove_instance(instance)
         return ()
@@ -357,6 +359,30 @@ class RayCluster(ClusterBase):
     def _start_compute(self, instances: list[int]) -> None:
         self._compute.create({i: self._bundles.in_bundle(i) for i in instances})
         self._compute.open({i: self.client_info(i) for i in instances})
+
+    # ------------------------------------------------- client sessions
+    def _make_session_buffers(self, session: int, instance: int) -> dict[str, Any]:
+        """Has ``instance``'s host create the session's buffers on its node."""
+        from tokenlake.dataplane.shm_files import BufferSpec
+
+        host = self._bundles.table.actors[("host", instance)]
+        made = ray.get(host.create_session.remote(self.layout, session), timeout=self.timeout_s)
+        return {name: BufferSpec.from_dict(d) for name, d in made.items()}
+
+    def _drop_session_buffers(self, session: int, instance: int) -> None:
+        host = self._bundles.table.actors.get(("host", instance))
+        if host is not None:
+            with contextlib.suppress(RayError):
+                ray.get(host.drop_session.remote(self.layout, session), timeout=self.timeout_s)
+
+    def _engine_endpoints(self, instance: int) -> dict[str, str]:
+        return {role: self._bundles.table.endpoints[(role, instance)] for role in ENGINE_ROLES}
+
+    def _forget_sessions(self, instance: int) -> None:
+        """A removed instance's host unlinked its sessions' buffers with its own: its
+        sessions there are gone (their clients see ``EngineUnavailable``)."""
+        for key in [k for k in self._sessions if k[1] == instance]:
+            del self._sessions[key]
 
     # ------------------------------------------------- the driver's requests
     def _live_engines(self) -> list[tuple[str, int]]:

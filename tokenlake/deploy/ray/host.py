@@ -74,6 +74,29 @@ class InstanceHost:
             raise
         return HostBuffers(specs, self.prefix, self.cluster_id, ProcessRef.this())
 
+    def create_session(self, layout: BufferLayout, session: int) -> dict[str, dict[str, Any]]:
+        """Creates client session ``session``'s buffers on this node
+        (:meth:`BufferLayout.session_specs`); returns their spec dicts."""
+        specs = layout.session_specs(self.prefix, session, self.instance)
+        made = []
+        try:
+            for spec in specs.values():
+                create_buffer(spec.name, spec.nbytes)
+                made.append(spec.name)
+        except BaseException:
+            for name in made:
+                unlink_buffer(name)
+            raise
+        self._names.extend(made)
+        return {name: spec.to_dict() for name, spec in specs.items()}
+
+    def drop_session(self, layout: BufferLayout, session: int) -> None:
+        """Unlinks client session ``session``'s buffers (idempotent)."""
+        for spec in layout.session_specs(self.prefix, session, self.instance).values():
+            unlink_buffer(spec.name)
+            if spec.name in self._names:
+                self._names.remove(spec.name)
+
     def alive(self) -> bool:
         return True
 

@@ -194,3 +194,75 @@ def format_report(result: dict) -> str:
         errors = {**errors, **(result.get(side, {}).get("error_samples") or {})}
     lines += [f"error x{n}: {message}" for message, n in errors.items()]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- --mixed
+
+
+def worker_summary(stats, worker: int, session: int | None) -> dict:
+    """The report of one ``--mixed`` compute engine from its
+    :class:`~tokenlake.tools.bench_serve_worker.WorkerStats` (any object with those
+    fields): throughputs per second of running (``active_s``), latency percentiles of
+    its iterations (ms; None without any), its counts, and up to 3 error samples."""
+    lat = [x * 1e3 for x in stats.latencies_s]
+    active = stats.active_s
+
+    def per_s(x: float) -> float | None:
+        return x / active if active > 0 else None
+
+    return {"worker": worker, "session": session, "iterations": stats.iterations,
+            "iterations_per_s": per_s(stats.iterations), "tokens_per_s": per_s(stats.tokens),
+            "latency_p50_ms": percentile(lat, 50) if lat else None,
+            "latency_p99_ms": percentile(lat, 99) if lat else None,
+            "errors": stats.errors, "wrong_answers": stats.wrong_answers,
+            "worst_error": stats.worst_error, "waits_in_flight": stats.waits_in_flight,
+            "tokens": stats.tokens, "hit_tokens": stats.hit_tokens,
+            "layers_checked": stats.layers_checked, "active_s": active,
+            "error_samples": dict(stats.error_samples.most_common(3))}
+
+
+def lost_worker(worker: int, why: str) -> dict:
+    """The entry of a worker that ended without a report: one error, nothing checked."""
+    return {"worker": worker, "session": None, "iterations": 0, "iterations_per_s": None,
+            "tokens_per_s": None, "latency_p50_ms": None, "latency_p99_ms": None,
+            "errors": 1, "wrong_answers": 0, "worst_error": None, "waits_in_flight": 0,
+            "lost": True, "error_samples": {why[:500]: 1}}
+
+
+def http_check(result: dict) -> dict:
+    """The HTTP side of a ``--mixed`` run: the pool's failed requests, and its greedy
+    answers that differ from the baseline's (``checked``: False, ``wrong_answers``
+    None, when no baseline was compared)."""
+    pool = result.get("pool", result)
+    checked = "answers_compared" in result
+    return {"errors": pool["errors"], "checked": checked,
+            "answers_compared": result.get("answers_compared", 0),
+            "wrong_answers": result["answers_differ"] if checked else None}
+
+
+def mixed_report(workers: list[dict], http: dict) -> dict:
+    """``"mixed"`` of the JSON report: the workers' entries (by worker number), their
+    total wrong answers and errors (the HTTP side's are under ``http``)."""
+    workers = sorted(workers, key=lambda w: w["worker"])
+    return {"workers": workers, "wrong_answers": sum(w["wrong_answers"] for w in workers),
+            "errors": sum(w["errors"] for w in workers), "http": http}
+
+
+def format_mixed(mixed: dict) -> str:
+    """One line per worker, then the totals."""
+    lines = []
+    for w in mixed["workers"]:
+        worst = "-" if w["worst_error"] is None else f"{w['worst_error']:.1e}"
+        lines.append(
+            f"worker {w['worker']} (session {w['session']}): {w['iterations']} iterations, "
+            f"{_num(w['iterations_per_s'], '.2f')} it/s, {_num(w['tokens_per_s'])} tokens/s, "
+            f"latency p50/p99 {_num(w['latency_p50_ms'], '.0f')}/"
+            f"{_num(w['latency_p99_ms'], '.0f')} ms, {w['errors']} errors, "
+            f"{w['wrong_answers']} wrong (worst {worst}), {w['waits_in_flight']} waits")
+        lines += [f"  error x{n}: {m}" for m, n in (w.get("error_samples") or {}).items()]
+    http = mixed["http"]
+    checked = (f"{http['wrong_answers']} of {http['answers_compared']} answers differ from "
+               "the baseline" if http["checked"] else "answers not checked (no baseline)")
+    lines.append(f"workers: {mixed['wrong_answers']} wrong answers, {mixed['errors']} errors; "
+                 f"HTTP: {http['errors']} errors, {checked}")
+    return "\n".join(lines)

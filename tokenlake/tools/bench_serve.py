@@ -21,6 +21,13 @@ each round a fresh workload seed; the report gives medians over rounds, their ra
 and the ratios (baseline/pool for latencies, pool/baseline for throughputs), and how
 many greedy answers differ between the two (``answers_differ`` of
 ``answers_compared``).
+
+With ``mixed`` (``--mixed N``), N compute engines drive the pool through
+``tokenlake.connect`` while the HTTP load runs against it
+(:mod:`tokenlake.tools.bench_serve_mixed`); the report gains ``"mixed"``: each worker's
+throughput, iteration latency, errors and wrong answers (its partials checked against a
+float64 reference), and the HTTP side's errors and answers checked against the
+baseline's (``"checked": false`` without one).
 """
 
 from __future__ import annotations
@@ -42,10 +49,13 @@ from tokenlake.tools.bench_serve_load import (
     sigterm_as_interrupt,
     warmup_requests,
 )
+from tokenlake.tools.bench_serve_mixed import MixedSpec, MixedWorkers
 from tokenlake.tools.bench_serve_stats import (
     Outcome,
     aggregate,
+    http_check,
     median_and_range,
+    mixed_report,
     parse_metrics,
     ratios,
     summarise,
@@ -191,7 +201,8 @@ async def pick_model(client: httpx.AsyncClient, base_url: str) -> str:
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark: the prompts, the load, warm-up requests per run (not measured),
-    rounds, the model name (None: ask ``/v1/models``) and whether to show progress."""
+    rounds, the model name (None: ask ``/v1/models``), whether to show progress, and
+    the compute engines beside the HTTP load (None: none)."""
 
     spec: WorkloadSpec = field(default_factory=WorkloadSpec)
     load: Load = field(default_factory=Load)
@@ -199,6 +210,11 @@ class BenchConfig:
     rounds: int = 1
     model: str | None = None
     progress: bool = False
+    mixed: MixedSpec | None = None
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _bar(config: BenchConfig, name: str, total: int):
@@ -210,8 +226,10 @@ def _bar(config: BenchConfig, name: str, total: int):
 
 
 async def bench_target(base_url: str, name: str, requests: list[BenchRequest],
-                       warmups: list[BenchRequest], config: BenchConfig, load: Load) -> dict:
-    """One measured run of ``requests`` against one server, after its warm-up."""
+                       warmups: list[BenchRequest], config: BenchConfig, load: Load,
+                       workers: MixedWorkers | None = None) -> dict:
+    """One measured run of ``requests`` against one server, after its warm-up; the
+    ``workers`` (if any) run on its pool during the measured run."""
     limits = httpx.Limits(max_connections=load.concurrency,
                           max_keepalive_connections=load.concurrency)
     timeout = httpx.Timeout(load.timeout_s, connect=min(30.0, load.timeout_s))
@@ -224,18 +242,23 @@ async def bench_target(base_url: str, name: str, requests: list[BenchRequest],
                 raise RuntimeError(f"{name}: every warm-up request failed: {done[0].error}")
         before = await fetch_counters(client, base_url)
         bar = _bar(config, name, len(requests))
+        if workers is not None:
+            await asyncio.to_thread(workers.run)
         try:
             outcomes, duration = await run_requests(client, url, model, requests, load, bar)
         finally:
             if bar is not None:
                 bar.close()
+            if workers is not None:
+                await asyncio.to_thread(workers.pause)
         after = await fetch_counters(client, base_url)
     result = summarise(outcomes, duration, (before, after), sum(len(r.prompt) for r in requests))
     result.update(model=model, url=base_url)
     return result, {o.request_id: o.text for o in outcomes if o.error is None}
 
 
-async def _run_rounds(config: BenchConfig, targets: dict[str, str], workloads: list) -> dict:
+async def _run_rounds(config: BenchConfig, targets: dict[str, str], workloads: list,
+                      workers: MixedWorkers | None = None) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in targets}
     compared = differ = 0  # greedy answers of both servers to the same prompts
     for r, (requests, warmups) in enumerate(workloads):
@@ -244,7 +267,8 @@ async def _run_rounds(config: BenchConfig, targets: dict[str, str], workloads: l
         texts = {}
         for name, url in targets.items():
             label = name if config.rounds == 1 else f"{name} {r + 1}/{config.rounds}"
-            report, texts[name] = await bench_target(url, label, requests, warmups, config, load)
+            report, texts[name] = await bench_target(url, label, requests, warmups, config, load,
+                                                     workers if name == "pool" else None)
             runs[name].append(report)
         if "baseline" in texts:
             both = texts["pool"].keys() & texts["baseline"].keys()
@@ -266,22 +290,43 @@ def run_bench(config: BenchConfig, base_url: str | None = None, baseline_url: st
               launch: tuple[int, list[str], float] | None = None) -> dict:
     """The whole benchmark: against ``base_url`` (and ``baseline_url``), or with
     ``launch = (instances, extra serve args, ready timeout s)`` against two launched
-    ``tokenlake serve`` processes, stopped at the end whatever happens."""
+    ``tokenlake serve`` processes, stopped at the end whatever happens (and so are the
+    ``config.mixed`` workers, before them)."""
     workloads = [(build_workload(config.spec, config.load.seed + r),
                   warmup_requests(config.warmup, config.spec, config.load.seed + r))
                  for r in range(config.rounds)]  # bad options fail before any server starts
     with ExitStack() as stack:
+        mixed = config.mixed
         if launch is not None:
             sigterm_as_interrupt(stack)
-            targets = launch_servers(stack, *launch)
+            servers = launch_servers(stack, *launch)
+            targets = {name: server.url for name, server in servers.items()}
+            if mixed is not None:
+                event = servers["pool"].ready_event
+                if not event.get("address"):
+                    raise RuntimeError("the launched pool announces no control address")
+                mixed = MixedSpec(mixed.workers, mixed.iterations, event["address"],
+                                  event.get("credentials"), mixed.ready_timeout_s,
+                                  mixed.pause_timeout_s)
         else:
             targets = {"pool": base_url.rstrip("/")}
             if baseline_url:
                 targets["baseline"] = baseline_url.rstrip("/")
-        result = asyncio.run(_run_rounds(config, targets, workloads))
+        workers = None
+        if mixed is not None:
+            if not mixed.address:
+                raise ValueError("--mixed needs the pool's control address")
+            workers = MixedWorkers(mixed, mixed.address, mixed.credentials, config.load.seed, _log)
+            stack.callback(workers.stop)  # before the servers stop
+            workers.start()
+        result = asyncio.run(_run_rounds(config, targets, workloads, workers))
+        if workers is not None:
+            result["mixed"] = mixed_report(workers.finish(), http_check(result))
     result["config"] = {"workload": config.spec.name, "num_requests": config.spec.num_requests,
                         "max_tokens": config.spec.max_tokens, "concurrency": config.load.concurrency,
                         "rate": config.load.rate, "seed": config.load.seed,
                         "warmup": config.warmup, "rounds": config.rounds,
-                        "launched": launch is not None}
+                        "launched": launch is not None,
+                        "mixed": None if mixed is None else mixed.workers,
+                        "mixed_iterations": None if mixed is None else mixed.iterations}
     return result

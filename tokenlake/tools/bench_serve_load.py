@@ -169,13 +169,16 @@ def serve_command(engine: str, instances: int, extra: Sequence[str] = ()) -> lis
 
 
 class LaunchedServer:
-    """One ``tokenlake serve`` process: :meth:`start` it, :meth:`wait_ready` for its URL,
-    and always :meth:`stop` it (SIGTERM, then kill after ``stop_timeout_s``)."""
+    """One ``tokenlake serve`` process: :meth:`start` it, :meth:`wait_ready` for its URL
+    (its whole ready event is kept in ``ready_event``: the control ``address`` and
+    ``credentials`` file too), and always :meth:`stop` it (SIGTERM, then kill after
+    ``stop_timeout_s``)."""
 
     def __init__(self, command: Sequence[str], name: str, stop_timeout_s: float = 60.0) -> None:
         self.command, self.name, self.stop_timeout_s = list(command), name, stop_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self.ready_event: dict = {}
         self._lines: queue.Queue = queue.Queue()
         self._stderr: Any = None
 
@@ -218,7 +221,7 @@ class LaunchedServer:
                                    f"(exit {self.proc.wait()}): {self.stderr_tail()}")
             url = parse_ready_line(line)
             if url is not None:
-                self.url = url
+                self.url, self.ready_event = url, json.loads(line)
                 return url
 
     def stop(self) -> int | None:
@@ -245,16 +248,19 @@ class LaunchedServer:
 
 
 def launch_servers(stack: ExitStack, instances: int, extra: list[str],
-                   timeout_s: float) -> dict[str, str]:
+                   timeout_s: float) -> dict[str, LaunchedServer]:
     """Starts ``tokenlake serve`` with the pool engine and with the reference engine
-    (both at once), registers their stop on ``stack`` first, and returns their URLs."""
+    (both at once), registers their stop on ``stack`` first, and returns them ready
+    (``"pool"``, ``"baseline"``)."""
     servers = {"pool": LaunchedServer(serve_command("pool", instances, extra), "pool"),
                "baseline": LaunchedServer(serve_command("reference", instances, extra),
                                           "baseline")}
     for server in servers.values():
         stack.callback(server.stop)
         server.start()
-    return {name: server.wait_ready(timeout_s) for name, server in servers.items()}
+    for server in servers.values():
+        server.wait_ready(timeout_s)
+    return servers
 
 
 def sigterm_as_interrupt(stack: ExitStack) -> None:

@@ -5,7 +5,9 @@ Each benchmark's work lives beside what it measures (``tokenlake/tools/bench_*.p
 ``scheduler/bench.py``, ``evals/sim/bench.py``); this module parses the arguments and
 prints the result, as JSON with ``--json``. ``serve`` is a load generator for a served
 pool's OpenAI-compatible HTTP API (``tokenlake/tools/bench_serve.py``), optionally
-against a baseline server or with both launched by ``--launch``.
+against a baseline server or with both launched by ``--launch``, and with ``--mixed N``
+compute engines on the same pool through ``tokenlake.connect``
+(``tokenlake/tools/bench_serve_mixed.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 
@@ -343,6 +346,16 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
     p.add_argument("--timeout", type=positive(float), default=300.0,
                    help="seconds one request may take before it counts as an error")
+    p.add_argument("--mixed", type=at_least(int, 0), default=0, metavar="N",
+                   help="also run N compute engines on the pool through tokenlake.connect "
+                        "while the HTTP load runs (synthetic K/V, every layer checked "
+                        "against a float64 reference); 0: none")
+    p.add_argument("--mixed-iterations", type=positive(int), default=None, metavar="K",
+                   help="--mixed: K iterations per worker and round (default: as long as "
+                        "the HTTP load runs)")
+    p.add_argument("--control-address", default=None, metavar="tcp://HOST:PORT",
+                   help="--mixed with --base-url: the pool's control address (its "
+                        "credentials are found as tokenlake.connect finds them)")
     _json_flag(p)
     p.set_defaults(run=run_serve)
 
@@ -369,13 +382,51 @@ def serve_config(args: argparse.Namespace):
     concurrency = args.concurrency if args.concurrency or args.rate else 4
     return BenchConfig(spec, Load(concurrency, args.rate, args.seed, args.timeout),
                        warmup=args.warmup, rounds=args.rounds, model=args.model,
-                       progress=not args.json)
+                       progress=not args.json, mixed=mixed_spec(args))
+
+
+def mixed_spec(args: argparse.Namespace):
+    """The :class:`~tokenlake.tools.bench_serve_mixed.MixedSpec` of ``--mixed`` (None
+    without it); UsageError for options it cannot run with."""
+    if not args.mixed:
+        if args.mixed_iterations is not None or args.control_address is not None:
+            raise UsageError("bench serve: --mixed-iterations and --control-address are for "
+                             "--mixed N")
+        return None
+    if args.launch:
+        if args.control_address is not None:
+            raise UsageError("bench serve: --launch starts its own pool; drop --control-address")
+        engine = _launch_engine(shlex.split(args.launch_args))
+        if engine not in (None, "pool"):
+            raise UsageError(f"bench serve: --mixed needs a pool, not --engine {engine} "
+                             "(drop it from --launch-args)")
+    elif args.control_address is None:
+        raise UsageError("bench serve: --mixed with --base-url needs --control-address "
+                         "tcp://HOST:PORT (the pool's control port)")
+    elif not re.fullmatch(r"tcp://[^:/\s]+:\d+", args.control_address):
+        raise UsageError(f"bench serve: --control-address must be tcp://HOST:PORT, got "
+                         f"{args.control_address!r}")
+    from tokenlake.tools.bench_serve_mixed import MixedSpec
+
+    return MixedSpec(args.mixed, args.mixed_iterations, args.control_address,
+                     ready_timeout_s=args.launch_timeout, pause_timeout_s=args.timeout)
+
+
+def _launch_engine(extra: list[str]) -> str | None:
+    """The ``--engine`` that ``--launch-args`` give the launched pool (the last one)."""
+    engine = None
+    for i, arg in enumerate(extra):
+        if arg == "--engine" and i + 1 < len(extra):
+            engine = extra[i + 1]
+        elif arg.startswith("--engine="):
+            engine = arg.split("=", 1)[1]
+    return engine
 
 
 def run_serve(args: argparse.Namespace) -> int:
     # httpx, evals and the tokenizer: only when this benchmark runs
     from tokenlake.tools.bench_serve import run_bench
-    from tokenlake.tools.bench_serve_stats import format_report
+    from tokenlake.tools.bench_serve_stats import format_mixed, format_report
 
     if args.launch and args.baseline_url:
         raise UsageError("bench serve: --launch starts its own baseline; drop --baseline-url")
@@ -392,5 +443,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a server that cannot be reached or started
         print(f"tokenlake: error: bench serve: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    mixed = result.get("mixed")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_report(result))
+        if mixed is not None:
+            print(format_mixed(mixed))
+    if mixed is not None and (mixed["wrong_answers"] or mixed["http"]["wrong_answers"]
+                              or any(w.get("lost") for w in mixed["workers"])):
+        return 1  # a wrong answer (or a worker that could not report whether it had one)
     return 0

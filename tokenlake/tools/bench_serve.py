@@ -299,8 +299,13 @@ def run_bench(config: BenchConfig, base_url: str | None = None, baseline_url: st
         mixed = config.mixed
         if launch is not None:
             sigterm_as_interrupt(stack)
+            t0 = time.monotonic()
+            _log(f"bench serve: starting 'tokenlake serve' (pool and baseline, {launch[0]} "
+                 "instances each; loading the model) ...")
             servers = launch_servers(stack, *launch)
             targets = {name: server.url for name, server in servers.items()}
+            _log(f"bench serve: ready after {time.monotonic() - t0:.0f} s: "
+                 + ", ".join(f"{name} at {url}" for name, url in targets.items()))
             if mixed is not None:
                 event = servers["pool"].ready_event
                 if not event.get("address"):

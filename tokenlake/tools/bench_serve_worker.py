@@ -43,7 +43,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -291,11 +291,12 @@ def _read_commands(commands: queue.Queue, pause: threading.Event) -> None:
     cleared by ``run``, in the order they arrive."""
     for line in sys.stdin:
         words = line.split()
-        if words[:1] == ["run"]:
+        if words == ["run"] or (len(words) == 2 and words[0] == "run" and words[1].isdigit()
+                                and int(words[1]) > 0):
             pause.clear()
             commands.put(int(words[1]) if len(words) > 1 else -1)
-        elif words[:1] == ["pause"]:
-            pause.set()
+        elif words == ["pause"]:
+            pause.set()  # anything else is ignored
     pause.set()
     commands.put(None)
 
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = worker.setup()
         session = cp.session.session
         _emit("ready", worker=args.worker, session=session, segment_tokens=worker.segment_tokens,
-              shape=shape.__dict__)
+              shape=asdict(shape))
         threading.Thread(target=_read_commands, args=(commands, pause), daemon=True).start()
         while (limit := commands.get()) is not None:
             worker.drive(stats, stop=pause, limit=None if limit < 0 else limit)

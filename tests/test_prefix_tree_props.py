@@ -1,9 +1,11 @@
 """Property tests of segment keys, the global prefix tree, the hash ring and heavy hitters.
 
 * :class:`TreeMachine` drives :class:`tokenlake.core.prefix_tree.PrefixTree` directly with
-  random inserts, replicas, commits, touches, pins, leases, evictions and subtree removals
-  and compares it after every step with a reference model made of plain dicts (docs/design.md §4:
-  whole-segment matches of ready segments only, leaf-only eviction, global LRU).
+  random inserts, replicas, commits, touches, pins, leases, evictions and subtree removals,
+  unsalted and under cache salts (each salt's sequences under their own root), and
+  compares it after every step with a reference model made of plain dicts (docs/design.md §4:
+  whole-segment matches of ready segments only, under one salt, leaf-only eviction,
+  global LRU).
 * Segment keys are compared with an independent blake2b implementation and across two
   interpreters with different ``PYTHONHASHSEED``.
 * :class:`tokenlake.core.placement.HashRing` moves about 1/N of the homes when an instance
@@ -39,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 C = 2  # tokens per segment in the state machines: short sequences, many shared prefixes
 TOKENS = st.lists(st.integers(0, 2), max_size=4 * C + 1)
 INSTANCES = (0, 1, 2)
+SALTS = st.sampled_from([None, None, "", "a", "b"])  # "": no salt, as None
 
 
 # ------------------------------------------------------------------ segment keys
@@ -139,12 +142,19 @@ class TreeModel(NodeModel):
 
 def check_tree_against_model(tree: PrefixTree, model: TreeModel) -> None:
     """Exact comparison of the tree with the model, LRU victim included."""
-    tree.check()  # no orphans, children links, LRU index exact
+    tree.check()  # no orphans, children links, LRU index exact, every node under a root
     assert set(tree.keys()) == set(model.nodes)
     assert set(tree.children(None)) == {k for k, n in model.nodes.items() if n.parent is None}
+    firsts = {k for k, n in model.nodes.items() if n.index == 0}
+    salted = {model.nodes[k].parent for k in firsts} - {None}  # a salt's root while in use
+    assert tree.roots()[0] is None and set(tree.roots()[1:]) == salted
+    assert set(tree.first_segments()) == firsts
+    for root in salted:
+        assert set(tree.children(root)) == set(model.children(root))
     for key, node in model.nodes.items():
         assert tree.parent(key) == node.parent
-        assert node.parent is None or node.parent in model.nodes  # never an orphaned suffix
+        # never an orphaned suffix; a first segment's parent is a root (None or a salt's)
+        assert node.parent in model.nodes if node.index else node.parent not in model.nodes
         assert tree.index(key) == node.index
         assert set(tree.children(key)) == set(model.children(key))
         allreps = {loc.instance: loc.slot for loc in tree.replicas(key, ready_only=False)}
@@ -192,11 +202,12 @@ class TreeMachine(RuleBasedStateMachine):
     def advance(self, dt):
         self.now += dt
 
-    @rule(tokens=TOKENS, data=st.data())
-    def insert_chain(self, tokens, data):
-        """Inserts every full segment (dedup) and gives new ones a replica, maybe ready."""
-        parent = None
-        for i, key in enumerate(self.hasher.keys(tokens)):
+    @rule(tokens=TOKENS, salt=SALTS, data=st.data())
+    def insert_chain(self, tokens, salt, data):
+        """Inserts every full segment (dedup) under ``salt``'s root and gives new ones a
+        replica, maybe ready."""
+        parent = self.tree.root_key(salt)
+        for i, key in enumerate(self.hasher.keys(tokens, parent=parent)):
             fresh = key not in self.model.nodes
             assert self.tree.insert(key, parent, i) is fresh
             if fresh:
@@ -216,9 +227,13 @@ class TreeMachine(RuleBasedStateMachine):
             self.tree.insert(b"\x01" * KEY_BYTES, stranger, 1)
         with pytest.raises(ValueError):
             self.tree.insert(b"\x02" * KEY_BYTES, None, 3)
+        with pytest.raises(ValueError):  # the unsalted root is None, not its key
+            self.tree.insert(b"\x02" * KEY_BYTES, self.hasher.root, 0)
         if key is not None:
             with pytest.raises(ValueError):
                 self.tree.insert(b"\x03" * KEY_BYTES, key, self.model.nodes[key].index + 2)
+            with pytest.raises(ValueError):  # a first segment follows a root
+                self.tree.insert(b"\x03" * KEY_BYTES, key, 0)
 
     @rule(data=st.data())
     def add_replica(self, data):
@@ -301,9 +316,9 @@ class TreeMachine(RuleBasedStateMachine):
             del self.model.nodes[k]
         self._forget(sub)
 
-    @rule(tokens=TOKENS, lease=st.booleans())
-    def pin_or_lease_match(self, tokens, lease):
-        m = self.tree.match(tokens)
+    @rule(tokens=TOKENS, lease=st.booleans(), salt=SALTS)
+    def pin_or_lease_match(self, tokens, lease, salt):
+        m = self.tree.match(tokens, salt=salt)
         if not m.keys:
             return
         (self.tree.lease if lease else self.tree.pin)(m.keys)
@@ -331,11 +346,13 @@ class TreeMachine(RuleBasedStateMachine):
             else:
                 self.model.nodes[k].pins -= 1
 
-    @rule(tokens=TOKENS, cap=st.none() | st.integers(0, 4 * C + 1), raw=st.booleans())
-    def match(self, tokens, cap, raw):
-        m = self.tree.match(token_bytes(tokens) if raw else tokens, max_tokens=cap)
+    @rule(tokens=TOKENS, cap=st.none() | st.integers(0, 4 * C + 1), raw=st.booleans(),
+          salt=SALTS)
+    def match(self, tokens, cap, raw, salt):
+        m = self.tree.match(token_bytes(tokens) if raw else tokens, max_tokens=cap, salt=salt)
         limit = len(tokens) if cap is None else min(cap, len(tokens))
-        want = self.model.match(self.hasher.keys(tokens[: limit // C * C]))
+        want = self.model.match(self.hasher.keys(tokens[: limit // C * C],
+                                                 parent=self.tree.root_key(salt)))
         assert list(m.keys) == want
         assert m.hit_tokens == len(want) * C == m.num_segments * C
         for key, locs in zip(m.keys, m.replicas):

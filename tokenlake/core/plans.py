@@ -34,11 +34,18 @@ class BatchRequest:
             ready in the pool, possibly followed by whole pages that a ready next
             segment starts with (a page hit). Empty for a request without a hit and on
             every later iteration (the pool remembers what the request holds).
+        cache_salt: the tenant namespace of the request's segments (vLLM's
+            ``cache_salt``; at most 256 characters), read on its first iteration: its
+            prefix is matched, and its segments stored and shared, only under this salt
+            (``get_prefix_tree().match(prompt, salt=...)``). ``None`` or ``""``: no
+            salt, shared with every unsalted request. A later iteration repeats it or
+            leaves it out (another salt is a ``PlanError``).
     """
 
     request_id: str
     new_token_ids: tuple[int, ...]
     prefix_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -113,8 +113,9 @@ class CachePool:
         return InstanceRemoval(instance, tuple(gone), lost)
 
     # ---------------------------------------------------------------- lookup
-    def match(self, token_ids: Sequence[int] | bytes, max_tokens: int | None = None) -> MatchResult:
-        return self.tree.match(token_ids, max_tokens)
+    def match(self, token_ids: Sequence[int] | bytes, max_tokens: int | None = None,
+              salt: str | None = None) -> MatchResult:
+        return self.tree.match(token_ids, max_tokens, salt)
 
     def choose(self, locations: Sequence[SegmentLocation], load: Mapping[int, float]) -> SegmentLocation:
         """Power-of-two-choices among a segment's ready replicas (``shared_memory``: the lowest instance's)."""
@@ -132,19 +133,18 @@ class CachePool:
         Returns a new pending replica at the segment's home (``created``; ``evicted``
         names the replica evicted to make room, if any), or an existing replica (dedup:
         the caller skips storing it). Raises :class:`CapacityError` on a full pool.
+        A first segment's ``parent`` is a root: ``None``, or its salt's root key
+        (:meth:`PrefixTree.root_key`).
         """
         if key in self.tree:
             self._dedup += 1
             locs = self.tree.replicas(key, ready_only=False)
             ready = self.tree.replicas(key)
             return Placement((ready or locs)[0], False)
-        if parent is None and index != 0:
-            raise ValueError("a segment without parent must have index 0")
-        if parent is not None and self.tree.index(parent) != index - 1:  # raises SegmentNotFound
-            raise ValueError("segment index must be its parent's index + 1")
+        self.tree.check_parent(parent, index)  # ValueError, SegmentNotFound
         # On a full pool the parent may be the LRU victim: keep it while a slot is taken
         # for its child, or eviction could pull it from under the insert (and leak the slot).
-        guard = parent is not None and not self.slots.total_free()
+        guard = index > 0 and not self.slots.total_free()
         if guard:
             self.tree.lease([parent])
         try:
@@ -208,7 +208,8 @@ class CachePool:
                    index: int, tokens: Sequence[int]) -> bool:
         """A finished request's open tail (``tokens``, fewer than ``C``, all stored in
         ``loc``) stays in the pool as a ready *tail* node after ``parent`` for page hits
-        (docs/design.md §4), evicted like any leaf. Returns False, freeing the slot
+        (docs/design.md §4), evicted like any leaf (``parent``: a root for a tail at
+        ``index`` 0, ``None`` or its salt's root key). Returns False, freeing the slot
         instead, when it holds less than a page, is cached already, or ``parent`` is
         gone; a slot that is no longer ``owner``'s private tail is left alone."""
         where = (loc.instance, loc.slot)
@@ -216,7 +217,7 @@ class CachePool:
             return False
         key = self.hasher.tail_key(tokens, parent)
         if (len(tokens) < self.config.page_tokens or key in self.tree
-                or (parent is not None and parent not in self.tree)):
+                or (index > 0 and parent not in self.tree)):
             self.release_private(loc, owner)
             return False
         self.tree.insert(key, parent, index, tokens)
@@ -316,12 +317,13 @@ class CachePool:
             self._evictions -= 1
 
     # ---------------------------------------------------- pins, leases, access
-    def pin(self, token_ids: Sequence[int]) -> MatchResult:
-        """Pins the cached whole segments of ``token_ids`` (system prompts, documents).
+    def pin(self, token_ids: Sequence[int], salt: str | None = None) -> MatchResult:
+        """Pins the cached whole segments of ``token_ids`` (system prompts, documents),
+        stored under cache salt ``salt`` (``None``: none).
 
         Raises :class:`PrefixNotCached` unless every full segment is cached and ready.
         """
-        m = self.tree.match(token_ids)
+        m = self.tree.match(token_ids, salt=salt)
         if m.num_segments < self.hasher.num_full(len(token_ids)):
             raise PrefixNotCached(
                 f"only {m.hit_tokens} of {len(token_ids)} tokens are cached; put them first"

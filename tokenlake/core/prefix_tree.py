@@ -11,9 +11,17 @@ segment's token ids, and :meth:`PrefixTree.match` walks children by them, then r
 the child whose leading pages equal the prompt's next tokens (compared token for token;
 chained keys only name whole segments). Node structures: :mod:`tokenlake.core.tree_nodes`.
 
+Sequences under a *cache salt* (a tenant's namespace, docs/design.md §4) hang under
+their own virtual root, named by :meth:`~tokenlake.core.segments.SegmentHasher.salt_root`:
+a salted first segment's parent is that key (an unsalted one's is ``None``), and
+:meth:`PrefixTree.match`, :meth:`PrefixTree.partial` and page hits walk from the root of
+the salt they are given, so no match crosses salts.
+
 Invariants kept here (and checked by :meth:`PrefixTree.check`):
 
-* every non-root node's parent is in the tree (no orphaned suffix);
+* every non-root node's parent is in the tree (no orphaned suffix), and every node is
+  reachable from one virtual root: the unsalted one, or the root of one salt, which
+  exists exactly while it has children;
 * a node with children, a pin or a lease is never removed;
 * the LRU index holds exactly the replicas that may be evicted now: ready replicas of
   unpinned, unleased nodes that are either a leaf or have another ready replica; it is
@@ -33,7 +41,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from sortedcontainers import SortedList
 
 from tokenlake.core.errors import SegmentNotFound
-from tokenlake.core.segments import SegmentHasher, SegmentKey, token_bytes
+from tokenlake.core.segments import SegmentHasher, SegmentKey, check_salt, token_bytes
 from tokenlake.core.tree_nodes import (
     MatchResult,
     Replica,
@@ -67,6 +75,9 @@ class PrefixTree:
         self._codec = TokenCodec()  # 2 bytes per token while every id fits
         self._nodes: dict[SegmentKey, TreeNode] = {}
         self._root = TreeNode(hasher.root, None, -1)  # virtual: its children are first segments
+        # The virtual roots of salted sequences, by their key (salt_root), while they
+        # have children: created by the first insert under a salt, dropped with its last.
+        self._roots: dict[SegmentKey, TreeNode] = {}
         # Per instance: (last_access, -index, seq, key, instance) of evictable replicas.
         self._lru: dict[int, SortedList] = {}
         self._seq = itertools.count()
@@ -94,9 +105,29 @@ class PrefixTree:
         return self._node(key).index
 
     def children(self, key: SegmentKey | None) -> tuple[SegmentKey, ...]:
-        """Children of ``key``; ``None`` names the (virtual) root."""
-        node = self._root if key is None else self._node(key)
+        """Children of ``key``: ``None`` names the unsalted (virtual) root, a salt's
+        root key (:meth:`root_key`) that salt's root while a segment is under it (see
+        :meth:`roots`); any other key must be in the tree (else :class:`SegmentNotFound`)."""
+        node = self._root if key is None else self._roots.get(key) or self._node(key)
         return tuple(n.key for n in node.child_nodes())
+
+    def root_key(self, salt: str | None) -> SegmentKey | None:
+        """The parent key of a first segment under cache salt ``salt``: ``None`` without
+        a salt (``None`` or ``""``), else :meth:`SegmentHasher.salt_root`. Raises
+        :class:`~tokenlake.core.errors.PlanError` for a salt that is not a string of at
+        most 256 characters."""
+        salt = check_salt(salt)
+        return None if salt is None else self.hasher.salt_root(salt)
+
+    def roots(self) -> tuple[SegmentKey | None, ...]:
+        """The virtual roots: ``None`` (unsalted, always there), then the key of every
+        salt's root that has a segment under it."""
+        return (None, *self._roots)
+
+    def first_segments(self) -> tuple[SegmentKey, ...]:
+        """The first segments of every sequence, under every root (salted or not)."""
+        return tuple(n.key for root in (self._root, *self._roots.values())
+                     for n in root.child_nodes())
 
     def replicas(self, key: SegmentKey, ready_only: bool = True) -> tuple[SegmentLocation, ...]:
         node = self._node(key)
@@ -124,14 +155,21 @@ class PrefixTree:
     def keys(self) -> Iterator[SegmentKey]:
         return iter(self._nodes)
 
-    def match(self, token_ids: Sequence[int] | bytes, max_tokens: int | None = None) -> MatchResult:
+    def match(self, token_ids: Sequence[int] | bytes, max_tokens: int | None = None,
+              salt: str | None = None) -> MatchResult:
         """Longest prefix of ``token_ids`` held by ready segments, exact to a page: the
         whole segments, then the leading pages of the next segment where a ready one
         shares them (see :meth:`partial`).
 
         Hashing is lazy and stops at the first miss. ``max_tokens`` caps the match
         (e.g. ``len(prompt) - 1`` so that at least one token is left to compute).
+        ``salt``: the cache salt the sequence was stored under (``None`` or ``""``:
+        none); only segments stored under the same salt match. Raises
+        :class:`~tokenlake.core.errors.PlanError` for a salt :meth:`root_key` refuses.
         """
+        root = self._root if salt is None else self._salt_root(salt)
+        if root is None:  # nothing stored under this salt
+            return MatchResult((), (), 0)
         c = self.hasher.segment_tokens
         # Raw int32 bytes are a Sequence too: count (and cut) them in tokens of 4 bytes.
         width = 4 if isinstance(token_ids, (bytes, bytearray, memoryview)) else 1
@@ -146,11 +184,11 @@ class PrefixTree:
             # inserted without tokens are looked up by their chained key.
             raw = token_bytes(token_ids[: max_segments * c * width])
             codec = self._codec
-            walk(self._root, codec.encode_prefix(raw), raw, c, codec.width, self.hasher, keys, where)
+            walk(root, codec.encode_prefix(raw), raw, c, codec.width, self.hasher, keys, where)
         whole = len(keys) * c
         if self.page_tokens < c and limit - whole >= self.page_tokens:
             nxt = token_ids[whole * width : min(limit, whole + c) * width]
-            hit = self.partial(keys[-1] if keys else None, nxt)
+            hit = self._partial(self._nodes[keys[-1]] if keys else root, nxt)
             if hit is not None:
                 pkey, ptok, plocs = hit
                 return MatchResult(tuple(keys), tuple(where), whole + ptok, pkey, ptok, plocs)
@@ -159,11 +197,15 @@ class PrefixTree:
     def partial(
         self, parent: SegmentKey | None, token_ids: Sequence[int] | bytes
     ) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
-        """The ready child of ``parent`` (``None``: the root) whose leading whole pages
-        equal the most leading tokens of ``token_ids`` (at most ``C - 1`` of them count),
-        as ``(key, tokens, ready replicas)``; ``None`` if no child shares a page.
-        Tokens are compared exactly."""
-        pnode = self._root if parent is None else self._nodes.get(parent)
+        """The ready child of ``parent`` (``None``: the unsalted root; a salt's root
+        key: that salt's root) whose leading whole pages equal the most leading tokens
+        of ``token_ids`` (at most ``C - 1`` of them count), as ``(key, tokens, ready
+        replicas)``; ``None`` if no child shares a page. Tokens are compared exactly."""
+        pnode = self._root if parent is None else self._roots.get(parent) or self._nodes.get(parent)
+        return self._partial(pnode, token_ids)
+
+    def _partial(self, pnode: TreeNode | None, token_ids: Sequence[int] | bytes
+                 ) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
         if pnode is None or pnode.kids is None:
             return None
         width = self._codec.width
@@ -181,7 +223,9 @@ class PrefixTree:
                tokens: Sequence[int] | bytes | None = None) -> bool:
         """Adds a node without replicas; returns False if ``key`` was already there (dedup).
 
-        ``parent`` must be in the tree (``None`` for a first segment, with ``index`` 0).
+        ``parent`` must be in the tree, or be a root for a first segment (``index`` 0):
+        ``None``, or under a cache salt that salt's :meth:`root_key` (its root is made
+        here if it has no segment yet; see :meth:`check_parent`).
         ``tokens`` (the segment's ``C`` token ids) make the node a candidate for page
         hits; without them only whole-segment matches find it. Fewer than ``C`` tokens
         make it a *tail* (a finished request's open tail, under
@@ -190,18 +234,11 @@ class PrefixTree:
         """
         if key in self._nodes:
             return False
-        if parent is None:
-            if index != 0:
-                raise ValueError("a segment without parent must have index 0")
-        elif parent not in self._nodes:
-            raise SegmentNotFound(f"parent segment {parent.hex()} is not in the tree")
-        elif self._nodes[parent].index != index - 1:
-            raise ValueError("segment index must be its parent's index + 1")
+        pnode = self._parent_node(parent, index)
         raw = None if tokens is None else token_bytes(tokens)
         if raw is not None and not 0 < len(raw) <= 4 * self.hasher.segment_tokens:
             raise ValueError(f"a segment has 1 to {self.hasher.segment_tokens} tokens, "
                              f"got {len(raw) // 4}")
-        pnode = self._root if parent is None else self._nodes[parent]
         width = self._codec.width
         if pnode.tokens is not None and len(pnode.tokens) < width * self.hasher.segment_tokens:
             raise ValueError(f"segment {parent.hex()} is a tail: nothing follows it")
@@ -212,13 +249,40 @@ class PrefixTree:
         node = self._nodes[key] = TreeNode(key, parent, index, enc)
         first = not pnode.has_children
         pnode.add_child(node)
-        if parent is not None and first:
+        if first and pnode.index >= 0:
             self._sync(pnode)  # its first child: no longer a leaf
+        elif first and pnode is not self._root:
+            self._roots[parent] = pnode  # the first segment under this salt
         return True
+
+    def check_parent(self, parent: SegmentKey | None, index: int) -> None:
+        """Raises unless a segment at ``index`` may follow ``parent``: a first segment
+        (``index`` 0) follows a root (``None``, or a salt's :meth:`root_key`, which names
+        no segment), any other segment the segment at ``index - 1``, in the tree.
+        ``ValueError`` for a wrong index, :class:`SegmentNotFound` for a missing parent."""
+        self._parent_node(parent, index)
+
+    def _parent_node(self, parent: SegmentKey | None, index: int) -> TreeNode:
+        """The node a segment at ``index`` hangs under (see :meth:`check_parent`); a
+        salt's root without segments yet is made, not registered (``insert`` does)."""
+        if parent is None:
+            if index != 0:
+                raise ValueError("a segment without parent must have index 0")
+            return self._root
+        pnode = self._nodes.get(parent)
+        if pnode is None:
+            if index != 0:
+                raise SegmentNotFound(f"parent segment {parent.hex()} is not in the tree")
+            if parent == self.hasher.root:
+                raise ValueError("the unsalted root is named None, not by its key")
+            return self._roots.get(parent) or TreeNode(parent, None, -1)
+        if pnode.index != index - 1:
+            raise ValueError("segment index must be its parent's index + 1")
+        return pnode
 
     def _widen(self) -> None:
         """Every node's tokens from 2 to 4 bytes each, children indexed again."""
-        self._codec.widen([self._root, *self._nodes.values()])
+        self._codec.widen([self._root, *self._roots.values(), *self._nodes.values()])
 
     def add_replica(
         self, key: SegmentKey, instance: int, slot: int, now: float, ready: bool = False
@@ -343,6 +407,12 @@ class PrefixTree:
         return sum(len(lru) for lru in self._lru.values())
 
     # -------------------------------------------------------------- internals
+    def _salt_root(self, salt: str) -> TreeNode | None:
+        """The root of ``salt``'s sequences (the unsalted one for no salt), or ``None``
+        while nothing is stored under it."""
+        key = self.root_key(salt)
+        return self._root if key is None else self._roots.get(key)
+
     def _node(self, key: SegmentKey) -> TreeNode:
         try:
             return self._nodes[key]
@@ -390,12 +460,17 @@ class PrefixTree:
     def _drop_node(self, node: TreeNode) -> None:
         del self._nodes[node.key]
         node.locs = ()
-        pnode = self._root if node.parent is None else self._nodes.get(node.parent)
+        parent = node.parent
+        pnode = self._root if parent is None else self._nodes.get(parent) or self._roots.get(parent)
         if pnode is None:
             return
         pnode.drop_child(node)
-        if pnode is not self._root and not pnode.has_children:
+        if pnode.has_children:
+            return
+        if pnode.index >= 0:
             self._sync(pnode)  # a leaf again
+        elif pnode is not self._root:
+            del self._roots[parent]  # the last segment under its salt went
 
     def check(self) -> None:
         """Asserts the invariants listed in the module docstring (for tests)."""
@@ -404,9 +479,11 @@ class PrefixTree:
         assert len(in_lru) == len(entries)
         assert all(e[4] == inst for inst, lru in self._lru.items() for e in lru)
         for key, node in self._nodes.items():
-            assert node.parent is None or node.parent in self._nodes, "orphaned suffix"
-            node.check_links(self._root if node.parent is None else self._nodes[node.parent],
-                             self._nodes)
+            parent = node.parent
+            assert (parent is None or parent in self._nodes
+                    or (node.index == 0 and parent in self._roots)), "orphaned suffix"
+            node.check_links(self._root if parent is None
+                             else self._nodes.get(parent) or self._roots[parent], self._nodes)
             ok = self._evictable(node)
             assert len({r.instance for r in node.replicas}) == len(node.replicas)
             for rep in node.replicas:
@@ -416,3 +493,16 @@ class PrefixTree:
                     assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
         assert all(self._nodes.get(n.key) is n for n in self._root.child_nodes())
         self._root.check_links(None, self._nodes)
+        for rkey, root in self._roots.items():
+            assert (root.key, root.parent, root.index, root.tokens) == (rkey, None, -1, None)
+            assert not root.replicas and rkey not in self._nodes and rkey != self.hasher.root
+            assert root.has_children, "a salt's root without segments is kept"
+            root.check_links(None, self._nodes, salted=True)
+        # every node is reachable from a root (indices grow by one from parent to child,
+        # checked above, so this walk ends; each node is one parent's child)
+        seen, stack = 0, [self._root, *self._roots.values()]
+        while stack:
+            kids = stack.pop().child_nodes()
+            seen += len(kids)
+            stack += kids
+        assert seen == len(self._nodes), "a node is not reachable from a root"

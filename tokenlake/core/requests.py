@@ -7,10 +7,14 @@ The query side of a request (which replica of each segment to read) is resolved 
 and reused every iteration until the chain grows or replicas change (the table's
 *epoch* moves).
 
+A request may carry a *cache salt* (``BatchRequest.cache_salt``, read on its first
+iteration): its chain then starts at that salt's root in the prefix tree, so it matches,
+stores and shares segments only with requests under the same salt.
+
 Invariants (checked by :meth:`RequestTable.check`), for every request not marked lost:
 
-* its chain is a path from the root of the prefix tree (segment ``i`` at index ``i``,
-  each the child of the one before);
+* its chain is a path from its salt's root of the prefix tree (the unsalted root
+  without a salt; segment ``i`` at index ``i``, each the child of the one before);
 * it has an open tail exactly when it has tail tokens, fewer than ``C`` of them, and
   the tail's slot is a private slot the pool holds for this request;
 
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from tokenlake.core.errors import PlanError, PrefixNotCached
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.prefix_tree import SegmentLocation
-from tokenlake.core.segments import SegmentKey
+from tokenlake.core.segments import SegmentKey, check_salt
 
 if TYPE_CHECKING:  # annotations only: the pool and the transaction do not import this module
     from tokenlake.core.pool import CachePool, InstanceRemoval
@@ -53,6 +57,8 @@ class RequestState:
 
     request_id: str
     chain: list[SegmentKey] = field(default_factory=list)
+    salt: str | None = None  # its cache salt (None: none)
+    root: SegmentKey | None = None  # the parent of its first segment: its salt's root key
     tail: SegmentLocation | None = None
     tail_tokens: list[int] = field(default_factory=list)
     # A page hit not yet copied: (segment, tokens) its first iteration reads in place.
@@ -68,6 +74,12 @@ class RequestState:
     by_instance: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     histogram: dict[int, int] = field(default_factory=dict)
     version: int = -1  # changes whenever the resolution above is redone
+
+    @property
+    def tip(self) -> SegmentKey | None:
+        """The key the request's next segment chains from: its last sealed segment,
+        else its root (``None``: unsalted)."""
+        return self.chain[-1] if self.chain else self.root
 
     def prefix_tokens(self, segment_tokens: int) -> int:
         """Tokens of this request held by the pool (sealed chain plus open tail)."""
@@ -137,8 +149,9 @@ class RequestTable:
     def validate(self, batches: Sequence[Batch], dops: Sequence[int], n_instances: int) -> None:
         """Raises :class:`PlanError` unless ``batches`` with ``dops`` can be planned now:
         as many DoPs as batches, positive, fitting ``n_instances``; no empty batch or
-        unknown phase; each request once, with new tokens, not in flight, not lost, and
-        declaring a prefix only on its first iteration."""
+        unknown phase; each request once, with new tokens, not in flight, not lost,
+        declaring a prefix only on its first iteration, with a valid cache salt that a
+        later iteration either leaves out or repeats."""
         if len(batches) != len(dops):
             raise PlanError(f"{len(batches)} batches but {len(dops)} DoPs")
         if any(type(d) is not int or d < 1 for d in dops):
@@ -161,9 +174,15 @@ class RequestTable:
         rid = req.request_id
         if not req.new_token_ids:
             raise PlanError(f"request {rid!r} has no new tokens")
+        salt = req.cache_salt
+        if salt is not None:
+            salt = check_salt(salt)
         state = self._states.get(rid)
         if state is None:
             return
+        if salt is not None and salt != state.salt:
+            raise PlanError(f"request {rid!r} is live under another cache salt; a later "
+                            "iteration repeats its salt or leaves it out")
         if state.busy >= 0:
             raise PlanError(f"request {rid!r} has plans in flight")
         if state.lost:
@@ -185,7 +204,7 @@ class RequestTable:
             tx.remember(rid, state.snapshot())
             return state
         prefix = req.prefix_token_ids
-        state = self._leased_state(rid, prefix, pool, pages=True)
+        state = self._leased_state(rid, prefix, pool, check_salt(req.cache_salt), pages=True)
         tx.leased(tuple(state.chain))
         if state.borrow is not None:  # held until the copy of its pages is stored
             pool.lease([state.borrow[0]])
@@ -281,26 +300,30 @@ class RequestTable:
             else:
                 self._states[rid].restore(snap)
 
-    def admit_leased(self, request_id: str, prefix: Sequence[int], pool: CachePool) -> RequestState:
-        """Admits a new request holding ``prefix`` (whole segments, all ready) leased,
-        outside any iteration: for a framework that copies the prefix's KV out of the
-        pool. Raises :class:`PlanError` for a live id, :class:`PrefixNotCached` like
-        :meth:`admit`; changes nothing then."""
+    def admit_leased(self, request_id: str, prefix: Sequence[int], pool: CachePool,
+                     salt: str | None = None) -> RequestState:
+        """Admits a new request holding ``prefix`` (whole segments, all ready, stored
+        under cache salt ``salt``) leased, outside any iteration: for a framework that
+        copies the prefix's KV out of the pool. Raises :class:`PlanError` for a live id
+        or a bad salt, :class:`PrefixNotCached` like :meth:`admit`; changes nothing
+        then."""
+        salt = check_salt(salt)
         if request_id in self._states:
             raise PlanError(f"request {request_id!r} is live already")
         if not prefix:
             raise PrefixNotCached(f"request {request_id!r}: no prefix to lease")
-        state = self._leased_state(request_id, prefix, pool)
+        state = self._leased_state(request_id, prefix, pool, salt)
         self._states[request_id] = state
         self.resolve(state, pool)
         return state
 
     def _leased_state(self, rid: str, prefix: Sequence[int], pool: CachePool,
-                      pages: bool = False) -> RequestState:
-        """A new request's state holding ``prefix`` leased (not registered yet), and with
-        ``pages`` the partial segment a page hit borrows (leased by the caller). Raises
-        :class:`PrefixNotCached` unless the prefix is whole segments (then whole pages of
-        the next one, with ``pages``), all cached and ready."""
+                      salt: str | None, pages: bool = False) -> RequestState:
+        """A new request's state under cache salt ``salt`` (checked) holding ``prefix``
+        leased (not registered yet), and with ``pages`` the partial segment a page hit
+        borrows (leased by the caller). Raises :class:`PrefixNotCached` unless the
+        prefix is whole segments (then whole pages of the next one, with ``pages``), all
+        cached and ready under that salt."""
         c = self._c
         unit = pool.tree.page_tokens if pages else c
         if len(prefix) % unit:
@@ -309,13 +332,14 @@ class RequestTable:
                 f"request {rid!r}: prefix of {len(prefix)} tokens is not a whole "
                 f"number of {unit}-token {what}s"
             )
-        match = pool.tree.match(prefix)
+        match = pool.tree.match(prefix, salt=salt)
         if match.hit_tokens != len(prefix):
             raise PrefixNotCached(
                 f"request {rid!r}: only {match.hit_tokens} of {len(prefix)} prefix "
-                "tokens are cached and ready"
+                "tokens are cached and ready" + (" under its cache salt" if salt else "")
             )
-        state = RequestState(rid, chain=list(match.keys))
+        root = None if salt is None else pool.hasher.salt_root(salt)
+        state = RequestState(rid, chain=list(match.keys), salt=salt, root=root)
         if match.partial_key is not None:
             state.borrow = (match.partial_key, match.partial_tokens)
         pool.lease(state.chain)
@@ -335,8 +359,7 @@ class RequestTable:
             if state.lost or self._c <= 1:
                 pool.release_private(state.tail, request_id)
             else:
-                parent = state.chain[-1] if state.chain else None
-                pool.share_tail(state.tail, request_id, parent, len(state.chain), state.tail_tokens)
+                pool.share_tail(state.tail, request_id, state.tip, len(state.chain), state.tail_tokens)
         pool.release_chain(state.chain, zip(state.keys, state.chosen))
 
     def mark_lost(self, removal: InstanceRemoval) -> tuple[str, ...]:
@@ -374,7 +397,8 @@ class RequestTable:
             for i, key in enumerate(state.chain):
                 assert key in tree, f"request {rid!r} holds a segment that left the tree"
                 assert tree.index(key) == i, "chain out of order"
-                assert tree.parent(key) == (state.chain[i - 1] if i else None), "broken chain"
+                assert tree.parent(key) == (state.chain[i - 1] if i else state.root), "broken chain"
+            assert state.root == tree.root_key(state.salt), "a request's root is not its salt's"
             if state.tail is None:
                 assert not state.tail_tokens, f"request {rid!r} has tail tokens but no tail"
             else:

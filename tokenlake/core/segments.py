@@ -12,6 +12,11 @@ Only full segments have chained keys; the open tail of a sequence (fewer than ``
 tokens) is private to its request until it fills. When the request finishes, its tail
 stays in the pool as a leaf under :meth:`SegmentHasher.tail_key` (its own hash
 personalisation): later prompts hit its leading pages, nothing chains after it.
+
+A *cache salt* (a tenant's namespace, vLLM's ``cache_salt``) starts a sequence's chain
+at :meth:`SegmentHasher.salt_root` instead of ``h_{-1}``: every key of a salted sequence
+differs from the unsalted one's and from every other salt's, so tenants with different
+salts never share a segment. No salt (``None`` or ``""``) keeps the keys above.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from tokenlake.core.errors import ConfigError
+from tokenlake.core.errors import ConfigError, PlanError
 
 #: Bytes in a segment key.
 KEY_BYTES = 16
+
+#: Most characters a cache salt may have.
+MAX_SALT_CHARS = 256
 
 SegmentKey = bytes
 """A 16-byte chained segment key."""
@@ -39,6 +47,24 @@ def namespace_root(namespace: str) -> SegmentKey:
     if not namespace:
         raise ConfigError("namespace must be a non-empty string (model id and KV layout)")
     return hashlib.blake2b(namespace.encode("utf-8"), digest_size=KEY_BYTES).digest()
+
+
+def check_salt(salt: object) -> str | None:
+    """``salt`` as a cache salt: ``None`` for no salt (``None`` or ``""``), else the
+    string itself. Raises :class:`PlanError` for anything but a string of at most
+    :data:`MAX_SALT_CHARS` characters that UTF-8 can encode."""
+    if salt is None or salt == "":
+        return None
+    if type(salt) is not str:
+        raise PlanError(f"a cache salt must be a string, got {type(salt).__name__}")
+    if len(salt) > MAX_SALT_CHARS:
+        raise PlanError(f"a cache salt has at most {MAX_SALT_CHARS} characters, got {len(salt)}")
+    if not salt.isascii():
+        try:
+            salt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PlanError("a cache salt must be Unicode text (it holds a lone surrogate)") from None
+    return salt
 
 
 def token_bytes(token_ids: Sequence[int] | array | bytes | memoryview) -> bytes:
@@ -87,6 +113,19 @@ class SegmentHasher:
         """``h_{-1}``: the parent key of every first segment."""
         return self._root  # type: ignore[attr-defined]
 
+    def salt_root(self, salt: str | None) -> SegmentKey:
+        """The chain's starting value for a sequence under cache salt ``salt``: the
+        parent key of its first segment (``iter_keys(tokens, parent=salt_root(salt))``).
+        A blake2b keyed with :attr:`root` over the salt's UTF-8 bytes, under its own
+        personalisation, so it equals no segment key, no tail key and no other salt's
+        root. No salt (``None`` or ``""``): :attr:`root` itself. Raises
+        :class:`PlanError` for a salt :func:`check_salt` refuses."""
+        salt = check_salt(salt)
+        if salt is None:
+            return self.root
+        return hashlib.blake2b(salt.encode("utf-8"), digest_size=KEY_BYTES, key=self.root,
+                               person=b"tokenlake-salt").digest()
+
     def num_full(self, num_tokens: int) -> int:
         """Number of full segments in ``num_tokens`` tokens."""
         return num_tokens // self.segment_tokens
@@ -102,7 +141,8 @@ class SegmentHasher:
         """Yields the key of every full segment of ``token_ids``, lazily.
 
         ``parent`` continues a chain: pass the key of the segment that precedes
-        ``token_ids[0]`` (default: the namespace root, i.e. the sequence starts at 0).
+        ``token_ids[0]`` (default: the namespace root, i.e. the sequence starts at 0;
+        a salted sequence starts at :meth:`salt_root`).
         Lazy so that a prefix match can stop at the first miss without hashing the rest.
         """
         raw = token_bytes(token_ids)
@@ -118,7 +158,8 @@ class SegmentHasher:
 
     def tail_key(self, token_ids: Sequence[int] | bytes, parent: SegmentKey | None = None) -> SegmentKey:
         """The key of a finished request's *tail*: fewer than ``C`` tokens after the
-        segment ``parent`` (``None``: at the start), kept in the pool for page hits.
+        segment ``parent`` (``None``: at the start; a salt's root: at the start of a
+        salted sequence), kept in the pool for page hits.
         Hashed under its own personalisation, so no whole segment's key equals it."""
         raw = token_bytes(token_ids)
         hasher = hashlib.blake2b(self.root if parent is None else parent,

@@ -5,8 +5,9 @@ declared prefix is leased), resolves which replica of each prefix segment it rea
 gives every new token a slot:
 
 * tokens that fit the request's open tail are written there (the decode fast path);
-* each segment the new tokens complete is sealed under its chained key, and stored only
-  if the pool does not hold it yet (dedup); a filled open tail becomes the segment's
+* each segment the new tokens complete is sealed under its chained key (chained from
+  the request's salt's root: dedup never crosses cache salts), and stored only if the
+  pool does not hold it yet (dedup); a filled open tail becomes the segment's
   replica in place, or is released after commit when the segment was cached;
 * the remaining tokens (fewer than ``C``) open a new private tail.
 
@@ -130,13 +131,12 @@ class StorePlanner:
                 state.tail_tokens.extend(tokens[:take])
                 return puts
             seg = state.tail_tokens + list(tokens[:take])
-            key = hasher.keys(seg, parent=state.chain[-1] if state.chain else None)[0]
+            key = hasher.keys(seg, parent=state.tip)[0]
             self._extend_chain(state, key, state.tail, have, 0, take, puts, tx, seg)
             state.tail, state.tail_tokens = None, []
             pos = take
-        parent = state.chain[-1] if state.chain else None
         full_end = pos + (n - pos) // c * c
-        for key in hasher.iter_keys(tokens[pos:full_end], parent=parent):
+        for key in hasher.iter_keys(tokens[pos:full_end], parent=state.tip):
             self._extend_chain(state, key, None, 0, pos, pos + c, puts, tx, tokens[pos : pos + c])
             pos += c
         if pos < n:
@@ -161,7 +161,7 @@ class StorePlanner:
         tokens, recorded in the tree for page hits.
         """
         pool, tree, owner = self._pool, self._pool.tree, state.request_id
-        parent = state.chain[-1] if state.chain else None
+        parent = state.tip  # a root for the first segment: None, or its salt's root key
         if key in tree and not tree.is_ready(key) and not tx.stores(key):
             # Being stored by another iteration in flight: its abort would pull the
             # segment from under this request (and it is not visible to plans yet). The

@@ -34,7 +34,7 @@ class TreeNode:
     def __init__(self, key: SegmentKey, parent: SegmentKey | None, index: int,
                  tokens: bytes | None = None) -> None:
         self.key = key
-        self.parent = parent
+        self.parent = parent  # None under the unsalted root; a salted first segment's: its salt's root key
         self.index = index  # position of the segment in its sequence (0 = first)
         self.tokens = tokens  # the segment's token ids, encoded (TokenCodec); None: unknown
         # Children by their token bytes (what a match walks): None for a leaf, the child
@@ -97,10 +97,12 @@ class TreeNode:
             else:
                 del self.order[bisect.bisect_left(self.order, (node.tokens, node.key))]
 
-    def check_links(self, parent: TreeNode | None, nodes: dict[SegmentKey, TreeNode]) -> None:
-        """Asserts this node's place under ``parent`` (None: it is the root), its
-        children's links back, its sorted children index and its cached ready replicas
-        (for tests)."""
+    def check_links(self, parent: TreeNode | None, nodes: dict[SegmentKey, TreeNode],
+                    salted: bool = False) -> None:
+        """Asserts this node's place under ``parent`` (None: it is a root; ``salted``:
+        a salt's root, whose children name it by its key, where the unsalted root's name
+        it ``None``), its children's links back and indices, its sorted children index
+        and its cached ready replicas (for tests)."""
         if parent is not None:  # a node; ``nodes`` must hold its parent
             if self.tokens is None:
                 assert parent.bare is not None and parent.bare.get(self.key) is self
@@ -110,8 +112,10 @@ class TreeNode:
             want = tuple(SegmentLocation(r.instance, r.slot) for r in self.replicas if r.ready)
             assert self.locs == want, "cached ready replicas out of date"
             assert len({r.instance for r in self.replicas}) == len(self.replicas)
+        own = self.key if parent is not None or salted else None
         for child in self.child_nodes():
-            assert child.parent == (None if parent is None else self.key)
+            assert child.parent == own
+            assert child.index == self.index + 1, "a child's index is not its parent's + 1"
             assert nodes.get(child.key) is child
         with_tokens = sorted((n.tokens, n.key) for n in self.token_children())
         if self.order is not None:

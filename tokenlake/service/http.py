@@ -233,7 +233,7 @@ def _generation_request(request_id: str, body: _Sampling, ids: list[int],
     except SamplingError as e:
         raise ApiError(400, str(e)) from None
     stop_ids = () if body.ignore_eos else (model.tokenizer.eos_id,)
-    return GenerationRequest(request_id, tuple(ids), max_new, stop_ids, sampling)
+    return GenerationRequest(request_id, tuple(ids), max_new, stop_ids, sampling, body.cache_salt)
 
 
 async def _texts(job: _Job, model: ModelInfo) -> AsyncIterator[tuple[str, str | None, int]]:

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 MAX_STOPS = 4  # as OpenAI's API
+MAX_SALT_CHARS = 256  # tokenlake.core.segments.MAX_SALT_CHARS
 
 
 def _unicode(v: str) -> str:
@@ -96,6 +97,9 @@ class _Sampling(BaseModel):
     n: Int = 1
     ignore_eos: bool = False  # an extension (as vLLM's): generate exactly max_tokens
     logprobs: bool | int | None = None
+    # an extension (as vLLM's): the tenant namespace of the prompt's cached segments;
+    # only requests with the same salt share them (docs/design.md §4)
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
 
     @field_validator("max_tokens")
     @classmethod

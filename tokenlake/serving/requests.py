@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenlake.core.errors import TokenLakeError
+from tokenlake.core.errors import PlanError, TokenLakeError
+from tokenlake.core.segments import check_salt
 from tokenlake.serving.sampling import GREEDY, SamplingParams
 
 
@@ -18,13 +19,17 @@ class BadRequest(TokenLakeError, ValueError):
 @dataclass(frozen=True)
 class GenerationRequest:
     """``prompt_ids`` to continue for at most ``max_new_tokens``, greedily unless
-    ``sampling`` says otherwise; a token in ``stop_ids`` ends it (and is output)."""
+    ``sampling`` says otherwise; a token in ``stop_ids`` ends it (and is output).
+    ``cache_salt``: its tenant namespace in the pool (at most 256 characters; ``None``:
+    none): its prompt reuses, and its segments are shared with, only requests under the
+    same salt (:attr:`tokenlake.core.plans.BatchRequest.cache_salt`)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int = 32
     stop_ids: tuple[int, ...] = (2,)
     sampling: SamplingParams = GREEDY
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -59,6 +64,10 @@ def check_request(req: GenerationRequest, cfg, used_ids) -> None:
         raise BadRequest(f"request {rid!r}: sampling must be SamplingParams")
     if req.max_new_tokens < 1:
         raise BadRequest(f"request {rid!r}: max_new_tokens must be >= 1")
+    try:
+        check_salt(req.cache_salt)
+    except PlanError as e:
+        raise BadRequest(f"request {rid!r}: {e}") from None
     total = len(req.prompt_ids) + req.max_new_tokens
     if total > cfg.max_context:
         raise BadRequest(f"request {rid!r}: {total} tokens exceed the context limit "

@@ -315,22 +315,23 @@ class Server:
         return tuple(rid for rid in lost if self.preempt(rid))
 
     # ------------------------------------------------------------ policies
-    def _match(self, prompt: tuple[int, ...]) -> int:
-        """Prompt tokens the pool can serve now (whole segments; the last token is always
-        computed, so that its logits exist)."""
+    def _match(self, prompt: tuple[int, ...], salt: str | None = None) -> int:
+        """Prompt tokens the pool can serve now under cache salt ``salt`` (whole
+        segments, then pages; the last token is always computed, so that its logits
+        exist)."""
         tree = self.control.get_prefix_tree()
-        return tree.match(prompt, max_tokens=len(prompt) - 1).hit_tokens
+        return tree.match(prompt, max_tokens=len(prompt) - 1, salt=salt).hit_tokens
 
     def snapshot(self):
         """The :class:`scheduler.api.Snapshot` the policy decides on this iteration.
 
-        Every waiting request's prompt is matched here, once; the tracker keeps the hit
-        for its view, its cache load and its admission (nothing changes the tree until
-        the plans of this iteration are made).
+        Every waiting request's prompt is matched here, once, under its cache salt; the
+        tracker keeps the hit for its view, its cache load and its admission (nothing
+        changes the tree until the plans of this iteration are made).
         """
         tracker = self.tracker
         for live in tracker.waiting():
-            tracker.set_hit(live, self._match(live.prompt))
+            tracker.set_hit(live, self._match(live.prompt, live.req.cache_salt))
         waiting, running = tracker.views()
         if self.admit_limit is not None:  # the pool was full: admit fewer, cache-first
             late = self.clock() - self.admission_patience_s
@@ -375,7 +376,7 @@ class Server:
 
     def _chunk(self, live: _Live, tokens: int) -> BatchRequest:
         """The next ``tokens`` prompt tokens of ``live``, admitting it (with the hit kept
-        from this iteration's match) if it waits."""
+        from this iteration's match, under its cache salt) if it waits."""
         prompt = live.prompt
         prefix: tuple[int, ...] = ()
         if live.phase == WAITING:
@@ -386,7 +387,7 @@ class Server:
                 live.result.hit_tokens = hit
         new = prompt[live.prefilled : live.prefilled + tokens]
         live.result.prefill_tokens += len(new)
-        return BatchRequest(live.req.request_id, new, prefix)
+        return BatchRequest(live.req.request_id, new, prefix, live.req.cache_salt)
 
     def _emit(self, live: _Live, logits: torch.Tensor) -> None:
         """``live``'s next token from its last-row ``logits``: chosen, checked, recorded,

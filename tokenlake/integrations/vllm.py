@@ -9,7 +9,10 @@ against a pool served with ``tokenlake serve --kv-layout vllm-cpu --segment-toke
 (docs/vllm.md). Extra config: ``address`` (required), ``credentials`` (the file ``tokenlake
 serve`` wrote; default: the one for that port on this machine), ``timeout_s``, ``instance``
 (the pool instance whose buffers this vLLM instance writes: give each vLLM instance its
-own; default 0) and ``mode``: ``"load"`` (default, below) or ``"query"``
+own; default 0), ``cache_salt`` (the tenant namespace of every request of this vLLM
+instance in the pool, at most 256 characters: only requests under the same salt share
+segments; a request's own ``cache_salt``, vLLM's per-request field, wins; default: none,
+shared) and ``mode``: ``"load"`` (default, below) or ``"query"``
 (:mod:`tokenlake.integrations.vllm_query`: the pooled prefix is attended in the pool,
 never copied into vLLM; a pool served with ``--kv-layout hf``, vLLM run with
 ``--no-enable-prefix-caching``).
@@ -24,6 +27,7 @@ and stores every token.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from typing import Any
@@ -35,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from tokenlake.core.errors import ConfigError, TokenLakeError
+from tokenlake.core.errors import ConfigError, PlanError, TokenLakeError
+from tokenlake.core.segments import check_salt
 from tokenlake.integrations.vllm_load import LoadMode, _Loading
 from tokenlake.integrations.vllm_meta import Load, TokenLakeMetadata, layer_index
 from tokenlake.integrations.vllm_query import QueryMode, StepState
@@ -64,6 +69,10 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
             raise ConfigError(f"kv_connector_extra_config.mode must be one of {MODES}, "
                               f"got {self.mode!r}")
         self.block_size = vllm_config.cache_config.block_size
+        try:  # every request's salt in the pool, unless it has its own (vLLM's cache_salt)
+            self.cache_salt = check_salt(extra.get("cache_salt"))
+        except PlanError as e:
+            raise ConfigError(f"kv_connector_extra_config.cache_salt: {e}") from None
         if self.mode == "query":
             self._check_query_mode(vllm_config)
         # The scheduler side plans and the worker side stores and completes: one session,
@@ -93,6 +102,7 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
                         "computed; set \"kv_load_failure_policy\": \"recompute\"")
         # scheduler side
         self._hits: dict[str, int] = {}  # request -> pool hit (tokens) seen at matching
+        self._salts: dict[str, str | None] = {}  # request -> its cache salt in the pool
         self._pool_len: dict[str, int] = {}  # request -> its tokens the pool holds or stores
         self._admitted: set[str] = set()
         self._prompts: dict[str, list[int]] = {}
@@ -153,15 +163,30 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
             self._release(request.request_id)
             self._local.discard(request.request_id)
             self._external.pop(request.request_id, None)
+        salt = self._salts[request.request_id] = self._salt_of(request)
         prompt = list(request.prompt_token_ids or [])
         if len(prompt) < 2:
             return 0, False
-        match = self.cp.get_prefix_tree().match(prompt, max_tokens=len(prompt) - 1)
+        match = self.cp.get_prefix_tree().match(prompt, max_tokens=len(prompt) - 1, salt=salt)
         # Whole segments: lease_prefix leases those (a page hit needs its copy planned
         # with an iteration, which the connector's lease at allocation is not).
         hit = match.whole_tokens
         self._hits[request.request_id] = hit
         return max(0, hit - num_computed_tokens), False
+
+    def _salt_of(self, request) -> str | None:
+        """``request``'s cache salt in the pool: its own (vLLM's ``Request.cache_salt``),
+        else this instance's (``kv_connector_extra_config.cache_salt``), else none. A
+        salt of vLLM's that the pool refuses (over 256 characters) enters it as its
+        digest: the same namespace for the same salt, and no error in vLLM's scheduler."""
+        salt = getattr(request, "cache_salt", None)
+        if not salt:
+            return self.cache_salt
+        try:
+            return check_salt(salt)
+        except PlanError:
+            raw = str(salt).encode("utf-8", "surrogatepass")
+            return "blake2b:" + hashlib.blake2b(raw, digest_size=32).hexdigest()
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -172,9 +197,10 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         hit = self._hits.get(rid, 0)
+        salt = self._salts.get(rid, self.cache_salt)
         if self.mode == "query":  # lease the prefix; it is attended where it lives
             try:
-                self.cp.lease_prefix(rid, self._prompts[rid][:hit])
+                self.cp.lease_prefix(rid, self._prompts[rid][:hit], salt)
             except TokenLakeError as e:  # build_connector_meta makes vLLM compute it
                 log.warning("request %s: the pool no longer holds its prefix (%s)", rid, e)
                 return
@@ -186,7 +212,7 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         start = hit - num_external_tokens
         block_ids = self._blocks[rid][start // self.block_size: hit // self.block_size]
         try:
-            locs = self.cp.lease_prefix(rid, self._prompts[rid][:hit])
+            locs = self.cp.lease_prefix(rid, self._prompts[rid][:hit], salt)
         except TokenLakeError as e:  # evicted since the match: vLLM computes these blocks
             log.warning("request %s: the pool no longer holds its prefix (%s)", rid, e)
             self._failed += block_ids
@@ -235,7 +261,8 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         rid = request.request_id
-        for table in (self._hits, self._prompts, self._blocks, self._requests, self._external):
+        for table in (self._hits, self._salts, self._prompts, self._blocks, self._requests,
+                      self._external):
             table.pop(rid, None)
         self._local.discard(rid)
         self._release(rid)

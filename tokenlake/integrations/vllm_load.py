@@ -76,7 +76,8 @@ class LoadMode:
             prefix = ()
             if rid not in self._admitted:
                 prefix = tuple(prompt[:have])
-            reqs.append(BatchRequest(rid, tuple(prompt[have:end]), prefix))
+            reqs.append(BatchRequest(rid, tuple(prompt[have:end]), prefix,
+                                     self._salts.get(rid, self.cache_salt)))
             rows.append((rid, self._blocks[rid][have // self.block_size: end // self.block_size]))
             budget -= end - have
         if not reqs:

@@ -212,7 +212,7 @@ class QueryMode:
             tokens = list(request.all_token_ids[start:upto])
             if len(tokens) != n:
                 raise TokenLakeError(f"request {rid}: {n} tokens scheduled, {len(tokens)} known")
-            reqs.append(BatchRequest(rid, tuple(tokens)))
+            reqs.append(BatchRequest(rid, tuple(tokens), cache_salt=self._salt_of(request)))
             anchors[blocks[start // self.block_size]] = rid
             first[rid] = blocks[0]
             if self._external.get(rid, 0):

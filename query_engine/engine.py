@@ -26,12 +26,14 @@ here, before anything is stored or sent on.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tokenlake.core.errors import EngineUnavailable, PlanError
+from tokenlake.core.errors import EngineUnavailable, NotAuthorized, PlanError
+from tokenlake.dataplane import grants
 from tokenlake.dataplane.attention import empty_partial, merge, merge_many
 from tokenlake.dataplane.attention_paged import flashinfer_slab_attention, warm_up
 from tokenlake.dataplane.attention_slab import slabs_partial_attention
@@ -118,6 +120,8 @@ class HomePlan:
     remote: dict[int, tuple[int, int]]  # instance -> (lo, hi) rows its query engine needs
     peer_id: int  # the plan's id towards the peers (unique on this engine)
     session: bytes  # whose plan it is
+    grant: int  # the grant it was registered under (-1: the owner's, which need none)
+    expiry: float  # wall-clock seconds after which it may not be queried (its grant's)
     q: torch.Tensor  # the session's buffers: q rows in, the merged partial out
     out_o: torch.Tensor
     out_lse: torch.Tensor
@@ -197,6 +201,8 @@ class QueryEngine(EngineLoop):
 
     def _register_home(self, message: RegisterQueryPlan, caller: Caller) -> None:
         session, bufs = self.session_buffers(caller)
+        grant, expiry = self.check_grant(caller, grants.QUERY_PLAN, grants.payload(message.body()),
+                                         message.grant)
         pid, rows = message.plan, message.rows
         if not 0 < rows <= self.q.shape[0]:
             raise PlanError(f"plan has {rows} rows; q_buf holds at most {self.q.shape[0]}")
@@ -220,7 +226,8 @@ class QueryEngine(EngineLoop):
             self.tell(task.instance, PeerRegisterPlan(self.spec.instance, peer_id, shifted))
             remote[task.instance] = (lo, hi)
         self.home_plans[key] = HomePlan(rows, AttendLayout.of(local, not self.slab.is_cuda), remote,
-                                        peer_id, session, bufs["q"], bufs["out_o"], bufs["out_lse"])
+                                        peer_id, session, grant, expiry, bufs["q"], bufs["out_o"],
+                                        bufs["out_lse"])
         mine = [k for k in self.home_plans if k[0] == session]
         for old in mine[: max(0, len(mine) - MAX_SESSION_PLANS)]:  # the oldest first
             self._release(old)
@@ -234,6 +241,10 @@ class QueryEngine(EngineLoop):
 
     def drop_session(self, token: bytes) -> None:
         for key in [k for k in self.home_plans if k[0] == token]:
+            self._release(key)
+
+    def drop_grants(self, token: bytes, grant_ids: frozenset[int]) -> None:
+        for key in [k for k, p in self.home_plans.items() if k[0] == token and p.grant in grant_ids]:
             self._release(key)
 
     def connect_peers(self, endpoints: dict[int, str | None]) -> None:
@@ -292,6 +303,8 @@ class QueryEngine(EngineLoop):
         plan = self.home_plans.get((session, pid))
         if plan is None:
             raise PlanError(f"unknown plan {pid} on instance {self.spec.instance}")
+        if plan.expiry < time.time():
+            raise NotAuthorized(f"plan {pid}'s grant expired")
         layer = self._check_layer(message.layer)
         gone = [i for i in plan.local.insts if i != self.spec.instance and i not in self.peers]
         if gone:  # its slab may be zeroed for a restart: never read it after it left

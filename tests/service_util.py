@@ -50,7 +50,7 @@ STATS = ControlStats(4, 128, 512, 4096, PoolStats(
     private_slots=1, dedup_segments=2, evictions=0, replications=2, reads={0: 30, 1: 12}))
 
 SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
-    Kind.CP_MATCH: m.CpMatch((5, 6, 7, 8), 3),
+    Kind.CP_MATCH: m.CpMatch((5, 6, 7, 8), 3, "tenant-a"),
     Kind.CP_MATCHED: m.CpMatched(MatchResult(
         (b"k" * 16, b"j" * 16), ((SegmentLocation(0, 3),), (SegmentLocation(1, 2), SegmentLocation(0, 9))),
         28, b"p" * 16, 12, (SegmentLocation(1, 4),))),  # two whole segments of 8, then 12 tokens
@@ -59,16 +59,18 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.CP_GEN_PLANS: m.CpGenPlans(
         (Batch((BatchRequest("a", (1, 2, 3), tuple(range(16))), BatchRequest("b", (9,)))),
          Batch((BatchRequest("c", (4,)),), "decode")), (2, 1), (None, 1)),
-    Kind.CP_PLANS: m.CpPlans(PLANS),
+    Kind.CP_PLANS: m.CpPlans(PLANS, tuple((b"q" * 32, b"t" * 32) for _ in PLANS.query_plans)),
     Kind.CP_COMPLETE: m.CpComplete(3),
     Kind.CP_ABORT: m.CpAbort(4),
     Kind.CP_FINISH_REQUEST: m.CpFinishRequest("a"),
     Kind.CP_STATS: m.CpStats(),
     Kind.CP_STATS_RESULT: m.CpStatsResult(STATS, (0, 1), "smollm2-135m/f32/C64/vllm-cpu", 64, (
-        m.SessionInfo(1, 4242, "vllm-worker-0", 12.5, 0.25, 1, 3, (0, 1)),)),
+        m.SessionInfo(1, 4242, "vllm-worker-0", 12.5, 0.25, 1, 3, (0, 1)),),
+        (("q", (8, 4, 2)), ("kv", (2, 8, 2, 2, 4)))),
     Kind.CP_CLIENT_INFO: m.CpClientInfo(1),
-    Kind.CP_LEASE_PREFIX: m.CpLeasePrefix("r1", (5, 6, 7, 8)),
-    Kind.CP_LEASED: m.CpLeased((SegmentLocation(0, 3), SegmentLocation(1, 7))),
+    Kind.CP_LEASE_PREFIX: m.CpLeasePrefix("r1", (5, 6, 7, 8), "tenant-a"),
+    Kind.CP_LEASED: m.CpLeased((SegmentLocation(0, 3), SegmentLocation(1, 7)),
+                               ((0, b"r" * 32), (1, b"s" * 32))),
     Kind.CP_CLIENT_INFO_RESULT: m.CpClientInfoResult(
         1, {"query": "tcp://127.0.0.1:5001", "transfer": "tcp://127.0.0.1:5002"},
         {"q": BufferSpec("tokenlake-1-ab-q-1", (8, 4, 2), "float32")}, 5.0,

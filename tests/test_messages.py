@@ -40,21 +40,22 @@ EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.REGISTER_QUERY_PLAN: m.RegisterQueryPlan(7, 5, (
         m.InstanceItems(0, (m.AttendItem(0, 2, (1, 4), (8, 3)),)),
         m.InstanceItems(2, (m.AttendItem(2, 5, (0,), (8,)), m.AttendItem(3, 5, (6,), (2,)))),
-    )),
+    ), b"g" * 32),
     Kind.QUERY: m.Query(7, 1),
     Kind.QUERY_DONE: m.QueryDone(1),
     Kind.REGISTER_TRANSFER_PLAN: m.RegisterTransferPlan(8, 4, (
-        m.PutTarget(0, 3, 0, 0, 2), m.PutTarget(1, 9, 5, 2, 4)), (m.SlotCopy(1, 4, 1, 9, 5),)),
+        m.PutTarget(0, 3, 0, 0, 2), m.PutTarget(1, 9, 5, 2, 4)), (m.SlotCopy(1, 4, 1, 9, 5),), b"h" * 32),
     Kind.PUT: m.Put(8, 0, 2),
     Kind.PUT_DONE: m.PutDone(0),
     Kind.COPY_SEGMENT: m.CopySegment(3, 1, 11),
     Kind.COPY_DONE: m.CopyDone(11),
-    Kind.READ_SEGMENT: m.ReadSegment(1, (2, 5)),
+    Kind.READ_SEGMENT: m.ReadSegment(1, (2, 5), b"r" * 32),
     Kind.SEGMENT_DATA: m.SegmentData(1, (2, 5), (SEG[0], SEG[1])),
     Kind.SHUTDOWN: m.Shutdown(),
     Kind.PEERS: m.Peers(((1, "tcp://127.0.0.1:5555"), (2, None))),
     Kind.OPEN_SESSION: m.OpenSession(b"S" + b"t" * 15, {"kv": BufferSpec("tokenlake-1-ab-s3-kv-0", (2, 8, 2, 2, 4), "bfloat16")}),
     Kind.CLOSE_SESSION: m.CloseSession(b"S" + b"t" * 15),
+    Kind.RETIRE: m.Retire(b"S" + b"t" * 15, (14, 3)),
     Kind.PEER_REGISTER_PLAN: m.PeerRegisterPlan(0, 7, (m.AttendItem(0, 3, (0,), (8,)),)),
     Kind.PEER_RELEASE_PLAN: m.PeerReleasePlan(0, 7),
     Kind.PEER_QUERY: m.PeerQuery(0, 7, 1, Q),
@@ -151,7 +152,11 @@ def wrong_value(value):
 CASES = [(k, f) for k in Kind for f in EXAMPLES[k].body() if not (k == Kind.PUT and f == "layers")]
 #: Fields that may be absent (their default applies); a wrong type is still refused.
 OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"): (), (Kind.PEER_PUT, "copies"): (),
-            (Kind.CP_STATS_RESULT, "sessions"): (), (Kind.ERROR, "request_ids"): ()}
+            (Kind.CP_STATS_RESULT, "sessions"): (), (Kind.ERROR, "request_ids"): (),
+            (Kind.REGISTER_QUERY_PLAN, "grant"): b"", (Kind.REGISTER_TRANSFER_PLAN, "grant"): b"",
+            (Kind.READ_SEGMENT, "grant"): b"", (Kind.CP_PLANS, "grants"): (),
+            (Kind.CP_LEASED, "grants"): (), (Kind.CP_STATS_RESULT, "buffers"): (),
+            (Kind.CP_MATCH, "salt"): None, (Kind.CP_LEASE_PREFIX, "cache_salt"): None}
 
 
 @pytest.mark.parametrize(("kind", "name"), CASES, ids=[f"{k.name}-{f}" for k, f in CASES])

@@ -293,3 +293,23 @@ def test_a_remote_client_leases_a_cached_prefix(served):
         cp.finish_request("lp-b")
     assert cluster.control.live_requests == ()
     cluster.control.check()
+
+
+def test_status_lists_sessions_with_what_they_hold(served):
+    from tokenlake.tools.cli_status import print_status, status_summary
+
+    cluster, server = served
+    with connect(server, label="worker-a") as cp, connect(server) as reader:
+        assert reader.stats_and_sessions()[1] == ()  # reading opens no session
+        plans = cp.gen_plans([Batch((BatchRequest("held", tuple(range(500, 520))),))], [1])
+        cp.client(plans.query_plans[0].home)
+        stats, sessions = reader.stats_and_sessions()
+        (info,) = sessions
+        assert (info.label, info.iterations, info.requests) == ("worker-a", 1, 1)
+        assert info.instances == (plans.query_plans[0].home,) and info.pid > 0
+        summary = status_summary(stats, sessions)
+        assert summary["sessions"][0]["label"] == "worker-a"
+        print_status(summary, server.address)  # the table prints
+        cp.abort(plans)
+    assert server.sessions.infos() == ()
+    assert cluster.control.live_requests == ()

@@ -6,8 +6,10 @@ the peer kinds come from engines only; a closed session is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -16,8 +18,8 @@ from dataplane_util import TINY, engine_request, execute, reference_prefix, toke
 from test_dataplane import POOL_BYTES, C, run_iteration
 
 from tokenlake.core.errors import CapacityError, NotAuthorized, PlanError, SessionEnded
-from tokenlake.core.plans import Batch, BatchRequest
-from tokenlake.dataplane import wire
+from tokenlake.core.plans import Batch, BatchRequest, QueryPlan
+from tokenlake.dataplane import grants, wire
 from tokenlake.dataplane.auth import ClusterKeys
 from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.messages import (
@@ -26,6 +28,7 @@ from tokenlake.dataplane.messages import (
     PutDone,
     Query,
     RegisterQueryPlan,
+    RegisterTransferPlan,
     ReleasePlan,
     SlotWrite,
     expect,
@@ -118,10 +121,18 @@ class SessionView:
                 bufs[name] = self.maps[-1].tensor
             keys = None if info["keys"] is None else ClusterKeys.from_dict(info["keys"])
             client = InstanceClient(instance, info["endpoints"], bufs, lambda: None, 5.0,
-                                    keys=keys, routing_id=self.token)
+                                    keys=keys, routing_id=self.token, grant_for=self.grant_for)
             client.start(self.ctx)
             self.clients[instance] = client
         return self.clients[instance]
+
+    def grant_for(self, plan) -> bytes:
+        """The grant the control server would give this session for ``plan``."""
+        if isinstance(plan, QueryPlan):
+            kind, body = grants.QUERY_PLAN, RegisterQueryPlan.from_plan(0, plan).body()
+        else:
+            kind, body = grants.TRANSFER_PLAN, RegisterTransferPlan.from_plan(0, plan).body()
+        return grants.sign(self.cluster.grant_key, self.token, 0, kind, grants.payload(body))
 
     def close(self) -> None:
         for c in self.clients.values():
@@ -150,8 +161,9 @@ def test_two_sessions_use_one_plan_id_on_one_instance_and_each_is_exact(cluster)
         pa, pb = _decode_plans(cluster, "sa", 5), _decode_plans(cluster, "sb", 6)
         ca, cb = a.client(0), b.client(0)
         assert ca.q.data_ptr() != cb.q.data_ptr() != cluster.client(0).q.data_ptr()
-        for client, plans in ((ca, pa), (cb, pb)):  # both register plan 1
-            client._call("query", RegisterQueryPlan.from_plan(1, plans.query_plans[0]), PlanAck)
+        for view, client, plans in ((a, ca, pa), (b, cb, pb)):  # both register plan 1
+            qp = plans.query_plans[0]
+            client._call("query", RegisterQueryPlan.from_plan(1, qp, view.grant_for(qp)), PlanAck)
             client._query_plan = (1, 1)
         for layer in range(TINY.num_layers):  # interleaved: both plans live at once
             qa, qb = torch.randn(1, TINY.num_q_heads, TINY.head_dim), torch.randn(1, TINY.num_q_heads, TINY.head_dim)
@@ -206,6 +218,11 @@ def test_a_sender_without_a_session_and_a_closed_session_get_nothing(cluster):
         engine_request(cluster, ("query", 0), plan, PlanAck, as_owner=False)
     view = SessionView(cluster, new_token())
     view.client(0)
+    with pytest.raises(NotAuthorized, match="grant"):  # a session, but no grant for it
+        engine_request(cluster, ("query", 0), plan, PlanAck, as_owner=False,
+                       routing_id=alias(view.token, 1))
+    plan = dataclasses.replace(plan, grant=grants.sign(cluster.grant_key, view.token, 0, grants.QUERY_PLAN,
+                                                       grants.payload(plan.body())))
     # its client holds the token's connection: a second socket of the session is an alias
     assert engine_request(cluster, ("query", 0), plan, PlanAck, as_owner=False,
                           routing_id=alias(view.token, 1)).plan == 1
@@ -262,3 +279,31 @@ def test_wire_error_request_ids_are_strings():
                                                "request_ids": [1]})
     with pytest.raises(wire.WireError):
         expect(wire.decode(frames), PlanAck)
+
+
+def test_a_client_that_stops_heartbeating_is_ended_and_told_so(cluster):
+    """The server ends a silent session by itself (its plans aborted, its request
+    finished, its buffers unlinked); the client's next call raises ``SessionEnded``."""
+    import tokenlake
+    from tokenlake.service.server import ControlServer
+
+    with ControlServer(cluster, session_timeout_s=0.6, heartbeat_s=0.2) as server:
+        cp = tokenlake.connect(server.address, credentials=server.credentials(), label="silent")
+        try:
+            plans = cp.gen_plans([Batch((BatchRequest("quiet", tuple(range(40, 60))),))], [1])
+            cp.client(plans.query_plans[0].home)
+            number = cp.session.session
+            assert f"{number}/quiet" in cluster.control.live_requests
+            cp._stop_heartbeat()  # as a hung process: no more heartbeats
+            deadline = time.monotonic() + 5.0
+            while server.sessions.find(cp.token) is not None:
+                assert time.monotonic() < deadline, "the silent session was never ended"
+                time.sleep(0.02)
+            assert server.sessions.ended == 1
+            assert f"{number}/quiet" not in cluster.control.live_requests
+            assert not [n for n in list_buffers(cluster_prefix(cluster.cluster_id)) if f"-s{number}-" in n]
+            with pytest.raises(SessionEnded):
+                cp.complete(plans)
+        finally:
+            cp.close()
+    cluster.control.check()

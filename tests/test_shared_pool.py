@@ -70,8 +70,8 @@ def finish(proc: subprocess.Popen, timeout: float = 300.0) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def chat(svc, question: str) -> tuple[str, list[dict]]:
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+def chat(svc, question: str, system: str = SYSTEM) -> tuple[str, list[dict]]:
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     r = httpx.post(svc.http.url + "/v1/chat/completions", timeout=300, json={
         "model": SERVED_MODEL, "messages": msgs, "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -141,6 +141,9 @@ def test_a_client_killed_mid_iteration_is_cleaned_up_within_5_s(pool):
     results = [finish(w) for w in workers]  # the others never failed
     assert max(r["worst"] for r in results) < 1e-4, results
     assert ended < 5.0
+    metrics = httpx.get(svc.http.url + "/metrics", timeout=30).text
+    assert "tokenlake_sessions_ended_total 1.0" in metrics, [
+        line for line in metrics.splitlines() if "session" in line]
     # whoever needs the dropped document computes it: it is stored and read back exactly
     again = finish(start_worker(svc, spec, 99, 1, "reuse"))
     assert again["first_hit"] == 0 and again["hit"] == 48 and again["worst"] < 1e-4, again
@@ -154,16 +157,18 @@ def test_a_request_waits_for_a_segment_another_client_stores_and_computes_it_whe
     the reference engine's, so nothing of the dead client's K/V was ever read."""
     cluster, svc, spec = pool
     _, tok, _ = smollm2
-    msgs = [{"role": "system", "content": SYSTEM},
+    # a system prompt of its own: no earlier test of the module has its segments cached
+    msgs = [{"role": "system", "content": "You answer in one short sentence. " + SYSTEM},
             {"role": "user", "content": "Which towns are in the delta of the Lumen?"}]
     prompt = tok.apply_chat_template(msgs)
+    assert cluster.control.get_prefix_tree().match(prompt).hit_tokens == 0
     victim = start_worker(svc, spec, 5, 1, "victim", json.dumps(prompt[: 3 * C]))
     ready = json.loads(victim.stdout.readline())
-    assert ready["ready"], ready
+    assert ready["ready"] and len(ready["keys"]) == 3, ready  # it stores all three segments
     server = svc.http.loop.server
     waits = server.waits_in_flight
     answer: list = []
-    asked = threading.Thread(target=lambda: answer.append(chat(svc, msgs[1]["content"])))
+    asked = threading.Thread(target=lambda: answer.append(chat(svc, msgs[1]["content"], msgs[0]["content"])))
     asked.start()
     deadline = time.monotonic() + 60
     while server.waits_in_flight == waits:  # the request is held back, not failed

@@ -25,11 +25,13 @@ buffer, and only that session can put through it or release it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
-from tokenlake.core.errors import PlanError
+from tokenlake.core.errors import NotAuthorized, PlanError
+from tokenlake.dataplane import grants
 from tokenlake.dataplane.engine import Caller, EngineLoop, EngineSpec, Pending
 from tokenlake.dataplane.messages import (
     CopyDone,
@@ -67,6 +69,8 @@ class TransferPlanState:
     copies: tuple[SlotCopy, ...]
     remote_copies: dict[int, tuple[SlotCopy, ...]]
     kv: torch.Tensor
+    grant: int = -1  # the grant it was registered under (-1: the owner's, which need none)
+    expiry: float = float("inf")  # wall-clock seconds after which it may not put (its grant's)
 
 
 class TransferEngine(EngineLoop):
@@ -94,7 +98,8 @@ class TransferEngine(EngineLoop):
             case CopySegment():
                 self._copy(identity, msg_id, message)
             case ReadSegment():
-                caller.require_session()
+                self.check_grant(caller, grants.READ, grants.payload({"slots": list(message.slots)}),
+                                 message.grant)
                 self._read(identity, msg_id, message)
             case PeerSegment():
                 self._store_segment(message)
@@ -124,8 +129,14 @@ class TransferEngine(EngineLoop):
         for key in [k for k in self.plans if k[0] == token]:
             del self.plans[key]
 
+    def drop_grants(self, token: bytes, grant_ids: frozenset[int]) -> None:
+        for key in [k for k, p in self.plans.items() if k[0] == token and p.grant in grant_ids]:
+            del self.plans[key]
+
     def _register(self, message: RegisterTransferPlan, caller: Caller) -> None:
         session, bufs = self.session_buffers(caller)
+        grant, expiry = self.check_grant(caller, grants.TRANSFER_PLAN, grants.payload(message.body()),
+                                         message.grant)
         rows = message.rows
         if not 0 < rows <= self.kv.shape[1]:
             raise PlanError(f"plan has {rows} rows; kv_buf holds at most {self.kv.shape[1]}")
@@ -155,7 +166,7 @@ class TransferEngine(EngineLoop):
         self.plans.pop((session, message.plan), None)  # an id registered again replaces its plan
         self.plans[(session, message.plan)] = TransferPlanState(
             rows, tuple(local), {i: tuple(p) for i, p in remote.items()}, tuple(copies),
-            {i: tuple(c) for i, c in remote_copies.items()}, bufs["kv"])
+            {i: tuple(c) for i, c in remote_copies.items()}, bufs["kv"], grant, expiry)
         mine = [k for k in self.plans if k[0] == session]
         for old in mine[: max(0, len(mine) - MAX_SESSION_PLANS)]:  # the oldest first
             del self.plans[old]
@@ -201,6 +212,8 @@ class TransferEngine(EngineLoop):
         plan = self.plans.get((session, message.plan))
         if plan is None:
             raise PlanError(f"unknown transfer plan {message.plan} on instance {self.spec.instance}")
+        if plan.expiry < time.time():
+            raise NotAuthorized(f"transfer plan {message.plan}'s grant expired")
         layers = self._check_layers(message.layer, message.layers)
         kv = plan.kv
         pending = self._answer(identity, msg_id, PutDone(layers.start), session)

@@ -155,17 +155,22 @@ class ControlPlane:
         tx.abort(self.pool, self._requests)
         self._count(tx.counts, -1)
 
-    def lease_prefix(self, request_id: str, prefix_token_ids: Sequence[int]) -> tuple[SegmentLocation, ...]:
-        """Admits ``request_id`` with its cached prefix leased, outside any iteration, and
+    def lease_prefix(self, request_id: str, prefix_token_ids: Sequence[int],
+                     cache_salt: str | None = None) -> tuple[SegmentLocation, ...]:
+        """Admits ``request_id`` (under ``cache_salt``, as :attr:`BatchRequest.cache_salt`:
+        its prefix is matched and its later segments stored under that salt) with its
+        cached prefix leased, outside any iteration, and
         returns the replica chosen for each of the prefix's segments, in order: a
         framework that copies the prefix's KV out of the pool (the vLLM connector) reads
         those slots, which stay put until :meth:`finish_request`. Later
         :meth:`gen_plans` calls add the request's new tokens (without a prefix).
 
-        Raises :class:`PlanError` if the request is live,
-        :class:`~tokenlake.core.errors.PrefixNotCached` if the prefix is not whole
-        segments, all cached and ready; nothing changes then."""
-        state = self._requests.admit_leased(request_id, tuple(prefix_token_ids), self.pool)
+        Raises :class:`PlanError` if the request is live or the salt is not a string of
+        at most 256 characters, :class:`~tokenlake.core.errors.PrefixNotCached` if the
+        prefix is not whole segments, all cached and ready under that salt; nothing
+        changes then."""
+        state = self._requests.admit_leased(request_id, tuple(prefix_token_ids), self.pool,
+                                            cache_salt)
         tree = self.pool.tree
         out = []
         for key, inst in zip(state.keys, state.chosen):

@@ -15,7 +15,7 @@ class Eviction:
     """One replica the pool evicted to free its slot: enough to put it back exactly."""
 
     key: SegmentKey
-    parent: SegmentKey | None  # the segment's parent in the tree (None for a first segment)
+    parent: SegmentKey | None  # its parent in the tree (a first segment's: None, or its salt's root key)
     index: int  # the segment's position in its sequence
     instance: int
     slot: int  # the freed slot; its data is intact until the slot is written again

@@ -179,7 +179,7 @@ class Replicator:
     def _walk_inputs(self, acc: dict[SegmentKey, int]):
         pool = self._pool
         budget = heavy_hitter_budget(len(pool.instances), pool.config.heavy_hitter_factor)
-        return pool.tree.children(None), pool.tree.children, acc, budget
+        return pool.tree.first_segments(), pool.tree.children, acc, budget  # every salt's too
 
     def _holders(self, key: SegmentKey) -> list[int]:
         return [loc.instance for loc in self._pool.tree.replicas(key, ready_only=False)]

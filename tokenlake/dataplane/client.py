@@ -98,11 +98,14 @@ class InstanceClient:
         keys: ClusterKeys | None = None,
         routing_id: bytes | None = None,
         as_owner: bool = False,
+        grant_for: Callable[[object], bytes] | None = None,
     ) -> None:
         self.instance = instance
         self.keys = keys  # CURVE keys: the member's pair is used (None: insecure cluster)
         self.routing_id = routing_id  # a client session's token or alias (its sockets' routing id)
         self.as_owner = as_owner  # the owner's in-process client (the instance's own buffers)
+        # a client session's grant of a plan the control server gave it (b"": none known)
+        self._grant_for = grant_for
         self.endpoints = endpoints
         self.q = buffers["q"]  # [max_rows, q_heads, head_dim]
         self.out_o = buffers["out_o"]
@@ -143,7 +146,8 @@ class InstanceClient:
         ``q_buf``, the [rows, q_heads, head_dim] float32 view to write q rows into."""
         self._check_home(plan.home)
         pid = next(self._ids)
-        self._call("query", RegisterQueryPlan.from_plan(pid, plan), PlanAck)
+        grant = self._grant_for(plan) if self._grant_for is not None else b""
+        self._call("query", RegisterQueryPlan.from_plan(pid, plan, grant), PlanAck)
         self._release("query")
         self._query_plan = (pid, plan.num_rows)
         return self.q[: plan.num_rows]
@@ -170,7 +174,8 @@ class InstanceClient:
         K/V into (a float32 source is rounded by the copy)."""
         self._check_home(plan.home)
         pid = next(self._ids)
-        self._call("transfer", RegisterTransferPlan.from_plan(pid, plan), PlanAck)
+        grant = self._grant_for(plan) if self._grant_for is not None else b""
+        self._call("transfer", RegisterTransferPlan.from_plan(pid, plan, grant), PlanAck)
         self._release("transfer")
         self._transfer_plan = (pid, plan.num_rows)
         return self.kv[:, : plan.num_rows]

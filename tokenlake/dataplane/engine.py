@@ -39,7 +39,7 @@ from tokenlake.core.errors import (
     PlanError,
     TokenLakeError,
 )
-from tokenlake.dataplane import messages, wire
+from tokenlake.dataplane import grants, messages, wire
 from tokenlake.dataplane.auth import (
     ENGINE,
     OWNER,
@@ -64,6 +64,7 @@ from tokenlake.dataplane.messages import (
     PeerSegment,
     Ping,
     Pong,
+    Retire,
     Shutdown,
     WireMessage,
 )
@@ -79,7 +80,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ROLES", "Caller", "EngineLoop", "EngineSpec", "Pending", "run_engine"]
 
 #: The kinds only the cluster's owner may send.
-OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment)
+OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment, Retire)
 #: The kinds only another engine of the cluster may send.
 PEER_KINDS = (PeerRegisterPlan, PeerReleasePlan, PeerQuery, PeerPut, PeerSegment)
 #: Client sessions one engine serves at once (the control server bounds them lower).
@@ -161,7 +162,10 @@ class EngineLoop:
         # filled by map_buffers); the mappings of client sessions, to close with them
         self.sessions: dict[bytes, dict[str, torch.Tensor]] = {}
         self._session_maps: dict[bytes, list[SharedTensor]] = {}
-        self._closing: dict[bytes, list[tuple[Any, int]]] = {}  # token -> CLOSE_SESSIONs to answer
+        # token -> (identity, msg id, close?) of CLOSE_SESSIONs and RETIREs to answer once
+        # nothing the session started waits for a peer
+        self._closing: dict[bytes, list[tuple[Any, int, bool]]] = {}
+        self._retired: dict[bytes, dict[int, float]] = {}  # token -> grant id -> when it expires
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -335,6 +339,8 @@ class EngineLoop:
                 self.reply(identity, Ack().encode(msg_id))
             elif isinstance(message, CloseSession):
                 self._close_session(identity, msg_id, message.token)
+            elif isinstance(message, Retire):
+                self._retire(identity, msg_id, message)
             else:
                 self.handle(identity, msg_id, message, caller)
         except Exception as exc:  # a bad request must not stop the engine
@@ -401,26 +407,66 @@ class EngineLoop:
             self.reply(identity, Ack().encode(msg_id))
             return
         self.drop_session(token)
-        self._closing.setdefault(token, []).append((identity, msg_id))
+        self._retired.pop(token, None)
+        self._closing.setdefault(token, []).append((identity, msg_id, True))
+        self._settle_closing()
+
+    def _retire(self, identity, msg_id: int, message: Retire) -> None:
+        """Spends grants of a session: its plans under them go at once, the grants are
+        refused from now on, and the answer waits until no request of the session is
+        waiting for a peer (as a close does)."""
+        token = message.token
+        if token not in self.sessions or token == OWNER_SESSION:
+            self.reply(identity, Ack().encode(msg_id))  # nothing of it here
+            return
+        now = time.time()
+        spent = self._retired.setdefault(token, {})
+        for gid, expiry in list(spent.items()):  # past their expiry they are refused anyway
+            if expiry < now:
+                del spent[gid]
+        for gid in message.grants:
+            spent[gid] = now + grants.GRANT_TTL_S
+        self.drop_grants(token, frozenset(message.grants))
+        self._closing.setdefault(token, []).append((identity, msg_id, False))
         self._settle_closing()
 
     def _settle_closing(self) -> None:
-        """Finishes every close whose session has nothing left in flight here."""
+        """Answers every close or retire whose session has nothing left in flight here
+        (a closed session's buffers are unmapped then)."""
         if not self._closing:
             return
         busy = {p.session for p in self._pending.values()}
         for token in [t for t in self._closing if t not in busy]:
-            for m in self._session_maps.pop(token, []):
-                m.close()
-            self.sessions.pop(token, None)
-            for identity, msg_id in self._closing.pop(token):
+            waiting = self._closing.pop(token)
+            if any(close for _, _, close in waiting):
+                for m in self._session_maps.pop(token, []):
+                    m.close()
+                self.sessions.pop(token, None)
+            for identity, msg_id, _ in waiting:
                 self.reply(identity, Ack().encode(msg_id))
+
+    def check_grant(self, caller: Caller, kind: bytes, content: bytes, grant: bytes) -> tuple[int, float]:
+        """``(grant id, expiry)`` under which a client session may use ``content`` (a
+        plan or a read, :func:`tokenlake.dataplane.grants.payload`), or
+        :class:`NotAuthorized`; the owner's session (and any session of a launcher that
+        made no grant key) needs none: ``(-1, inf)``."""
+        token = caller.require_session()
+        if token == OWNER_SESSION or self.spec.grant_key is None:
+            return -1, float("inf")
+        gid, expiry = grants.verify(self.spec.grant_key, token, grant, kind, content)
+        if gid in self._retired.get(token, ()):
+            raise NotAuthorized("this grant is spent (its iteration completed or aborted, or its "
+                                "lease was finished)")
+        return gid, expiry
+
+    def drop_grants(self, token: bytes, grant_ids: frozenset[int]) -> None:
+        """Forgets the plans of session ``token`` under these grants (subclasses)."""
 
     def session_buffers(self, caller: Caller) -> tuple[bytes, dict[str, torch.Tensor]]:
         """``(token, buffers)`` of the caller's session for a plan operation;
         ``NotAuthorized`` if it has none, ``PlanError`` if it is closing."""
         token = caller.require_session()
-        if token in self._closing:
+        if any(close for _, _, close in self._closing.get(token, ())):
             raise PlanError("this session is being closed")
         return token, self.sessions[token]
 

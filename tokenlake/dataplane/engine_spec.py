@@ -43,6 +43,9 @@ class EngineSpec:
             itself instead of asking their query engines, a transfer engine copies
             segments straight into them (docs/data-plane.md "Co-located slabs"); empty:
             everything between instances goes by message.
+        grant_key: the key the control server signs client sessions' plans and leases
+            with (:mod:`tokenlake.dataplane.grants`); ``None``: a client session's plans
+            are taken without a grant (a launcher that makes no key).
     """
 
     role: str
@@ -56,6 +59,7 @@ class EngineSpec:
     owner_pid: int | None = None
     keys: dict[str, Any] | None = None
     shared_slabs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    grant_key: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -73,6 +77,8 @@ class EngineSpec:
                 raise ConfigError(f"port_range must be 1 <= first <= last <= 65535, got {self.port_range}")
         if self.keys is not None:
             ClusterKeys.from_dict(self.keys)  # refuses malformed keys here, not at bind
+        if self.grant_key is not None and (not isinstance(self.grant_key, bytes) or len(self.grant_key) < 16):
+            raise ConfigError("grant_key must be at least 16 bytes")
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(asdict(self))

@@ -87,6 +87,7 @@ class Kind(enum.IntEnum):
     PEERS = 31
     OPEN_SESSION = 32
     CLOSE_SESSION = 33
+    RETIRE = 34
     PEER_REGISTER_PLAN = 40
     PEER_RELEASE_PLAN = 41
     PEER_QUERY = 42

@@ -16,13 +16,14 @@ from __future__ import annotations
 import abc
 import importlib.util
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenlake.core.control import pool_control
-from tokenlake.core.errors import ConfigError
+from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane.shm_files import BufferSpec
 
@@ -49,6 +50,8 @@ ENGINE_BUFFERS: dict[str, tuple[str, ...]] = {
 }
 #: The buffers an instance's client (its compute engine) maps.
 CLIENT_BUFFERS = ("q", "out_o", "out_lse", "kv")
+#: Every engine role (the keys of :data:`ENGINE_BUFFERS`).
+ENGINE_ROLES_ALL = tuple(ENGINE_BUFFERS)
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,9 @@ class ClusterBase(abc.ABC):
         self.insecure = bool(insecure)
         #: the cluster's CURVE keys (all of them: this process is the owner); None if insecure
         self.keys: ClusterKeys | None = None if insecure else ClusterKeys.generate()
+        #: what the control server signs client sessions' plans and leases with (the
+        #: engines check them: tokenlake.dataplane.grants); never given to members
+        self.grant_key: bytes = os.urandom(32)
         self._ctx: Any = None  # the driver's zmq context: set by start(), cleared by close()
         # (session token, instance) -> (session number, its buffers' spec dicts): the
         # client sessions whose buffers this launcher made (re-opened on a restarted instance)
@@ -240,6 +246,18 @@ class ClusterBase(abc.ABC):
         other, the first failure raised; a launcher may send them at once."""
         return {key: self._request(key, message, reply) for key in keys}
 
+    def _request_each(self, keys: list[tuple[str, int]], message: WireMessage,
+                      reply: type[Reply]) -> dict[tuple[str, int], Reply | BaseException]:
+        """The same request to several engines: ``{key: reply or its failure}`` (nothing
+        raised). Here one after the other; a launcher may send them at once."""
+        out: dict[tuple[str, int], Reply | BaseException] = {}
+        for key in keys:
+            try:
+                out[key] = self._request(key, message, reply)
+            except Exception as exc:  # noqa: BLE001 - the caller decides
+                out[key] = exc
+        return out
+
     def _check_started(self) -> None:
         """Raises ``ConfigError`` unless :meth:`start` has run and :meth:`close` has not."""
         if self._ctx is None:
@@ -268,6 +286,9 @@ class ClusterBase(abc.ABC):
         self._check_started()
         if instance not in self.control.instances:
             raise ConfigError(f"no instance {instance} in the pool")
+        dead = [role for role in ENGINE_BUFFERS if not self.alive(role, instance)]
+        if dead:  # do not wait out a timeout for an engine known to be gone
+            raise EngineUnavailable(f"the {dead[0]} engine of instance {instance} is not running")
         known = self._sessions.get((token, instance))
         if known is None:
             specs = self._make_session_buffers(session, instance)
@@ -305,6 +326,17 @@ class ClusterBase(abc.ABC):
                     log.warning("closing a session on the %s engine of instance %d: %s", role, instance, exc)
             self._drop_session_buffers(session, instance)
             del self._sessions[(tok, instance)]
+
+    def retire(self, token: bytes, instances, grant_ids: tuple[int, ...], roles=ENGINE_ROLES_ALL) -> None:
+        """Spends grants of client session ``token`` on the engines of ``instances``
+        (``RETIRE``): their plans go, and the engines refuse those grants from now on;
+        returns once they answered (an engine that does not, dead, is skipped)."""
+        from tokenlake.dataplane.messages import Ack, Retire
+
+        keys = [(role, inst) for inst in instances if (token, inst) in self._sessions for role in roles]
+        for key, answer in self._request_each(keys, Retire(token, tuple(grant_ids)), Ack).items():
+            if isinstance(answer, BaseException):  # a dead engine holds no plan
+                log.warning("retiring grants on the %s engine of instance %d: %s", *key, answer)
 
     def _reopen_sessions(self, instance: int) -> None:
         """Registers the sessions that had buffers on ``instance`` with its new engines

@@ -19,6 +19,7 @@ launchers that are gone (``sweep_stale``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -32,7 +33,7 @@ import msgpack
 import torch
 import zmq
 
-from tokenlake.core.errors import ConfigError, EngineUnavailable
+from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import connect_secure
@@ -106,6 +107,11 @@ class LocalCluster(ClusterBase):
         self._watcher: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None  # the watcher's self-pipe
         self._watch_stop = False
+        # the driver's own sockets to the engines (the owner's requests), reused: a
+        # CURVE handshake per request costs milliseconds; one request at a time
+        self._driver_socks: dict[tuple[str, int], zmq.Socket] = {}
+        self._driver_lock = threading.Lock()
+        self._driver_ids = itertools.count(1)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -148,7 +154,8 @@ class LocalCluster(ClusterBase):
                                   torch_threads=self.query_threads if role == "query" else 1,
                                   owner_pid=os.getpid(),
                                   keys=None if self.keys is None else self.keys.engine_view().to_dict(),
-                                  shared_slabs=self._shared_slabs(specs, role, inst))
+                                  shared_slabs=self._shared_slabs(specs, role, inst),
+                                  grant_key=self.grant_key)
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
                                    name=f"tokenlake-{role}-{inst}", daemon=True)
@@ -196,6 +203,10 @@ class LocalCluster(ClusterBase):
             client.close()
         self._clients.clear()
         if self._ctx is not None:
+            with self._driver_lock:
+                for sock in self._driver_socks.values():
+                    sock.close(0)
+                self._driver_socks.clear()
             self._shutdown_engines()
             self._ctx.term()
             self._ctx = None
@@ -310,6 +321,7 @@ class LocalCluster(ClusterBase):
                 self._request(key, Peers(((instance, None),)), Ack)
         for role in ROLES:
             self.kill(role, instance)
+        self._forget_driver_sockets(instance)
         client = self._clients.pop(instance, None)
         if client is not None:
             client.close()
@@ -431,13 +443,68 @@ class LocalCluster(ClusterBase):
         return sock
 
     def _request(self, key: tuple[str, int], message: WireMessage, reply: type[Reply]) -> Reply:
-        """One request to one engine on a fresh socket, and its reply as a ``reply``."""
-        sock = self._dealer(key)
-        try:
-            send(sock, message.encode(1))
-            return expect(wire.recv(sock, self.timeout_s), reply)
-        finally:
+        """One request to one engine, and its reply as a ``reply``."""
+        out = self._exchange([key], message, reply)[key]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _request_all(self, keys: list[tuple[str, int]], message: WireMessage,
+                     reply: type[Reply]) -> dict[tuple[str, int], Reply]:
+        """The same request to several engines at once; the first failure is raised."""
+        out = self._exchange(keys, message, reply)
+        for value in out.values():
+            if isinstance(value, BaseException):
+                raise value
+        return out
+
+    def _request_each(self, keys, message, reply):
+        """All at once on the driver's sockets (see :meth:`_exchange`)."""
+        return self._exchange(keys, message, reply)
+
+    def _exchange(self, keys: list[tuple[str, int]], message: WireMessage,
+                  reply: type[Reply]) -> dict[tuple[str, int], Reply | BaseException]:
+        """Sends ``message`` to every engine of ``keys`` on the driver's sockets, then
+        reads each answer (within ``timeout_s`` in all); a failure is that key's value.
+        A socket that failed is closed (a late answer must not meet the next request)."""
+        out: dict[tuple[str, int], Reply | BaseException] = {}
+        with self._driver_lock:
+            sent = {}
+            for key in keys:
+                try:
+                    sock = self._driver_socks.get(key)
+                    if sock is None:
+                        sock = self._driver_socks[key] = self._dealer(key)
+                    msg_id = next(self._driver_ids)
+                    send(sock, message.encode(msg_id), timeout_s=self.timeout_s)
+                    sent[key] = (sock, msg_id)
+                except Exception as exc:  # noqa: BLE001 - reported per key
+                    out[key] = exc
+                    self._drop_driver_socket(key)
+            deadline = time.monotonic() + self.timeout_s
+            for key, (sock, msg_id) in sent.items():
+                try:
+                    while True:
+                        answer = wire.recv(sock, max(0.0, deadline - time.monotonic()))
+                        if answer.msg_id == msg_id:
+                            out[key] = expect(answer, reply)
+                            break
+                except Exception as exc:  # noqa: BLE001 - reported per key
+                    out[key] = exc
+                    if not isinstance(exc, TokenLakeError) or isinstance(exc, EngineUnavailable):
+                        self._drop_driver_socket(key)
+        return out
+
+    def _drop_driver_socket(self, key: tuple[str, int]) -> None:
+        sock = self._driver_socks.pop(key, None)
+        if sock is not None:
             sock.close(0)
 
+    def _forget_driver_sockets(self, instance: int) -> None:
+        """Closes the driver's sockets to ``instance``'s engines (they stop, or start
+        again at new addresses)."""
+        with self._driver_lock:
+            for key in [k for k in self._driver_socks if k[1] == instance]:
+                self._drop_driver_socket(key)
     def _live_engines(self) -> list[tuple[str, int]]:
         return [key for key in self._endpoints if self._procs[key].is_alive()]

@@ -76,11 +76,13 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         if self.mode == "query":
             self._check_query_mode(vllm_config)
         # The scheduler side plans and the worker side stores and completes: one session,
-        # joined by both processes (their engine id is the secret they share)
+        # joined by both processes (their engine id, random per vLLM instance, is the
+        # secret they share; a config without one gets a session of this side's own)
+        engine_id = getattr(self._kv_transfer_config, "engine_id", None)
         self.cp = connect(extra["address"], float(extra.get("timeout_s", 10.0)),
                           extra.get("credentials"), label=f"vllm-{role.name.lower()}",
-                          session=f"vllm:{self._kv_transfer_config.engine_id}",
-                          connection=ROLE_CONNECTION[role])
+                          session=f"vllm:{engine_id}" if engine_id else None,
+                          connection=ROLE_CONNECTION[role] if engine_id else 0)
         namespace, self.C = self.cp.layout()
         self._check_namespace(namespace, self.mode, extra["address"])
         if self.mode == "load" and self.C % self.block_size:
@@ -92,8 +94,9 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         if type(self.home) is not int or self.home not in self.cp.instances:
             raise ConfigError(f"kv_connector_extra_config.instance must be one of the pool's "
                               f"instances {list(self.cp.instances)}, got {self.home!r}")
-        # [layers, max_rows, 2, kv_heads, head_dim] of every instance's kv buffer
-        kv_shape = tuple(self.cp.client_info(self.cp.instances[0]).buffers["kv"].shape)
+        # [layers, max_rows, 2, kv_heads, head_dim] of every instance's kv buffer (read
+        # without opening this session's buffers: the scheduler side never needs them)
+        kv_shape = self.cp.buffer_shapes()["kv"]
         self._check_model(vllm_config, kv_shape, extra["address"])
         self.max_rows = kv_shape[1]  # most tokens one store plan can hold
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
@@ -224,7 +227,7 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         skip = (start - first * self.C) // self.block_size
         per = [self._blocks[rid][i * self.per_seg:(i + 1) * self.per_seg]
                for i in range(first, hit // self.C)]
-        self._loads.append(Load(rid, segs, per, skip))
+        self._loads.append(Load(rid, segs, per, skip, self.cp.lease_grants(rid)))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = TokenLakeMetadata(self._loads, self._failed)

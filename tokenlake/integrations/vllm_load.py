@@ -91,7 +91,7 @@ class LoadMode:
             self._admitted.add(r.request_id)
             self._pool_len[r.request_id] = self._pool_len.get(r.request_id, 0) + \
                 len(r.new_token_ids)
-        return Store(plans, rows)
+        return Store(plans, rows, self.cp.plan_grants(plans))
 
     def _start_loads(self, meta: TokenLakeMetadata) -> None:
         """Requests the first layers of this step's loads (``start_load_kv``)."""
@@ -111,11 +111,12 @@ class LoadMode:
             if ld.failed:
                 continue
             try:
+                grants = dict(ld.load.grants)  # the lease's, one per instance it reads
                 for inst, idx in ld.by_instance.items():
                     slots = tuple(ld.load.segments[i][1] for i in idx)
                     msg_id = next(self._msg_ids)
-                    send(self._sock(inst), ReadSegment(layer, slots).encode(msg_id),
-                         timeout_s=self.cp.timeout_s)
+                    read = ReadSegment(layer, slots, grants.get(inst, b""))
+                    send(self._sock(inst), read.encode(msg_id), timeout_s=self.cp.timeout_s)
                     ld.expected.append((layer, inst, msg_id))
             except Exception as e:
                 self._load_failed(ld, e)
@@ -198,6 +199,7 @@ class LoadMode:
             return
         layer = layer_index(layer_name)
         (tp,) = meta.store.plans.transfer_plans
+        self.cp.adopt_grants(meta.store.plans, meta.store.grants)  # the scheduler side's
         client = self._client(tp.home)
         if self._kv_buf is None:
             self._kv_buf = client.init_transfer(tp)

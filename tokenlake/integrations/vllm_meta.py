@@ -27,6 +27,7 @@ class Load:
     segments: list[tuple[int, int]]
     blocks: list[list[int]]
     skip: int = 0
+    grants: tuple[tuple[int, bytes], ...] = ()  # (instance, the lease's read grant there)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Store:
 
     plans: Plans
     rows: list[tuple[str, list[int]]]
+    grants: tuple[tuple[bytes, bytes], ...] = ()  # the server's grants of the plans (the session's)
 
 
 @dataclass
@@ -51,6 +53,7 @@ class QueryStep:
     anchors: dict[int, str] = field(default_factory=dict)
     first_block: dict[str, int] = field(default_factory=dict)
     external: frozenset[str] = frozenset()  # requests with pooled tokens vLLM never computed
+    grants: tuple[tuple[bytes, bytes], ...] = ()  # the server's grants of the plans (the session's)
 
 
 @dataclass

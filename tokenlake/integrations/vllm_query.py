@@ -234,7 +234,7 @@ class QueryMode:
             self._admitted.add(r.request_id)
             self._pool_len[r.request_id] = self._pool_len.get(r.request_id, 0) + \
                 len(r.new_token_ids)
-        return QueryStep(plans, anchors, first, frozenset(external))
+        return QueryStep(plans, anchors, first, frozenset(external), self.cp.plan_grants(plans))
 
     def update_connector_output(self, connector_output) -> None:
         failed = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -268,6 +268,7 @@ class QueryMode:
             client = None
             if step.plans is not None:
                 try:
+                    self.cp.adopt_grants(step.plans, step.grants)  # the scheduler side's
                     client = self._client(self.home)
                 except Exception as e:
                     log.warning("query mode: cannot reach pool instance %d: %s", self.home, e)

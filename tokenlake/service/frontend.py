@@ -36,14 +36,16 @@ class HttpFrontend:
         instances: the pool's instances at start (metrics report one gone as down).
         limits: what the HTTP front door accepts (body size and time, prompt tokens,
             stop strings; default :class:`~tokenlake.service.limits.HttpLimits`).
+        sessions: returns ``(client sessions open, ended by the server)`` for
+            ``/metrics`` (None: no session metrics).
     """
 
     def __init__(self, backend: ServingBackend, model: ModelInfo, host: str = "127.0.0.1",
                  port: int = 8000, pool_stats=None, instances=(), heal=None,
-                 limits: HttpLimits | None = None) -> None:
+                 limits: HttpLimits | None = None, sessions=None) -> None:
         self.loop = EngineLoop(backend, heal=heal)
         self.metrics = ServiceMetrics(pool_stats, instances,
-                                      lambda: (self.loop.queue_length, self.loop.running))
+                                      lambda: (self.loop.queue_length, self.loop.running), sessions)
         self.loop.observer = LoopObserver(
             first_token=self.metrics.ttft.observe, between_tokens=self.metrics.tbt.observe,
             iteration=self.metrics.iteration.observe, finished=self.metrics.finished)

@@ -123,7 +123,8 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
         heal = (lambda: _replace_dead_engines(cluster, control, server)) if local else None
         with HttpFrontend(server, _model_info(weights, tokenizer, room), host, http_port,
                           pool_stats=shared.stats, instances=shared.instances,
-                          heal=heal, limits=limits) as http:
+                          heal=heal, limits=limits,
+                          sessions=lambda: (len(control.sessions), control.sessions.ended)) as http:
             if local:  # an engine that dies is replaced at once, not at the next failure
                 cluster.add_failure_listener(lambda role, instance: http.loop.request_heal())
             yield Served(control, http, path)

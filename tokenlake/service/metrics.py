@@ -37,8 +37,9 @@ class _PoolCollector(Collector):
     """The pool's state, read at scrape time."""
 
     def __init__(self, stats: Callable[[], object] | None, instances: Iterable[int],
-                 loop_counts: Callable[[], tuple[int, int]]) -> None:
-        self.stats, self.loop_counts = stats, loop_counts
+                 loop_counts: Callable[[], tuple[int, int]],
+                 sessions: Callable[[], tuple[int, int]] | None = None) -> None:
+        self.stats, self.loop_counts, self.sessions = stats, loop_counts, sessions
         self.known = tuple(instances)  # instances at start: one gone reports up 0
 
     def collect(self):
@@ -72,6 +73,12 @@ class _PoolCollector(Collector):
                                   value=pool.evictions)
         yield GaugeMetricFamily("tokenlake_segments", "Segments in the global prefix tree",
                                 value=pool.segments)
+        if self.sessions is not None:
+            open_now, ended = self.sessions()
+            yield GaugeMetricFamily("tokenlake_sessions", "Client sessions open on the pool "
+                                    "(tokenlake.connect callers, vLLM connectors)", value=open_now)
+            yield CounterMetricFamily("tokenlake_sessions_ended", "Client sessions the server "
+                                      "ended (no heartbeat, or an iteration overdue)", value=ended)
 
 
 class ServiceMetrics:
@@ -81,11 +88,14 @@ class ServiceMetrics:
         stats: returns the control plane's ``ControlStats`` (None: no pool).
         instances: the pool's instances at start.
         loop_counts: returns ``(queue length, running requests)``.
+        sessions: returns ``(client sessions open, sessions the server ended)`` (None:
+            not served: no session metrics).
     """
 
     def __init__(self, stats: Callable[[], object] | None = None,
                  instances: Iterable[int] = (),
-                 loop_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+                 loop_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 sessions: Callable[[], tuple[int, int]] | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("tokenlake_requests", "Requests by outcome", ["outcome"],
                                 registry=r)
@@ -107,7 +117,7 @@ class ServiceMetrics:
                                "(a stream: until it ends)", registry=r)
         for outcome in ("stop", "length", "abort", "error", "rejected"):
             self.requests.labels(outcome)  # every outcome shows, at 0 until it happens
-        r.register(_PoolCollector(stats, instances, loop_counts))
+        r.register(_PoolCollector(stats, instances, loop_counts, sessions))
 
     def finished(self, result: RequestResult) -> None:
         """A request ended (any way): its tokens and outcome."""

@@ -67,6 +67,7 @@ from tokenlake.dataplane.messages import (
     CpSession,
     CpStats,
     CpStatsResult,
+    SessionInfo,
     WireMessage,
     expect,
 )
@@ -101,10 +102,11 @@ class RemotePrefixTree:
     def __init__(self, remote: RemoteControlPlane) -> None:
         self._remote = remote
 
-    def match(self, token_ids: Sequence[int], max_tokens: int | None = None) -> MatchResult:
-        """Longest prefix of ``token_ids`` made of ready segments
-        (:meth:`~tokenlake.core.prefix_tree.PrefixTree.match`)."""
-        request = CpMatch(tuple(int(t) for t in token_ids), max_tokens)
+    def match(self, token_ids: Sequence[int], max_tokens: int | None = None,
+              salt: str | None = None) -> MatchResult:
+        """Longest prefix of ``token_ids`` made of ready segments stored under cache
+        salt ``salt`` (:meth:`~tokenlake.core.prefix_tree.PrefixTree.match`)."""
+        request = CpMatch(tuple(int(t) for t in token_ids), max_tokens, salt or None)
         return self._remote._call(request, CpMatched).match
 
 
@@ -121,6 +123,10 @@ class RemoteControlPlane:
         self._clients: dict[int, InstanceClient] = {}
         self._attached: list[SharedTensor] = []
         self._in_flight: set[int] = set()  # iterations planned here, not yet completed or aborted
+        # the server's grants of this session's plans: id(plan) -> (plan, grant), per iteration
+        self._grants: dict[int, tuple[object, bytes]] = {}
+        self._granted: dict[int, list[int]] = {}  # iteration -> ids of its plans in _grants
+        self._read_grants: dict[tuple[str, int], bytes] = {}  # (request id, instance) -> read grant
         if session is None and connection:
             raise ConfigError("a connection number needs a shared session secret")
         if not 0 <= connection <= 250:
@@ -192,34 +198,94 @@ class RemoteControlPlane:
                   homes: Sequence[int | None] | None = None) -> Plans:
         homes = None if homes is None else tuple(homes)
         self.open_session()
-        plans = self._call(CpGenPlans(tuple(batches), tuple(dops), homes), CpPlans).plans
+        answer = self._call(CpGenPlans(tuple(batches), tuple(dops), homes), CpPlans)
+        plans = answer.plans
         self._in_flight.add(plans.iteration)
+        ids = self._granted[plans.iteration] = []
+        for qp, tp, (qg, tg) in zip(plans.query_plans, plans.transfer_plans, answer.grants):
+            for plan, grant in ((qp, qg), (tp, tg)):
+                self._grants[id(plan)] = (plan, grant)
+                ids.append(id(plan))
         return plans
 
     def complete(self, plans: Plans) -> None:
         self._call(CpComplete(plans.iteration), Ack)
-        self._in_flight.discard(plans.iteration)
+        self._done(plans.iteration)
 
     def abort(self, plans: Plans) -> None:
         self._call(CpAbort(plans.iteration), Ack)
-        self._in_flight.discard(plans.iteration)
+        self._done(plans.iteration)
 
-    def lease_prefix(self, request_id: str, prefix_token_ids: Sequence[int]) -> tuple[SegmentLocation, ...]:
+    def _done(self, iteration: int) -> None:
+        self._in_flight.discard(iteration)
+        for key in self._granted.pop(iteration, ()):
+            self._grants.pop(key, None)
+
+    def plan_grants(self, plans: Plans) -> tuple[tuple[bytes, bytes], ...]:
+        """The server's grants of ``plans`` (this object's), per sub-batch: what another
+        process of this session needs to register them (:meth:`adopt_grants`)."""
+        return tuple((self.grant_for(qp), self.grant_for(tp))
+                     for qp, tp in zip(plans.query_plans, plans.transfer_plans))
+
+    def adopt_grants(self, plans: Plans, grants: Sequence[tuple[bytes, bytes]]) -> None:
+        """Takes the grants of ``plans``, planned by another process of this session
+        (the vLLM connector's scheduler side), for this object's data-plane clients."""
+        ids = self._granted.setdefault(plans.iteration, [])
+        for qp, tp, (qg, tg) in zip(plans.query_plans, plans.transfer_plans, grants):
+            for plan, grant in ((qp, qg), (tp, tg)):
+                self._grants[id(plan)] = (plan, grant)
+                ids.append(id(plan))
+
+    def grant_for(self, plan) -> bytes:
+        """The server's grant of one of this session's plans (a query or transfer plan
+        of an iteration in flight): its data-plane clients register the plan with it."""
+        known = self._grants.get(id(plan))
+        return known[1] if known is not None and known[0] is plan else b""
+
+    def read_grant(self, request_id: str, instance: int) -> bytes:
+        """The grant to read this session's leased slots of ``request_id`` on
+        ``instance`` (``READ_SEGMENT``), as the server gave it with the lease."""
+        return self._read_grants.get((request_id, instance), b"")
+
+    def lease_prefix(self, request_id: str, prefix_token_ids: Sequence[int],
+                     cache_salt: str | None = None) -> tuple[SegmentLocation, ...]:
         """:meth:`~tokenlake.core.control.ControlPlane.lease_prefix` on the server."""
         self.open_session()
-        request = CpLeasePrefix(request_id, tuple(int(t) for t in prefix_token_ids))
-        return self._call(request, CpLeased).locations
+        request = CpLeasePrefix(request_id, tuple(int(t) for t in prefix_token_ids),
+                                cache_salt or None)
+        answer = self._call(request, CpLeased)
+        for instance, grant in answer.grants:
+            self._read_grants[(request_id, instance)] = grant
+        return answer.locations
+
+    def lease_grants(self, request_id: str) -> tuple[tuple[int, bytes], ...]:
+        """``(instance, read grant)`` of every instance a lease of ``request_id`` reads
+        (to hand to another process of this session: the vLLM connector's worker)."""
+        return tuple((inst, g) for (rid, inst), g in self._read_grants.items() if rid == request_id)
 
     def finish_request(self, request_id: str) -> None:
         self._call(CpFinishRequest(request_id), Ack)
+        for key in [k for k in self._read_grants if k[0] == request_id]:
+            del self._read_grants[key]
 
     def stats(self) -> ControlStats:
         return self._call(CpStats(), CpStatsResult).stats
+
+    def stats_and_sessions(self) -> tuple[ControlStats, tuple[SessionInfo, ...]]:
+        """The statistics and the client sessions open on the pool (one round trip;
+        reading them opens no session)."""
+        answer = self._call(CpStats(), CpStatsResult)
+        return answer.stats, answer.sessions
 
     @property
     def instances(self) -> tuple[int, ...]:
         """The ids of the pool's instances now (one round trip)."""
         return self._call(CpStats(), CpStatsResult).instances
+
+    def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of a client's ``q``, ``out_o``, ``out_lse`` and ``kv`` buffers on
+        every instance (one round trip; opens nothing)."""
+        return dict(self._call(CpStats(), CpStatsResult).buffers)
 
     def layout(self) -> tuple[str, int]:
         """``(namespace, segment_tokens)`` of the pool (one round trip): a client that
@@ -241,7 +307,8 @@ class RemoteControlPlane:
                 buffers[name] = shared.tensor
             keys = None if info.keys is None else ClusterKeys.from_dict(dict(info.keys))
             client = InstanceClient(instance, dict(info.endpoints), buffers, lambda: None,
-                                    info.timeout_s, keys=keys, routing_id=self.routing_id)
+                                    info.timeout_s, keys=keys, routing_id=self.routing_id,
+                                    grant_for=self.grant_for)
             client.start(self._ctx)
             self._clients[instance] = client
         return self._clients[instance]

@@ -32,6 +32,7 @@ go back). Reading statistics and matching prefixes need no session.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -44,14 +45,13 @@ from tokenlake.core.control import ControlPlane
 from tokenlake.core.errors import ConfigError, PlanError, SegmentInFlight, TokenLakeError
 from tokenlake.core.plans import (
     Batch,
-    BatchRequest,
     Plans,
     QueryItem,
     QueryPlan,
     QueryTask,
     RowSpan,
 )
-from tokenlake.dataplane import messages, wire
+from tokenlake.dataplane import grants, messages, wire
 from tokenlake.dataplane.auth import ClusterKeys, guard, serve_secure
 from tokenlake.dataplane.messages import (
     Ack,
@@ -74,10 +74,13 @@ from tokenlake.dataplane.messages import (
     CpSession,
     CpStats,
     CpStatsResult,
+    RegisterQueryPlan,
+    RegisterTransferPlan,
     WireMessage,
 )
 from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.dataplane.sockets import bind_address, send_routed
+from tokenlake.deploy.base import CLIENT_BUFFERS
 from tokenlake.service.sessions import (
     HEARTBEAT_S,
     ITERATION_TIMEOUT_S,
@@ -109,6 +112,12 @@ class ServedCluster(Protocol):
 
     def close_session(self, token: bytes) -> None:
         """Ends a client session on its engines and unlinks its buffers."""
+
+    grant_key: bytes  # signs client sessions' plans and leases (tokenlake.dataplane.grants)
+    layout: Any  # the instances' BufferLayout (its shapes() tell a client its buffers)
+
+    def retire(self, token: bytes, instances, grant_ids: tuple[int, ...]) -> None:
+        """Spends grants of a client session on the engines of ``instances``."""
 
 
 class ControlServer:
@@ -152,6 +161,7 @@ class ControlServer:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._issued: dict[int, Plans] = {}  # plans in flight, by iteration
+        self._lease_numbers = itertools.count()  # the grant ids of leases
         self.lock = threading.RLock()  # held for every call of the control plane
         # requests anyone admitted may send, and those of a session (with it)
         self._handlers: dict[type, Callable[[Any], WireMessage]] = {
@@ -288,8 +298,7 @@ class ControlServer:
         running (no write of it lands after this), then its iterations in flight are
         aborted (the segments it had not finished storing leave the pool) and its
         requests finished (their leases and open tails go back), its buffers unlinked."""
-        with self.lock:
-            self.sessions.remove(session)
+        with self.lock:  # the table drops it last: once it is gone, all of this is done
             try:
                 self.cluster.close_session(session.token)
             except Exception:  # noqa: BLE001 - the control plane must be freed regardless
@@ -313,8 +322,10 @@ class ControlServer:
                 except TokenLakeError as e:
                     log.warning("session %d: finishing request %s failed: %s", session.number, rid, e)
             session.requests.clear()
+            session.leases.clear()
             if why != "closed by the client":
                 self.sessions.ended += 1
+            self.sessions.remove(session)
             log.log(logging.INFO if why == "closed by the client" else logging.WARNING,
                     "session %d (pid %d, %s) ended: %s; %d iterations aborted, %d requests finished",
                     session.number, session.pid, session.label or "-", why, aborted, finished)
@@ -328,7 +339,7 @@ class ControlServer:
     # ------------------------------------------------------------ the calls
     def _match(self, req: CpMatch) -> CpMatched:
         tree = self.cluster.control.get_prefix_tree()
-        return CpMatched(tree.match(req.tokens, req.max_tokens))
+        return CpMatched(tree.match(req.tokens, req.max_tokens, req.salt))
 
     def _cache_load(self, req: CpCacheLoad) -> CpLoad:
         return CpLoad(self.cluster.control.get_cache_load(req.reqs, req.hardware, req.latency))
@@ -343,17 +354,38 @@ class ControlServer:
         self._issued[plans.iteration] = plans
         session.iterations[plans.iteration] = self.sessions.clock()
         session.requests.update(r.request_id for b in batches for r in b.requests)
-        return CpPlans(_renamed_plans(plans, session.prefix))
+        theirs = _renamed_plans(plans, session.prefix)
+        return CpPlans(theirs, self._plan_grants(session, theirs))
+
+    def _plan_grants(self, session: Session, plans: Plans) -> tuple[tuple[bytes, bytes], ...]:
+        """The grant of each sub-batch's query and transfer plan to ``session``: what its
+        engines register from it and nothing else (tokenlake.dataplane.grants)."""
+        key, token, gid = self.cluster.grant_key, session.token, grants.plan_grant_id(plans.iteration)
+        return tuple(
+            (grants.sign(key, token, gid, grants.QUERY_PLAN, grants.payload(RegisterQueryPlan.from_plan(0, qp).body())),
+             grants.sign(key, token, gid, grants.TRANSFER_PLAN,
+                         grants.payload(RegisterTransferPlan.from_plan(0, tp).body())))
+            for qp, tp in zip(plans.query_plans, plans.transfer_plans))
 
     def _complete(self, session: Session, req: CpComplete) -> Ack:
-        self.cluster.control.complete(self._take(session, req.iteration))
+        plans = self._take(session, req.iteration)
+        self._retire_plans(session, plans)  # before the new segments become visible
+        self.cluster.control.complete(plans)
         self._forget_finished(session)
         return Ack()
 
     def _abort(self, session: Session, req: CpAbort) -> Ack:
-        self.cluster.control.abort(self._take(session, req.iteration))
+        plans = self._take(session, req.iteration)
+        self._retire_plans(session, plans)  # before the slots can go to anyone else
+        self.cluster.control.abort(plans)
         self._forget_finished(session)
         return Ack()
+
+    def _retire_plans(self, session: Session, plans: Plans) -> None:
+        """The iteration's grants are spent on its homes' engines: nothing the session
+        registered under them can touch the pool again."""
+        homes = sorted({qp.home for qp in plans.query_plans})
+        self.cluster.retire(session.token, homes, (grants.plan_grant_id(plans.iteration),))
 
     def _take(self, session: Session, iteration: int) -> Plans:
         if iteration not in session.iterations:
@@ -369,20 +401,33 @@ class ControlServer:
 
     def _lease_prefix(self, session: Session, req: CpLeasePrefix) -> CpLeased:
         rid = self.sessions.internal(session, req.request_id)
-        locations = self.cluster.control.lease_prefix(rid, req.tokens)
+        locations = self.cluster.control.lease_prefix(rid, req.tokens, req.cache_salt)
         session.requests.add(rid)
-        return CpLeased(locations)
+        by_instance: dict[int, list[int]] = {}
+        for loc in locations:
+            by_instance.setdefault(loc.instance, []).append(loc.slot)
+        gid = grants.lease_grant_id(next(self._lease_numbers))
+        session.leases[rid] = (gid, tuple(by_instance))
+        key, token = self.cluster.grant_key, session.token
+        return CpLeased(locations, tuple(
+            (inst, grants.sign(key, token, gid, grants.READ, grants.payload({"slots": slots})))
+            for inst, slots in by_instance.items()))
 
     def _finish(self, session: Session, req: CpFinishRequest) -> Ack:
         rid = self.sessions.internal(session, req.request_id)
+        lease = session.leases.pop(rid, None)
+        if lease is not None:  # its reads are spent before its slots may go elsewhere
+            self.cluster.retire(session.token, lease[1], (lease[0],))
         self.cluster.control.finish_request(rid)
         session.requests.discard(rid)
         return Ack()
 
     def _stats(self, req: CpStats) -> CpStatsResult:
         control = self.cluster.control
+        shapes = self.cluster.layout.shapes()
         return CpStatsResult(control.stats(), tuple(control.instances), control.config.namespace,
-                             control.config.segment_tokens, self.sessions.infos())
+                             control.config.segment_tokens, self.sessions.infos(),
+                             tuple((name, shapes[name]) for name in CLIENT_BUFFERS))
 
     def _client_info(self, session: Session, req: CpClientInfo) -> CpClientInfoResult:
         if req.instance not in self.cluster.control.instances:
@@ -396,7 +441,7 @@ class ControlServer:
 
 def _renamed_batch(batch: Batch, prefix: str) -> Batch:
     """``batch`` with every request id in the session's namespace."""
-    return Batch(tuple(BatchRequest(prefix + r.request_id, r.new_token_ids, r.prefix_token_ids)
+    return Batch(tuple(dataclasses.replace(r, request_id=prefix + r.request_id)
                        for r in batch.requests), batch.phase)
 
 

@@ -56,6 +56,7 @@ class Session:
     connections: set[bytes] = field(default_factory=set)  # routing ids that opened or joined it
     iterations: dict[int, float] = field(default_factory=dict)  # in flight -> planned at
     requests: set[str] = field(default_factory=set)  # internal ids of its live requests
+    leases: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # rid -> (read grant, instances)
     instances: set[int] = field(default_factory=set)  # where it has buffers
 
     @property

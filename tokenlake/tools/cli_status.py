@@ -1,8 +1,9 @@
 """``tokenlake status``: what a served pool holds, asked over its control port.
 
 Prints each instance's slots in use (of its capacity) and segment reads, the pool's
-hit rate and the access-load CV across instances (docs/design.md §7), from one
-``stats`` call of :func:`tokenlake.connect`.
+hit rate and the access-load CV across instances (docs/design.md §7), and the client
+sessions open on it (docs/design.md §10: id, process, age, what each holds), from one
+``stats`` call of :func:`tokenlake.connect` (which opens no session of its own).
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ def run_status(args: argparse.Namespace) -> int:
         raise UsageError(f"status: --address must look like tcp://HOST:PORT, got {args.address!r}")
     try:
         with connect(args.address, timeout_s=args.timeout, credentials=args.credentials) as cp:
-            stats = cp.stats()
+            stats, sessions = cp.stats_and_sessions()
     except EngineUnavailable:
         raise UsageError(f"status: no pool answered at {args.address} within "
                          f"{args.timeout:g} s (is 'tokenlake serve' running there, and are "
                          "these its credentials?)") from None
     except ConfigError as exc:
         raise UsageError(f"status: {exc}") from None
-    summary = status_summary(stats)
+    summary = status_summary(stats, sessions)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -60,8 +61,9 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def status_summary(stats: ControlStats) -> dict[str, Any]:
-    """The figures ``status`` prints, as plain data."""
+def status_summary(stats: ControlStats, sessions: tuple = ()) -> dict[str, Any]:
+    """The figures ``status`` prints, as plain data (``sessions``: the server's
+    :class:`~tokenlake.dataplane.messages.SessionInfo` list)."""
     pool = stats.pool
     return {
         "instances": [
@@ -77,6 +79,12 @@ def status_summary(stats: ControlStats) -> dict[str, Any]:
         "access_cv": coefficient_of_variation([pool.reads[i] for i in sorted(pool.reads)]),
         "evictions": pool.evictions,
         "replications": pool.replications,
+        "sessions": [
+            {"session": x.session, "pid": x.pid, "label": x.label, "age_s": round(x.age_s, 1),
+             "idle_s": round(x.idle_s, 1), "iterations": x.iterations, "requests": x.requests,
+             "instances": list(x.instances)}
+            for x in sessions
+        ],
     }
 
 
@@ -90,3 +98,10 @@ def print_status(s: dict[str, Any], address: str) -> None:
     print(f"hit rate {s['hit_rate']:.1%} ({s['hit_tokens']} tokens, {s['admitted_requests']} "
           f"requests)   access CV {s['access_cv']:.1%}   evictions {s['evictions']}   "
           f"replications {s['replications']}")
+    print(f"{len(s['sessions'])} client sessions (besides the serving process's own)")
+    if s["sessions"]:
+        print("session      pid     age    idle  iterations  requests  instances  label")
+        for x in s["sessions"]:
+            print(f"{x['session']:>7}  {x['pid']:>7}  {x['age_s']:>5.0f}s  {x['idle_s']:>5.1f}s  "
+                  f"{x['iterations']:>10}  {x['requests']:>8}  {','.join(map(str, x['instances'])) or '-':>9}"
+                  f"  {x['label']}")

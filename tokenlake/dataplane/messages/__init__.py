@@ -67,6 +67,7 @@ from tokenlake.dataplane.messages.session import (
     CpOpenSession,
     CpSession,
     OpenSession,
+    Retire,
 )
 from tokenlake.dataplane.messages.transfer import (
     CopyDone,
@@ -89,7 +90,7 @@ __all__ = [
     "CpCacheLoad", "CpClientInfo", "CpClientInfoResult", "CpCloseSession", "CpComplete",
     "CpFinishRequest", "CpGenPlans", "CpHeartbeat", "CpLeased", "CpLeasePrefix", "CpLoad",
     "CpMatch", "CpMatched", "CpOpenSession", "CpPlans", "CpSession", "CpStats",
-    "CpStatsResult", "ErrorReply", "Fields", "OpenSession", "SessionInfo",
+    "CpStatsResult", "ErrorReply", "Fields", "OpenSession", "Retire", "SessionInfo",
     "InstanceItems", "PeerPut", "PeerQuery", "PeerQueryResult", "PeerRegisterPlan",
     "PeerReleasePlan", "PeerSegment", "Peers", "Ping", "PlanAck", "Pong", "Put", "PutDone",
     "PutTarget", "Query", "QueryDone", "ReadSegment", "RegisterQueryPlan",

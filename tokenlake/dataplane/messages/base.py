@@ -104,6 +104,15 @@ class Fields:
             raise self.error(name, f"must be a str, got {short(value)}")
         return value
 
+    def bin(self, name: str, default: bytes | None = None) -> bytes:
+        """A required bytes field (or ``default`` when absent and a default is given)."""
+        if default is not None and name not in self.body:
+            return default
+        value = self.get(name)
+        if not isinstance(value, bytes):
+            raise self.error(name, f"must be bytes, got {short(value)}")
+        return value
+
     def list(self, name: str, default: list | None = None) -> list:
         """A required list field (or ``default`` when absent and a default is given)."""
         if default is not None and name not in self.body:

@@ -65,26 +65,33 @@ class InstanceItems:
 @dataclass(frozen=True)
 class RegisterQueryPlan(WireMessage):
     """``REGISTER_QUERY_PLAN`` ``{"plan": int, "rows": int, "tasks": [[instance,
-    [item...]], ...]}``: a client registers a sub-batch's query plan with its home query
-    engine. ``plan`` is the client's id for it, ``rows`` the sub-batch's q rows, ``tasks``
-    the items per instance (the home's own included). Answered with ``PLAN_ACK``."""
+    [item...]], ...], "grant": bin (optional)}``: a client registers a sub-batch's query
+    plan with its home query engine. ``plan`` is the client's id for it, ``rows`` the
+    sub-batch's q rows, ``tasks`` the items per instance (the home's own included),
+    ``grant`` the control server's grant of it to a client session
+    (:mod:`tokenlake.dataplane.grants`; the owner's clients send none). Answered with
+    ``PLAN_ACK``."""
 
     KIND = Kind.REGISTER_QUERY_PLAN
     plan: int
     rows: int
     tasks: tuple[InstanceItems, ...]
+    grant: bytes = b""
 
     @classmethod
-    def from_plan(cls, plan_id: int, plan: QueryPlan) -> RegisterQueryPlan:
+    def from_plan(cls, plan_id: int, plan: QueryPlan, grant: bytes = b"") -> RegisterQueryPlan:
         """The message for ``plan``: its sealed and open-tail items, by instance."""
         tasks = tuple(
             InstanceItems(inst, tuple(AttendItem(it.start, it.stop, it.slots, it.tokens) for it in items))
             for inst, items in plan.tasks_by_instance().items())
-        return cls(plan_id, plan.num_rows, tasks)
+        return cls(plan_id, plan.num_rows, tasks, grant)
 
     def body(self) -> dict:
         tasks = [[t.instance, [it.to_wire() for it in t.items]] for t in self.tasks]
-        return {"plan": self.plan, "rows": self.rows, "tasks": tasks}
+        body = {"plan": self.plan, "rows": self.rows, "tasks": tasks}
+        if self.grant:
+            body["grant"] = self.grant
+        return body
 
     @classmethod
     def from_wire(cls, f: Fields) -> RegisterQueryPlan:
@@ -93,7 +100,7 @@ class RegisterQueryPlan(WireMessage):
         for i, raw in enumerate(f.list("tasks")):
             inst, items = f.as_list(raw, f"tasks[{i}]", 2)
             tasks.append(InstanceItems(f.as_int(inst, f"tasks[{i}][0]"), _items(f, items, f"tasks[{i}][1]")))
-        return cls(f.int("plan"), f.int("rows"), tuple(tasks))
+        return cls(f.int("plan"), f.int("rows"), tuple(tasks), f.bin("grant", default=b""))
 
 
 @dataclass(frozen=True)

@@ -48,12 +48,15 @@ class _PlainBody:
 
 @dataclass(frozen=True)
 class CpMatch(_PlainBody, WireMessage):
-    """``CP_MATCH`` ``{"tokens": [int], "max_tokens": int | None}``:
-    ``get_prefix_tree().match(tokens, max_tokens)``; answered with :class:`CpMatched`."""
+    """``CP_MATCH`` ``{"tokens": [int], "max_tokens": int | None, "salt": str | None
+    (optional)}``: ``get_prefix_tree().match(tokens, max_tokens, salt)`` (``salt``: the
+    cache salt the prompt's segments were stored under; absent or null: none); answered
+    with :class:`CpMatched`."""
 
     KIND = Kind.CP_MATCH
     tokens: tuple[int, ...]
     max_tokens: int | None
+    salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,14 @@ class CpGenPlans(_PlainBody, WireMessage):
 
 @dataclass(frozen=True)
 class CpPlans(_PlainBody, WireMessage):
-    """``CP_PLANS`` ``{"plans": Plans}``: one iteration's plans, in flight until
-    ``CP_COMPLETE`` or ``CP_ABORT`` names their iteration."""
+    """``CP_PLANS`` ``{"plans": Plans, "grants": [[bin, bin]] (optional)}``: one
+    iteration's plans, in flight until ``CP_COMPLETE`` or ``CP_ABORT`` names their
+    iteration; ``grants``: for a client session, the grant of each sub-batch's query
+    plan and transfer plan, in plan order (:mod:`tokenlake.dataplane.grants`)."""
 
     KIND = Kind.CP_PLANS
     plans: Plans
+    grants: tuple[tuple[bytes, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,22 +137,27 @@ class CpFinishRequest(_PlainBody, WireMessage):
 
 @dataclass(frozen=True)
 class CpLeasePrefix(_PlainBody, WireMessage):
-    """``CP_LEASE_PREFIX`` ``{"request_id": str, "tokens": [int]}``: ``lease_prefix``
-    (admit the request with that cached prefix leased, outside any iteration); answered
-    with :class:`CpLeased`."""
+    """``CP_LEASE_PREFIX`` ``{"request_id": str, "tokens": [int], "cache_salt": str |
+    None (optional)}``: ``lease_prefix`` (admit the request, under that cache salt, with
+    that cached prefix leased, outside any iteration); answered with :class:`CpLeased`."""
 
     KIND = Kind.CP_LEASE_PREFIX
     request_id: str
     tokens: tuple[int, ...]
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
 class CpLeased(_PlainBody, WireMessage):
-    """``CP_LEASED`` ``{"locations": [SegmentLocation]}``: the replica leased for each
-    segment of the prefix, in order (read them until ``CP_FINISH_REQUEST``)."""
+    """``CP_LEASED`` ``{"locations": [SegmentLocation], "grants": [[instance, bin]]
+    (optional)}``: the replica leased for each segment of the prefix, in order (read them
+    until ``CP_FINISH_REQUEST``); ``grants``: per instance, the grant to read exactly
+    that instance's leased slots, in the order of ``locations``
+    (:mod:`tokenlake.dataplane.grants`)."""
 
     KIND = Kind.CP_LEASED
     locations: tuple[SegmentLocation, ...]
+    grants: tuple[tuple[int, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,9 +194,11 @@ class SessionInfo:
 @dataclass(frozen=True)
 class CpStatsResult(_PlainBody, WireMessage):
     """``CP_STATS_RESULT`` ``{"stats": ControlStats, "instances": [int], "namespace":
-    str, "segment_tokens": int, "sessions": [SessionInfo]}``: the statistics, the
-    instances, what a client must agree with (the namespace says the model and the KV
-    layout), and the open sessions (optional: an older server sends none)."""
+    str, "segment_tokens": int, "sessions": [SessionInfo], "buffers": [[name, shape]]}``:
+    the statistics, the instances, what a client must agree with (the namespace says the
+    model and the KV layout; ``buffers`` the shapes of a client's ``q``, ``out_o``,
+    ``out_lse`` and ``kv`` buffers), and the open sessions (``sessions`` and ``buffers``
+    are optional: an older server sends neither)."""
 
     KIND = Kind.CP_STATS_RESULT
     stats: ControlStats
@@ -193,6 +206,7 @@ class CpStatsResult(_PlainBody, WireMessage):
     namespace: str
     segment_tokens: int
     sessions: tuple[SessionInfo, ...] = ()
+    buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

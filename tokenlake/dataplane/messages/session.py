@@ -98,6 +98,19 @@ class CloseSession(_PlainBody, WireMessage):
 
 
 @dataclass(frozen=True)
+class Retire(_PlainBody, WireMessage):
+    """``RETIRE`` ``{"token": bin, "grants": [int]}``: the driver (owner only) tells an
+    engine that these grants of a session are spent (an iteration completed or aborted,
+    a lease finished): its plans under them go, and they are refused from now on
+    (:mod:`tokenlake.dataplane.grants`). Answered with ``ACK`` once done, so nothing the
+    retired plans name is touched after the answer."""
+
+    KIND = Kind.RETIRE
+    token: bytes
+    grants: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CpOpenSession(_PlainBody, WireMessage):
     """``CP_OPEN_SESSION`` ``{"pid": int, "label": str}``: a client opens its session on
     the connection whose routing id is its token (or joins it, on an :func:`alias`, if

@@ -85,26 +85,31 @@ class SlotCopy:
 class RegisterTransferPlan(WireMessage):
     """``REGISTER_TRANSFER_PLAN`` ``{"plan": int, "rows": int, "puts": [[instance, slot,
     offset, start, stop], ...], "copies": [[src_instance, src, dst_instance, dst, tokens],
-    ...] (optional, default none)}``: a client registers a sub-batch's transfer plan with its home
-    transfer engine. Answered with ``PLAN_ACK``."""
+    ...] (optional, default none), "grant": bin (optional)}``: a client registers a
+    sub-batch's transfer plan with its home transfer engine; ``grant`` is the control
+    server's grant of it to a client session (:mod:`tokenlake.dataplane.grants`).
+    Answered with ``PLAN_ACK``."""
 
     KIND = Kind.REGISTER_TRANSFER_PLAN
     plan: int
     rows: int
     puts: tuple[PutTarget, ...]
     copies: tuple[SlotCopy, ...] = ()
+    grant: bytes = b""
 
     @classmethod
-    def from_plan(cls, plan_id: int, plan: TransferPlan) -> RegisterTransferPlan:
+    def from_plan(cls, plan_id: int, plan: TransferPlan, grant: bytes = b"") -> RegisterTransferPlan:
         puts = tuple(PutTarget(p.instance, p.slot, p.offset, p.start, p.stop) for p in plan.puts)
         copies = tuple(SlotCopy(c.src_instance, c.src_slot, c.dst_instance, c.dst_slot, c.tokens)
                        for c in plan.copies)
-        return cls(plan_id, plan.num_rows, puts, copies)
+        return cls(plan_id, plan.num_rows, puts, copies, grant)
 
     def body(self) -> dict:
         body = {"plan": self.plan, "rows": self.rows, "puts": [p.to_wire() for p in self.puts]}
         if self.copies:
             body["copies"] = [c.to_wire() for c in self.copies]
+        if self.grant:
+            body["grant"] = self.grant
         return body
 
     @classmethod
@@ -113,7 +118,7 @@ class RegisterTransferPlan(WireMessage):
         puts = tuple(PutTarget.from_wire(f, raw, f"puts[{i}]") for i, raw in enumerate(f.list("puts")))
         copies = tuple(SlotCopy.from_wire(f, raw, f"copies[{i}]")
                        for i, raw in enumerate(f.list("copies", default=[])))
-        return cls(f.int("plan"), f.int("rows"), puts, copies)
+        return cls(f.int("plan"), f.int("rows"), puts, copies, f.bin("grant", default=b""))
 
 
 @dataclass(frozen=True)
@@ -231,21 +236,27 @@ class CopyDone(WireMessage):
 
 @dataclass(frozen=True)
 class ReadSegment(WireMessage):
-    """``READ_SEGMENT`` ``{"layer": int, "slots": [int, ...]}``: read one layer of the
-    named slots (the imperative "fetch the prefix KV" path a benchmark compares
-    against). Answered with :class:`SegmentData`."""
+    """``READ_SEGMENT`` ``{"layer": int, "slots": [int, ...], "grant": bin (optional)}``:
+    read one layer of the named slots (what the vLLM connector's load mode copies, and the
+    imperative "fetch the prefix KV" path a benchmark compares against); a client
+    session names exactly the slots a lease of it granted on this instance, with that
+    grant (:mod:`tokenlake.dataplane.grants`). Answered with :class:`SegmentData`."""
 
     KIND = Kind.READ_SEGMENT
     layer: int
     slots: tuple[int, ...]
+    grant: bytes = b""
 
     def body(self) -> dict:
-        return {"layer": self.layer, "slots": list(self.slots)}
+        body = {"layer": self.layer, "slots": list(self.slots)}
+        if self.grant:
+            body["grant"] = self.grant
+        return body
 
     @classmethod
     def from_wire(cls, f: Fields) -> ReadSegment:
         f.tensors(0)
-        return cls(f.int("layer"), f.as_ints(f.get("slots"), "slots"))
+        return cls(f.int("layer"), f.as_ints(f.get("slots"), "slots"), f.bin("grant", default=b""))
 
 
 @dataclass(frozen=True, eq=False)  # tensors: equal only to itself

@@ -48,8 +48,9 @@ class Bundles:
     """
 
     def __init__(self, options: RayOptions, layout: BufferLayout, timeout_s: float,
-                 peer_timeout_s: float, start_timeout_s: float, keys: ClusterKeys | None = None) -> None:
-        self.options, self.layout, self.keys = options, layout, keys
+                 peer_timeout_s: float, start_timeout_s: float, keys: ClusterKeys | None = None,
+                 grant_key: bytes | None = None) -> None:
+        self.options, self.layout, self.keys, self.grant_key = options, layout, keys, grant_key
         self.peer_timeout_s, self.start_timeout_s = peer_timeout_s, start_timeout_s
         self.pg = None
         self.node = ""
@@ -136,7 +137,8 @@ class Bundles:
                               port_range=self.options.port_range,
                               # the actor relays the driver's requests: it speaks as the owner
                               keys=None if self.keys is None
-                              else self.keys.engine_view(with_owner=True).to_dict())
+                              else self.keys.engine_view(with_owner=True).to_dict(),
+                              grant_key=self.grant_key)
             starts[(role, i)] = actor.start.remote(spec.to_bytes())
         for key, started in gather(starts, "engine start-up", self.start_timeout_s).items():
             self.table.endpoints[key] = started.endpoint

@@ -104,7 +104,7 @@ class RayCluster(ClusterBase):
         self.options = options
         self._owns_ray = False
         self._bundles = Bundles(options, self.layout, timeout_s, peer_timeout_s, start_timeout_s,
-                                self.keys)
+                                self.keys, self.grant_key)
         self._clients: dict[int, Any] = {}
         self._slabs: dict[int, Any] = {}
         self._compute_at_start = compute

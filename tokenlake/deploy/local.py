@@ -19,12 +19,10 @@ launchers that are gone (``sweep_stale``).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,19 +31,20 @@ import msgpack
 import torch
 import zmq
 
-from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
+from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
-from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
-from tokenlake.dataplane.messages import Shutdown, WireMessage, expect
+from tokenlake.dataplane.messages import Shutdown, WireMessage
 from tokenlake.dataplane.shm import BufferRegistry, SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, new_cluster_id, sweep_stale
-from tokenlake.dataplane.sockets import send, send_frames
+from tokenlake.dataplane.sockets import send_frames
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
+from tokenlake.deploy.driver import DriverSockets
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
+from tokenlake.deploy.watcher import EngineWatcher
 
 log = logging.getLogger(__name__)
 
@@ -99,19 +98,12 @@ class LocalCluster(ClusterBase):
         self._procs: dict[tuple[str, int], mp.Process] = {}
         self._endpoints: dict[tuple[str, int], str] = {}
         self._clients: dict[int, InstanceClient] = {}
+        self._watcher = EngineWatcher(self._procs)  # reports an engine's death at once
         #: ``(role, instance) -> time.monotonic()`` when its engine was seen dead
-        self.failures: dict[tuple[str, int], float] = {}
-        self._listeners: list[Callable[[str, int], None]] = []
-        self._watch_lock = threading.Lock()
-        self._leaving: set[int] = set()  # instances whose engines are stopped on purpose
-        self._watcher: threading.Thread | None = None
-        self._wake: tuple[int, int] | None = None  # the watcher's self-pipe
-        self._watch_stop = False
-        # the driver's own sockets to the engines (the owner's requests), reused: a
-        # CURVE handshake per request costs milliseconds; one request at a time
-        self._driver_socks: dict[tuple[str, int], zmq.Socket] = {}
-        self._driver_lock = threading.Lock()
-        self._driver_ids = itertools.count(1)
+        self.failures = self._watcher.failures
+        self._watch_lock = self._watcher.lock
+        self._leaving = self._watcher.leaving  # instances whose engines are stopped on purpose
+        self._driver = DriverSockets(self._dealer, self.timeout_s)  # the owner's requests
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -126,7 +118,7 @@ class LocalCluster(ClusterBase):
             self.close()
             raise
         self._ctx = zmq.Context()
-        self._start_watcher()
+        self._watcher.start()
 
     def _create_buffers(self) -> dict[int, dict[str, dict]]:
         """Creates every instance's buffers (``self.layout``); their spec dicts per instance."""
@@ -198,15 +190,12 @@ class LocalCluster(ClusterBase):
 
     def close(self) -> None:
         """Stops every engine (politely, then by force) and unlinks every shared buffer."""
-        self._stop_watcher()
+        self._watcher.stop()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
         if self._ctx is not None:
-            with self._driver_lock:
-                for sock in self._driver_socks.values():
-                    sock.close(0)
-                self._driver_socks.clear()
+            self._driver.close()
             self._shutdown_engines()
             self._ctx.term()
             self._ctx = None
@@ -321,7 +310,7 @@ class LocalCluster(ClusterBase):
                 self._request(key, Peers(((instance, None),)), Ack)
         for role in ROLES:
             self.kill(role, instance)
-        self._forget_driver_sockets(instance)
+        self._driver.forget(instance)
         client = self._clients.pop(instance, None)
         if client is not None:
             client.close()
@@ -343,7 +332,7 @@ class LocalCluster(ClusterBase):
             self._leaving.discard(instance)
             for role in ROLES:
                 self.failures.pop((role, instance), None)
-        self._poke_watcher()
+        self._watcher.poke()
         for key in self._live_engines():
             if key[1] != instance:
                 peer = self._endpoints[(key[0], instance)]
@@ -371,58 +360,7 @@ class LocalCluster(ClusterBase):
         not change the cluster there) as soon as an engine dies without being told to:
         killed, crashed, out of memory. Stopping an instance on purpose
         (:meth:`remove_instance`, :meth:`close`) is no failure."""
-        self._listeners.append(listener)
-
-    def _start_watcher(self) -> None:
-        self._wake = os.pipe()
-        self._watch_stop = False
-        self._watcher = threading.Thread(target=self._watch, name="tokenlake-watcher", daemon=True)
-        self._watcher.start()
-
-    def _stop_watcher(self) -> None:
-        if self._watcher is None:
-            return
-        self._watch_stop = True
-        os.write(self._wake[1], b"x")
-        self._watcher.join()
-        self._watcher = None
-        for fd in self._wake:
-            os.close(fd)
-        self._wake = None
-
-    def _poke_watcher(self) -> None:
-        """The set of engines changed: the watcher waits on the new sentinels."""
-        if self._wake is not None:
-            os.write(self._wake[1], b"x")
-
-    def _watch(self) -> None:
-        """Waits on the engines' sentinels; reports each unexpected death once."""
-        while True:
-            with self._watch_lock:
-                watched = {proc.sentinel: key for key, proc in self._procs.items()
-                           if key[1] not in self._leaving and key not in self.failures}
-            ready = mp.connection.wait([*watched, self._wake[0]])
-            if self._watch_stop:
-                return
-            if self._wake[0] in ready:
-                os.read(self._wake[0], 4096)
-            for sentinel in ready:
-                key = watched.get(sentinel)
-                if key is None:
-                    continue
-                with self._watch_lock:
-                    if key[1] in self._leaving or self._procs.get(key) is None or \
-                            self._procs[key].sentinel != sentinel:
-                        continue  # stopped on purpose, or already replaced
-                    self.failures[key] = time.monotonic()
-                proc = self._procs[key]
-                log.warning("the %s engine of instance %d (pid %s) died (exit code %s)",
-                            key[0], key[1], proc.pid, proc.exitcode)
-                for listener in list(self._listeners):
-                    try:
-                        listener(*key)
-                    except Exception:  # a listener's bug must not stop the watching
-                        log.exception("failure listener %r failed", listener)
+        self._watcher.listeners.append(listener)
 
     def _dead(self, instance: int) -> str | None:
         for role in ROLES:
@@ -444,7 +382,7 @@ class LocalCluster(ClusterBase):
 
     def _request(self, key: tuple[str, int], message: WireMessage, reply: type[Reply]) -> Reply:
         """One request to one engine, and its reply as a ``reply``."""
-        out = self._exchange([key], message, reply)[key]
+        out = self._driver.exchange([key], message, reply)[key]
         if isinstance(out, BaseException):
             raise out
         return out
@@ -452,59 +390,15 @@ class LocalCluster(ClusterBase):
     def _request_all(self, keys: list[tuple[str, int]], message: WireMessage,
                      reply: type[Reply]) -> dict[tuple[str, int], Reply]:
         """The same request to several engines at once; the first failure is raised."""
-        out = self._exchange(keys, message, reply)
+        out = self._driver.exchange(keys, message, reply)
         for value in out.values():
             if isinstance(value, BaseException):
                 raise value
         return out
 
     def _request_each(self, keys, message, reply):
-        """All at once on the driver's sockets (see :meth:`_exchange`)."""
-        return self._exchange(keys, message, reply)
+        """All at once on the driver's sockets (:class:`DriverSockets`)."""
+        return self._driver.exchange(keys, message, reply)
 
-    def _exchange(self, keys: list[tuple[str, int]], message: WireMessage,
-                  reply: type[Reply]) -> dict[tuple[str, int], Reply | BaseException]:
-        """Sends ``message`` to every engine of ``keys`` on the driver's sockets, then
-        reads each answer (within ``timeout_s`` in all); a failure is that key's value.
-        A socket that failed is closed (a late answer must not meet the next request)."""
-        out: dict[tuple[str, int], Reply | BaseException] = {}
-        with self._driver_lock:
-            sent = {}
-            for key in keys:
-                try:
-                    sock = self._driver_socks.get(key)
-                    if sock is None:
-                        sock = self._driver_socks[key] = self._dealer(key)
-                    msg_id = next(self._driver_ids)
-                    send(sock, message.encode(msg_id), timeout_s=self.timeout_s)
-                    sent[key] = (sock, msg_id)
-                except Exception as exc:  # noqa: BLE001 - reported per key
-                    out[key] = exc
-                    self._drop_driver_socket(key)
-            deadline = time.monotonic() + self.timeout_s
-            for key, (sock, msg_id) in sent.items():
-                try:
-                    while True:
-                        answer = wire.recv(sock, max(0.0, deadline - time.monotonic()))
-                        if answer.msg_id == msg_id:
-                            out[key] = expect(answer, reply)
-                            break
-                except Exception as exc:  # noqa: BLE001 - reported per key
-                    out[key] = exc
-                    if not isinstance(exc, TokenLakeError) or isinstance(exc, EngineUnavailable):
-                        self._drop_driver_socket(key)
-        return out
-
-    def _drop_driver_socket(self, key: tuple[str, int]) -> None:
-        sock = self._driver_socks.pop(key, None)
-        if sock is not None:
-            sock.close(0)
-
-    def _forget_driver_sockets(self, instance: int) -> None:
-        """Closes the driver's sockets to ``instance``'s engines (they stop, or start
-        again at new addresses)."""
-        with self._driver_lock:
-            for key in [k for k in self._driver_socks if k[1] == instance]:
-                self._drop_driver_socket(key)
     def _live_engines(self) -> list[tuple[str, int]]:
         return [key for key in self._endpoints if self._procs[key].is_alive()]

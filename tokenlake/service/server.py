@@ -31,7 +31,6 @@ go back). Reading statistics and matching prefixes need no session.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -44,12 +43,7 @@ import zmq
 from tokenlake.core.control import ControlPlane
 from tokenlake.core.errors import ConfigError, PlanError, SegmentInFlight, TokenLakeError
 from tokenlake.core.plans import (
-    Batch,
     Plans,
-    QueryItem,
-    QueryPlan,
-    QueryTask,
-    RowSpan,
 )
 from tokenlake.dataplane import grants, messages, wire
 from tokenlake.dataplane.auth import ClusterKeys, guard, serve_secure
@@ -74,13 +68,13 @@ from tokenlake.dataplane.messages import (
     CpSession,
     CpStats,
     CpStatsResult,
-    RegisterQueryPlan,
-    RegisterTransferPlan,
     WireMessage,
 )
 from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.dataplane.sockets import bind_address, send_routed
 from tokenlake.deploy.base import CLIENT_BUFFERS
+from tokenlake.service.serialised import Serialised
+from tokenlake.service.session_plans import lease_grants, plan_grants, renamed_batch, renamed_plans
 from tokenlake.service.sessions import (
     HEARTBEAT_S,
     ITERATION_TIMEOUT_S,
@@ -345,7 +339,7 @@ class ControlServer:
         return CpLoad(self.cluster.control.get_cache_load(req.reqs, req.hardware, req.latency))
 
     def _gen_plans(self, session: Session, req: CpGenPlans) -> CpPlans:
-        batches = tuple(_renamed_batch(b, session.prefix) for b in req.batches)
+        batches = tuple(renamed_batch(b, session.prefix) for b in req.batches)
         try:
             plans = self.cluster.control.gen_plans(batches, req.dops, req.homes)
         except SegmentInFlight as e:  # the client's own names for the requests that wait
@@ -354,18 +348,8 @@ class ControlServer:
         self._issued[plans.iteration] = plans
         session.iterations[plans.iteration] = self.sessions.clock()
         session.requests.update(r.request_id for b in batches for r in b.requests)
-        theirs = _renamed_plans(plans, session.prefix)
-        return CpPlans(theirs, self._plan_grants(session, theirs))
-
-    def _plan_grants(self, session: Session, plans: Plans) -> tuple[tuple[bytes, bytes], ...]:
-        """The grant of each sub-batch's query and transfer plan to ``session``: what its
-        engines register from it and nothing else (tokenlake.dataplane.grants)."""
-        key, token, gid = self.cluster.grant_key, session.token, grants.plan_grant_id(plans.iteration)
-        return tuple(
-            (grants.sign(key, token, gid, grants.QUERY_PLAN, grants.payload(RegisterQueryPlan.from_plan(0, qp).body())),
-             grants.sign(key, token, gid, grants.TRANSFER_PLAN,
-                         grants.payload(RegisterTransferPlan.from_plan(0, tp).body())))
-            for qp, tp in zip(plans.query_plans, plans.transfer_plans))
+        theirs = renamed_plans(plans, session.prefix)
+        return CpPlans(theirs, plan_grants(self.cluster.grant_key, session.token, theirs))
 
     def _complete(self, session: Session, req: CpComplete) -> Ack:
         plans = self._take(session, req.iteration)
@@ -403,15 +387,10 @@ class ControlServer:
         rid = self.sessions.internal(session, req.request_id)
         locations = self.cluster.control.lease_prefix(rid, req.tokens, req.cache_salt)
         session.requests.add(rid)
-        by_instance: dict[int, list[int]] = {}
-        for loc in locations:
-            by_instance.setdefault(loc.instance, []).append(loc.slot)
         gid = grants.lease_grant_id(next(self._lease_numbers))
-        session.leases[rid] = (gid, tuple(by_instance))
-        key, token = self.cluster.grant_key, session.token
-        return CpLeased(locations, tuple(
-            (inst, grants.sign(key, token, gid, grants.READ, grants.payload({"slots": slots})))
-            for inst, slots in by_instance.items()))
+        read = lease_grants(self.cluster.grant_key, session.token, gid, locations)
+        session.leases[rid] = (gid, tuple(inst for inst, _ in read))
+        return CpLeased(locations, read)
 
     def _finish(self, session: Session, req: CpFinishRequest) -> Ack:
         rid = self.sessions.internal(session, req.request_id)
@@ -437,48 +416,3 @@ class ControlServer:
         buffers = {name: BufferSpec.from_dict(spec) for name, spec in info["buffers"].items()}
         return CpClientInfoResult(req.instance, dict(info["endpoints"]), buffers,
                                   float(info["timeout_s"]), info.get("keys"))
-
-
-def _renamed_batch(batch: Batch, prefix: str) -> Batch:
-    """``batch`` with every request id in the session's namespace."""
-    return Batch(tuple(dataclasses.replace(r, request_id=prefix + r.request_id)
-                       for r in batch.requests), batch.phase)
-
-
-def _renamed_plans(plans: Plans, prefix: str) -> Plans:
-    """``plans`` with the session's namespace taken off every request id (what the
-    session sees is its own names)."""
-    cut = len(prefix)
-
-    def query(qp: QueryPlan) -> QueryPlan:
-        def task(t: QueryTask) -> QueryTask:
-            return QueryTask(t.instance, tuple(QueryItem(i.request_id[cut:], i.start, i.stop, i.slots, i.tokens)
-                                               for i in t.items))
-        spans = tuple(RowSpan(s.request_id[cut:], s.start, s.stop, s.position, s.prefix_tokens)
-                      for s in qp.spans)
-        return dataclasses.replace(qp, spans=spans, tasks=tuple(map(task, qp.tasks)),
-                                   tails=tuple(map(task, qp.tails)))
-
-    return dataclasses.replace(plans, query_plans=tuple(map(query, plans.query_plans)))
-
-
-class Serialised:
-    """Calls ``target``'s methods with ``lock`` held; ``get_prefix_tree`` returns the
-    tree wrapped the same way (its ``match`` reads state the server's thread changes).
-    Attributes that are not methods are read under the lock too."""
-
-    def __init__(self, target: Any, lock: threading.RLock) -> None:
-        self._target, self._lock = target, lock
-
-    def __getattr__(self, name: str) -> Any:
-        with self._lock:
-            value = getattr(self._target, name)
-        if not callable(value):
-            return value
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                out = value(*args, **kwargs)
-            return Serialised(out, self._lock) if name == "get_prefix_tree" else out
-
-        return call

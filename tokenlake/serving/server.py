@@ -26,54 +26,23 @@ from collections.abc import Callable, Sequence
 import torch
 
 from scheduler.admission import admission_order
-from scheduler.api import BatchDecision, InstanceView, Snapshot
+from scheduler.api import InstanceView, Snapshot
 from scheduler.goodput import GoodputScheduler
 from tokenlake.core.cost_model import LatencyModel
-from tokenlake.core.errors import CapacityError, SegmentInFlight
+from tokenlake.core.errors import CapacityError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_hardware
 from tokenlake.model.compute import ComputeEngine
+from tokenlake.serving.live import Live as _Live
+from tokenlake.serving.live import one_per_phase, plan_without_waiting
 from tokenlake.serving.requests import BadRequest, GenerationRequest, RequestResult, check_request
 from tokenlake.serving.sampling import next_token
-from tokenlake.serving.tracker import DECODE, WAITING, RequestTracker, TrackedRequest
+from tokenlake.serving.tracker import DECODE, WAITING, RequestTracker
 
-__all__ = ["BadRequest", "GenerationRequest", "RequestResult", "Server", "check_request"]
+__all__ = ["BadRequest", "GenerationRequest", "RequestResult", "Server", "check_request", "one_per_phase"]
 
 #: The measured latency model of the CPU compute engine (``tokenlake profile-latency``).
 DEFAULT_LATENCY = "cpu_smollm2-135m"
-
-
-def one_per_phase(batches: Sequence[BatchDecision]) -> list[BatchDecision]:
-    """``batches`` with the DoP 1 batches of each phase joined into one (at the first's
-    place, requests in the policy's order): for one engine that computes them in turn."""
-    out: list[BatchDecision] = []
-    first: dict[str, int] = {}
-    for b in batches:
-        at = first.get(b.phase) if b.dop == 1 else None
-        if at is None:
-            if b.dop == 1:
-                first[b.phase] = len(out)
-            out.append(b)
-        else:
-            prev = out[at]
-            out[at] = BatchDecision(prev.request_ids + b.request_ids, b.phase, 1,
-                                    prev.new_tokens + b.new_tokens)
-    return out
-
-
-class _Live(TrackedRequest):
-    """A request's progress (tracked) plus what the server keeps of it."""
-
-    __slots__ = ("req", "result", "generator", "prompt", "preemptions")
-
-    def __init__(self, req: GenerationRequest, result: RequestResult, arrival_s: float,
-                 tbt_slo_s: float | None) -> None:
-        super().__init__(req.request_id, len(req.prompt_ids), arrival_s, tbt_slo_s)
-        self.req, self.result = req, result
-        self.generator = req.sampling.generator()
-        # what the next prefill computes: the prompt, plus the outputs after a preemption
-        self.prompt: tuple[int, ...] = req.prompt_ids
-        self.preemptions = 0
 
 
 class Server:
@@ -245,27 +214,14 @@ class Server:
             self._emit(live, logits)
 
     def _plan(self, batches: list[Batch], dops: list[int], prefilling: dict[str, int]):
-        """``gen_plans`` of the policy's batches; a request whose new tokens complete a
-        segment another client is still storing (``SegmentInFlight``) waits: it leaves
-        this iteration (its admission, if new, is taken back) and the rest is planned
-        without it. The next iteration matches it again, so it reuses the segment once
-        stored, or stores it itself if that client's iteration was aborted (its session
-        ended). Returns None when every request waits."""
-        while True:
-            try:
-                return self.control.gen_plans(batches, dops)
-            except SegmentInFlight as e:
-                waiting = set(e.request_ids)
-                if not waiting & {r.request_id for b in batches for r in b.requests}:
-                    raise  # names none of this iteration's requests: nothing to take out
-                self.waits_in_flight += len(waiting)
-                self._defer(waiting, prefilling)
-                kept = [(Batch(tuple(r for r in b.requests if r.request_id not in waiting), b.phase), d)
-                        for b, d in zip(batches, dops)]
-                kept = [(b, d) for b, d in kept if b.requests]
-                if not kept:
-                    return None
-                batches[:], dops[:] = [b for b, _ in kept], [d for _, d in kept]
+        """``gen_plans`` of the policy's batches, the requests that must wait for a
+        segment another client is storing taken out (:func:`plan_without_waiting`)."""
+
+        def defer(waiting: set[str]) -> None:
+            self.waits_in_flight += len(waiting)
+            self._defer(waiting, prefilling)
+
+        return plan_without_waiting(self.control, batches, dops, defer)
 
     def _defer(self, request_ids: set[str], prefilling: dict[str, int]) -> None:
         """Takes ``request_ids`` out of this iteration (before its plans exist)."""

@@ -1,0 +1,87 @@
+"""The driver's own sockets to a local cluster's engines: the owner's requests
+(``PING``, ``PEERS``, ``COPY_SEGMENT``, the session kinds), on sockets kept open between
+requests (a CURVE handshake per request cost milliseconds, and the control server
+retires a client session's grants on every iteration it completes), sent to several
+engines at once when asked."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import zmq
+
+from tokenlake.core.errors import EngineUnavailable, TokenLakeError
+from tokenlake.dataplane import wire
+from tokenlake.dataplane.messages import WireMessage, expect
+from tokenlake.dataplane.sockets import send
+
+Key = tuple[str, int]  # (role, instance)
+Reply = TypeVar("Reply", bound=WireMessage)
+
+
+class DriverSockets:
+    """One DEALER per engine, opened by ``dealer(key)`` on first use; one exchange at a
+    time (a lock), every wait within ``timeout_s``.
+
+    A socket whose request failed (no answer, a broken connection) is closed, so a late
+    answer never meets the next request; :meth:`forget` closes an instance's sockets
+    when its engines stop or move."""
+
+    def __init__(self, dealer: Callable[[Key], zmq.Socket], timeout_s: float) -> None:
+        self._dealer, self.timeout_s = dealer, timeout_s
+        self._socks: dict[Key, zmq.Socket] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def exchange(self, keys: list[Key], message: WireMessage,
+                 reply: type[Reply]) -> dict[Key, Reply | BaseException]:
+        """Sends ``message`` to every engine of ``keys``, then reads each answer (within
+        ``timeout_s`` in all); a key's value is its answer as a ``reply``, or its failure."""
+        out: dict[Key, Reply | BaseException] = {}
+        with self._lock:
+            sent = {}
+            for key in keys:
+                try:
+                    sock = self._socks.get(key)
+                    if sock is None:
+                        sock = self._socks[key] = self._dealer(key)
+                    msg_id = next(self._ids)
+                    send(sock, message.encode(msg_id), timeout_s=self.timeout_s)
+                    sent[key] = (sock, msg_id)
+                except Exception as exc:  # noqa: BLE001 - reported per key
+                    out[key] = exc
+                    self._drop(key)
+            deadline = time.monotonic() + self.timeout_s
+            for key, (sock, msg_id) in sent.items():
+                try:
+                    while True:
+                        answer = wire.recv(sock, max(0.0, deadline - time.monotonic()))
+                        if answer.msg_id == msg_id:
+                            out[key] = expect(answer, reply)
+                            break
+                except Exception as exc:  # noqa: BLE001 - reported per key
+                    out[key] = exc
+                    if not isinstance(exc, TokenLakeError) or isinstance(exc, EngineUnavailable):
+                        self._drop(key)
+        return out
+
+    def forget(self, instance: int) -> None:
+        """Closes the sockets to ``instance``'s engines (they stop, or start again at
+        new addresses)."""
+        with self._lock:
+            for key in [k for k in self._socks if k[1] == instance]:
+                self._drop(key)
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._socks):
+                self._drop(key)
+
+    def _drop(self, key: Key) -> None:
+        sock = self._socks.pop(key, None)
+        if sock is not None:
+            sock.close(0)

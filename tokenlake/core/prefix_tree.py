@@ -30,18 +30,17 @@ Invariants kept here (and checked by :meth:`PrefixTree.check`):
   without tokens take no part in page hits).
 
 The tree is pure bookkeeping: which slot to take and what to evict is decided by
-:class:`tokenlake.core.pool.CachePool`.
+:class:`tokenlake.core.pool.CachePool`; the LRU index is :mod:`tokenlake.core.tree_lru`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator, Sequence
-
-from sortedcontainers import SortedList
 
 from tokenlake.core.errors import SegmentNotFound
 from tokenlake.core.segments import SegmentHasher, SegmentKey, check_salt, token_bytes
+from tokenlake.core.tree_check import check_tree
+from tokenlake.core.tree_lru import EvictionIndex
 from tokenlake.core.tree_nodes import (
     MatchResult,
     Replica,
@@ -78,9 +77,7 @@ class PrefixTree:
         # The virtual roots of salted sequences, by their key (salt_root), while they
         # have children: created by the first insert under a salt, dropped with its last.
         self._roots: dict[SegmentKey, TreeNode] = {}
-        # Per instance: (last_access, -index, seq, key, instance) of evictable replicas.
-        self._lru: dict[int, SortedList] = {}
-        self._seq = itertools.count()
+        self._lru = EvictionIndex()  # the evictable replicas, per instance (tree_lru.py)
 
     # ------------------------------------------------------------------ lookup
     @property
@@ -147,10 +144,7 @@ class PrefixTree:
 
     def last_access(self, key: SegmentKey, instance: int) -> float:
         """Last access time of the replica of ``key`` on ``instance`` (LRU order)."""
-        rep = self._node(key).replica(instance)
-        if rep is None:
-            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
-        return rep.last_access
+        return self._replica(key, instance)[1].last_access
 
     def keys(self) -> Iterator[SegmentKey]:
         return iter(self._nodes)
@@ -244,13 +238,14 @@ class PrefixTree:
             raise ValueError(f"segment {parent.hex()} is a tail: nothing follows it")
         enc = None if raw is None else self._codec.encode(raw)
         if raw is not None and enc is None:  # an id of 65,536 or more: 4 bytes from now on
-            self._widen()
+            # every node's tokens from 2 to 4 bytes each, children indexed again
+            self._codec.widen([self._root, *self._roots.values(), *self._nodes.values()])
             enc = raw
         node = self._nodes[key] = TreeNode(key, parent, index, enc)
         first = not pnode.has_children
         pnode.add_child(node)
         if first and pnode.index >= 0:
-            self._sync(pnode)  # its first child: no longer a leaf
+            self._lru.sync(pnode)  # its first child: no longer a leaf
         elif first and pnode is not self._root:
             self._roots[parent] = pnode  # the first segment under this salt
         return True
@@ -280,10 +275,6 @@ class PrefixTree:
             raise ValueError("segment index must be its parent's index + 1")
         return pnode
 
-    def _widen(self) -> None:
-        """Every node's tokens from 2 to 4 bytes each, children indexed again."""
-        self._codec.widen([self._root, *self._roots.values(), *self._nodes.values()])
-
     def add_replica(
         self, key: SegmentKey, instance: int, slot: int, now: float, ready: bool = False
     ) -> None:
@@ -292,35 +283,24 @@ class PrefixTree:
         if node.replica(instance) is not None:
             raise ValueError(f"segment {key.hex()} already has a replica on instance {instance}")
         node.replicas.append(Replica(instance, slot, ready, now))
-        self._sync(node)
+        self._lru.sync(node)
         if ready:
             relocate(node)
 
     def set_ready(self, key: SegmentKey, instance: int, now: float) -> None:
         """Marks a pending replica as stored in all layers; the segment becomes matchable."""
-        node = self._node(key)
-        rep = node.replica(instance)
-        if rep is None:
-            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
+        node, rep = self._replica(key, instance)
         rep.ready = True
         rep.last_access = now
-        if rep.lru_entry is not None:  # already ready and indexed: re-file at the new time
-            self._lru[rep.instance].remove(rep.lru_entry)
-            rep.lru_entry = None
-        self._sync(node)
+        self._lru.drop(rep)  # already ready and indexed: filed again at the new time
+        self._lru.sync(node)
         relocate(node)
 
     def touch(self, key: SegmentKey, instance: int, now: float) -> None:
         """Records an access of one replica at time ``now`` (for LRU)."""
-        node = self._node(key)
-        rep = node.replica(instance)
-        if rep is None:
-            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
+        node, rep = self._replica(key, instance)
         rep.last_access = max(rep.last_access, now)
-        if rep.lru_entry is not None:
-            self._lru[rep.instance].remove(rep.lru_entry)
-            rep.lru_entry = self._entry(node, rep)
-            self._lru.setdefault(rep.instance, SortedList()).add(rep.lru_entry)
+        self._lru.refile(node, rep)
 
     def remove_replica(self, key: SegmentKey, instance: int) -> int:
         """Drops one replica and returns its slot; the node goes when its last replica goes.
@@ -328,17 +308,13 @@ class PrefixTree:
         Removing the last replica of a node with children, a pin or a lease raises
         ``ValueError``: that would orphan a suffix or pull data from under a plan.
         """
-        node = self._node(key)
-        rep = node.replica(instance)
-        if rep is None:
-            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
+        node, rep = self._replica(key, instance)
         if len(node.replicas) == 1 and (node.has_children or node.pins or node.leases):
             raise ValueError(f"segment {key.hex()} is pinned, leased or has children")
-        if rep.lru_entry is not None:
-            self._lru[rep.instance].remove(rep.lru_entry)
+        self._lru.drop(rep)
         node.replicas.remove(rep)
         if node.replicas:
-            self._sync(node)
+            self._lru.sync(node)
             relocate(node)
         else:
             self._drop_node(node)
@@ -359,8 +335,7 @@ class PrefixTree:
             stack.extend(n.key for n in node.child_nodes())
         for node in reversed(order):  # leaves first
             for rep in node.replicas:
-                if rep.lru_entry is not None:
-                    self._lru[rep.instance].remove(rep.lru_entry)
+                self._lru.drop(rep)
                 dropped.append((node.key, rep.instance, rep.slot))
             node.replicas.clear()
             node.kids = node.bare = node.order = None
@@ -392,19 +367,11 @@ class PrefixTree:
                    ) -> tuple[SegmentKey, int] | None:
         """The least recently used evictable replica as ``(key, instance)`` (on
         ``instance`` only, or on those instances, if given), or ``None``."""
-        if isinstance(instance, int):
-            lru = self._lru.get(instance)
-            return (lru[0][3], lru[0][4]) if lru else None
-        pools = self._lru.values() if instance is None else (self._lru.get(i) for i in instance)
-        firsts = [lru[0] for lru in pools if lru]
-        if not firsts:
-            return None
-        entry = min(firsts)
-        return entry[3], entry[4]
+        return self._lru.victim(instance)
 
     def evictable_count(self) -> int:
         """Evictable replicas, over every instance."""
-        return sum(len(lru) for lru in self._lru.values())
+        return len(self._lru)
 
     # -------------------------------------------------------------- internals
     def _salt_root(self, salt: str) -> TreeNode | None:
@@ -419,43 +386,16 @@ class PrefixTree:
         except KeyError:
             raise SegmentNotFound(f"segment {bytes(key).hex()} is not in the tree") from None
 
+    def _replica(self, key: SegmentKey, instance: int) -> tuple[TreeNode, Replica]:
+        node = self._node(key)
+        rep = node.replica(instance)
+        if rep is None:
+            raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
+        return node, rep
+
     def _adjust(self, keys: Iterable[SegmentKey], field: str, delta: int) -> None:
         nodes = [self._node(k) for k in keys]  # validate all before changing any
-        if delta < 0:
-            need: dict[SegmentKey, int] = {}
-            for n in nodes:
-                need[n.key] = need.get(n.key, 0) + 1
-            for n in nodes:
-                if getattr(n, field) < need[n.key]:
-                    raise ValueError(f"segment {n.key.hex()} has no {field[:-1]} to release")
-        for n in nodes:
-            old = getattr(n, field)
-            setattr(n, field, old + delta)
-            if old == 0 or old + delta == 0:  # evictability changes only at zero
-                self._sync(n)
-
-    def _entry(self, node: TreeNode, rep: Replica) -> tuple:
-        return (rep.last_access, -node.index, next(self._seq), node.key, rep.instance)
-
-    def _evictable(self, node: TreeNode) -> bool:
-        if node.pins or node.leases:
-            return False
-        ready = 0
-        for r in node.replicas:
-            ready += r.ready
-        return ready > 1 or (ready == 1 and not node.has_children)
-
-    def _sync(self, node: TreeNode) -> None:
-        """Makes the LRU index agree with the node's current state."""
-        ok = self._evictable(node)
-        for rep in node.replicas:
-            want = ok and rep.ready
-            if want and rep.lru_entry is None:
-                rep.lru_entry = self._entry(node, rep)
-                self._lru.setdefault(rep.instance, SortedList()).add(rep.lru_entry)
-            elif not want and rep.lru_entry is not None:
-                self._lru[rep.instance].remove(rep.lru_entry)
-                rep.lru_entry = None
+        self._lru.adjust(nodes, field, delta)
 
     def _drop_node(self, node: TreeNode) -> None:
         del self._nodes[node.key]
@@ -468,41 +408,11 @@ class PrefixTree:
         if pnode.has_children:
             return
         if pnode.index >= 0:
-            self._sync(pnode)  # a leaf again
+            self._lru.sync(pnode)  # a leaf again
         elif pnode is not self._root:
             del self._roots[parent]  # the last segment under its salt went
 
     def check(self) -> None:
         """Asserts the invariants listed in the module docstring (for tests)."""
-        entries = [e for lru in self._lru.values() for e in lru]
-        in_lru = {(e[3], e[4]) for e in entries}
-        assert len(in_lru) == len(entries)
-        assert all(e[4] == inst for inst, lru in self._lru.items() for e in lru)
-        for key, node in self._nodes.items():
-            parent = node.parent
-            assert (parent is None or parent in self._nodes
-                    or (node.index == 0 and parent in self._roots)), "orphaned suffix"
-            node.check_links(self._root if parent is None
-                             else self._nodes.get(parent) or self._roots[parent], self._nodes)
-            ok = self._evictable(node)
-            assert len({r.instance for r in node.replicas}) == len(node.replicas)
-            for rep in node.replicas:
-                inst = rep.instance
-                assert ((key, inst) in in_lru) == (ok and rep.ready), "LRU index out of date"
-                if rep.lru_entry is not None:
-                    assert rep.lru_entry[:2] == (rep.last_access, -node.index), "stale LRU entry"
-        assert all(self._nodes.get(n.key) is n for n in self._root.child_nodes())
-        self._root.check_links(None, self._nodes)
-        for rkey, root in self._roots.items():
-            assert (root.key, root.parent, root.index, root.tokens) == (rkey, None, -1, None)
-            assert not root.replicas and rkey not in self._nodes and rkey != self.hasher.root
-            assert root.has_children, "a salt's root without segments is kept"
-            root.check_links(None, self._nodes, salted=True)
-        # every node is reachable from a root (indices grow by one from parent to child,
-        # checked above, so this walk ends; each node is one parent's child)
-        seen, stack = 0, [self._root, *self._roots.values()]
-        while stack:
-            kids = stack.pop().child_nodes()
-            seen += len(kids)
-            stack += kids
-        assert seen == len(self._nodes), "a node is not reachable from a root"
+        self._lru.check(self._nodes)
+        check_tree(self._nodes, self._root, self._roots, self.hasher.root)

@@ -42,6 +42,8 @@ from tokenlake.core.replication import Replication, Replicator
 from tokenlake.core.segments import SegmentHasher, SegmentKey
 from tokenlake.core.slots import SlotPool
 
+__all__ = ["CachePool", "Eviction", "InstanceRemoval", "Placement", "PoolStats"]
+
 
 class CachePool:
     """The global segment pool of one cluster (control-plane metadata only)."""
@@ -416,6 +418,3 @@ class CachePool:
             mine = [s for i, s in held if i == inst]
             assert all(0 <= s < self.slots.capacity(inst) for s in mine), "slot out of range"
             assert len(mine) == self.slots.used(inst), f"slot accounting off on instance {inst}"
-
-
-__all__ = ["CachePool", "Eviction", "InstanceRemoval", "Placement", "PoolStats"]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tokenlake.core.errors import ConfigError, TokenLakeError
+from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane.attention import merge
 from tokenlake.dataplane.attention_cpu import partial_attention, single_token_attention
@@ -58,13 +58,15 @@ class StepState:
         self.client = client
         self.block_size = block_size
         self.timeout_s = timeout_s
-        self.failed = client is None and step.plans is not None
+        self.failed = False
         self.q_buf = self.kv_buf = None
         self.spans = {}
         self.queried_rows = 0
         self.coalesced = False  # layers whose put waits for finish()
         self.wait_s = 0.0
         self._maps: dict[int, tuple] = {}
+        if client is None and step.plans is not None:  # its instance could not be reached
+            self.fail(EngineUnavailable("the pool instance's engines could not be reached"))
         if client is not None and step.plans is not None:
             (qp,), (tp,) = step.plans.query_plans, step.plans.transfer_plans
             self.spans = {s.request_id: s for s in qp.spans}

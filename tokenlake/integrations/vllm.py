@@ -103,7 +103,12 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
             log.warning("kv_load_failure_policy is not 'recompute': a request whose load from "
                         "the pool fails (a dead engine) ends with an error instead of being "
                         "computed; set \"kv_load_failure_policy\": \"recompute\"")
-        # scheduler side
+        self._init_scheduler_side()
+        self._init_worker_side()
+        self._init_query_mode()
+
+    def _init_scheduler_side(self) -> None:
+        """The scheduler side's state, per request (both modes), empty."""
         self._hits: dict[str, int] = {}  # request -> pool hit (tokens) seen at matching
         self._salts: dict[str, str | None] = {}  # request -> its cache salt in the pool
         self._pool_len: dict[str, int] = {}  # request -> its tokens the pool holds or stores
@@ -112,7 +117,9 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         self._blocks: dict[str, list[int]] = {}
         self._loads: list[Load] = []
         self._failed: list[int] = []
-        # worker side
+
+    def _init_worker_side(self) -> None:
+        """The worker side's state (load mode: caches, sockets, loads and puts), empty."""
         self._caches: dict[int, torch.Tensor] = {}  # layer index -> its KV cache tensor
         self._clients: dict[int, Any] = {}
         self._socks: dict[int, Any] = {}
@@ -124,7 +131,9 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         self._next = 0
         self._msg_ids = itertools.count(1)
         self.loaded_tokens = self.stored_tokens = 0
-        # query mode
+
+    def _init_query_mode(self) -> None:
+        """The query mode's state, on both sides, empty."""
         self._requests: dict[str, Any] = {}  # scheduler: request id -> vLLM's live Request
         self._external: dict[str, int] = {}  # scheduler: pooled tokens vLLM never computed
         self._local: set[str] = set()  # scheduler: requests vLLM attends alone

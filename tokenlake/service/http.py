@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -93,13 +93,41 @@ def create_app(loop: EngineLoop, model: ModelInfo, metrics: ServiceMetrics,
     event loop (:func:`_texts` says why); prompts are tokenized on asyncio's default
     threads (the tokenizer releases the GIL), so a long prompt delays no stream."""
     limits = limits if limits is not None else HttpLimits()
-    max_prompt = min(limits.max_prompt_tokens or model.max_context, model.max_context)
-    # no text of more characters than this can be max_prompt tokens or fewer
-    max_chars = max_prompt * longest_token_bytes(model.tokenizer, model.vocab_size)
+    check_prompt = _prompt_check(model, limits)
     app = FastAPI(title="TokenLake", summary="OpenAI-compatible API of a TokenLake pool")
     app.state.model, app.state.limits = model, limits
     app.add_middleware(BodyGuard, limits=limits, refused=lambda status: metrics.rejected(),
                        in_flight=metrics.in_flight.inc)
+    _add_error_handlers(app, metrics)
+    _add_info_routes(app, model, metrics)
+    _add_completion_routes(app, loop, model, limits, detok, check_prompt)
+    return app
+
+
+def _prompt_check(model: ModelInfo, limits: HttpLimits) -> Callable[[int, str], None]:
+    """``check_prompt(size, unit)``: refuses (:class:`ApiError` 400) a prompt of ``size``
+    characters (``unit="chars"``, before tokenizing) or tokens that cannot fit the
+    prompt limit (``limits.max_prompt_tokens``, at most the model's context)."""
+    max_prompt = min(limits.max_prompt_tokens or model.max_context, model.max_context)
+    # no text of more characters than this can be max_prompt tokens or fewer
+    max_chars = max_prompt * longest_token_bytes(model.tokenizer, model.vocab_size)
+
+    def check_prompt(size: int, unit: str) -> None:
+        """Refuses a prompt of ``size`` characters (``unit="chars"``, before
+        tokenizing) or tokens that cannot fit ``max_prompt`` tokens."""
+        if size > (max_chars if unit == "chars" else max_prompt):
+            what = (f"{size} characters, more than {max_prompt} tokens can hold"
+                    if unit == "chars" else f"{size} tokens")
+            raise ApiError(400, f"the prompt is {what}; at most {max_prompt} prompt tokens "
+                                f"are accepted", code="context_length_exceeded", param="prompt")
+
+    return check_prompt
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
+    """Every error as an OpenAI-style JSON body: :class:`ApiError` (logged in one line,
+    a 4xx counted as rejected), a body that fails validation (400), an unknown path or
+    method, and any bug (500, never a plain-text body)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -125,6 +153,10 @@ def create_app(loop: EngineLoop, model: ModelInfo, metrics: ServiceMetrics,
         return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__})",
                                      "server_error").body(), status_code=500)
 
+
+def _add_info_routes(app: FastAPI, model: ModelInfo, metrics: ServiceMetrics) -> None:
+    """``GET /health``, ``GET /v1/models`` and ``GET /metrics`` (Prometheus)."""
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -139,14 +171,13 @@ def create_app(loop: EngineLoop, model: ModelInfo, metrics: ServiceMetrics,
     async def scrape():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    def check_prompt(size: int, unit: str) -> None:
-        """Refuses a prompt of ``size`` characters (``unit="chars"``, before
-        tokenizing) or tokens that cannot fit ``max_prompt`` tokens."""
-        if size > (max_chars if unit == "chars" else max_prompt):
-            what = (f"{size} characters, more than {max_prompt} tokens can hold"
-                    if unit == "chars" else f"{size} tokens")
-            raise ApiError(400, f"the prompt is {what}; at most {max_prompt} prompt tokens "
-                                f"are accepted", code="context_length_exceeded", param="prompt")
+
+def _add_completion_routes(app: FastAPI, loop: EngineLoop, model: ModelInfo,
+                           limits: HttpLimits, detok: Executor | None,
+                           check_prompt: Callable[[int, str], None]) -> None:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``: each body is checked,
+    its prompt tokenized (off the event loop when long) and submitted to ``loop``; the
+    answer streams as server-sent events or comes back whole."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -183,8 +214,6 @@ def create_app(loop: EngineLoop, model: ModelInfo, metrics: ServiceMetrics,
         if body.stream:
             return StreamingResponse(_sse(job, model), media_type="text/event-stream")
         return await _complete(job, model, request)
-
-    return app
 
 
 def _validation_message(exc: RequestValidationError) -> str:

@@ -213,10 +213,7 @@ def serve_local(
     weights = load_served_model(progress) if model.name == SERVED_MODEL and kv_layout == "tokenlake" else None
     with contextlib.ExitStack() as stack:
         if engine == "reference":
-            if weights is None:
-                raise ValueError(f"the reference engine serves {SERVED_MODEL} only")
-            served = stack.enter_context(reference_service(weights, host=host, http_port=http_port, kv_dtype=kv_dtype,
-                                                              limits=limits))
+            served = stack.enter_context(_reference(weights, host, http_port, kv_dtype, limits))
         else:
             progress(f"starting {instances} instances (a query and a transfer engine each) ...")
             cluster = stack.enter_context(LocalCluster(
@@ -226,7 +223,22 @@ def serve_local(
                 cluster, host=host, control_port=control_port, http_port=http_port,
                 model=weights, credentials=credentials, compute=compute, limits=limits))
         on_ready(served)
-        try:
-            stop.wait()
-        except KeyboardInterrupt:  # the normal way to stop a served pool
-            pass
+        _wait(stop)
+
+
+def _reference(weights, host: str, http_port: int, kv_dtype: str,
+               limits: HttpLimits | None) -> contextlib.AbstractContextManager[Served]:
+    """:func:`reference_service` of :data:`SERVED_MODEL`'s ``(weights, tokenizer)``
+    (``None``: another model, which the reference engine does not serve: ``ValueError``)."""
+    if weights is None:
+        raise ValueError(f"the reference engine serves {SERVED_MODEL} only")
+    return reference_service(weights, host=host, http_port=http_port, kv_dtype=kv_dtype,
+                             limits=limits)
+
+
+def _wait(stop: threading.Event) -> None:
+    """Serves on until ``stop`` is set or Ctrl-C (``KeyboardInterrupt``) arrives."""
+    try:
+        stop.wait()
+    except KeyboardInterrupt:  # the normal way to stop a served pool
+        pass

@@ -301,10 +301,10 @@ def test_a_prompt_is_matched_once_in_the_iteration_that_admits_it(monkeypatch):
     matched = []
     real = PrefixTree.match
 
-    def counting(tree, token_ids, max_tokens=None):
+    def counting(tree, token_ids, max_tokens=None, salt=None):
         if tuple(token_ids) == prompt:
             matched.append(max_tokens)
-        return real(tree, token_ids, max_tokens)
+        return real(tree, token_ids, max_tokens, salt)
 
     monkeypatch.setattr(PrefixTree, "match", counting)
     res = server.submit(GenerationRequest("q", prompt, max_new_tokens=2))

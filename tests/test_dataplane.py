@@ -16,7 +16,7 @@ from dataplane_util import TINY, engine_request, execute, full_attention_check, 
 
 from tokenlake.core.errors import EngineUnavailable, NotAuthorized, PlanError
 from tokenlake.core.plans import Batch, BatchRequest
-from tokenlake.dataplane import wire
+from tokenlake.dataplane import grants, wire
 from tokenlake.dataplane.messages import (
     AttendItem,
     ErrorReply,
@@ -255,8 +255,12 @@ def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(cluster):
         sock.send_multipart([b"\xff\x00garbage", b"x"])  # malformed header
         reply = parse(wire.recv(sock, 5.0))
         assert isinstance(reply, ErrorReply) and reply.type == "WireError"
-        bad_slot = InstanceItems(inst, (AttendItem(0, 1, (10_000,), (C,)),))
-        sock.send_multipart(RegisterQueryPlan(99, 1, (bad_slot,)).encode(2))
+        bad_slot = RegisterQueryPlan(99, 1, (InstanceItems(inst, (AttendItem(0, 1, (10_000,), (C,)),)),))
+        sock.send_multipart(bad_slot.encode(2))  # no grant: refused before it is read further
+        with pytest.raises(NotAuthorized, match="grant"):
+            wire.raise_if_error(wire.recv(sock, 5.0))
+        granted = grants.sign(cluster.grant_key, token, 0, grants.QUERY_PLAN, grants.payload(bad_slot.body()))
+        sock.send_multipart(replace(bad_slot, grant=granted).encode(2))  # granted, yet out of range
         reply = wire.recv(sock, 5.0)
         with pytest.raises(PlanError, match="slot"):
             wire.raise_if_error(reply)

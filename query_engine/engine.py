@@ -201,8 +201,7 @@ class QueryEngine(EngineLoop):
 
     def _register_home(self, message: RegisterQueryPlan, caller: Caller) -> None:
         session, bufs = self.session_buffers(caller)
-        grant, expiry = self.check_grant(caller, grants.QUERY_PLAN, grants.payload(message.body()),
-                                         message.grant)
+        grant, expiry = self.check_grant(caller, grants.QUERY_PLAN, message.grant, message.body)
         pid, rows = message.plan, message.rows
         if not 0 < rows <= self.q.shape[0]:
             raise PlanError(f"plan has {rows} rows; q_buf holds at most {self.q.shape[0]}")

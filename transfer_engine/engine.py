@@ -98,8 +98,8 @@ class TransferEngine(EngineLoop):
             case CopySegment():
                 self._copy(identity, msg_id, message)
             case ReadSegment():
-                self.check_grant(caller, grants.READ, grants.payload({"slots": list(message.slots)}),
-                                 message.grant)
+                self.check_grant(caller, grants.READ, message.grant,
+                                 lambda: {"slots": list(message.slots)})
                 self._read(identity, msg_id, message)
             case PeerSegment():
                 self._store_segment(message)
@@ -135,8 +135,7 @@ class TransferEngine(EngineLoop):
 
     def _register(self, message: RegisterTransferPlan, caller: Caller) -> None:
         session, bufs = self.session_buffers(caller)
-        grant, expiry = self.check_grant(caller, grants.TRANSFER_PLAN, grants.payload(message.body()),
-                                         message.grant)
+        grant, expiry = self.check_grant(caller, grants.TRANSFER_PLAN, message.grant, message.body)
         rows = message.rows
         if not 0 < rows <= self.kv.shape[1]:
             raise PlanError(f"plan has {rows} rows; kv_buf holds at most {self.kv.shape[1]}")

@@ -13,6 +13,7 @@ session's plan or read only with the control server's grant
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,15 +185,17 @@ class EngineSessions:
             for identity, msg_id, _ in waiting:
                 self.reply(identity, Ack().encode(msg_id))
 
-    def check_grant(self, caller: Caller, kind: bytes, content: bytes, grant: bytes) -> tuple[int, float]:
-        """``(grant id, expiry)`` under which a client session may use ``content`` (a
-        plan or a read, :func:`tokenlake.dataplane.grants.payload`), or
-        :class:`NotAuthorized`; the owner's session (and any session of a launcher that
-        made no grant key) needs none: ``(-1, inf)``."""
+    def check_grant(self, caller: Caller, kind: bytes, grant: bytes,
+                    body: Callable[[], dict]) -> tuple[int, float]:
+        """``(grant id, expiry)`` under which a client session may use what ``body()``
+        returns (a plan's or a read's body; what the grant covers of it:
+        :func:`tokenlake.dataplane.grants.payload`), or :class:`NotAuthorized`; the
+        owner's session (and any session of a launcher that made no grant key) needs
+        none, and its body is not even built: ``(-1, inf)``."""
         token = caller.require_session()
         if token == OWNER_SESSION or self.spec.grant_key is None:
             return -1, float("inf")
-        gid, expiry = grants.verify(self.spec.grant_key, token, grant, kind, content)
+        gid, expiry = grants.verify(self.spec.grant_key, token, grant, kind, grants.payload(body()))
         if gid in self._retired.get(token, ()):
             raise NotAuthorized("this grant is spent (its iteration completed or aborted, or its "
                                 "lease was finished)")

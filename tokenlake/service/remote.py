@@ -201,11 +201,7 @@ class RemoteControlPlane:
         answer = self._call(CpGenPlans(tuple(batches), tuple(dops), homes), CpPlans)
         plans = answer.plans
         self._in_flight.add(plans.iteration)
-        ids = self._granted[plans.iteration] = []
-        for qp, tp, (qg, tg) in zip(plans.query_plans, plans.transfer_plans, answer.grants):
-            for plan, grant in ((qp, qg), (tp, tg)):
-                self._grants[id(plan)] = (plan, grant)
-                ids.append(id(plan))
+        self.adopt_grants(plans, answer.grants)
         return plans
 
     def complete(self, plans: Plans) -> None:
@@ -228,8 +224,9 @@ class RemoteControlPlane:
                      for qp, tp in zip(plans.query_plans, plans.transfer_plans))
 
     def adopt_grants(self, plans: Plans, grants: Sequence[tuple[bytes, bytes]]) -> None:
-        """Takes the grants of ``plans``, planned by another process of this session
-        (the vLLM connector's scheduler side), for this object's data-plane clients."""
+        """Takes the grants of ``plans`` (this object's, or planned by another process of
+        this session: the vLLM connector's scheduler side) for this object's data-plane
+        clients."""
         ids = self._granted.setdefault(plans.iteration, [])
         for qp, tp, (qg, tg) in zip(plans.query_plans, plans.transfer_plans, grants):
             for plan, grant in ((qp, qg), (tp, tg)):

@@ -257,9 +257,7 @@ class ControlServer:
                     session = self.sessions.get(identity)  # SessionEnded if there is none
                     answer = self._session_handlers[type(request)](session, request)
                 elif type(request) in self._handlers:
-                    session = self.sessions.find(identity)
-                    if session is not None:
-                        self.sessions.get(identity)  # any request is a heartbeat
+                    self.sessions.touch(identity)  # a session's request is a heartbeat too
                     answer = self._handlers[type(request)](request)
                 else:
                     raise wire.WireError(f"{request.KIND.name} is not a control-plane request")

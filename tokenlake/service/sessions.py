@@ -121,13 +121,18 @@ class SessionTable:
     def get(self, routing_id: bytes) -> Session:
         """The session of a connection's routing id, touched (it is alive). Raises
         :class:`~tokenlake.core.errors.SessionEnded` if it has none."""
-        token = session_of(routing_id)
-        session = None if token is None else self._by_token.get(token)
+        session = self.touch(routing_id)
         if session is None:
             raise SessionEnded("this client has no open session on the pool (never opened, "
                                "closed, or ended by the server after "
                                f"{self.timeout_s:g} s without a heartbeat)")
-        session.seen_s = self.clock()
+        return session
+
+    def touch(self, routing_id: bytes) -> Session | None:
+        """The session of a connection's routing id, touched, or None if it has none."""
+        session = self.find(routing_id)
+        if session is not None:
+            session.seen_s = self.clock()
         return session
 
     def find(self, routing_id: bytes) -> Session | None:

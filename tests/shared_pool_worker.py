@@ -62,6 +62,21 @@ def check(results, prompt: list[int], spec: ModelSpec) -> float:
     return worst
 
 
+def iteration(cp, batch: Batch, prompt: list[int], new: int, spec: ModelSpec) -> tuple[float, int]:
+    """Plans, runs and completes one iteration of the batch's one request (whose tokens
+    so far are ``prompt``, the last ``new`` of them computed now); returns its largest
+    difference from the reference and how often it waited for a segment in flight."""
+    plans, waits = plan(cp, batch)
+    rid = batch.requests[0].request_id
+    try:
+        results = execute(cp, plans, {rid: prompt}, {rid: new}, model=spec)
+    except BaseException:
+        cp.abort(plans)
+        raise
+    cp.complete(plans)
+    return check(results, prompt, spec), waits
+
+
 def run(address: str, spec: ModelSpec, seed: int, iterations: int) -> dict:
     rng = random.Random(seed)
     c = 16
@@ -76,28 +91,13 @@ def run(address: str, spec: ModelSpec, seed: int, iterations: int) -> dict:
             prompt = doc[: rng.choice((0, c, 2 * c, 3 * c))] + [rng.randrange(3, spec.vocab_size)
                                                                   for _ in range(rng.randrange(3, 2 * c))]
             hit = cp.get_prefix_tree().match(prompt, max_tokens=len(prompt) - 1).hit_tokens
-            plans, w = plan(cp, Batch((BatchRequest(rid, tuple(prompt[hit:]), tuple(prompt[:hit])),)))
-            waits += w
-            try:
-                results = execute(cp, plans, {rid: prompt}, {rid: len(prompt) - hit}, model=spec)
-            except BaseException:
-                cp.abort(plans)
-                raise
-            cp.complete(plans)
-            worst = max(worst, check(results, prompt, spec))
-            done += 1
+            batch = Batch((BatchRequest(rid, tuple(prompt[hit:]), tuple(prompt[:hit])),))
+            err, w = iteration(cp, batch, prompt, len(prompt) - hit, spec)
+            worst, waits, done = max(worst, err), waits + w, done + 1
             for _ in range(rng.randrange(1, 4)):
                 prompt.append(rng.randrange(3, spec.vocab_size))
-                plans, w = plan(cp, Batch((BatchRequest(rid, (prompt[-1],)),), "decode"))
-                waits += w
-                try:
-                    results = execute(cp, plans, {rid: prompt}, {rid: 1}, model=spec)
-                except BaseException:
-                    cp.abort(plans)
-                    raise
-                cp.complete(plans)
-                worst = max(worst, check(results, prompt, spec))
-                done += 1
+                err, w = iteration(cp, Batch((BatchRequest(rid, (prompt[-1],)),), "decode"), prompt, 1, spec)
+                worst, waits, done = max(worst, err), waits + w, done + 1
             cp.finish_request(rid)
         session = cp.session.session
     return {"iterations": done, "worst": worst, "waits": waits, "session": session}
@@ -128,20 +128,15 @@ def reuse(address: str, spec: ModelSpec, seed: int) -> dict:
     aborted), then reads it back as the prefix of another request, exactly."""
     rng = random.Random(seed)
     prompt = [rng.randrange(3, spec.vocab_size) for _ in range(3 * 16 + 5)]
-    worst = 0.0
     with tokenlake.connect(address, timeout_s=30.0, label="reuse") as cp:
         first_hit = cp.get_prefix_tree().match(prompt, max_tokens=len(prompt) - 1).hit_tokens
-        plans, _ = plan(cp, Batch((BatchRequest("a", tuple(prompt)),)))
-        execute(cp, plans, {"a": prompt}, {"a": len(prompt)}, model=spec)
-        cp.complete(plans)
+        iteration(cp, Batch((BatchRequest("a", tuple(prompt)),)), prompt, len(prompt), spec)
         cp.finish_request("a")
         second = prompt[:48] + [7, 8, 9]
         hit = cp.get_prefix_tree().match(second, max_tokens=len(second) - 1).hit_tokens
-        plans, _ = plan(cp, Batch((BatchRequest("b", tuple(second[hit:]), tuple(second[:hit])),)))
-        results = execute(cp, plans, {"b": second}, {"b": len(second) - hit}, model=spec)
-        cp.complete(plans)
+        batch = Batch((BatchRequest("b", tuple(second[hit:]), tuple(second[:hit])),))
+        worst, _ = iteration(cp, batch, second, len(second) - hit, spec)
         cp.finish_request("b")
-        worst = check(results, second, spec)
     return {"iterations": 2, "worst": worst, "first_hit": first_hit, "hit": hit}
 
 

@@ -18,12 +18,13 @@ import pytest
 import torch
 import zmq
 from dataplane_util import TINY, execute, token_kv
+from service_util import control_served
 from test_engine_faults import _rss_mib
 
 import tokenlake
 from tokenlake.core.errors import NotAuthorized, PlanError
 from tokenlake.core.plans import Batch, BatchRequest
-from tokenlake.dataplane import credentials, wire
+from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.messages import (
     AttendItem,
@@ -43,8 +44,6 @@ from tokenlake.dataplane.messages import (
     expect,
 )
 from tokenlake.dataplane.messages.session import alias
-from tokenlake.deploy.local import LocalCluster
-from tokenlake.service.server import ControlServer
 
 WORKER = Path(__file__).with_name("shared_pool_worker.py")
 C = 16
@@ -53,13 +52,8 @@ POOL_BYTES = 96 * TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 
 
 @pytest.fixture(scope="module")
 def served():
-    with LocalCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=128) as cluster, \
-            ControlServer(cluster) as server:
-        path = credentials.write(credentials.default_path(server.address), server.credentials())
-        try:
-            yield cluster, server
-        finally:
-            credentials.remove(path)
+    with control_served(TINY, 2, POOL_BYTES, C, 128, "tokenlake") as served:
+        yield served
 
 
 class Attacker:

@@ -26,6 +26,7 @@ from tokenlake.core.control import pool_control
 from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane.shm_files import BufferSpec
+from tokenlake.deploy.roles import ENGINE_ROLES
 
 if TYPE_CHECKING:
     from typing import Self
@@ -50,8 +51,6 @@ ENGINE_BUFFERS: dict[str, tuple[str, ...]] = {
 }
 #: The buffers an instance's client (its compute engine) maps.
 CLIENT_BUFFERS = ("q", "out_o", "out_lse", "kv")
-#: Every engine role (the keys of :data:`ENGINE_BUFFERS`).
-ENGINE_ROLES_ALL = tuple(ENGINE_BUFFERS)
 
 
 @dataclass(frozen=True)
@@ -327,13 +326,13 @@ class ClusterBase(abc.ABC):
             self._drop_session_buffers(session, instance)
             del self._sessions[(tok, instance)]
 
-    def retire(self, token: bytes, instances, grant_ids: tuple[int, ...], roles=ENGINE_ROLES_ALL) -> None:
+    def retire(self, token: bytes, instances, grant_ids: tuple[int, ...]) -> None:
         """Spends grants of client session ``token`` on the engines of ``instances``
         (``RETIRE``): their plans go, and the engines refuse those grants from now on;
         returns once they answered (an engine that does not, dead, is skipped)."""
         from tokenlake.dataplane.messages import Ack, Retire
 
-        keys = [(role, inst) for inst in instances if (token, inst) in self._sessions for role in roles]
+        keys = [(role, inst) for inst in instances if (token, inst) in self._sessions for role in ENGINE_ROLES]
         for key, answer in self._request_each(keys, Retire(token, tuple(grant_ids)), Ack).items():
             if isinstance(answer, BaseException):  # a dead engine holds no plan
                 log.warning("retiring grants on the %s engine of instance %d: %s", *key, answer)

@@ -7,15 +7,12 @@ are stored; a segment is visible to :meth:`PrefixTree.match` only once it has a 
 replica.
 
 Hits are exact to a *page* (``page_tokens``, docs/design.md §4): a node keeps its
-segment's token ids, and :meth:`PrefixTree.match` walks children by them, then returns
-the child whose leading pages equal the prompt's next tokens (compared token for token;
-chained keys only name whole segments). Node structures: :mod:`tokenlake.core.tree_nodes`.
-
-Sequences under a *cache salt* (a tenant's namespace, docs/design.md §4) hang under
-their own virtual root, named by :meth:`~tokenlake.core.segments.SegmentHasher.salt_root`:
-a salted first segment's parent is that key (an unsalted one's is ``None``), and
-:meth:`PrefixTree.match`, :meth:`PrefixTree.partial` and page hits walk from the root of
-the salt they are given, so no match crosses salts.
+segment's token ids; :meth:`PrefixTree.match` walks children by them, then returns the
+child whose leading pages equal the prompt's next tokens. Sequences under a *cache salt*
+(docs/design.md §4) hang under their own virtual root, named by
+:meth:`~tokenlake.core.segments.SegmentHasher.salt_root` (a salted first segment's
+parent; an unsalted one's is ``None``), and every match walks from the root of its
+salt, so none crosses salts. Node structures: :mod:`tokenlake.core.tree_nodes`.
 
 Invariants kept here (and checked by :meth:`PrefixTree.check`):
 
@@ -30,7 +27,9 @@ Invariants kept here (and checked by :meth:`PrefixTree.check`):
   without tokens take no part in page hits).
 
 The tree is pure bookkeeping: which slot to take and what to evict is decided by
-:class:`tokenlake.core.pool.CachePool`; the LRU index is :mod:`tokenlake.core.tree_lru`.
+:class:`tokenlake.core.pool.CachePool`; the LRU index is :mod:`tokenlake.core.tree_lru`;
+a :attr:`PrefixTree.journal` hears of every ready replica, for a restart
+(:mod:`tokenlake.core.slot_records`).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from tokenlake.core.errors import SegmentNotFound
 from tokenlake.core.segments import SegmentHasher, SegmentKey, check_salt, token_bytes
+from tokenlake.core.slot_records import SlotJournal
 from tokenlake.core.tree_check import check_tree
 from tokenlake.core.tree_lru import EvictionIndex
 from tokenlake.core.tree_nodes import (
@@ -78,6 +78,7 @@ class PrefixTree:
         # have children: created by the first insert under a salt, dropped with its last.
         self._roots: dict[SegmentKey, TreeNode] = {}
         self._lru = EvictionIndex()  # the evictable replicas, per instance (tree_lru.py)
+        self.journal: SlotJournal | None = None  # told of every ready replica (slot_records.py)
 
     # ------------------------------------------------------------------ lookup
     @property
@@ -102,9 +103,8 @@ class PrefixTree:
         return self._node(key).index
 
     def children(self, key: SegmentKey | None) -> tuple[SegmentKey, ...]:
-        """Children of ``key``: ``None`` names the unsalted (virtual) root, a salt's
-        root key (:meth:`root_key`) that salt's root while a segment is under it (see
-        :meth:`roots`); any other key must be in the tree (else :class:`SegmentNotFound`)."""
+        """Children of ``key``: ``None``: of the unsalted root; a salt's :meth:`root_key`:
+        of that salt's root; else of a node (:class:`SegmentNotFound` if not there)."""
         node = self._root if key is None else self._roots.get(key) or self._node(key)
         return tuple(n.key for n in node.child_nodes())
 
@@ -153,13 +153,11 @@ class PrefixTree:
               salt: str | None = None) -> MatchResult:
         """Longest prefix of ``token_ids`` held by ready segments, exact to a page: the
         whole segments, then the leading pages of the next segment where a ready one
-        shares them (see :meth:`partial`).
-
-        Hashing is lazy and stops at the first miss. ``max_tokens`` caps the match
-        (e.g. ``len(prompt) - 1`` so that at least one token is left to compute).
+        shares them (see :meth:`partial`). Hashing is lazy and stops at the first miss.
+        ``max_tokens`` caps the match (``len(prompt) - 1`` leaves a token to compute).
         ``salt``: the cache salt the sequence was stored under (``None`` or ``""``:
-        none); only segments stored under the same salt match. Raises
-        :class:`~tokenlake.core.errors.PlanError` for a salt :meth:`root_key` refuses.
+        none); only its segments match (:class:`~tokenlake.core.errors.PlanError` for a
+        salt :meth:`root_key` refuses).
         """
         root = self._root if salt is None else self._salt_root(salt)
         if root is None:  # nothing stored under this salt
@@ -218,11 +216,9 @@ class PrefixTree:
         """Adds a node without replicas; returns False if ``key`` was already there (dedup).
 
         ``parent`` must be in the tree, or be a root for a first segment (``index`` 0):
-        ``None``, or under a cache salt that salt's :meth:`root_key` (its root is made
-        here if it has no segment yet; see :meth:`check_parent`).
-        ``tokens`` (the segment's ``C`` token ids) make the node a candidate for page
-        hits; without them only whole-segment matches find it. Fewer than ``C`` tokens
-        make it a *tail* (a finished request's open tail, under
+        ``None``, or a salt's :meth:`root_key` (see :meth:`check_parent`). ``tokens``
+        (the segment's ``C`` token ids) make the node a candidate for page hits; fewer
+        than ``C`` make it a *tail* (a finished request's open tail, under
         :meth:`~tokenlake.core.segments.SegmentHasher.tail_key`): a leaf for page hits
         only, which no whole key reaches and no segment follows.
         """
@@ -286,6 +282,7 @@ class PrefixTree:
         self._lru.sync(node)
         if ready:
             relocate(node)
+            self._seal(node, instance, slot, now)
 
     def set_ready(self, key: SegmentKey, instance: int, now: float) -> None:
         """Marks a pending replica as stored in all layers; the segment becomes matchable."""
@@ -295,24 +292,26 @@ class PrefixTree:
         self._lru.drop(rep)  # already ready and indexed: filed again at the new time
         self._lru.sync(node)
         relocate(node)
+        self._seal(node, instance, rep.slot, now)
 
     def touch(self, key: SegmentKey, instance: int, now: float) -> None:
         """Records an access of one replica at time ``now`` (for LRU)."""
         node, rep = self._replica(key, instance)
         rep.last_access = max(rep.last_access, now)
         self._lru.refile(node, rep)
+        if self.journal is not None and rep.ready:
+            self.journal.touched(instance, rep.slot, rep.last_access)
 
     def remove_replica(self, key: SegmentKey, instance: int) -> int:
-        """Drops one replica and returns its slot; the node goes when its last replica goes.
-
-        Removing the last replica of a node with children, a pin or a lease raises
-        ``ValueError``: that would orphan a suffix or pull data from under a plan.
-        """
+        """Drops one replica and returns its slot; the node goes with its last replica,
+        which a node with children, a pin or a lease keeps (``ValueError``)."""
         node, rep = self._replica(key, instance)
         if len(node.replicas) == 1 and (node.has_children or node.pins or node.leases):
             raise ValueError(f"segment {key.hex()} is pinned, leased or has children")
         self._lru.drop(rep)
         node.replicas.remove(rep)
+        if self.journal is not None:
+            self.journal.cleared(instance, rep.slot)
         if node.replicas:
             self._lru.sync(node)
             relocate(node)
@@ -321,11 +320,8 @@ class PrefixTree:
         return rep.slot
 
     def remove_subtree(self, key: SegmentKey) -> list[tuple[SegmentKey, int, int]]:
-        """Removes ``key`` and all its descendants regardless of pins and leases.
-
-        Used when an instance fails. Returns ``(key, instance, slot)`` of every replica
-        that was dropped so the caller can release the slots.
-        """
+        """Removes ``key`` and all its descendants regardless of pins and leases (an
+        instance failed); returns ``(key, instance, slot)`` of every replica dropped."""
         dropped: list[tuple[SegmentKey, int, int]] = []
         stack = [key]
         order: list[TreeNode] = []
@@ -337,6 +333,8 @@ class PrefixTree:
             for rep in node.replicas:
                 self._lru.drop(rep)
                 dropped.append((node.key, rep.instance, rep.slot))
+                if self.journal is not None:
+                    self.journal.cleared(rep.instance, rep.slot)
             node.replicas.clear()
             node.kids = node.bare = node.order = None
             node.locs = ()
@@ -375,8 +373,7 @@ class PrefixTree:
 
     # -------------------------------------------------------------- internals
     def _salt_root(self, salt: str) -> TreeNode | None:
-        """The root of ``salt``'s sequences (the unsalted one for no salt), or ``None``
-        while nothing is stored under it."""
+        """The root of ``salt``'s sequences (None while nothing is stored under it)."""
         key = self.root_key(salt)
         return self._root if key is None else self._roots.get(key)
 
@@ -392,6 +389,11 @@ class PrefixTree:
         if rep is None:
             raise SegmentNotFound(f"segment {key.hex()} has no replica on instance {instance}")
         return node, rep
+
+    def _seal(self, node: TreeNode, instance: int, slot: int, now: float) -> None:
+        if self.journal is not None:  # the record of a ready replica (slot_records.py)
+            self.journal.sealed(instance, slot, node.key, node.parent, node.index,
+                                node.tokens and self._codec.decode(node.tokens), now)
 
     def _adjust(self, keys: Iterable[SegmentKey], field: str, delta: int) -> None:
         nodes = [self._node(k) for k in keys]  # validate all before changing any

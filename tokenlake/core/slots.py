@@ -68,6 +68,18 @@ class SlotPool:
         heapq.heapify(free)
         self._n_free -= 1
 
+    def take_many(self, instance: int, slots: list[int]) -> None:
+        """Takes these free slots at once (a restart adopting them); ``ValueError`` if one
+        is in use or named twice."""
+        self._check(instance)
+        wanted = set(slots)
+        if len(wanted) != len(slots) or not wanted <= self._free_set[instance]:
+            raise ValueError(f"slots {sorted(slots)} on instance {instance} are not all free")
+        self._free_set[instance] -= wanted
+        self._free[instance] = [s for s in self._free[instance] if s not in wanted]
+        heapq.heapify(self._free[instance])
+        self._n_free -= len(wanted)
+
     def free(self, instance: int, slot: int) -> None:
         """Returns a slot. Freeing a slot twice or out of range raises ``ValueError``."""
         self._check(instance)

@@ -200,6 +200,22 @@ class BufferRegistry:
             self._buffers[spec.name] = st
             return st
 
+    def adopt(self, spec: BufferSpec) -> SharedTensor:
+        """Maps an existing CPU buffer under this registry's prefix and takes over its
+        lifetime as if it had been created here (a new control process adopting the
+        buffers of one that died: docs/design.md §5 "Restart")."""
+        if spec.is_cuda:
+            raise SharedMemoryError("a CUDA buffer dies with the process that made it: "
+                                    f"{spec.name!r} cannot be adopted")
+        if self.prefix is not None and not spec.name.startswith(self.prefix):
+            raise SharedMemoryError(f"{spec.name!r} is outside this registry's {self.prefix!r}")
+        with self._lock:
+            if not self._atexit:
+                atexit.register(self._cleanup_at_exit)
+                self._atexit = True
+            st = self._buffers[spec.name] = SharedTensor(spec, _cpu_attach(spec), owner=True)
+            return st
+
     @property
     def names(self) -> list[str]:
         with self._lock:

@@ -67,6 +67,8 @@ class BufferLayout:
     out_o     [R, q_heads, head_dim]                          its partial attention output
     out_lse   [R, q_heads]                                    natural-log LSE of ``out_o``
     kv        [layers, R, 2, kv_heads, head_dim]              new K and V to put
+    records   [slots, record bytes] (uint8; CPU pools only)   what each slot holds (a restart
+                                                              adopts it: deploy/records.py)
     ========= =============================================== ==========================
     """
 
@@ -79,18 +81,25 @@ class BufferLayout:
 
     def dtype(self, name: str) -> str:
         """The element type of buffer ``name``."""
+        if name == "records":
+            return "uint8"
         return self.kv_dtype if name in ("slab", "kv") else BUFFER_DTYPE
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """``{name: shape}`` in creation order (slab first)."""
+        from tokenlake.deploy.records import record_bytes
+
         m, rows = self.model, self.max_rows
-        return {
+        shapes = {
             "slab": (self.slots, m.num_layers, 2, m.num_kv_heads, self.segment_tokens, m.head_dim),
             "q": (rows, m.num_q_heads, m.head_dim),
             "out_o": (rows, m.num_q_heads, m.head_dim),
             "out_lse": (rows, m.num_q_heads),
             "kv": (m.num_layers, rows, 2, m.num_kv_heads, m.head_dim),
         }
+        if self.device == "cpu":  # a CUDA pool dies with its creator: nothing to adopt
+            shapes["records"] = (self.slots, record_bytes(self.segment_tokens))
+        return shapes
 
     def specs(self, prefix: str, instance: int) -> dict[str, BufferSpec]:
         """``{name: spec}`` of ``instance``'s buffers, named ``<prefix><name>-<instance>``
@@ -179,6 +188,12 @@ class ClusterBase(abc.ABC):
         self.segment_tokens = segment_tokens
         self.slots_per_instance = self.control.config.slots_per_instance
         self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows, kv_dtype, device)
+        from tokenlake.deploy.records import RecordTables  # numpy, no torch
+
+        #: each instance's slot records, written as the tree changes (tables attached by
+        #: the launcher that can map them): what a restart adopts (docs/design.md §5)
+        self.records = RecordTables(segment_tokens, self.control.pool.hasher.root, clock)
+        self.control.pool.tree.journal = self.records
         self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
         if start_timeout_s is None:
             start_timeout_s = 60.0 if device == "cpu" else 900.0

@@ -129,6 +129,8 @@ class LocalCluster(ClusterBase):
                 self._buffers[(inst, name)] = made.tensor
                 self._made[(inst, name)] = made.spec
             out[inst] = {name: self._made[(inst, name)].to_dict() for name in self.layout.shapes()}
+            if (inst, "records") in self._buffers:
+                self.records.attach(inst, self._buffers[(inst, "records")])
         return out
 
     def _spawn(self, specs: dict[int, dict[str, dict]], instances=None) -> None:

@@ -209,8 +209,8 @@ BIG = 1 << 20
         ([header() + b"\x00"], "not valid msgpack"),  # trailing bytes
         ([b"\xff\xfe garbage"], "not valid msgpack"),
         ([msgpack.packb([1, 2, 3])], "not a map"),
-        ([header(v=2)], "unsupported protocol version 2 (this peer speaks 3)"),
-        ([header(v=4)], "unsupported protocol version 4"),
+        ([header(v=3)], "unsupported protocol version 3 (this peer speaks 4)"),
+        ([header(v=5)], "unsupported protocol version 5"),
         ([header(v=True)], "unsupported protocol version"),
         ([header(v=1.0)], "unsupported protocol version 1.0"),
         ([header(v=...)], "unsupported protocol version None"),

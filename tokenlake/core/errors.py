@@ -16,6 +16,12 @@ class ConfigError(TokenLakeError, ValueError):
     """A configuration value is out of range or inconsistent."""
 
 
+class AdoptionRefused(ConfigError):
+    """A new control process will not adopt the engines waiting from a dead one: they
+    were built with other settings, or their owner still lives (docs/design.md §5
+    "Restart"). The message names the difference."""
+
+
 class CapacityError(TokenLakeError):
     """The pool cannot place a segment: every candidate slot is pinned, leased or in use."""
 

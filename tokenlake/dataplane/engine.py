@@ -37,17 +37,19 @@ from tokenlake.core.errors import (
     EngineUnavailable,
     TokenLakeError,
 )
-from tokenlake.dataplane import messages, wire
+from tokenlake.dataplane import messages, pool_state, wire
 from tokenlake.dataplane.auth import (
     ClusterKeys,
     connect_secure,
     guard,
     serve_secure,
 )
+from tokenlake.dataplane.engine_owner import OwnerWatch
 from tokenlake.dataplane.engine_sessions import OWNER_SESSION, Caller, EngineSessions
 from tokenlake.dataplane.engine_spec import ROLES, EngineSpec
 from tokenlake.dataplane.messages import (
     Ack,
+    Adopt,
     CloseSession,
     ErrorReply,
     OpenSession,
@@ -60,7 +62,7 @@ from tokenlake.dataplane.messages import (
 )
 from tokenlake.dataplane.ratelog import RateLimitedLog
 from tokenlake.dataplane.shm import SharedTensor
-from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, pid_alive, unlink_prefix
+from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, unlink_prefix
 from tokenlake.dataplane.sockets import is_loopback, send_frames
 from tokenlake.dataplane.tensor_frames import CopyStats, WireError
 
@@ -85,7 +87,7 @@ class Pending:
     session: bytes = OWNER_SESSION  # on whose behalf (a closing session waits for it)
 
 
-class EngineLoop(EngineSessions):
+class EngineLoop(OwnerWatch, EngineSessions):
     """Single-threaded event loop: one ROUTER for incoming work, one DEALER per peer.
 
     Every message is read once into its typed message
@@ -109,13 +111,12 @@ class EngineLoop(EngineSessions):
         self._handled = 0  # requests served (ROUTER messages)
         self.peer_replies = 0  # answers received from peers (late ones included)
         self._busy_s = 0.0  # seconds spent handling messages (not waiting)
-        self._parent = os.getppid()
-        self.orphaned = False  # the owner died: run_engine unlinks the cluster's buffers
         self._rejected = RateLimitedLog(log)
         self._peers_changed = True  # serve() rebuilds its poller when set
         self.keys = ClusterKeys.from_dict(spec.keys) if spec.keys is not None else None
         self._gate = None
         self._init_sessions()
+        self._init_owner()  # the launcher's death, the grace, adoption (engine_owner.py)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -239,14 +240,7 @@ class EngineLoop(EngineSessions):
                     self._on_reply(by_socket[sock], sock.recv_multipart(copy=False))
                 self._busy_s += time.perf_counter() - t0
             self._expire()
-            if os.getppid() != self._parent:
-                log.warning("parent process is gone; %s engine %d stops", self.spec.role, self.spec.instance)
-                break
-            owner = self.spec.owner_pid
-            if owner is not None and not pid_alive(owner):
-                log.warning("owner process %d is gone; %s engine %d stops", owner,
-                            self.spec.role, self.spec.instance)
-                self.orphaned = True
+            if self.owner_gone():
                 break
 
     def max_message_bytes(self) -> int:
@@ -289,6 +283,9 @@ class EngineLoop(EngineSessions):
                 self._close_session(identity, msg_id, message.token)
             elif isinstance(message, Retire):
                 self._retire(identity, msg_id, message)
+            elif isinstance(message, Adopt):
+                self._adopt(message)
+                self.reply(identity, Ack().encode(msg_id))
             else:
                 self.handle(identity, msg_id, message, caller)
         except Exception as exc:  # a bad request must not stop the engine
@@ -416,3 +413,4 @@ def run_engine(engine_cls: Callable[[EngineSpec], Any], spec_bytes: bytes, conn)
         conn.close()
         if engine.orphaned:  # nobody else will: the owner died without closing
             unlink_prefix(cluster_prefix(spec.cluster_id))
+            pool_state.forget(spec.state_file, spec.cluster_id)

@@ -24,6 +24,7 @@ from tokenlake.dataplane import grants
 from tokenlake.dataplane.auth import ENGINE, OWNER, sender
 from tokenlake.dataplane.messages import (
     Ack,
+    Adopt,
     CloseSession,
     CopySegment,
     OpenSession,
@@ -42,7 +43,7 @@ from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec
 
 #: The kinds only the cluster's owner may send.
-OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment, Retire)
+OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment, Retire, Adopt)
 #: The kinds only another engine of the cluster may send.
 PEER_KINDS = (PeerRegisterPlan, PeerReleasePlan, PeerQuery, PeerPut, PeerSegment)
 #: Client sessions one engine serves at once (the control server bounds them lower).

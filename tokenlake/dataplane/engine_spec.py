@@ -43,6 +43,11 @@ class EngineSpec:
             itself instead of asking their query engines, a transfer engine copies
             segments straight into them (docs/data-plane.md "Co-located slabs"); empty:
             everything between instances goes by message.
+        orphan_grace_s: how long the engine waits, once its owner is gone, for a new
+            control process to adopt it (``ADOPT``) with its slab intact; 0: it stops at
+            once and unlinks its cluster's buffers (docs/design.md §5 "Restart").
+        state_file: the pool's state file (:mod:`tokenlake.dataplane.pool_state`),
+            removed with the files it names when the grace ends unadopted.
         grant_key: the key the control server signs client sessions' plans and leases
             with (:mod:`tokenlake.dataplane.grants`); ``None``: a client session's plans
             are taken without a grant (a launcher that makes no key).
@@ -60,6 +65,8 @@ class EngineSpec:
     keys: dict[str, Any] | None = None
     shared_slabs: dict[int, dict[str, Any]] = field(default_factory=dict)
     grant_key: bytes | None = None
+    orphan_grace_s: float = 0.0
+    state_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -70,6 +77,8 @@ class EngineSpec:
             raise ConfigError("an engine needs its instance's slab")
         if self.peer_timeout_s <= 0:
             raise ConfigError("peer_timeout_s must be > 0")
+        if not self.orphan_grace_s >= 0:
+            raise ConfigError(f"orphan_grace_s must be >= 0, got {self.orphan_grace_s}")
         if self.port_range is not None:
             lo, hi = self.port_range  # msgpack gives a list
             object.__setattr__(self, "port_range", (int(lo), int(hi)))

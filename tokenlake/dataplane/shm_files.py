@@ -42,6 +42,7 @@ PREFIX = "tokenlake-"
 _DEV_SHM = "/dev/shm"
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 _CREATOR_RE = re.compile(r"^tokenlake-(\d+)-")
+_CLUSTER_RE = re.compile(r"^(tokenlake-\d+-[^-]+-)")
 
 
 class SharedMemoryError(TokenLakeError):
@@ -219,22 +220,59 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def _mapped_in(pid: str, marker: str) -> set[str]:
+    """The names of the shared buffers under ``marker`` (a path prefix in the shm
+    directory) that process ``pid`` maps."""
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                at = line.find(marker)
+                if at >= 0:
+                    found.add(line[at + len(marker):].split()[0])
+    except OSError:  # gone, or not ours to read
+        pass
+    return found
+
+
+def mapped_buffers(prefix: str = PREFIX, pids: list[int] | None = None) -> set[str]:
+    """Names of the buffers under ``prefix`` that a live process maps (all of this
+    machine's processes, or ``pids``), read from ``/proc/PID/maps`` (empty where there
+    is no ``/proc``)."""
+    marker = os.path.join(shm_dir(), prefix)
+    if pids is None:
+        try:
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        except OSError:
+            return set()
+    return {prefix + name for pid in pids for name in _mapped_in(str(pid), marker)}
+
+
 def sweep_stale(prefix: str = PREFIX) -> list[str]:
-    """Unlink buffers under ``prefix`` whose creator pid (``tokenlake-<pid>-...``) is dead.
+    """Unlink buffers under ``prefix`` whose creator pid (``tokenlake-<pid>-...``) is dead
+    and of whose cluster no live process maps a buffer (engines that outlived their
+    launcher and wait to be adopted keep theirs: docs/design.md §5 "Restart").
 
     Names without a parsable pid are kept. Conservative by design: a recycled pid keeps its
     orphans alive until the next sweep. Caveat: pids are read in *this* pid namespace, so
     do not share /dev/shm between containers with separate pid namespaces and sweep there.
     Returns the names removed.
     """
-    removed = []
-    for name in list_buffers(prefix):
-        m = _CREATOR_RE.match(name)
-        if m and not pid_alive(int(m.group(1))) and unlink_buffer(name):
-            removed.append(name)
+    stale = [n for n in list_buffers(prefix)
+             if (m := _CREATOR_RE.match(n)) and not pid_alive(int(m.group(1)))]
+    if not stale:
+        return []
+    in_use = {_cluster_of(n) for n in mapped_buffers(prefix)}
+    removed = [n for n in stale if _cluster_of(n) not in in_use and unlink_buffer(n)]
     if removed:
         log.info("swept %d stale shared buffers: %s", len(removed), removed)
     return removed
+
+
+def _cluster_of(name: str) -> str:
+    """The cluster prefix of a buffer name (``tokenlake-<pid>-<hex>-``), or the name."""
+    m = _CLUSTER_RE.match(name)
+    return m.group(1) if m else name
 
 
 # Bytes per element of the dtypes a buffer may have (names as in ``torch.<name>``).

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: 2: peer traffic got its own kinds and every body a fixed schema (docs/protocol.md).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 1 << 20  # a header frame larger than 1 MiB is refused
 MAX_BODY_DEPTH = 32  # deepest nesting of lists/maps in a body
 MAX_ERROR_TEXT = 64 * 1024  # an ERROR's message is cut to this many characters
@@ -88,6 +88,7 @@ class Kind(enum.IntEnum):
     OPEN_SESSION = 32
     CLOSE_SESSION = 33
     RETIRE = 34
+    ADOPT = 35
     PEER_REGISTER_PLAN = 40
     PEER_RELEASE_PLAN = 41
     PEER_QUERY = 42

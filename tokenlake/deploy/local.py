@@ -33,6 +33,7 @@ import zmq
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
+from tokenlake.dataplane import pool_state
 from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
@@ -40,8 +41,10 @@ from tokenlake.dataplane.messages import Shutdown, WireMessage
 from tokenlake.dataplane.shm import BufferRegistry, SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, new_cluster_id, sweep_stale
 from tokenlake.dataplane.sockets import send_frames
+from tokenlake.deploy.adoption import Adoptable
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
 from tokenlake.deploy.driver import DriverSockets
+from tokenlake.deploy.local_lifecycle import InstanceLifecycle
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
 from tokenlake.deploy.watcher import EngineWatcher
@@ -49,7 +52,7 @@ from tokenlake.deploy.watcher import EngineWatcher
 log = logging.getLogger(__name__)
 
 
-class LocalCluster(ClusterBase):
+class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
     """N instances' query and transfer engines as local processes, plus the control plane.
 
     Args: see :class:`~tokenlake.deploy.base.ClusterBase`; ``host`` is the address the
@@ -61,6 +64,9 @@ class LocalCluster(ClusterBase):
     "Co-located slabs"); ``False`` sends all of it by message, as between hosts. ``query_threads``:
     intra-op threads of each query engine (the csrc kernel splits a large query over kv
     heads and slots; the compute engine waits meanwhile), 1 for the transfer engines.
+    ``orphan_grace_s``: how long the engines outlive this process waiting to be adopted
+    (0: they stop with it; CPU pools only), ``state_file``: where the pool's state is
+    kept for that (:mod:`tokenlake.deploy.adoption`, docs/design.md §5 "Restart").
     """
 
     def __init__(
@@ -83,6 +89,9 @@ class LocalCluster(ClusterBase):
         device: str = "cpu",
         share_slabs: bool = True,
         query_threads: int = 2,
+        *,
+        orphan_grace_s: float = 0.0,
+        state_file: str | os.PathLike | None = None,
     ) -> None:
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
                          timeout_s, peer_timeout_s, start_timeout_s, host, insecure, kv_layout,
@@ -90,6 +99,16 @@ class LocalCluster(ClusterBase):
         if query_threads < 1:
             raise ConfigError(f"query_threads must be >= 1, got {query_threads}")
         self.query_threads = int(query_threads)
+        if not orphan_grace_s >= 0:
+            raise ConfigError(f"orphan_grace_s must be >= 0, got {orphan_grace_s}")
+        if orphan_grace_s and self.layout.device != "cpu":
+            log.warning("a GPU pool cannot be adopted (CUDA IPC memory dies with its creator): "
+                        "its engines stop with this process")
+            orphan_grace_s = 0.0
+        self.orphan_grace_s = float(orphan_grace_s)
+        self.state_file = None if state_file is None else str(state_file)
+        self.pool_bytes, self.kv_layout = pool_bytes, kv_layout
+        self._leftovers: set[str] = set()  # files removed with the state file
         self.cluster_id = ""
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
@@ -119,6 +138,7 @@ class LocalCluster(ClusterBase):
             raise
         self._ctx = zmq.Context()
         self._watcher.start()
+        self.write_state()
 
     def _create_buffers(self) -> dict[int, dict[str, dict]]:
         """Creates every instance's buffers (``self.layout``); their spec dicts per instance."""
@@ -149,7 +169,8 @@ class LocalCluster(ClusterBase):
                                   owner_pid=os.getpid(),
                                   keys=None if self.keys is None else self.keys.engine_view().to_dict(),
                                   shared_slabs=self._shared_slabs(specs, role, inst),
-                                  grant_key=self.grant_key)
+                                  grant_key=self.grant_key, orphan_grace_s=self.orphan_grace_s,
+                                  state_file=self.state_file)
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
                                    name=f"tokenlake-{role}-{inst}", daemon=True)
@@ -193,6 +214,8 @@ class LocalCluster(ClusterBase):
     def close(self) -> None:
         """Stops every engine (politely, then by force) and unlinks every shared buffer."""
         self._watcher.stop()
+        if self.cluster_id:  # stopped on purpose: nothing to adopt
+            pool_state.forget(self.state_file, self.cluster_id)
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -206,6 +229,8 @@ class LocalCluster(ClusterBase):
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=2.0)
+            if hasattr(proc, "close") and not isinstance(proc, mp.Process):
+                proc.close()  # an adopted engine's pidfd
         self._procs.clear()
         self._buffers.clear()
         for session, instance in list(self._session_buffers):
@@ -291,84 +316,6 @@ class LocalCluster(ClusterBase):
         proc = self._procs[(role, instance)]
         proc.kill()
         proc.join(timeout=5.0)
-
-    # ------------------------------------------------------- instance lifecycle
-    def failed_instances(self) -> list[int]:
-        """Instances in the pool with a dead query or transfer engine (read from the
-        processes' sentinels: no waiting)."""
-        return [i for i in self.control.instances if self._dead(i) is not None]
-
-    def remove_instance(self, instance: int) -> tuple[str, ...]:
-        """Takes ``instance`` out: the other engines forget it, its engines stop, and the
-        control plane drops its segments. Returns the requests that lost part of their
-        prefix (finish them and compute them again; abort plans in flight first)."""
-        from tokenlake.dataplane.messages import Ack, Peers
-
-        self._check_started()
-        with self._watch_lock:
-            self._leaving.add(instance)  # its engines stop on purpose from here on
-        for key in self._live_engines():
-            if key[1] != instance:
-                self._request(key, Peers(((instance, None),)), Ack)
-        for role in ROLES:
-            self.kill(role, instance)
-        self._driver.forget(instance)
-        client = self._clients.pop(instance, None)
-        if client is not None:
-            client.close()
-        return self.control.remove_instance(instance) if instance in self.control.instances else ()
-
-    def restart_instance(self, instance: int) -> None:
-        """A removed instance joins again, empty: new engines on its zeroed buffers, the
-        other engines told where they are, and its share of the hash ring back."""
-        from tokenlake.dataplane.messages import Ack, Peers
-
-        self._check_started()
-        if instance in self.control.instances:
-            raise ConfigError(f"instance {instance} is in the pool: remove it first")
-        for (inst, _name), tensor in self._buffers.items():
-            if inst == instance:
-                tensor.zero_()
-        self._spawn(self._specs, [instance])
-        with self._watch_lock:
-            self._leaving.discard(instance)
-            for role in ROLES:
-                self.failures.pop((role, instance), None)
-        self._watcher.poke()
-        for key in self._live_engines():
-            if key[1] != instance:
-                peer = self._endpoints[(key[0], instance)]
-                self._request(key, Peers(((instance, peer),)), Ack)
-        self._reopen_sessions(instance)
-        self.control.add_instance(instance)
-
-    def replace_failed(self, restart: bool = True) -> tuple[str, ...]:
-        """Takes every instance with a dead engine out (:meth:`remove_instance`) and,
-        with ``restart``, starts it again empty (:meth:`restart_instance`). Returns the
-        requests that lost KV there (the caller computes them again). Call it with no
-        plan in flight."""
-        lost: dict[str, None] = {}
-        for instance in self.failed_instances():
-            dead = self._dead(instance)
-            log.warning("%s died: instance %d leaves the pool%s", dead, instance,
-                        " and starts again empty" if restart else "")
-            lost.update(dict.fromkeys(self.remove_instance(instance)))
-            if restart:
-                self.restart_instance(instance)
-        return tuple(lost)
-
-    def add_failure_listener(self, listener: Callable[[str, int], None]) -> None:
-        """Calls ``listener(role, instance)`` (on the watcher thread; keep it short and do
-        not change the cluster there) as soon as an engine dies without being told to:
-        killed, crashed, out of memory. Stopping an instance on purpose
-        (:meth:`remove_instance`, :meth:`close`) is no failure."""
-        self._watcher.listeners.append(listener)
-
-    def _dead(self, instance: int) -> str | None:
-        for role in ROLES:
-            if not self._procs[(role, instance)].is_alive():
-                return f"the {role} engine of instance {instance}"
-        return None
 
     def _dealer(self, key: tuple[str, int], *, as_owner: bool = True, as_engine: bool = False,
                 routing_id: bytes | None = None) -> zmq.Socket:

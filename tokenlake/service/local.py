@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tokenlake.core.control import check_kv_dtype
+from tokenlake.core.errors import EngineUnavailable
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import credentials as credentials_file
+from tokenlake.dataplane import pool_state
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.service.frontend import HttpFrontend
 from tokenlake.service.http import ModelInfo
@@ -43,6 +45,7 @@ class Served:
     control: ControlServer | None = None
     http: HttpFrontend | None = None
     credentials: str | None = None  # the file a client of the control port reads
+    restored: int | None = None  # segments adopted from a pool whose process died (None: not adopted)
 
     @property
     def lock(self) -> contextlib.AbstractContextManager:
@@ -52,7 +55,7 @@ class Served:
     def info(self) -> dict[str, str | None]:
         return {"address": self.control.address if self.control else None,
                 "http_url": self.http.url if self.http else None,
-                "credentials": self.credentials}
+                "credentials": self.credentials, "restored": self.restored}
 
 
 def load_served_model(progress: Callable[[str], None] = log.info):
@@ -95,8 +98,12 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
         path = str(credentials_file.write(credentials or credentials_file.default_path(control.address),
                                           control.credentials()))
         stack.callback(credentials_file.remove, path)
+        if hasattr(cluster, "note_leftover"):  # removed with the pool's state file, never stale
+            cluster.note_leftover(path)
+        adopted = getattr(cluster, "adopted", None)
+        restored = None if adopted is None else adopted.segments
         if model is None:
-            yield Served(control, credentials=path)
+            yield Served(control, credentials=path, restored=restored)
             return
         weights, tokenizer = model
         shared = control.shared_control()
@@ -127,7 +134,7 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
                           sessions=lambda: (len(control.sessions), control.sessions.ended)) as http:
             if local:  # an engine that dies is replaced at once, not at the next failure
                 cluster.add_failure_listener(lambda role, instance: http.loop.request_heal())
-            yield Served(control, http, path)
+            yield Served(control, http, path, restored)
 
 
 def _replace_dead_engines(cluster: LocalCluster, control: ControlServer, server) -> bool:
@@ -181,6 +188,7 @@ def serve_local(
     compute: str = "one",
     kv_dtype: str = "float32",
     limits: HttpLimits | None = None,
+    orphan_grace_s: float = 60.0,
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
@@ -203,27 +211,63 @@ def serve_local(
     ``kv_dtype``: the slabs' element type (float32, bfloat16, float16); ``limits``: the
     HTTP front door's (default :class:`HttpLimits`).
 
+    The pool outlives this process (docs/design.md §5 "Restart"): killed, its engines
+    keep the cache for ``orphan_grace_s`` seconds, and a ``serve_local`` started in that
+    time with the same settings and ``control_port`` adopts them (the state file:
+    :func:`tokenlake.dataplane.pool_state.path_for`) and serves the cached prefixes again;
+    ``Served.restored`` says how many segments came back.
+
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
+        AdoptionRefused: engines wait on this control port with other settings (or
+            their owner still runs); they are left to their grace.
         EngineUnavailable: an engine did not start.
     """
     stop = stop if stop is not None else threading.Event()
     if engine not in ("pool", "reference"):
         raise ValueError(f"engine must be 'pool' or 'reference', got {engine!r}")
-    weights = load_served_model(progress) if model.name == SERVED_MODEL and kv_layout == "tokenlake" else None
     with contextlib.ExitStack() as stack:
-        if engine == "reference":
+        cluster = state = None
+        if engine == "pool":  # a pool waiting on this port is checked before anything loads
+            state_file = pool_state.path_for(control_port) if control_port else None
+            cluster = LocalCluster(instances, model, pool_bytes, segment_tokens, max_rows, host=engine_host,
+                                   insecure=insecure, kv_layout=kv_layout, page_tokens=page_tokens,
+                                   kv_dtype=kv_dtype, orphan_grace_s=orphan_grace_s if state_file else 0.0,
+                                   state_file=state_file)
+            state = pool_state.read(state_file) if state_file else None
+            if cluster.waiting(state):
+                cluster.check_settings(state)  # AdoptionRefused: the waiting engines are left alone
+        weights = load_served_model(progress) if model.name == SERVED_MODEL and kv_layout == "tokenlake" else None
+        if cluster is None:
             served = stack.enter_context(_reference(weights, host, http_port, kv_dtype, limits))
         else:
-            progress(f"starting {instances} instances (a query and a transfer engine each) ...")
-            cluster = stack.enter_context(LocalCluster(
-                instances, model, pool_bytes, segment_tokens, max_rows, host=engine_host, insecure=insecure,
-                kv_layout=kv_layout, page_tokens=page_tokens, kv_dtype=kv_dtype))
+            stack.callback(cluster.close)
+            _start_or_adopt(cluster, state, progress)
             served = stack.enter_context(pool_service(
                 cluster, host=host, control_port=control_port, http_port=http_port,
                 model=weights, credentials=credentials, compute=compute, limits=limits))
         on_ready(served)
         _wait(stop)
+
+
+def _start_or_adopt(cluster: LocalCluster, state: dict | None, progress: Callable[[str], None]) -> None:
+    """Adopts the pool of ``state`` when its engines wait (same settings: checked), else
+    starts ``cluster`` empty; a waiting pool that cannot be adopted (an engine gone or
+    silent) and a state file whose pool is gone are discarded first."""
+    if cluster.waiting(state):
+        progress("adopting the engines of the pool that served this port ...")
+        try:
+            report = cluster.adopt(state)
+        except EngineUnavailable as exc:
+            log.warning("the waiting pool cannot be adopted (%s): it is discarded, this one "
+                        "starts empty", exc)
+        else:
+            progress(f"adopted {cluster.n_instances} instances: {report.segments} segments restored")
+            return
+    if state is not None:
+        cluster.discard(state)
+    progress(f"starting {cluster.n_instances} instances (a query and a transfer engine each) ...")
+    cluster.start()
 
 
 def _reference(weights, host: str, http_port: int, kv_dtype: str,

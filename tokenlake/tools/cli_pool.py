@@ -189,6 +189,8 @@ def _serve_local(cfg, json_lines: bool) -> int:
         what = (f"{cfg.instances} instances of {cfg.model} ({cfg.pool_mb} MiB slab each, "
                 f"C = {cfg.segment_tokens}, {cfg.kv_dtype} KV)" if cfg.engine == "pool"
                 else f"{cfg.model} on the reference engine (no pool, no prefix cache)")
+        if info["restored"] is not None:
+            what += f", adopted from the process that served it before ({info['restored']} segments restored)"
         emit("ready", f"serving {what}; " + "; ".join(where) + "; Ctrl-C or SIGTERM stops",
              **info, instances=cfg.instances, model=cfg.model, engine=cfg.engine)
 
@@ -199,7 +201,8 @@ def _serve_local(cfg, json_lines: bool) -> int:
                     http_port=cfg.http_port, engine=cfg.engine, engine_host=cfg.bind,
                     insecure=cfg.insecure, credentials=cfg.credentials,
                     kv_layout=cfg.kv_layout, page_tokens=cfg.page_tokens, compute=cfg.compute,
-                    kv_dtype=cfg.kv_dtype, limits=cfg.http_limits(), stop=stop, on_ready=ready,
+                    kv_dtype=cfg.kv_dtype, limits=cfg.http_limits(), orphan_grace_s=cfg.orphan_grace_s,
+                    stop=stop, on_ready=ready,
                     progress=lambda line: emit("progress", line, message=line))
     except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

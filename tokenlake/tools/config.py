@@ -148,6 +148,11 @@ class ServeSettings:
                          _address, metavar="WHAT")
     ports: tuple[int, int] | None = _setting(None, "ports", "engine port range (unset: any "
                                              "free port)", _port_pair, metavar="FIRST-LAST")
+    orphan_grace_s: float = _setting(60.0, "float", "seconds the engines keep the cache when this "
+                                     "process dies, waiting for a restart on the same control "
+                                     "port to adopt them (0: they stop with it; control_port 0: "
+                                     "no restart can find them)", _at_least_zero,
+                                     flag="--orphan-grace-s", metavar="S")
     restart: bool = _setting(True, "bool", "restart failed instances (--no-restart or false: remove "
                              "them only)",
                              flag="--no-restart")

@@ -61,6 +61,7 @@ from tokenlake.dataplane.messages.service import (
     SessionInfo,
 )
 from tokenlake.dataplane.messages.session import (
+    Adopt,
     CloseSession,
     CpCloseSession,
     CpHeartbeat,
@@ -86,7 +87,7 @@ from tokenlake.dataplane.messages.transfer import (
 from tokenlake.dataplane.tensor_frames import WireError
 
 __all__ = [
-    "TYPES", "Ack", "AttendItem", "CloseSession", "CopyDone", "CopySegment", "CpAbort",
+    "TYPES", "Ack", "Adopt", "AttendItem", "CloseSession", "CopyDone", "CopySegment", "CpAbort",
     "CpCacheLoad", "CpClientInfo", "CpClientInfoResult", "CpCloseSession", "CpComplete",
     "CpFinishRequest", "CpGenPlans", "CpHeartbeat", "CpLeased", "CpLeasePrefix", "CpLoad",
     "CpMatch", "CpMatched", "CpOpenSession", "CpPlans", "CpSession", "CpStats",

@@ -111,6 +111,17 @@ class Retire(_PlainBody, WireMessage):
 
 
 @dataclass(frozen=True)
+class Adopt(_PlainBody, WireMessage):
+    """``ADOPT`` ``{"owner_pid": int}``: a new control process (owner keys only) takes
+    over an engine whose owner died (docs/design.md §5 "Restart"): the engine stops
+    waiting out its grace and watches ``owner_pid`` from now on. Refused while the old
+    owner lives. Answered with ``ACK``."""
+
+    KIND = Kind.ADOPT
+    owner_pid: int
+
+
+@dataclass(frozen=True)
 class CpOpenSession(_PlainBody, WireMessage):
     """``CP_OPEN_SESSION`` ``{"pid": int, "label": str}``: a client opens its session on
     the connection whose routing id is its token (or joins it, on an :func:`alias`, if

@@ -79,11 +79,15 @@ class OwnerWatch:
         self._pending.clear()
 
     def _adopt(self, message: Adopt) -> None:
-        """A new control process takes over (owner keys checked by the caller)."""
-        if self.waiting_since is None and self.owner_pid not in (None, message.owner_pid) \
-                and pid_alive(self.owner_pid):
-            raise NotAuthorized(f"the pool's owner (pid {self.owner_pid}) is alive: it cannot "
-                                "be adopted")
+        """A new control process takes over (owner keys checked by the caller). An
+        engine that had not noticed its owner's death yet drops what it left first."""
+        if self.waiting_since is None:
+            if message.owner_pid == self.owner_pid:
+                return  # adopted by this very owner already
+            if self.owner_pid is not None and pid_alive(self.owner_pid):
+                raise NotAuthorized(f"the pool's owner (pid {self.owner_pid}) is alive: it "
+                                    "cannot be adopted")
+            self._orphan()
         self.owner_pid = message.owner_pid
         self.waiting_since = None
         self.adoptions += 1

@@ -271,8 +271,14 @@ class RemoteControlPlane:
     def stats_and_sessions(self) -> tuple[ControlStats, tuple[SessionInfo, ...]]:
         """The statistics and the client sessions open on the pool (one round trip;
         reading them opens no session)."""
-        answer = self._call(CpStats(), CpStatsResult)
+        answer = self.status()
         return answer.stats, answer.sessions
+
+    def status(self) -> CpStatsResult:
+        """Everything ``tokenlake status`` shows, as the server's answer (one round
+        trip; opens no session): statistics, sessions, and the segments each instance
+        brought back if the pool was adopted after its control process died."""
+        return self._call(CpStats(), CpStatsResult)
 
     @property
     def instances(self) -> tuple[int, ...]:

@@ -402,9 +402,12 @@ class ControlServer:
     def _stats(self, req: CpStats) -> CpStatsResult:
         control = self.cluster.control
         shapes = self.cluster.layout.shapes()
+        adopted = getattr(self.cluster, "adopted", None)
+        restored = () if adopted is None else tuple(
+            (i, adopted.restored.get(i, 0)) for i in control.instances)
         return CpStatsResult(control.stats(), tuple(control.instances), control.config.namespace,
                              control.config.segment_tokens, self.sessions.infos(),
-                             tuple((name, shapes[name]) for name in CLIENT_BUFFERS))
+                             tuple((name, shapes[name]) for name in CLIENT_BUFFERS), restored)
 
     def _client_info(self, session: Session, req: CpClientInfo) -> CpClientInfoResult:
         if req.instance not in self.cluster.control.instances:

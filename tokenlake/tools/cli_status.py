@@ -46,14 +46,14 @@ def run_status(args: argparse.Namespace) -> int:
         raise UsageError(f"status: --address must look like tcp://HOST:PORT, got {args.address!r}")
     try:
         with connect(args.address, timeout_s=args.timeout, credentials=args.credentials) as cp:
-            stats, sessions = cp.stats_and_sessions()
+            answer = cp.status()
     except EngineUnavailable:
         raise UsageError(f"status: no pool answered at {args.address} within "
                          f"{args.timeout:g} s (is 'tokenlake serve' running there, and are "
                          "these its credentials?)") from None
     except ConfigError as exc:
         raise UsageError(f"status: {exc}") from None
-    summary = status_summary(stats, sessions)
+    summary = status_summary(answer.stats, answer.sessions, dict(answer.restored))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -61,14 +61,17 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def status_summary(stats: ControlStats, sessions: tuple = ()) -> dict[str, Any]:
+def status_summary(stats: ControlStats, sessions: tuple = (),
+                   restored: dict[int, int] | None = None) -> dict[str, Any]:
     """The figures ``status`` prints, as plain data (``sessions``: the server's
-    :class:`~tokenlake.dataplane.messages.SessionInfo` list)."""
-    pool = stats.pool
+    :class:`~tokenlake.dataplane.messages.SessionInfo` list; ``restored``: segments
+    each instance brought back when the pool was adopted, empty if it started empty)."""
+    pool, restored = stats.pool, restored or {}
     return {
         "instances": [
             {"instance": i, "slots_used": pool.slots_used.get(i, 0),
-             "slots_capacity": pool.slots_capacity.get(i, 0), "reads": pool.reads.get(i, 0)}
+             "slots_capacity": pool.slots_capacity.get(i, 0), "reads": pool.reads.get(i, 0),
+             "adopted": i in restored, "restored_segments": restored.get(i, 0)}
             for i in sorted(pool.slots_capacity)
         ],
         "segments": pool.segments,
@@ -91,10 +94,11 @@ def status_summary(stats: ControlStats, sessions: tuple = ()) -> dict[str, Any]:
 def print_status(s: dict[str, Any], address: str) -> None:
     print(f"pool at {address}: {len(s['instances'])} instances, {s['segments']} segments "
           f"({s['replicas']} replicas)")
-    print("instance  slots used  segment reads")
+    print("instance  slots used  segment reads  adopted")
     for row in s["instances"]:
         used = f"{row['slots_used']}/{row['slots_capacity']}"
-        print(f"{row['instance']:>8}  {used:>10}  {row['reads']:>13}")
+        adopted = f"yes, {row['restored_segments']} segments back" if row["adopted"] else "no"
+        print(f"{row['instance']:>8}  {used:>10}  {row['reads']:>13}  {adopted}")
     print(f"hit rate {s['hit_rate']:.1%} ({s['hit_tokens']} tokens, {s['admitted_requests']} "
           f"requests)   access CV {s['access_cv']:.1%}   evictions {s['evictions']}   "
           f"replications {s['replications']}")

@@ -194,11 +194,13 @@ class SessionInfo:
 @dataclass(frozen=True)
 class CpStatsResult(_PlainBody, WireMessage):
     """``CP_STATS_RESULT`` ``{"stats": ControlStats, "instances": [int], "namespace":
-    str, "segment_tokens": int, "sessions": [SessionInfo], "buffers": [[name, shape]]}``:
-    the statistics, the instances, what a client must agree with (the namespace says the
-    model and the KV layout; ``buffers`` the shapes of a client's ``q``, ``out_o``,
-    ``out_lse`` and ``kv`` buffers), and the open sessions (``sessions`` and ``buffers``
-    are optional: an older server sends neither)."""
+    str, "segment_tokens": int, "sessions": [SessionInfo], "buffers": [[name, shape]],
+    "restored": [[instance, segments]]}``: the statistics, the instances, what a client
+    must agree with (the namespace says the model and the KV layout; ``buffers`` the
+    shapes of a client's ``q``, ``out_o``, ``out_lse`` and ``kv`` buffers), the open
+    sessions, and, for a pool adopted from a control process that died, the segments
+    each instance brought back (``sessions``, ``buffers`` and ``restored`` are optional:
+    an older server sends none; ``restored`` is empty for a pool that started empty)."""
 
     KIND = Kind.CP_STATS_RESULT
     stats: ControlStats
@@ -207,6 +209,7 @@ class CpStatsResult(_PlainBody, WireMessage):
     segment_tokens: int
     sessions: tuple[SessionInfo, ...] = ()
     buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    restored: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,17 @@ def _fake_cluster(log: list[str], stop):
         def __init__(self, *args, **kwargs) -> None:
             self.failed = {0: ("r1",)}
 
-        def __enter__(self):
-            log.append("cluster up")
-            return self
+        def waiting(self, state) -> bool:  # no state file: a pool that starts empty
+            assert state is None
+            return False
 
-        def __exit__(self, *exc) -> None:
+        def discard(self, state) -> None:
+            assert state is None
+
+        def start(self):
+            log.append("cluster up")
+
+        def close(self) -> None:
             log.append("cluster down")
 
         def describe(self):

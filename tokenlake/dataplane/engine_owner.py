@@ -38,6 +38,9 @@ class OwnerWatch:
         self.orphaned = False  # the owner died and nobody adopted: run_engine unlinks
         self.waiting_since: float | None = None  # time.monotonic() the owner was found gone
         self.adoptions = 0
+        #: where the owner is no local process (a Ray driver): whether it is alive (its
+        #: heartbeats arrive), set by the actor that runs this engine
+        self.owner_alive = None
 
     def owner_gone(self) -> bool:
         """Called every tick: True when the loop should end (the owner is gone and no
@@ -49,16 +52,20 @@ class OwnerWatch:
                         "cluster's buffers", self.spec.orphan_grace_s, self.spec.role, self.spec.instance)
             self.orphaned = True
             return True
-        if self._parent is not None and os.getppid() != self._parent:
+        if self.owner_alive is not None:
+            if self.owner_alive():
+                return False
+            why = "the driver stopped heartbeating"
+        elif self._parent is not None and os.getppid() != self._parent:
             why = "parent process is gone"
         elif self.owner_pid is not None and not pid_alive(self.owner_pid):
             why = f"owner process {self.owner_pid} is gone"
         else:
             return False
-        if self.owner_pid is None or self.spec.orphan_grace_s <= 0:
+        if (self.owner_pid is None and self.owner_alive is None) or self.spec.orphan_grace_s <= 0:
             log.warning("%s; %s engine %d stops", why, self.spec.role, self.spec.instance)
             self.orphaned = self.owner_pid is not None and not pid_alive(self.owner_pid)
-            return True
+            return True  # (a Ray engine's buffers are its host actor's to unlink)
         log.warning("%s; %s engine %d keeps its slab and waits %.0f s to be adopted", why,
                     self.spec.role, self.spec.instance, self.spec.orphan_grace_s)
         self._orphan()
@@ -84,11 +91,12 @@ class OwnerWatch:
         if self.waiting_since is None:
             if message.owner_pid == self.owner_pid:
                 return  # adopted by this very owner already
-            if self.owner_pid is not None and pid_alive(self.owner_pid):
+            if self.owner_alive is None and self.owner_pid is not None and pid_alive(self.owner_pid):
                 raise NotAuthorized(f"the pool's owner (pid {self.owner_pid}) is alive: it "
                                     "cannot be adopted")
             self._orphan()
-        self.owner_pid = message.owner_pid
+        if self.owner_alive is None:  # a Ray engine's owner is watched by its heartbeats
+            self.owner_pid = message.owner_pid
         self.waiting_since = None
         self.adoptions += 1
         log.warning("%s engine %d adopted by process %d", self.spec.role, self.spec.instance,

@@ -33,10 +33,32 @@ from tokenlake.dataplane.shm_files import (
 
 log = logging.getLogger(__name__)
 
-#: The settings an adopting process must share with the pool's first one, with the
-#: name an operator knows each by.
-SETTINGS = ("model", "instances", "pool_bytes", "segment_tokens", "page_tokens", "kv_dtype",
-            "kv_layout", "max_rows", "device", "share_slabs", "host", "insecure")
+def check_settings(mine: dict[str, Any], state: dict[str, Any]) -> None:
+    """``AdoptionRefused`` naming each setting of ``mine`` that differs from the waiting
+    pool's (``state["settings"]``)."""
+    theirs = state.get("settings", {})
+    diff = [f"{k} {theirs.get(k)!r} (now {v!r})" for k, v in mine.items() if theirs.get(k) != v]
+    if diff:
+        raise AdoptionRefused(
+            f"the pool waiting to be adopted (cluster {state.get('cluster_id')}) was built "
+            f"with {', '.join(diff)}: start with its settings, or let its engines end "
+            "after their grace")
+
+
+def rebuild(cluster, instances) -> RestoreReport:
+    """Rebuilds ``cluster``'s control plane from the records of ``instances`` (those
+    whose record tables it maps), refused records cleared."""
+    records, torn = [], 0
+    for inst in instances:
+        mine, bad = cluster.records.read(inst)
+        records += mine
+        torn += len(bad)
+    t0 = time.perf_counter()
+    report = restore(cluster.control.pool, records,
+                     on_refused=lambda rec, why: cluster.records.cleared(rec.instance, rec.slot))
+    log.warning("adopted the pool: %d segments restored in %.3f s (%d records refused, %d torn)",
+                report.segments, time.perf_counter() - t0, len(report.refused), torn)
+    return report
 
 
 class AdoptedProcess:
@@ -78,7 +100,7 @@ class Adoptable:
     adopted: RestoreReport | None = None
 
     def settings(self) -> dict[str, Any]:
-        """The settings a restart must share (:data:`SETTINGS`)."""
+        """The settings a restart must share, by the names an operator knows them."""
         return {"model": self.model.name, "instances": self.n_instances,
                 "pool_bytes": self.pool_bytes, "segment_tokens": self.segment_tokens,
                 "page_tokens": self.control.config.page_tokens, "kv_dtype": self.kv_dtype,
@@ -119,13 +141,7 @@ class Adoptable:
 
     def check_settings(self, state: dict[str, Any]) -> None:
         """``AdoptionRefused`` naming each setting that differs from the waiting pool's."""
-        theirs, mine = state.get("settings", {}), self.settings()
-        diff = [f"{k} {theirs.get(k)!r} (now {mine[k]!r})" for k in SETTINGS if theirs.get(k) != mine[k]]
-        if diff:
-            raise AdoptionRefused(
-                f"the pool waiting to be adopted (cluster {state.get('cluster_id')}) was built "
-                f"with {', '.join(diff)}: start with its settings, or let its engines end "
-                "after their grace")
+        check_settings(self.settings(), state)
 
     def adopt(self, state: dict[str, Any]) -> RestoreReport:
         """Takes over the waiting pool of ``state`` instead of :meth:`start`: its buffers,
@@ -144,7 +160,7 @@ class Adoptable:
         self._registry = BufferRegistry(cluster_prefix(self.cluster_id))
         try:
             self._take_over(state)
-            report = self._rebuild()
+            report = rebuild(self, range(self.n_instances))
         except BaseException:
             self._release_adopted()
             raise
@@ -176,19 +192,6 @@ class Adoptable:
         for name in list_buffers(self._registry.prefix):
             if name not in mine:
                 unlink_buffer(name)
-
-    def _rebuild(self) -> RestoreReport:
-        records, torn = [], 0
-        for inst in range(self.n_instances):
-            mine, bad = self.records.read(inst)
-            records += mine
-            torn += len(bad)
-        t0 = time.perf_counter()
-        report = restore(self.control.pool, records,
-                         on_refused=lambda rec, why: self.records.cleared(rec.instance, rec.slot))
-        log.warning("adopted cluster %s: %d segments restored in %.3f s (%d records refused, %d torn)",
-                    self.cluster_id, report.segments, time.perf_counter() - t0, len(report.refused), torn)
-        return report
 
     def _release_adopted(self) -> None:
         """An adoption that failed: forget the engines and buffers without stopping or

@@ -120,17 +120,23 @@ def run_serve(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)  # a service manager's stop: shut down cleanly too
+    from tokenlake.dataplane import pool_state
+
+    # a pool on a control port of its own is named after it: a new driver on that port
+    # adopts what a dead one left on Ray (docs/deploy-ray.md "When the driver dies")
+    state_file = str(pool_state.path_for(cfg.control_port)) if cfg.control_port else None
     options = RayOptions(
         strategy=cfg.ray_strategy, cpus_per_instance=cfg.ray_cpus_per_instance,
         gpus_per_instance=cfg.ray_gpus_per_instance, engine_share=cfg.ray_engine_share,
         place_timeout_s=cfg.ray_place_timeout_s,
         host=cfg.bind, port_range=cfg.ports, insecure=cfg.insecure,
         address=None if cfg.ray_address == "local" else cfg.ray_address,
+        name=f"serve-{cfg.control_port}" if state_file else None, orphan_grace_s=cfg.orphan_grace_s,
     )
     try:
         return serve(cfg.instances, cfg.model, cfg.pool_mb << 20, options, cfg.segment_tokens,
                      cfg.max_rows, restart=cfg.restart, json_lines=args.json,
-                     page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype,
+                     page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype, state_file=state_file,
                      out=lambda line: print(line, flush=True),
                      attach=_ray_service(cfg, args.json))
     except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had

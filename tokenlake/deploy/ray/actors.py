@@ -31,6 +31,7 @@ from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.sockets import send
 from tokenlake.deploy.ray.client import open_client
 from tokenlake.deploy.ray.liveness import ProcessRef
+from tokenlake.deploy.ray.orphans import Grace
 from tokenlake.deploy.roles import engine_class
 
 
@@ -59,6 +60,7 @@ class EngineActor:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._ctl: zmq.Context | None = None  # context of the relay socket (actor thread only)
+        self._grace = Grace()  # the driver's heartbeats (orphans.py)
 
     def start(self, spec_bytes: bytes) -> EngineStarted:
         """Maps the instance's buffers (created on this node by its host) and binds the
@@ -76,6 +78,8 @@ class EngineActor:
         logging.basicConfig(level=logging.WARNING, format=f"[{spec.role}-{spec.instance}] %(message)s")
         self.spec = spec
         self.engine = self._cls(spec)
+        if spec.orphan_grace_s > 0:  # its loop outlives a silent driver (engine_owner.py)
+            self.engine.owner_alive = self._grace.alive
         endpoint = self.engine.start()
         host, port = endpoint[len("tcp://"):].rsplit(":", 1)
         if host in ("0.0.0.0", "*", "[::]"):  # bound everywhere: advertise the node's address
@@ -104,6 +108,25 @@ class EngineActor:
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @ray.method(concurrency_group="beat")
+    def beat(self) -> None:
+        self._grace.beat()
+
+    def adopt(self) -> EngineStarted:
+        """A new driver takes over: the engine hears ``ADOPT`` (its loop stops waiting
+        out its grace, and drops what the old driver left); returns where it serves."""
+        from tokenlake.dataplane import messages, wire
+        from tokenlake.dataplane.messages import Ack, Adopt
+
+        self._grace.adopt()
+        if not self.alive():
+            raise EngineUnavailable(f"{self!r} is not serving")
+        answer = self.request(Adopt(os.getpid()).encode(1), self.spec.peer_timeout_s + 5.0)
+        if answer is None:
+            raise EngineUnavailable(f"{self!r} did not answer ADOPT")
+        messages.expect(wire.decode(answer), Ack)
+        return EngineStarted(self.endpoint, ProcessRef.this())
 
     def request(self, frames: list[bytes], timeout_s: float) -> list[bytes] | None:
         """Relays one wire message (its frames, as the driver encoded it) to this engine
@@ -244,7 +267,8 @@ class ComputeActor:
         return f"tokenlake-compute-{self.instance}"
 
 
-EngineActorRemote = ray.remote(max_restarts=0)(EngineActor)
+#: ``beat`` has a concurrency group of its own: an engine busy relaying still hears its driver.
+EngineActorRemote = ray.remote(max_restarts=0, concurrency_groups={"beat": 1})(EngineActor)
 #: ``kv_in`` has a concurrency group of its own: rows for a sub-batch arrive while its
 #: ``run`` waits for them; every other method runs one at a time, as before.
 ComputeActorRemote = ray.remote(max_restarts=0, concurrency_groups={"exchange": 1})(ComputeActor)

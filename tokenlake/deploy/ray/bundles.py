@@ -30,6 +30,7 @@ from tokenlake.deploy.ray.compute import ComputeActors
 from tokenlake.deploy.ray.fit import bundles_text, busy_reason, check_fit, cluster_nodes
 from tokenlake.deploy.ray.host import HostActor, HostBuffers, unlink_on
 from tokenlake.deploy.ray.options import RayOptions
+from tokenlake.deploy.ray.orphans import NAMESPACE, actor_name, group_name, named
 from tokenlake.deploy.ray.relay import ActorTable, gather
 from tokenlake.deploy.roles import ENGINE_ROLES
 
@@ -57,6 +58,9 @@ class Bundles:
         self.running: set[int] = set()
         self.table = ActorTable(timeout_s)
         self.hosts: dict[int, HostBuffers] = {}
+        #: a named pool's actors outlive a dead driver by this many seconds (orphans.py)
+        self.grace_s = options.orphan_grace_s if options.name is not None else 0.0
+        self.state_file: str | None = None  # the driver's state file, removed when they end
 
     def place(self, n_instances: int) -> None:
         """Places ``n_instances`` bundles of ``options.bundle()``. ``ConfigError`` at once
@@ -70,7 +74,9 @@ class Bundles:
                  bundles_text(n_instances, bundle), strategy, len(nodes))
         check_fit(n_instances, bundle, strategy, ray.cluster_resources(), nodes)
         t0 = time.monotonic()
-        self.pg = placement_group([dict(bundle) for _ in range(n_instances)], strategy=strategy)
+        pool = self.options.name
+        self.pg = placement_group([dict(bundle) for _ in range(n_instances)], strategy=strategy,
+                                  **({} if pool is None else {"name": group_name(pool), "lifetime": "detached"}))
         ready, _ = ray.wait([self.pg.ready()], timeout=self.options.place_timeout_s)
         if not ready:  # a node may have left since the check: that reason first
             check_fit(n_instances, bundle, strategy, ray.cluster_resources(), cluster_nodes())
@@ -94,6 +100,9 @@ class Bundles:
         others = sorted(self.running)
         self.running |= set(instances)
         self._connect(engines, instances, others)
+        if self.grace_s:  # the hosts outlive a dead driver as long as the engines do
+            gather({i: h.watch.remote(self.grace_s, self.options.name, self.state_file)
+                    for i, h in hosts.items()}, "host watch", self.start_timeout_s)
         if compute is not None:
             compute.open({i: self.client_info(i) for i in instances})
 
@@ -101,11 +110,12 @@ class Bundles:
         hosts, engines = {}, {}
         for i in instances:
             log.info("starting instance %d's host and engines", i)
-            hosts[i] = HostActor.options(scheduling_strategy=self.in_bundle(i),
+            pool = self.options.name
+            hosts[i] = HostActor.options(scheduling_strategy=self.in_bundle(i), **named(pool, "host", i),
                                          **self.options.resources("host")).remote(i)
             self.table.actors[("host", i)] = hosts[i]
             for role in ENGINE_ROLES:
-                actor = EngineActorRemote.options(scheduling_strategy=self.in_bundle(i),
+                actor = EngineActorRemote.options(scheduling_strategy=self.in_bundle(i), **named(pool, role, i),
                                                   **self.options.resources(role)).remote(role, i)
                 self.table.actors[(role, i)] = engines[(role, i)] = actor
         return hosts, engines
@@ -138,7 +148,7 @@ class Bundles:
                               # the actor relays the driver's requests: it speaks as the owner
                               keys=None if self.keys is None
                               else self.keys.engine_view(with_owner=True).to_dict(),
-                              grant_key=self.grant_key)
+                              grant_key=self.grant_key, orphan_grace_s=self.grace_s)
             starts[(role, i)] = actor.start.remote(spec.to_bytes())
         for key, started in gather(starts, "engine start-up", self.start_timeout_s).items():
             self.table.endpoints[key] = started.endpoint
@@ -159,6 +169,33 @@ class Bundles:
             self.table.request_all([(role, j) for j in others], peers, Ack, strict=True)
         for i in instances:
             log.info("instance %d ready on node %s", i, self.table.procs[("host", i)].ip)
+
+    def adopt(self, n_instances: int) -> None:
+        """Takes over the named pool's placement group and actors that a dead driver
+        left waiting (:mod:`~tokenlake.deploy.ray.orphans`): every host hands over its
+        buffers, every engine hears ``ADOPT``. ``EngineUnavailable`` when one is gone."""
+        from ray.util.placement_group import get_placement_group
+
+        pool = self.options.name
+        self.node = ray.get_runtime_context().get_node_id()
+        try:
+            self.pg = get_placement_group(group_name(pool))
+            for i in range(n_instances):
+                for role in ("host", *ENGINE_ROLES):
+                    self.table.actors[(role, i)] = ray.get_actor(actor_name(pool, role, i), namespace=NAMESPACE)
+        except ValueError as exc:
+            self.table.clear()
+            self.pg = None
+            raise EngineUnavailable(f"pool {pool!r} is not (all) on Ray any more: {exc}") from None
+        keys = [(r, i) for (r, i) in self.table.actors]
+        answers = gather({k: self.table.actors[k].adopt.remote() for k in keys}, "adoption", self.start_timeout_s)
+        for (role, i), answer in answers.items():
+            if role == "host":
+                self.hosts[i] = answer
+                self.table.procs[("host", i)] = answer.proc
+            else:
+                self.table.endpoints[(role, i)], self.table.procs[(role, i)] = answer.endpoint, answer.proc
+        self.running = set(range(n_instances))
 
     def client_info(self, instance: int) -> dict[str, Any]:
         """See :meth:`RayCluster.client_info` (``instance`` must be running)."""

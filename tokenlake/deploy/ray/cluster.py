@@ -46,6 +46,7 @@ from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.deploy.base import ClusterBase
+from tokenlake.deploy.ray.adopting import RayAdoptable
 from tokenlake.deploy.ray.bundles import Bundles
 from tokenlake.deploy.ray.client import open_client
 from tokenlake.deploy.ray.compute import ComputeActors, RayComputeEngine
@@ -56,7 +57,7 @@ from tokenlake.deploy.roles import ENGINE_ROLES
 log = logging.getLogger(__name__)
 
 
-class RayCluster(ClusterBase):
+class RayCluster(RayAdoptable, ClusterBase):
     """N instances' query and transfer engines as Ray actors, plus the control plane.
 
     The same API as :class:`tokenlake.deploy.local.LocalCluster` (``control``, ``client``,
@@ -96,6 +97,7 @@ class RayCluster(ClusterBase):
         compute: bool | Callable[[], Any] = False,
         page_tokens: int | None = None,
         kv_dtype: str = "float32",
+        state_file: str | None = None,
     ) -> None:
         options = options if options is not None else RayOptions()
         super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
@@ -109,6 +111,12 @@ class RayCluster(ClusterBase):
         self._slabs: dict[int, Any] = {}
         self._compute_at_start = compute
         self._compute: ComputeActors | None = None  # once started
+        # outliving the driver (adopting.py): a named pool's state file, heartbeats, records
+        self.pool_bytes, self.state_file = pool_bytes, None if state_file is None else str(state_file)
+        self._bundles.state_file = self.state_file
+        self._heartbeat = None
+        self._record_maps: dict[int, Any] = {}
+        self._leftovers: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -117,10 +125,7 @@ class RayCluster(ClusterBase):
         placed; bundles that fit but stay unplaced for ``options.place_timeout_s`` (the
         resources are busy) an ``EngineUnavailable``. Progress is logged at INFO."""
         t0 = time.monotonic()
-        if not ray.is_initialized():
-            log.info("connecting to Ray (address %s)", self.options.address or "local")
-            ray.init(address=self.options.address)
-            self._owns_ray = True
+        self._ensure_ray()
         atexit.register(self.close)
         try:
             self._bundles.place(self.n_instances)
@@ -132,11 +137,17 @@ class RayCluster(ClusterBase):
             self.close()
             raise
         self._ctx = zmq.Context()
+        self._attach_records(range(self.n_instances))
+        self._start_heartbeat()
+        self.write_state()
         log.info("pool ready: %d instances on Ray in %.1f s", self.n_instances, time.monotonic() - t0)
 
     def close(self) -> None:
         """Stops every engine, unlinks every shared buffer on every node, kills every
         actor, removes the placement group (and shuts Ray down if it started it)."""
+        self._stop_heartbeat()
+        self._forget_state()  # stopped on purpose: nothing to adopt
+        self._detach_records(list(self._record_maps))
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -158,6 +169,7 @@ class RayCluster(ClusterBase):
             if client is not None:
                 client.close()
             self._slabs.pop(i, None)
+        self._detach_records(instances)
         self._bundles.teardown(instances, tell_peers)
 
     # ---------------------------------------------------------------- usage
@@ -297,6 +309,7 @@ class RayCluster(ClusterBase):
         except BaseException:
             self._teardown([instance], tell_peers=True)
             raise
+        self._attach_records([instance])
         self.control.add_instance(instance)  # an empty instance joins the ring
         return lost
 

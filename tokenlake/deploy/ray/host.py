@@ -12,6 +12,7 @@ small process without torch.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from tokenlake.core.errors import EngineUnavailable
 from tokenlake.dataplane.shm_files import (
     cluster_prefix,
     create_buffer,
@@ -29,6 +31,7 @@ from tokenlake.dataplane.shm_files import (
 )
 from tokenlake.deploy.base import BufferLayout
 from tokenlake.deploy.ray.liveness import ProcessRef
+from tokenlake.deploy.ray.orphans import Grace
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ class InstanceHost:
         self.cluster_id = new_cluster_id()  # carries this process's pid: sweep_stale works
         self.prefix = cluster_prefix(self.cluster_id)
         self._names: list[str] = []
+        self._made: HostBuffers | None = None
+        self._grace = Grace()  # the driver's heartbeats (orphans.py)
         atexit.register(self.close)
 
     def create(self, layout: BufferLayout) -> HostBuffers:
@@ -72,7 +77,8 @@ class InstanceHost:
         except BaseException:
             self.close()
             raise
-        return HostBuffers(specs, self.prefix, self.cluster_id, ProcessRef.this())
+        self._made = HostBuffers(specs, self.prefix, self.cluster_id, ProcessRef.this())
+        return self._made
 
     def create_session(self, layout: BufferLayout, session: int) -> dict[str, dict[str, Any]]:
         """Creates client session ``session``'s buffers on this node
@@ -100,6 +106,37 @@ class InstanceHost:
     def alive(self) -> bool:
         return True
 
+    # --------------------------------------------- outliving the driver (orphans.py)
+    @ray.method(concurrency_group="beat")
+    def beat(self) -> None:
+        self._grace.beat()
+
+    def watch(self, grace_s: float, pool: str, state_file: str | None) -> None:
+        """Outlives a driver that dies by ``grace_s`` seconds; not adopted by then,
+        unlinks the buffers, removes pool ``pool``'s placement group (and, on the
+        driver's machine, its state file) and ends."""
+
+        def give_up() -> None:
+            from ray.util.placement_group import get_placement_group, remove_placement_group
+
+            from tokenlake.dataplane import pool_state
+            from tokenlake.deploy.ray.orphans import group_name
+
+            self.close()
+            with contextlib.suppress(Exception):  # another host removed it already
+                remove_placement_group(get_placement_group(group_name(pool)))
+            pool_state.forget(state_file, pool)
+            ray.actor.exit_actor()
+
+        self._grace.watch(grace_s, give_up, repr(self))
+
+    def adopt(self) -> HostBuffers:
+        """A new driver takes over: what this host made for its instance."""
+        self._grace.adopt()
+        if self._made is None:
+            raise EngineUnavailable(f"{self!r} has no buffers to hand over")
+        return self._made
+
     def close(self) -> int:
         """Unlinks every buffer of this host (idempotent); returns how many it removed."""
         names, self._names = self._names, []
@@ -110,7 +147,8 @@ class InstanceHost:
         return f"tokenlake-host-{self.instance}"
 
 
-HostActor = ray.remote(max_restarts=0)(InstanceHost)
+#: ``beat`` has a concurrency group of its own: a busy host still hears its driver.
+HostActor = ray.remote(max_restarts=0, concurrency_groups={"beat": 1})(InstanceHost)
 _unlink_task = ray.remote(num_cpus=0, max_retries=0)(unlink_prefix)
 
 

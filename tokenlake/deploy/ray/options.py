@@ -5,6 +5,7 @@ roles of an instance."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from tokenlake.core.errors import ConfigError
@@ -51,6 +52,12 @@ class RayOptions:
         insecure: no CURVE between the engines, their clients and the driver (by
             default the driver generates the cluster's keys and hands them to the actors
             with their specs; docs/security.md).
+        name: the pool's name: its placement group and actors are then named and
+            detached (Ray keeps them when the driver dies; a new driver adopts them by
+            name, :mod:`~tokenlake.deploy.ray.orphans`); ``None``: anonymous, gone with
+            the driver.
+        orphan_grace_s: how long a named pool's actors wait, once the driver stopped
+            heartbeating, to be adopted before they end and unlink its buffers.
     """
 
     strategy: str = "PACK"
@@ -62,8 +69,14 @@ class RayOptions:
     address: str | None = None
     place_timeout_s: float = 10.0
     insecure: bool = False
+    name: str | None = None
+    orphan_grace_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", str(self.name)):
+            raise ConfigError(f"name must be 1-64 of [A-Za-z0-9_.-], got {self.name!r}")
+        if not self.orphan_grace_s >= 0:
+            raise ConfigError(f"orphan_grace_s must be >= 0, got {self.orphan_grace_s!r}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not self.cpus_per_instance > 0:

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+from tokenlake.core.errors import EngineUnavailable
 from tokenlake.core.specs import load_model
+from tokenlake.dataplane import pool_state
 from tokenlake.deploy.ray.cluster import RayCluster
 from tokenlake.deploy.ray.options import RayOptions
+
+log = logging.getLogger(__name__)
 
 
 def serve(
@@ -30,6 +35,7 @@ def serve(
     attach: Callable[[RayCluster], AbstractContextManager[Any]] | None = None,
     page_tokens: int | None = None,
     kv_dtype: str = "float32",
+    state_file: str | None = None,
 ) -> int:
     """``tokenlake serve --ray``: starts the pool, prints its addresses, watches it
     every ``poll_s`` seconds (failed instances are removed and, with ``restart``, started
@@ -43,16 +49,22 @@ def serve(
     entered right after the cluster starts and left before it stops. What it yields may
     have ``lock`` (held while failed instances are removed and restarted: the attached
     servers call the control plane from their own threads) and ``info()`` (a dict merged
-    into the ``ready`` event; ``address`` and ``http_url`` are also printed as text)."""
+    into the ``ready`` event; ``address`` and ``http_url`` are also printed as text).
+
+    ``state_file`` (with ``options.name``): a pool of that name that a dead driver left
+    waiting on Ray is adopted instead of starting empty (same settings; other settings
+    are an ``AdoptionRefused``), docs/deploy-ray.md "When the driver dies"."""
 
     def emit(event: str, text: str, **data: Any) -> None:
         out(json.dumps({"event": event, **data}) if json_lines else text)
 
     model = load_model(model_name)
     stop = stop if stop is not None else threading.Event()
-    with (RayCluster(instances, model, pool_bytes, segment_tokens, max_rows, options=options,
-                     page_tokens=page_tokens, kv_dtype=kv_dtype) as cluster,
-          contextlib.ExitStack() as attached):
+    cluster = RayCluster(instances, model, pool_bytes, segment_tokens, max_rows, options=options,
+                         page_tokens=page_tokens, kv_dtype=kv_dtype, state_file=state_file)
+    with contextlib.ExitStack() as attached:
+        attached.callback(cluster.close)
+        _start_or_adopt(cluster, pool_state.read(state_file) if state_file else None, emit)
         served = attached.enter_context(attach(cluster)) if attach is not None else None
         lock = getattr(served, "lock", None) or contextlib.nullcontext()
         info = served.info() if hasattr(served, "info") else {}
@@ -75,6 +87,23 @@ def serve(
     emit("stopped", "stopped: " + ("served ports closed, " if attach is not None else "")
          + "actors gone, shared memory unlinked")
     return 0
+
+
+def _start_or_adopt(cluster: RayCluster, state: dict[str, Any] | None, emit: Callable[..., None]) -> None:
+    """Adopts the named pool of ``state`` when a dead driver left it waiting (same
+    settings: ``AdoptionRefused`` otherwise, the waiting actors left alone), else starts
+    ``cluster``; a waiting pool that cannot be adopted is discarded first."""
+    if cluster.waiting(state):
+        cluster.check_settings(state)
+        text = "adopting the pool a dead driver left on Ray ..."
+        emit("progress", text, message=text)
+        try:
+            cluster.adopt(state)
+            return
+        except EngineUnavailable as exc:
+            log.warning("the waiting pool cannot be adopted (%s): it is discarded", exc)
+    cluster.discard(state)
+    cluster.start()
 
 
 def _served_lines(info: dict[str, Any]) -> list[str]:

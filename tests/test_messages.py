@@ -55,7 +55,7 @@ EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.PEERS: m.Peers(((1, "tcp://127.0.0.1:5555"), (2, None))),
     Kind.OPEN_SESSION: m.OpenSession(b"S" + b"t" * 15, {"kv": BufferSpec("tokenlake-1-ab-s3-kv-0", (2, 8, 2, 2, 4), "bfloat16")}),
     Kind.CLOSE_SESSION: m.CloseSession(b"S" + b"t" * 15),
-    Kind.ADOPT: m.Adopt(4242),
+    Kind.ADOPT: m.Adopt(4242, b"g" * 32),
     Kind.RETIRE: m.Retire(b"S" + b"t" * 15, (14, 3)),
     Kind.PEER_REGISTER_PLAN: m.PeerRegisterPlan(0, 7, (m.AttendItem(0, 3, (0,), (8,)),)),
     Kind.PEER_RELEASE_PLAN: m.PeerReleasePlan(0, 7),
@@ -157,7 +157,8 @@ OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"): (), (Kind.PEER_PUT, "copies
             (Kind.REGISTER_QUERY_PLAN, "grant"): b"", (Kind.REGISTER_TRANSFER_PLAN, "grant"): b"",
             (Kind.READ_SEGMENT, "grant"): b"", (Kind.CP_PLANS, "grants"): (),
             (Kind.CP_LEASED, "grants"): (), (Kind.CP_STATS_RESULT, "buffers"): (),
-            (Kind.CP_MATCH, "salt"): None, (Kind.CP_LEASE_PREFIX, "cache_salt"): None}
+            (Kind.CP_MATCH, "salt"): None, (Kind.CP_LEASE_PREFIX, "cache_salt"): None,
+            (Kind.ADOPT, "grant_key"): None, (Kind.CP_STATS_RESULT, "restored"): ()}
 
 
 @pytest.mark.parametrize(("kind", "name"), CASES, ids=[f"{k.name}-{f}" for k, f in CASES])

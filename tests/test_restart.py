@@ -1,4 +1,4 @@
-"""A pool outlives its control process (docs/design.md §5 "Restart"), with real
+"""A pool outlives its control process (docs/design.md §4 "Restart"), with real
 processes: the owner of a LocalCluster is killed with ``kill -9``; its engines wait
 their grace; a new process adopts them, rebuilds the control plane from the slots'
 records and answers exactly (float64 reference); half-stored segments are never adopted;
@@ -21,8 +21,9 @@ from dataplane_util import TINY, engine_request, execute, full_attention_check, 
 
 from tokenlake.core.errors import AdoptionRefused, NotAuthorized
 from tokenlake.core.plans import Batch, BatchRequest
-from tokenlake.dataplane import pool_state
-from tokenlake.dataplane.messages import Ack, Adopt
+from tokenlake.dataplane import grants, pool_state, wire
+from tokenlake.dataplane.messages import Ack, Adopt, ReadSegment, SegmentData, expect
+from tokenlake.dataplane.messages.session import new_token
 from tokenlake.dataplane.shm_files import (
     cluster_prefix,
     create_buffer,
@@ -55,7 +56,7 @@ OWNER = textwrap.dedent("""
         cp.complete(plans)
         cp.finish_request("a")
         out = {{"pids": [p.pid for p in cluster._procs.values()], "cluster_id": cluster.cluster_id,
-               "stored": [k.hex() for k in cp.pool.hasher.keys(doc)]}}
+               "stored": [k.hex() for k in cp.pool.hasher.keys(doc)], "grant_key": cluster.grant_key.hex()}}
         if {mid_put}:  # a second document: its first layer put, never completed
             other = {other!r}
             plans = cp.gen_plans([Batch((BatchRequest("b", tuple(other), ()),))], [1])
@@ -154,6 +155,7 @@ def test_a_kill_during_a_put_adopts_whole_segments_only_and_answers_stay_exact(t
             tokens["b2"] = other + _doc(5, 2)
             assert _check_iteration(cluster, tokens, {"b2": 2}, {"b2": 4 * C}) == {"b2": 4 * C}
             assert pool_state.read(state_file)["owner_pid"] == os.getpid()
+            _old_grants_are_refused(cluster, bytes.fromhex(started["grant_key"]), stored[0])
         finally:
             cluster.close()
         _wait_gone(started["pids"], prefix, 10)
@@ -164,6 +166,29 @@ def test_a_kill_during_a_put_adopts_whole_segments_only_and_answers_stay_exact(t
         for pid in started["pids"]:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _old_grants_are_refused(cluster, old_key: bytes, key: bytes) -> None:
+    """A client session's read granted by the dead owner is refused by the adopted
+    engines; the same read granted by the new owner is served."""
+    loc = cluster.control.get_prefix_tree().replicas(key)[0]
+    token = new_token()
+    cluster.open_session(token, 7, loc.instance)
+    sock = cluster._dealer(("transfer", loc.instance), as_owner=False, routing_id=token)
+    try:
+        for signer, ok in ((old_key, False), (cluster.grant_key, True)):
+            grant = grants.sign(signer, token, grants.lease_grant_id(1), grants.READ,
+                                grants.payload({"slots": [loc.slot]}))
+            sock.send_multipart(ReadSegment(0, (loc.slot,), grant).encode(1))
+            reply = wire.recv(sock, 5.0)
+            if ok:
+                assert isinstance(expect(reply, SegmentData), SegmentData)
+            else:
+                with pytest.raises(NotAuthorized):
+                    expect(reply, SegmentData)
+    finally:
+        sock.close(0)
+        cluster.close_session(token)
 
 
 def test_engines_not_adopted_end_after_their_grace_with_every_buffer_and_file(tmp_path):

@@ -1,5 +1,5 @@
 """An engine and its owner: noticing that the control process died, waiting to be
-adopted by a new one, and giving up (docs/design.md §5 "Restart").
+adopted by a new one, and giving up (docs/design.md §4 "Restart").
 
 :class:`OwnerWatch` is the part of :class:`~tokenlake.dataplane.engine.EngineLoop`
 that watches the launcher (``EngineSpec.owner_pid``, and the parent process). Once it
@@ -97,6 +97,10 @@ class OwnerWatch:
             self._orphan()
         if self.owner_alive is None:  # a Ray engine's owner is watched by its heartbeats
             self.owner_pid = message.owner_pid
+        if message.grant_key is not None:  # the dead owner's grants are worthless from now on
+            if len(message.grant_key) < 16:
+                raise NotAuthorized("a grant key has at least 16 bytes")
+            self.grant_key = message.grant_key
         self.waiting_since = None
         self.adoptions += 1
         log.warning("%s engine %d adopted by process %d", self.spec.role, self.spec.instance,

@@ -87,6 +87,7 @@ class EngineSessions:
         # nothing the session started waits for a peer
         self._closing: dict[bytes, list[tuple[Any, int, bool]]] = {}
         self._retired: dict[bytes, dict[int, float]] = {}  # token -> grant id -> when it expires
+        self.grant_key: bytes | None = self.spec.grant_key  # a new owner brings its own (ADOPT)
 
     def _close_session_maps(self) -> None:
         for maps in self._session_maps.values():
@@ -194,9 +195,9 @@ class EngineSessions:
         owner's session (and any session of a launcher that made no grant key) needs
         none, and its body is not even built: ``(-1, inf)``."""
         token = caller.require_session()
-        if token == OWNER_SESSION or self.spec.grant_key is None:
+        if token == OWNER_SESSION or self.grant_key is None:
             return -1, float("inf")
-        gid, expiry = grants.verify(self.spec.grant_key, token, grant, kind, grants.payload(body()))
+        gid, expiry = grants.verify(self.grant_key, token, grant, kind, grants.payload(body()))
         if gid in self._retired.get(token, ()):
             raise NotAuthorized("this grant is spent (its iteration completed or aborted, or its "
                                 "lease was finished)")

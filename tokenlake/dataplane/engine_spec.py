@@ -45,7 +45,7 @@ class EngineSpec:
             everything between instances goes by message.
         orphan_grace_s: how long the engine waits, once its owner is gone, for a new
             control process to adopt it (``ADOPT``) with its slab intact; 0: it stops at
-            once and unlinks its cluster's buffers (docs/design.md §5 "Restart").
+            once and unlinks its cluster's buffers (docs/design.md §4 "Restart").
         state_file: the pool's state file (:mod:`tokenlake.dataplane.pool_state`),
             removed with the files it names when the grace ends unadopted.
         grant_key: the key the control server signs client sessions' plans and leases

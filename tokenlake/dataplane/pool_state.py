@@ -1,5 +1,5 @@
 """The state file of a served pool: what a new control process needs to adopt the
-engines of one that died (docs/design.md §5 "Restart").
+engines of one that died (docs/design.md §4 "Restart").
 
 ``tokenlake serve`` keeps ``$TOKENLAKE_HOME/pool-PORT.json`` (PORT: its control port),
 mode 0600, while its pool runs: the cluster id, the settings the pool was built with,

@@ -203,7 +203,7 @@ class BufferRegistry:
     def adopt(self, spec: BufferSpec) -> SharedTensor:
         """Maps an existing CPU buffer under this registry's prefix and takes over its
         lifetime as if it had been created here (a new control process adopting the
-        buffers of one that died: docs/design.md §5 "Restart")."""
+        buffers of one that died: docs/design.md §4 "Restart")."""
         if spec.is_cuda:
             raise SharedMemoryError("a CUDA buffer dies with the process that made it: "
                                     f"{spec.name!r} cannot be adopted")

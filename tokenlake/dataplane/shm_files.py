@@ -251,7 +251,7 @@ def mapped_buffers(prefix: str = PREFIX, pids: list[int] | None = None) -> set[s
 def sweep_stale(prefix: str = PREFIX) -> list[str]:
     """Unlink buffers under ``prefix`` whose creator pid (``tokenlake-<pid>-...``) is dead
     and of whose cluster no live process maps a buffer (engines that outlived their
-    launcher and wait to be adopted keep theirs: docs/design.md §5 "Restart").
+    launcher and wait to be adopted keep theirs: docs/design.md §4 "Restart").
 
     Names without a parsable pid are kept. Conservative by design: a recycled pid keeps its
     orphans alive until the next sweep. Caveat: pids are read in *this* pid namespace, so

@@ -1,4 +1,4 @@
-"""A local pool that outlives its control process (docs/design.md §5 "Restart").
+"""A local pool that outlives its control process (docs/design.md §4 "Restart").
 
 :class:`Adoptable` is the part of :class:`~tokenlake.deploy.local.LocalCluster` that
 writes the pool's state file (:mod:`tokenlake.dataplane.pool_state`) while it runs, and
@@ -116,7 +116,7 @@ class Adoptable:
         pool_state.write(self.state_file, {
             "cluster_id": self.cluster_id, "owner_pid": os.getpid(), "settings": self.settings(),
             "keys": None if self.keys is None else self.keys.to_dict(),
-            "grant_key": self.grant_key.hex(), "leftovers": sorted(self._leftovers),
+            "leftovers": sorted(self._leftovers),
             "engines": [[role, inst, proc.pid, self._endpoints[(role, inst)]]
                         for (role, inst), proc in self._procs.items()],
             "buffers": {str(inst): specs for inst, specs in self._specs.items()},
@@ -145,8 +145,9 @@ class Adoptable:
 
     def adopt(self, state: dict[str, Any]) -> RestoreReport:
         """Takes over the waiting pool of ``state`` instead of :meth:`start`: its buffers,
-        engines and keys become this cluster's, and the control plane is rebuilt from
-        the slots' records. Raises ``AdoptionRefused`` (other settings),
+        engines and CURVE keys become this cluster's (its grant key is this process's
+        own, handed to the engines), and the control plane is rebuilt from the slots'
+        records. Raises ``AdoptionRefused`` (other settings),
         ``EngineUnavailable`` (an engine is gone or does not answer: nothing is adopted,
         the caller stops the rest with :meth:`discard`)."""
         self.check_settings(state)
@@ -155,7 +156,8 @@ class Adoptable:
 
         self.cluster_id = state["cluster_id"]
         self.keys = None if state["keys"] is None else ClusterKeys.from_dict(state["keys"])
-        self.grant_key = bytes.fromhex(state["grant_key"])
+        # self.grant_key stays this process's fresh one: ADOPT hands it to the engines,
+        # and no grant the dead owner signed is taken again
         self._leftovers.update(state.get("leftovers", ()))
         self._registry = BufferRegistry(cluster_prefix(self.cluster_id))
         try:
@@ -187,7 +189,7 @@ class Adoptable:
                 self._endpoints[(role, int(inst))] = endpoint
         self._ctx = zmq.Context()
         keys = list(self._endpoints)
-        self._request_all(keys, Adopt(os.getpid()), Ack)
+        self._request_all(keys, Adopt(os.getpid(), self.grant_key), Ack)
         mine = {spec.name for spec in self._made.values()}  # the dead owner's sessions' go
         for name in list_buffers(self._registry.prefix):
             if name not in mine:

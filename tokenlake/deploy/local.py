@@ -66,7 +66,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
     heads and slots; the compute engine waits meanwhile), 1 for the transfer engines.
     ``orphan_grace_s``: how long the engines outlive this process waiting to be adopted
     (0: they stop with it; CPU pools only), ``state_file``: where the pool's state is
-    kept for that (:mod:`tokenlake.deploy.adoption`, docs/design.md §5 "Restart").
+    kept for that (:mod:`tokenlake.deploy.adoption`, docs/design.md §4 "Restart").
     """
 
     def __init__(

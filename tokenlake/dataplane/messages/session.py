@@ -112,13 +112,16 @@ class Retire(_PlainBody, WireMessage):
 
 @dataclass(frozen=True)
 class Adopt(_PlainBody, WireMessage):
-    """``ADOPT`` ``{"owner_pid": int}``: a new control process (owner keys only) takes
-    over an engine whose owner died (docs/design.md §5 "Restart"): the engine stops
-    waiting out its grace and watches ``owner_pid`` from now on. Refused while the old
-    owner lives. Answered with ``ACK``."""
+    """``ADOPT`` ``{"owner_pid": int, "grant_key": bin | nil}``: a new control process
+    (owner keys only) takes over an engine whose owner died (docs/design.md §4
+    "Restart"): the engine stops waiting out its grace, watches ``owner_pid`` from now
+    on, and checks client sessions' grants with ``grant_key`` (a fresh one: no grant
+    the dead owner signed is taken again; nil: none). Refused while the old owner
+    lives. Answered with ``ACK``."""
 
     KIND = Kind.ADOPT
     owner_pid: int
+    grant_key: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -113,16 +113,17 @@ class EngineActor:
     def beat(self) -> None:
         self._grace.beat()
 
-    def adopt(self) -> EngineStarted:
-        """A new driver takes over: the engine hears ``ADOPT`` (its loop stops waiting
-        out its grace, and drops what the old driver left); returns where it serves."""
+    def adopt(self, grant_key: bytes | None) -> EngineStarted:
+        """A new driver takes over: the engine hears ``ADOPT`` with the driver's grant
+        key (its loop stops waiting out its grace, and drops what the old driver left);
+        returns where it serves."""
         from tokenlake.dataplane import messages, wire
         from tokenlake.dataplane.messages import Ack, Adopt
 
         self._grace.adopt()
         if not self.alive():
             raise EngineUnavailable(f"{self!r} is not serving")
-        answer = self.request(Adopt(os.getpid()).encode(1), self.spec.peer_timeout_s + 5.0)
+        answer = self.request(Adopt(os.getpid(), grant_key).encode(1), self.spec.peer_timeout_s + 5.0)
         if answer is None:
             raise EngineUnavailable(f"{self!r} did not answer ADOPT")
         messages.expect(wire.decode(answer), Ack)

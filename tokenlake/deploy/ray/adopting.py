@@ -78,7 +78,7 @@ class RayAdoptable:
         pool_state.write(self.state_file, {
             "cluster_id": self.options.name, "owner_pid": os.getpid(), "settings": self.settings(),
             "keys": None if self.keys is None else self.keys.to_dict(),
-            "grant_key": self.grant_key.hex(), "leftovers": sorted(self._leftovers), "engines": [],
+            "leftovers": sorted(self._leftovers), "engines": [],
         })
 
     def note_leftover(self, path: str) -> None:
@@ -115,8 +115,7 @@ class RayAdoptable:
         self.check_settings(state)
         self._ensure_ray()
         self.keys = None if state["keys"] is None else ClusterKeys.from_dict(state["keys"])
-        self.grant_key = bytes.fromhex(state["grant_key"])
-        self._bundles.keys, self._bundles.grant_key = self.keys, self.grant_key
+        self._bundles.keys = self.keys  # the grant key stays this driver's own (ADOPT carries it)
         self._leftovers.update(state.get("leftovers", ()))
         import zmq
 

@@ -188,7 +188,8 @@ class Bundles:
             self.pg = None
             raise EngineUnavailable(f"pool {pool!r} is not (all) on Ray any more: {exc}") from None
         keys = [(r, i) for (r, i) in self.table.actors]
-        answers = gather({k: self.table.actors[k].adopt.remote() for k in keys}, "adoption", self.start_timeout_s)
+        answers = gather({k: self.table.actors[k].adopt.remote(*(() if k[0] == "host" else (self.grant_key,)))
+                          for k in keys}, "adoption", self.start_timeout_s)
         for (role, i), answer in answers.items():
             if role == "host":
                 self.hosts[i] = answer

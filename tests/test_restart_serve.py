@@ -1,5 +1,5 @@
 """`tokenlake serve` killed with `kill -9` and started again, as an operator would
-(docs/design.md §5 "Restart"): with the same settings and ports it adopts the waiting
+(docs/design.md §4 "Restart"): with the same settings and ports it adopts the waiting
 engines and the next question about a cached document hits what it hit before and
 answers the same text; with another segment size it refuses (exit 2, one line) and the
 old engines end after their grace with every buffer and file."""

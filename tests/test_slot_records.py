@@ -1,4 +1,4 @@
-"""Slot records (docs/design.md §5 "Restart"): the records a control plane writes beside
+"""Slot records (docs/design.md §4 "Restart"): the records a control plane writes beside
 its slots rebuild, in a new control plane, the same tree, replicas and LRU order; a
 pending replica, a torn record or one whose key is not its tokens' hash is never adopted."""
 

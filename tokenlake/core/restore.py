@@ -1,4 +1,4 @@
-"""A pool rebuilt from its slots' records (docs/design.md §5 "Restart"): the tree,
+"""A pool rebuilt from its slots' records (docs/design.md §4 "Restart"): the tree,
 replicas and LRU order a new control process adopts (records:
 :mod:`tokenlake.core.slot_records`)."""
 

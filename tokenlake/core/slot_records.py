@@ -1,5 +1,5 @@
 """What each slot holds, kept beside the slot so that a new control process can adopt
-the pool (docs/design.md §5 "Restart").
+the pool (docs/design.md §4 "Restart").
 
 The control plane is the single writer of cache metadata, but its tree lives in one
 process, and the KV in the instances. So that a crash of that process does not empty a

@@ -211,7 +211,7 @@ def serve_local(
     ``kv_dtype``: the slabs' element type (float32, bfloat16, float16); ``limits``: the
     HTTP front door's (default :class:`HttpLimits`).
 
-    The pool outlives this process (docs/design.md §5 "Restart"): killed, its engines
+    The pool outlives this process (docs/design.md §4 "Restart"): killed, its engines
     keep the cache for ``orphan_grace_s`` seconds, and a ``serve_local`` started in that
     time with the same settings and ``control_port`` adopts them (the state file:
     :func:`tokenlake.dataplane.pool_state.path_for`) and serves the cached prefixes again;

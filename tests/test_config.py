@@ -269,15 +269,21 @@ def test_serve_passes_the_same_values_as_before(monkeypatch, capsys):
     monkeypatch.setattr("tokenlake.tools.cli_pool.configure_logging", lambda level: None)
     assert run(["serve", "--ray", "auto"], capsys)[0] == 0
     (args, kwargs), = calls
-    assert args == (4, "smollm2-135m", 256 << 20, RayOptions(address="auto"), 64, 1024)
+    # a pool on its own control port is named after it, to outlive its driver (issue #40)
+    named = {"name": "serve-7400", "orphan_grace_s": 60.0}
+    assert args == (4, "smollm2-135m", 256 << 20, RayOptions(address="auto", **named), 64, 1024)
     assert kwargs["restart"] is True and kwargs["json_lines"] is False
     assert kwargs["page_tokens"] == 16
+    assert kwargs["state_file"].endswith("pool-7400.json")
     assert run(["serve", "--ray", "local", "--no-restart"], capsys)[0] == 0
-    assert calls[1][0][3] == RayOptions(address=None) and calls[1][1]["restart"] is False
+    assert calls[1][0][3] == RayOptions(address=None, **named) and calls[1][1]["restart"] is False
     assert run(["serve", "--ray", "auto", "--place-timeout", "2.5"], capsys)[0] == 0
-    assert calls[2][0][3] == RayOptions(address="auto", place_timeout_s=2.5)
+    assert calls[2][0][3] == RayOptions(address="auto", place_timeout_s=2.5, **named)
     assert run(["serve", "--ray", "auto", "--insecure"], capsys)[0] == 0  # a switch that turns on
-    assert calls[3][0][3] == RayOptions(address="auto", insecure=True)
+    assert calls[3][0][3] == RayOptions(address="auto", insecure=True, **named)
+    assert run(["serve", "--ray", "auto", "--control-port", "0", "--orphan-grace-s", "5"], capsys)[0] == 0
+    assert calls[4][0][3] == RayOptions(address="auto", orphan_grace_s=5.0)  # no name: no restart
+    assert calls[4][1]["state_file"] is None
 
 
 # --------------------------------------------------------------------------- docs and layering

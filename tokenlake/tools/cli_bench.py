@@ -1,4 +1,4 @@
-"""``tokenlake bench {plans,query-vs-fetch,kernel,e2e,scheduler,sim,serve,...}``: benchmarks
+"""``tokenlake bench {plans,query-vs-fetch,kernel,e2e,scheduler,sim,serve,restart,...}``: benchmarks
 that print figures (they assert nothing; README.md quotes them).
 
 Each benchmark's work lives beside what it measures (``tokenlake/tools/bench_*.py``,
@@ -8,7 +8,8 @@ pool's OpenAI-compatible HTTP API (``tokenlake/tools/bench_serve.py``), optional
 against a baseline server or with both launched by ``--launch``, and with ``--mixed N``
 compute engines on the same pool through ``tokenlake.connect``
 (``tokenlake/tools/bench_serve_mixed.py``); its options are parsed in
-``tokenlake/tools/cli_bench_serve.py``.
+``tokenlake/tools/cli_bench_serve.py``. ``restart`` kills ``tokenlake serve`` and
+starts it again, adopting its pool or cold (``tokenlake/tools/bench_restart.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tokenlake.tools.cli_bench_e2e import add_e2e
 from tokenlake.tools.cli_bench_gpu import add_gpu
 from tokenlake.tools.cli_bench_serve import add_serve
 from tokenlake.tools.cli_eval import SYSTEM_NAMES
+from tokenlake.tools.config import ServeSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +66,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Streams completions to an OpenAI-compatible server (the pool) and "
                     "optionally a baseline; reports TTFT, time between tokens, end-to-end "
                     "latency, throughput and the pool's hit rate."))
+    add_restart(what.add_parser(
+        "restart", help="'tokenlake serve' killed and restarted: adopting its pool vs a cold start",
+        description="Alternates, per round: 'tokenlake serve' caches a document, is killed "
+                    "with SIGKILL and started again with the same settings, adopting its "
+                    "engines (adopt) or, its first process run with --orphan-grace-s 0, "
+                    "empty (cold); times the restart to ready and to the first answer about "
+                    "the document, with its cached tokens."))
 
 
 def _json_flag(p: argparse.ArgumentParser, always: bool = False) -> None:
@@ -289,4 +298,45 @@ def run_sim(args: argparse.Namespace) -> int:
         raise UsageError(f"bench sim: trace file not found: {trace}")
     print(json.dumps(bench(trace, args.system, args.repeat, args.instances, args.speedup,
                            args.rate, args.limit, args.seed), indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- restart
+
+
+def add_restart(p: argparse.ArgumentParser) -> None:
+    defaults = ServeSettings()  # serve's, for the help
+    p.add_argument("--rounds", type=positive(int), default=3,
+                   help="rounds (each: adopt and cold, alternately first)")
+    p.add_argument("--instances", type=positive(int), default=None,
+                   help=f"pool instances (unset: serve's default, {defaults.instances})")
+    p.add_argument("--pool-mb", type=positive(int), default=None, metavar="MIB",
+                   help=f"slab MiB per instance (unset: serve's default, {defaults.pool_mb})")
+    p.add_argument("--orphan-grace-s", type=positive(float), default=60.0, metavar="S",
+                   help="the adopt mode's --orphan-grace-s (the cold mode's: 0)")
+    p.add_argument("--max-tokens", type=positive(int), default=8, help="tokens of each answer")
+    p.add_argument("--start-timeout", type=positive(float), default=300.0, metavar="S",
+                   help="seconds one 'tokenlake serve' may take to be ready")
+    _json_flag(p)
+    p.set_defaults(run=run_restart)
+
+
+def run_restart(args: argparse.Namespace) -> int:
+    import sys
+
+    # torch (the kernels' instruction set) and the serve processes: only when it runs
+    from tokenlake.tools.bench_restart import RestartConfig, bench_restart, print_report
+
+    config = RestartConfig(rounds=args.rounds, instances=args.instances, pool_mb=args.pool_mb,
+                           orphan_grace_s=args.orphan_grace_s, max_tokens=args.max_tokens,
+                           start_timeout_s=args.start_timeout)
+    try:
+        result = bench_restart(config, progress=lambda line: print(
+            f"bench restart: {line}", file=sys.stderr, flush=True))
+    except RuntimeError as exc:  # a serve that does not start, a pool too small to answer
+        raise UsageError(f"bench restart: {exc}") from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_report(result)
     return 0

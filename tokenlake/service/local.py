@@ -193,34 +193,25 @@ def serve_local(
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
 ) -> None:
-    """Serves on this machine until ``stop`` is set or Ctrl-C (``KeyboardInterrupt``)
-    arrives while serving; then stops the HTTP server, the control server and the
-    engines and unlinks every shared buffer (also when starting fails).
-
-    ``engine="pool"``: ``instances`` local instances of ``pool_bytes`` slab bytes each,
-    their control plane on ``host:control_port`` and, for :data:`SERVED_MODEL`, the HTTP
-    API on ``host:http_port``. ``engine="reference"``: the baseline
-    (:func:`reference_service`). ``on_ready`` is called once serving, with the
-    :class:`Served`. ``engine_host`` is what the engines bind. Every engine and the
-    control port speak CURVE with keys made for this pool, unless ``insecure``; the
-    control port's credentials go to ``credentials`` (see :func:`pool_service`).
-    ``kv_layout="vllm-cpu"`` or ``"hf"``: a pool for vLLM's connector (load or query
-    mode; the namespace keeps vLLM's KV apart), served without the HTTP API (vLLM
-    computes, not this process). ``page_tokens``: granularity of prefix hits (None: 16
-    where it divides ``segment_tokens``). ``compute``: see :func:`pool_service`;
-    ``kv_dtype``: the slabs' element type (float32, bfloat16, float16); ``limits``: the
-    HTTP front door's (default :class:`HttpLimits`).
-
-    The pool outlives this process (docs/design.md §4 "Restart"): killed, its engines
-    keep the cache for ``orphan_grace_s`` seconds, and a ``serve_local`` started in that
-    time with the same settings and ``control_port`` adopts them (the state file:
-    :func:`tokenlake.dataplane.pool_state.path_for`) and serves the cached prefixes again;
-    ``Served.restored`` says how many segments came back.
+    """Serves on this machine until ``stop`` is set or Ctrl-C (``KeyboardInterrupt``);
+    then stops the HTTP server, the control server and the engines and unlinks every
+    shared buffer (also when starting fails). ``engine="pool"``: ``instances`` local
+    instances of ``pool_bytes`` slab bytes, their control plane on ``host:control_port``
+    and, for :data:`SERVED_MODEL`, the HTTP API on ``host:http_port``;
+    ``engine="reference"``: the baseline (:func:`reference_service`). ``on_ready`` gets
+    the :class:`Served` once serving. ``engine_host``: what the engines bind. CURVE
+    unless ``insecure``; the credentials go to ``credentials`` (:func:`pool_service`).
+    ``kv_layout="vllm-cpu"`` or ``"hf"``: a pool for vLLM's connector (its namespace keeps
+    vLLM's KV apart), no HTTP API. ``page_tokens``: granularity of prefix hits;
+    ``compute``: see :func:`pool_service`; ``kv_dtype``: the slabs' element type;
+    ``limits``: the HTTP front door's (default :class:`HttpLimits`). The pool outlives
+    this process (docs/design.md §4 "Restart"): killed, its engines keep the cache
+    ``orphan_grace_s`` seconds for a ``serve_local`` with the same settings and
+    ``control_port`` to adopt (``Served.restored``: segments back).
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
-        AdoptionRefused: engines wait on this control port with other settings (or
-            their owner still runs); they are left to their grace.
+        AdoptionRefused: engines wait on this port with other settings (left alone).
         EngineUnavailable: an engine did not start.
     """
     stop = stop if stop is not None else threading.Event()
@@ -229,14 +220,9 @@ def serve_local(
     with contextlib.ExitStack() as stack:
         cluster = state = None
         if engine == "pool":  # a pool waiting on this port is checked before anything loads
-            state_file = pool_state.path_for(control_port) if control_port else None
-            cluster = LocalCluster(instances, model, pool_bytes, segment_tokens, max_rows, host=engine_host,
-                                   insecure=insecure, kv_layout=kv_layout, page_tokens=page_tokens,
-                                   kv_dtype=kv_dtype, orphan_grace_s=orphan_grace_s if state_file else 0.0,
-                                   state_file=state_file)
-            state = pool_state.read(state_file) if state_file else None
-            if cluster.waiting(state):
-                cluster.check_settings(state)  # AdoptionRefused: the waiting engines are left alone
+            cluster, state = _pool_for(control_port, orphan_grace_s, instances, model, pool_bytes,
+                                       segment_tokens, max_rows, host=engine_host, insecure=insecure,
+                                       kv_layout=kv_layout, page_tokens=page_tokens, kv_dtype=kv_dtype)
         weights = load_served_model(progress) if model.name == SERVED_MODEL and kv_layout == "tokenlake" else None
         if cluster is None:
             served = stack.enter_context(_reference(weights, host, http_port, kv_dtype, limits))
@@ -248,6 +234,20 @@ def serve_local(
                 model=weights, credentials=credentials, compute=compute, limits=limits))
         on_ready(served)
         _wait(stop)
+
+
+def _pool_for(control_port: int, orphan_grace_s: float, *args, **kwargs) -> tuple[LocalCluster, dict | None]:
+    """The ``LocalCluster(*args, **kwargs)`` to serve on ``control_port``, with the state
+    of a pool a dead process left waiting there, whose settings are checked at once
+    (``AdoptionRefused``: the waiting engines are left alone). On port 0 no restart
+    could find the engines: they stop with this process."""
+    state_file = pool_state.path_for(control_port) if control_port else None
+    cluster = LocalCluster(*args, orphan_grace_s=orphan_grace_s if state_file else 0.0,
+                           state_file=state_file, **kwargs)
+    state = pool_state.read(state_file) if state_file else None
+    if cluster.waiting(state):
+        cluster.check_settings(state)
+    return cluster, state
 
 
 def _start_or_adopt(cluster: LocalCluster, state: dict | None, progress: Callable[[str], None]) -> None:

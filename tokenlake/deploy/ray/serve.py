@@ -67,14 +67,8 @@ def serve(
         _start_or_adopt(cluster, pool_state.read(state_file) if state_file else None, emit)
         served = attached.enter_context(attach(cluster)) if attach is not None else None
         lock = getattr(served, "lock", None) or contextlib.nullcontext()
-        info = served.info() if hasattr(served, "info") else {}
-        lines = [f"TokenLake pool on Ray: {instances} instances of {model.name}, "
-                 f"{cluster.slots_per_instance} slots of C={segment_tokens} each ({options.strategy})"]
-        desc = cluster.describe()
-        lines += [f"  instance {d['instance']}: node {d['node_ip']} ({d['node_id'][:12]}) "
-                  f"query {d['endpoints']['query']} transfer {d['endpoints']['transfer']}" for d in desc]
-        lines += _served_lines(info)
-        emit("ready", "\n".join(lines), **info, instances=desc)
+        _ready(cluster, served, emit, f"TokenLake pool on Ray: {instances} instances of {model.name}, "
+               f"{cluster.slots_per_instance} slots of C={segment_tokens} each ({options.strategy})")
         emit("serving", "serving; Ctrl-C to stop")
         try:
             with _signals_set(stop):
@@ -87,6 +81,17 @@ def serve(
     emit("stopped", "stopped: " + ("served ports closed, " if attach is not None else "")
          + "actors gone, shared memory unlinked")
     return 0
+
+
+def _ready(cluster: RayCluster, served: Any, emit: Callable[..., None], head: str) -> None:
+    """The ``ready`` event: ``head``, the pool's instances, and what ``served`` offers."""
+    info = served.info() if hasattr(served, "info") else {}
+    lines = [head]
+    desc = cluster.describe()
+    lines += [f"  instance {d['instance']}: node {d['node_ip']} ({d['node_id'][:12]}) "
+              f"query {d['endpoints']['query']} transfer {d['endpoints']['transfer']}" for d in desc]
+    lines += _served_lines(info)
+    emit("ready", "\n".join(lines), **info, instances=desc)
 
 
 def _start_or_adopt(cluster: RayCluster, state: dict[str, Any] | None, emit: Callable[..., None]) -> None:

@@ -121,9 +121,14 @@ def test_status_summarises_the_pool_stats():
     s = status_summary(ControlStats(admitted_requests=4, hit_tokens=300, prefill_tokens=100,
                                     dedup_bytes=0, pool=pool))
     assert s["instances"] == [
-        {"instance": 0, "slots_used": 3, "slots_capacity": 10, "reads": 10},
-        {"instance": 1, "slots_used": 4, "slots_capacity": 10, "reads": 30},
+        {"instance": 0, "slots_used": 3, "slots_capacity": 10, "reads": 10, "adopted": False,
+         "restored_segments": 0},
+        {"instance": 1, "slots_used": 4, "slots_capacity": 10, "reads": 30, "adopted": False,
+         "restored_segments": 0},
     ]
+    adopted = status_summary(ControlStats(admitted_requests=0, hit_tokens=0, prefill_tokens=0,
+                                          dedup_bytes=0, pool=pool), (), {0: 5, 1: 0})
+    assert [(r["adopted"], r["restored_segments"]) for r in adopted["instances"]] == [(True, 5), (True, 0)]
     assert s["hit_rate"] == 0.75  # 300 reused of 400 input tokens
     assert s["access_cv"] == pytest.approx(0.5)  # mean 20, population std 10
     assert (s["segments"], s["replicas"], s["evictions"]) == (5, 7, 2)

@@ -18,7 +18,7 @@ class ConfigError(TokenLakeError, ValueError):
 
 class AdoptionRefused(ConfigError):
     """A new control process will not adopt the engines waiting from a dead one: they
-    were built with other settings, or their owner still lives (docs/design.md §5
+    were built with other settings, or their owner still lives (docs/design.md §4
     "Restart"). The message names the difference."""
 
 

@@ -1,5 +1,5 @@
 """The slot records of each instance, in a shared table beside its slab (docs/design.md
-§5 "Restart"): the :class:`~tokenlake.core.slot_records.SlotJournal` of a launcher's
+§4 "Restart"): the :class:`~tokenlake.core.slot_records.SlotJournal` of a launcher's
 control plane.
 
 Each instance has a ``records`` buffer (:class:`~tokenlake.deploy.base.BufferLayout`): one

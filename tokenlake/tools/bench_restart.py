@@ -1,5 +1,5 @@
 """``tokenlake bench restart``: how soon a ``tokenlake serve`` killed with ``kill -9``
-serves again when its pool outlives it, against a cold start (docs/design.md §5
+serves again when its pool outlives it, against a cold start (docs/design.md §4
 "Restart").
 
 Each round runs both modes, alternately, on fresh ports:

@@ -106,7 +106,7 @@ def _gone(pids, prefix, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def test_a_restart_adopts_the_pool_and_answers_from_its_cache(serving, tmp_path):
+def test_restarts_adopt_the_pool_and_answer_from_its_cache(serving, tmp_path):
     start, remember = serving
     first = start()
     assert first.ready()["restored"] is None
@@ -130,8 +130,13 @@ def test_a_restart_adopts_the_pool_and_answers_from_its_cache(serving, tmp_path)
         capture_output=True, text=True, timeout=60, check=True)
     rows = json.loads(status.stdout)["instances"]
     assert all(r["adopted"] for r in rows) and sum(r["restored_segments"] for r in rows) == ready["restored"]
-    second.proc.send_signal(signal.SIGTERM)
-    assert second.proc.wait(60) == 0
+    second.kill()  # the adopting process dies too: its adopted engines wait again
+
+    third = start()
+    assert third.ready()["restored"] == ready["restored"]
+    assert third.ask("What happened?") == (text, hit_again)
+    third.proc.send_signal(signal.SIGTERM)
+    assert third.proc.wait(60) == 0
     _gone([pid for _, _, pid, _ in state["engines"]], cluster_prefix(state["cluster_id"]), 10)
     assert not list(tmp_path.glob("*.json")), "a state or credentials file outlived the pool"
 

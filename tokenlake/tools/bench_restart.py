@@ -78,6 +78,7 @@ class RestartConfig:
     orphan_grace_s: float = 60.0
     max_tokens: int = 8
     start_timeout_s: float = 300.0
+    document_copies: int = 1  # the demo document this many times over: a longer prefix
 
     def settings(self) -> dict:
         """The settings as run: the sizes serve chose where none was given."""
@@ -114,8 +115,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _document() -> str:
-    return resources.files("tokenlake.data").joinpath("demo_document.txt").read_text(encoding="utf-8")
+def _document(copies: int = 1) -> str:
+    """The demo document (about 440 tokens), ``copies`` times over."""
+    text = resources.files("tokenlake.data").joinpath("demo_document.txt").read_text(encoding="utf-8")
+    return "\n\n".join([text] * copies)
 
 
 def serve_env(home: Path) -> dict[str, str]:
@@ -134,9 +137,10 @@ def serve_command(config: RestartConfig, control: int, http: int, grace: float) 
             "--orphan-grace-s", f"{grace:g}"]
 
 
-def ask(url: str, model: str, question: str, max_tokens: int) -> tuple[str, int]:
-    """``(text, cached tokens)`` of one greedy completion about the demo document."""
-    body = json.dumps({"model": model, "prompt": f"{_document()}\n\nQuestion: {question}\nAnswer:",
+def ask(url: str, model: str, question: str, max_tokens: int, copies: int = 1) -> tuple[str, int]:
+    """``(text, cached tokens)`` of one greedy completion about the demo document
+    (``copies`` times over)."""
+    body = json.dumps({"model": model, "prompt": f"{_document(copies)}\n\nQuestion: {question}\nAnswer:",
                        "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     try:
@@ -201,8 +205,8 @@ def _first_serve(stack: ExitStack, config: RestartConfig, ports: tuple[int, int]
     first.wait_ready(config.start_timeout_s)
     engines.remember()
     model = first.ready_event.get("model", "smollm2-135m")
-    ask(first.url, model, QUESTIONS[0], config.max_tokens)
-    text, cached = ask(first.url, model, QUESTIONS[1], config.max_tokens)
+    ask(first.url, model, QUESTIONS[0], config.max_tokens, config.document_copies)
+    text, cached = ask(first.url, model, QUESTIONS[1], config.max_tokens, config.document_copies)
     return first, text, cached
 
 
@@ -217,7 +221,7 @@ def _restart(stack: ExitStack, config: RestartConfig, ports: tuple[int, int], gr
     ready_s = time.perf_counter() - t0
     engines.remember()
     text, cached = ask(second.url, second.ready_event.get("model", "smollm2-135m"),
-                       QUESTIONS[1], config.max_tokens)
+                       QUESTIONS[1], config.max_tokens, config.document_copies)
     answer_s = time.perf_counter() - t0
     return {"restart_to_ready_s": ready_s, "restart_to_first_cached_answer_s": answer_s,
             "cached_tokens": cached, "text": text, "restored": second.ready_event.get("restored"),

@@ -315,6 +315,8 @@ def add_restart(p: argparse.ArgumentParser) -> None:
     p.add_argument("--orphan-grace-s", type=positive(float), default=60.0, metavar="S",
                    help="the adopt mode's --orphan-grace-s (the cold mode's: 0)")
     p.add_argument("--max-tokens", type=positive(int), default=8, help="tokens of each answer")
+    p.add_argument("--document-copies", type=positive(int), default=1, metavar="N",
+                   help="the demo document (about 440 tokens) N times over: a longer cached prefix")
     p.add_argument("--start-timeout", type=positive(float), default=300.0, metavar="S",
                    help="seconds one 'tokenlake serve' may take to be ready")
     _json_flag(p)
@@ -329,7 +331,7 @@ def run_restart(args: argparse.Namespace) -> int:
 
     config = RestartConfig(rounds=args.rounds, instances=args.instances, pool_mb=args.pool_mb,
                            orphan_grace_s=args.orphan_grace_s, max_tokens=args.max_tokens,
-                           start_timeout_s=args.start_timeout)
+                           start_timeout_s=args.start_timeout, document_copies=args.document_copies)
     try:
         result = bench_restart(config, progress=lambda line: print(
             f"bench restart: {line}", file=sys.stderr, flush=True))

@@ -210,6 +210,37 @@ def test_engines_not_adopted_end_after_their_grace_with_every_buffer_and_file(tm
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_waiting_pool_that_lost_an_engine_is_discarded_and_a_new_one_starts(tmp_path):
+    from tokenlake.service.local import _start_or_adopt
+
+    proc, started, state_file, leftover = _owner(tmp_path, grace=60)
+    prefix = cluster_prefix(started["cluster_id"])
+    try:
+        _kill(proc)
+        os.kill(started["pids"][0], signal.SIGKILL)  # one engine did not survive
+        state = pool_state.read(state_file)
+        cluster = LocalCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, orphan_grace_s=60,
+                               state_file=state_file)
+        try:
+            _start_or_adopt(cluster, state, lambda line: None)
+            assert cluster.adopted is None and len(cluster.control.get_prefix_tree()) == 0
+            _wait_gone(started["pids"], prefix, 10)  # what was left of it: gone at once
+            mine = pool_state.read(state_file)
+            assert mine["cluster_id"] == cluster.cluster_id != started["cluster_id"]
+            assert mine["keys"]["owner_secret"] != state["keys"]["owner_secret"], "the dead pool's keys"
+            tokens = {"a": _doc(9, 2 * C + 1)}
+            assert _check_iteration(cluster, tokens, {"a": len(tokens["a"])}, {"a": 0}) == {"a": 0}
+        finally:
+            cluster.close()
+        assert not state_file.exists()
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+        for pid in started["pids"]:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def served_pool(tmp_path):
     with LocalCluster(1, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, orphan_grace_s=30,
@@ -225,10 +256,13 @@ def test_a_living_owners_pool_is_not_adopted(served_pool, tmp_path):
         engine_request(served_pool, ("query", 0), Adopt(os.getpid() + 1), Ack, as_owner=True)
     with pytest.raises(NotAuthorized, match="owner"):  # ADOPT is the owner's kind
         engine_request(served_pool, ("query", 0), Adopt(os.getpid()), Ack, as_owner=False)
-    state["owner_pid"] = os.getppid()  # as if another live process served it
+    # as if another live process served it (its engines are alive: this pool's)
+    state["owner_pid"], state["owner_start"] = os.getppid(), pool_state.process_start(os.getppid())
     other = LocalCluster(1, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, state_file=tmp_path / "x.json")
     with pytest.raises(AdoptionRefused, match="still served"):
         other.waiting(state)
+    state["owner_start"] = "1"  # the owner's pid was taken over by another process since
+    assert other.waiting(state)
     state["settings"]["segment_tokens"] = 16
     with pytest.raises(AdoptionRefused, match="segment_tokens 16"):
         other.check_settings(state)

@@ -155,5 +155,7 @@ def test_a_restart_with_another_segment_size_refuses_and_the_old_engines_end(ser
     assert len(err) == 1 and "segment_tokens 64" in err[0] and "AdoptionRefused" in err[0], err
     assert time.monotonic() - killed < 8, "the refusal came after the grace: it proves nothing"
     assert all(map(pid_alive, (pid for _, _, pid, _ in state["engines"]))), "the refusal touched the engines"
+    (kept,) = tmp_path.glob("pool-*.json")  # the waiting pool's files: left to it
+    assert pool_state.read(kept) == state and all(map(os.path.exists, state["leftovers"]))
     _gone([pid for _, _, pid, _ in state["engines"]], cluster_prefix(state["cluster_id"]), 8 + 10)
     assert not list(tmp_path.glob("*.json")), "a state or credentials file outlived the pool"

@@ -46,30 +46,43 @@ class OwnerWatch:
         """Called every tick: True when the loop should end (the owner is gone and no
         grace is left)."""
         if self.waiting_since is not None:
-            if time.monotonic() - self.waiting_since < self.spec.orphan_grace_s:
-                return False
-            log.warning("not adopted within %.0f s: %s engine %d stops and unlinks its "
-                        "cluster's buffers", self.spec.orphan_grace_s, self.spec.role, self.spec.instance)
-            self.orphaned = True
-            return True
+            return self._grace_over()
         if self.owner_alive is not None:
             if self.owner_alive():
                 return False
             why = "the driver stopped heartbeating"
+        elif self.owner_pid is not None:  # the owner's pid decides (not the forkserver's)
+            if pid_alive(self.owner_pid):
+                return False
+            why = f"owner process {self.owner_pid} is gone"
         elif self._parent is not None and os.getppid() != self._parent:
             why = "parent process is gone"
-        elif self.owner_pid is not None and not pid_alive(self.owner_pid):
-            why = f"owner process {self.owner_pid} is gone"
         else:
             return False
         if (self.owner_pid is None and self.owner_alive is None) or self.spec.orphan_grace_s <= 0:
             log.warning("%s; %s engine %d stops", why, self.spec.role, self.spec.instance)
-            self.orphaned = self.owner_pid is not None and not pid_alive(self.owner_pid)
+            self.orphaned = self.owner_pid is not None  # its buffers are nobody's now
             return True  # (a Ray engine's buffers are its host actor's to unlink)
         log.warning("%s; %s engine %d keeps its slab and waits %.0f s to be adopted", why,
                     self.spec.role, self.spec.instance, self.spec.orphan_grace_s)
         self._orphan()
         return False
+
+    def _grace_over(self) -> bool:
+        """While waiting to be adopted: True once the grace is over. A Ray driver whose
+        heartbeats come back (it was stalled, not dead) ends the wait: what it had in
+        flight here is gone, and its next requests fail as a dead engine's would."""
+        if self.owner_alive is not None and self.owner_alive():
+            log.warning("the driver is heard again: %s engine %d serves it", self.spec.role,
+                        self.spec.instance)
+            self.waiting_since = None
+            return False
+        if time.monotonic() - self.waiting_since < self.spec.orphan_grace_s:
+            return False
+        log.warning("not adopted within %.0f s: %s engine %d stops and unlinks its "
+                    "cluster's buffers", self.spec.orphan_grace_s, self.spec.role, self.spec.instance)
+        self.orphaned = self.owner_alive is None
+        return True
 
     def _orphan(self) -> None:
         """The owner died: what it and its clients had in flight here goes."""
@@ -91,12 +104,14 @@ class OwnerWatch:
         if self.waiting_since is None:
             if message.owner_pid == self.owner_pid:
                 return  # adopted by this very owner already
+            if self.owner_alive is not None and self.owner_alive():
+                raise NotAuthorized("the pool's driver is alive (its heartbeats arrive): it "
+                                    "cannot be adopted")
             if self.owner_alive is None and self.owner_pid is not None and pid_alive(self.owner_pid):
                 raise NotAuthorized(f"the pool's owner (pid {self.owner_pid}) is alive: it "
                                     "cannot be adopted")
             self._orphan()
-        if self.owner_alive is None:  # a Ray engine's owner is watched by its heartbeats
-            self.owner_pid = message.owner_pid
+        self.owner_pid = message.owner_pid  # (a Ray engine watches its heartbeats instead)
         if message.grant_key is not None:  # the dead owner's grants are worthless from now on
             if len(message.grant_key) < 16:
                 raise NotAuthorized("a grant key has at least 16 bytes")

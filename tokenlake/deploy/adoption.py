@@ -114,7 +114,8 @@ class Adoptable:
         if self.state_file is None or self._ctx is None:
             return
         pool_state.write(self.state_file, {
-            "cluster_id": self.cluster_id, "owner_pid": os.getpid(), "settings": self.settings(),
+            "cluster_id": self.cluster_id, "owner_pid": os.getpid(),
+            "owner_start": pool_state.process_start(os.getpid()), "settings": self.settings(),
             "keys": None if self.keys is None else self.keys.to_dict(),
             "leftovers": sorted(self._leftovers),
             "engines": [[role, inst, proc.pid, self._endpoints[(role, inst)]]
@@ -132,12 +133,12 @@ class Adoptable:
     def waiting(self, state: dict[str, Any] | None) -> bool:
         """Whether ``state`` names a pool whose engines wait to be adopted (its owner
         dead, an engine alive); ``AdoptionRefused`` while its owner still lives."""
-        if state is None:
-            return False
-        owner = int(state.get("owner_pid", 0))
-        if owner and owner != os.getpid() and pid_alive(owner):
-            raise AdoptionRefused(f"the pool of {self.state_file} is still served by process {owner}")
-        return bool(_engines_of(state))
+        if state is None or not _engines_of(state):
+            return False  # nothing left of it: a state file to discard
+        if pool_state.owner_alive(state):
+            raise AdoptionRefused(f"the pool of {self.state_file} is still served by process "
+                                  f"{state['owner_pid']}")
+        return True
 
     def check_settings(self, state: dict[str, Any]) -> None:
         """``AdoptionRefused`` naming each setting that differs from the waiting pool's."""
@@ -215,6 +216,11 @@ class Adoptable:
             self._driver.close()
             self._ctx.term()
             self._ctx = None
+        from tokenlake.dataplane.auth import ClusterKeys
+
+        # a cold start after this is another pool: none of the dead one's identity
+        self.cluster_id, self._leftovers = "", set()
+        self.keys = None if self.keys is None else ClusterKeys.generate()
 
     def discard(self, state: dict[str, Any]) -> None:
         """Ends a waiting pool that will not be adopted (its engines killed, its buffers

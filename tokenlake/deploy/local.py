@@ -109,6 +109,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         self.state_file = None if state_file is None else str(state_file)
         self.pool_bytes, self.kv_layout = pool_bytes, kv_layout
         self._leftovers: set[str] = set()  # files removed with the state file
+        self._retired_procs: list = []  # replaced adopted engines (their pidfds close with the cluster)
         self.cluster_id = ""
         self._registry: BufferRegistry | None = None
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
@@ -177,6 +178,9 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
                 proc.start()
                 child.close()
                 with self._watch_lock:
+                    old = self._procs.get((role, inst))
+                    if old is not None and not isinstance(old, mp.Process):
+                        self._retired_procs.append(old)  # the watcher may still poll its fd
                     self._procs[(role, inst)] = proc
                 conns[(role, inst)] = parent
         for key, conn in conns.items():
@@ -214,8 +218,8 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
     def close(self) -> None:
         """Stops every engine (politely, then by force) and unlinks every shared buffer."""
         self._watcher.stop()
-        if self.cluster_id:  # stopped on purpose: nothing to adopt
-            pool_state.forget(self.state_file, self.cluster_id)
+        if self.cluster_id:  # stopped on purpose: nothing to adopt (if the file is ours)
+            pool_state.forget(self.state_file, self.cluster_id, os.getpid())
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -229,9 +233,11 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=2.0)
+        for proc in [*self._procs.values(), *self._retired_procs]:
             if hasattr(proc, "close") and not isinstance(proc, mp.Process):
                 proc.close()  # an adopted engine's pidfd
         self._procs.clear()
+        self._retired_procs.clear()
         self._buffers.clear()
         for session, instance in list(self._session_buffers):
             self._drop_session_buffers(session, instance)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tokenlake.core.control import check_kv_dtype
-from tokenlake.core.errors import EngineUnavailable
+from tokenlake.core.errors import TokenLakeError
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import credentials as credentials_file
 from tokenlake.dataplane import pool_state
@@ -258,9 +258,9 @@ def _start_or_adopt(cluster: LocalCluster, state: dict | None, progress: Callabl
         progress("adopting the engines of the pool that served this port ...")
         try:
             report = cluster.adopt(state)
-        except EngineUnavailable as exc:
-            log.warning("the waiting pool cannot be adopted (%s): it is discarded, this one "
-                        "starts empty", exc)
+        except (TokenLakeError, OSError) as exc:  # an engine gone or silent, a buffer unlinked
+            log.warning("the waiting pool cannot be adopted (%s: %s): it is discarded, this "
+                        "one starts empty", type(exc).__name__, exc)
         else:
             progress(f"adopted {cluster.n_instances} instances: {report.segments} segments restored")
             return

@@ -78,6 +78,7 @@ class EngineActor:
         logging.basicConfig(level=logging.WARNING, format=f"[{spec.role}-{spec.instance}] %(message)s")
         self.spec = spec
         self.engine = self._cls(spec)
+        self._grace.beat()  # the driver's heartbeats count from here
         if spec.orphan_grace_s > 0:  # its loop outlives a silent driver (engine_owner.py)
             self.engine.owner_alive = self._grace.alive
         endpoint = self.engine.start()
@@ -113,20 +114,21 @@ class EngineActor:
     def beat(self) -> None:
         self._grace.beat()
 
-    def adopt(self, grant_key: bytes | None) -> EngineStarted:
+    def adopt(self, driver: str, driver_pid: int, grant_key: bytes | None) -> EngineStarted:
         """A new driver takes over: the engine hears ``ADOPT`` with the driver's grant
-        key (its loop stops waiting out its grace, and drops what the old driver left);
-        returns where it serves."""
+        key (its loop stops waiting out its grace, and drops what the old driver left;
+        refused, ``NotAuthorized``, while the old driver's heartbeats arrive); returns
+        where it serves."""
         from tokenlake.dataplane import messages, wire
         from tokenlake.dataplane.messages import Ack, Adopt
 
-        self._grace.adopt()
         if not self.alive():
             raise EngineUnavailable(f"{self!r} is not serving")
-        answer = self.request(Adopt(os.getpid(), grant_key).encode(1), self.spec.peer_timeout_s + 5.0)
+        answer = self.request(Adopt(driver_pid, grant_key).encode(1), self.spec.peer_timeout_s + 5.0)
         if answer is None:
             raise EngineUnavailable(f"{self!r} did not answer ADOPT")
-        messages.expect(wire.decode(answer), Ack)
+        messages.expect(wire.decode(answer), Ack)  # the engine's own check comes first
+        self._grace.adopt(driver)
         return EngineStarted(self.endpoint, ProcessRef.this())
 
     def request(self, frames: list[bytes], timeout_s: float) -> list[bytes] | None:

@@ -16,7 +16,7 @@ from tokenlake.core.errors import AdoptionRefused
 from tokenlake.core.restore import RestoreReport
 from tokenlake.dataplane import pool_state
 from tokenlake.dataplane.shm import SharedTensor
-from tokenlake.dataplane.shm_files import BufferSpec, pid_alive
+from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.deploy.adoption import check_settings, rebuild
 from tokenlake.deploy.ray.orphans import NAMESPACE, Heartbeat, actor_name
 
@@ -76,7 +76,8 @@ class RayAdoptable:
         if self.state_file is None or self.options.name is None or self._bundles.pg is None:
             return
         pool_state.write(self.state_file, {
-            "cluster_id": self.options.name, "owner_pid": os.getpid(), "settings": self.settings(),
+            "cluster_id": self.options.name, "owner_pid": os.getpid(),
+            "owner_start": pool_state.process_start(os.getpid()), "settings": self.settings(),
             "keys": None if self.keys is None else self.keys.to_dict(),
             "leftovers": sorted(self._leftovers), "engines": [],
         })
@@ -92,14 +93,14 @@ class RayAdoptable:
         gone, its first host there); ``AdoptionRefused`` while its driver lives."""
         if state is None or self.options.name is None:
             return False
-        owner = int(state.get("owner_pid", 0))
-        if owner and owner != os.getpid() and pid_alive(owner):
-            raise AdoptionRefused(f"the pool of {self.state_file} is still served by process {owner}")
         self._ensure_ray()
         try:
             ray.get_actor(actor_name(self.options.name, "host", 0), namespace=NAMESPACE)
         except ValueError:
-            return False
+            return False  # nothing left of it: a state file to discard
+        if pool_state.owner_alive(state):
+            raise AdoptionRefused(f"the pool of {self.state_file} is still served by process "
+                                  f"{state['owner_pid']}")
         return True
 
     def check_settings(self, state: dict[str, Any]) -> None:
@@ -126,9 +127,9 @@ class RayAdoptable:
             self._bundles.pg = None
             raise
         self._ctx = zmq.Context()
-        self._attach_records(range(self.n_instances))
-        self.adopted = rebuild(self, range(self.n_instances))
         self._start_heartbeat()
+        self._attach_records(range(self.n_instances))
+        self.adopted = rebuild(self, list(self._record_maps))  # the instances on this node
         self.write_state()
         return self.adopted
 
@@ -159,6 +160,8 @@ class RayAdoptable:
             self._owns_ray = True
 
     def _forget_state(self) -> None:
+        """Removes the state file if this driver wrote it (a driver that refused or
+        failed to adopt leaves the waiting pool's)."""
         if self.options.name is not None:
             with contextlib.suppress(OSError):
-                pool_state.forget(self.state_file, self.options.name)
+                pool_state.forget(self.state_file, self.options.name, os.getpid())

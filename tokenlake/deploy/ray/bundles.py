@@ -21,7 +21,7 @@ from ray.exceptions import RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tokenlake.core.errors import ConfigError, EngineUnavailable
+from tokenlake.core.errors import AdoptionRefused, ConfigError, EngineUnavailable, NotAuthorized
 from tokenlake.dataplane.auth import ClusterKeys
 from tokenlake.dataplane.shm_files import unlink_prefix
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, BufferLayout
@@ -30,8 +30,15 @@ from tokenlake.deploy.ray.compute import ComputeActors
 from tokenlake.deploy.ray.fit import bundles_text, busy_reason, check_fit, cluster_nodes
 from tokenlake.deploy.ray.host import HostActor, HostBuffers, unlink_on
 from tokenlake.deploy.ray.options import RayOptions
-from tokenlake.deploy.ray.orphans import NAMESPACE, actor_name, group_name, named
-from tokenlake.deploy.ray.relay import ActorTable, gather
+from tokenlake.deploy.ray.orphans import (
+    DRIVER_TIMEOUT_S,
+    NAMESPACE,
+    actor_name,
+    driver_id,
+    group_name,
+    named,
+)
+from tokenlake.deploy.ray.relay import ActorTable, actor_error, gather
 from tokenlake.deploy.roles import ENGINE_ROLES
 
 log = logging.getLogger(__name__)
@@ -101,7 +108,8 @@ class Bundles:
         self.running |= set(instances)
         self._connect(engines, instances, others)
         if self.grace_s:  # the hosts outlive a dead driver as long as the engines do
-            gather({i: h.watch.remote(self.grace_s, self.options.name, self.state_file)
+            n = len(self.running)
+            gather({i: h.watch.remote(self.grace_s, self.options.name, self.state_file, n)
                     for i, h in hosts.items()}, "host watch", self.start_timeout_s)
         if compute is not None:
             compute.open({i: self.client_info(i) for i in instances})
@@ -187,9 +195,7 @@ class Bundles:
             self.table.clear()
             self.pg = None
             raise EngineUnavailable(f"pool {pool!r} is not (all) on Ray any more: {exc}") from None
-        keys = [(r, i) for (r, i) in self.table.actors]
-        answers = gather({k: self.table.actors[k].adopt.remote(*(() if k[0] == "host" else (self.grant_key,)))
-                          for k in keys}, "adoption", self.start_timeout_s)
+        answers = self._adopt_actors(list(self.table.actors))
         for (role, i), answer in answers.items():
             if role == "host":
                 self.hosts[i] = answer
@@ -197,6 +203,34 @@ class Bundles:
             else:
                 self.table.endpoints[(role, i)], self.table.procs[(role, i)] = answer.endpoint, answer.proc
         self.running = set(range(n_instances))
+
+    def _adopt_actors(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], Any]:
+        """Has every actor of ``keys`` adopted by this driver; an actor that still hears
+        the old driver refuses until it has been silent :data:`DRIVER_TIMEOUT_S` (a driver
+        restarted faster than that waits for it)."""
+        import os
+
+        me, deadline, out = driver_id(), time.monotonic() + DRIVER_TIMEOUT_S + 5.0, {}
+        while True:
+            left = [k for k in keys if k not in out]
+            refs = {k: (self.table.actors[k].adopt.remote(me) if k[0] == "host" else
+                        self.table.actors[k].adopt.remote(me, os.getpid(), self.grant_key)) for k in left}
+            refused = []
+            for k, ref in refs.items():
+                try:
+                    out[k] = ray.get(ref, timeout=self.start_timeout_s)
+                except RayError as exc:
+                    if not isinstance(actor_error(exc), NotAuthorized):
+                        raise EngineUnavailable(f"adopting the {k[0]} actor of instance {k[1]}: "
+                                                f"{actor_error(exc)}") from None
+                    if time.monotonic() > deadline:  # another driver serves it: leave it be
+                        raise AdoptionRefused(f"pool {self.options.name!r}: its actors still hear "
+                                              f"a driver after {DRIVER_TIMEOUT_S + 5:.0f} s") from None
+                    refused.append(k)
+            if not refused:
+                return out
+            log.info("%d actors still hear the old driver: waiting for them to notice", len(refused))
+            time.sleep(0.5)
 
     def client_info(self, instance: int) -> dict[str, Any]:
         """See :meth:`RayCluster.client_info` (``instance`` must be running)."""

@@ -127,6 +127,7 @@ class RayCluster(RayAdoptable, ClusterBase):
         t0 = time.monotonic()
         self._ensure_ray()
         atexit.register(self.close)
+        self._start_heartbeat()  # from the first actor on: a slow start is no silence
         try:
             self._bundles.place(self.n_instances)
             if self._compute_at_start:  # created with the engines: they load while the pool starts
@@ -138,7 +139,6 @@ class RayCluster(RayAdoptable, ClusterBase):
             raise
         self._ctx = zmq.Context()
         self._attach_records(range(self.n_instances))
-        self._start_heartbeat()
         self.write_state()
         log.info("pool ready: %d instances on Ray in %.1f s", self.n_instances, time.monotonic() - t0)
 

@@ -12,7 +12,6 @@ small process without torch.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokenlake.core.errors import EngineUnavailable
+from tokenlake.core.errors import EngineUnavailable, NotAuthorized
 from tokenlake.dataplane.shm_files import (
     cluster_prefix,
     create_buffer,
@@ -111,30 +110,34 @@ class InstanceHost:
     def beat(self) -> None:
         self._grace.beat()
 
-    def watch(self, grace_s: float, pool: str, state_file: str | None) -> None:
+    def watch(self, grace_s: float, pool: str, state_file: str | None, instances: int) -> None:
         """Outlives a driver that dies by ``grace_s`` seconds; not adopted by then,
-        unlinks the buffers, removes pool ``pool``'s placement group (and, on the
-        driver's machine, its state file) and ends."""
+        unlinks the buffers and ends; the lowest-numbered host still there waits (10 s at
+        most) for the other hosts of pool ``pool`` (``instances``) to end, then removes
+        the placement group (which would kill them before they unlinked theirs) and, on
+        the driver's machine, the state file."""
 
         def give_up() -> None:
-            from ray.util.placement_group import get_placement_group, remove_placement_group
-
-            from tokenlake.dataplane import pool_state
-            from tokenlake.deploy.ray.orphans import group_name
+            from tokenlake.deploy.ray.orphans import end_pool
 
             self.close()
-            with contextlib.suppress(Exception):  # another host removed it already
-                remove_placement_group(get_placement_group(group_name(pool)))
-            pool_state.forget(state_file, pool)
+            end_pool(pool, self.instance, instances, state_file)
             ray.actor.exit_actor()
 
         self._grace.watch(grace_s, give_up, repr(self))
 
-    def adopt(self) -> HostBuffers:
-        """A new driver takes over: what this host made for its instance."""
-        self._grace.adopt()
+    def adopt(self, driver: str) -> HostBuffers:
+        """A new driver takes over (refused while another driver's heartbeats arrive):
+        what this host made for its instance. The dead driver's client sessions' buffers
+        go (the new one numbers its sessions afresh)."""
         if self._made is None:
             raise EngineUnavailable(f"{self!r} has no buffers to hand over")
+        if not self._grace.adopt(driver):
+            raise NotAuthorized(f"{self!r}: its driver is alive (its heartbeats arrive)")
+        mine = {spec["name"] for spec in self._made.buffers.values()}
+        for name in [n for n in self._names if n not in mine]:
+            unlink_buffer(name)
+            self._names.remove(name)
         return self._made
 
     def close(self) -> int:

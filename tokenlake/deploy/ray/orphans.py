@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 NAMESPACE = "tokenlake"
 #: seconds between two heartbeats of the driver
 BEAT_S = 0.5
-#: seconds without a heartbeat after which an actor takes its driver for dead
-DRIVER_TIMEOUT_S = 3.0
+#: seconds without a heartbeat after which an actor takes its driver for dead (a new
+#: driver's adoption waits until its actors have noticed: while they hear the old one,
+#: they refuse it)
+DRIVER_TIMEOUT_S = 5.0
 
 
 def group_name(pool: str) -> str:
@@ -88,15 +90,23 @@ class Heartbeat:
                     return
 
 
+def driver_id() -> str:
+    """Who the calling driver is: its Ray node and pid."""
+    import os
+
+    return f"{ray.get_runtime_context().get_node_id()}:{os.getpid()}"
+
+
 class Grace:
     """An actor's view of its driver: :meth:`beat` (the driver is alive), :meth:`adopt`
-    (a new driver took over), and :meth:`watch`, a thread that calls ``give_up`` once the
+    (a new driver takes over), and :meth:`watch`, a thread that calls ``give_up`` once the
     driver has been silent for :data:`DRIVER_TIMEOUT_S` and no adoption came within
     ``grace_s`` after that."""
 
     def __init__(self) -> None:
         self.last_beat = time.monotonic()
         self.silent_since: float | None = None
+        self.driver = ""  # who adopted this actor last
         self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
@@ -105,9 +115,14 @@ class Grace:
     def alive(self) -> bool:
         return time.monotonic() - self.last_beat < DRIVER_TIMEOUT_S
 
-    def adopt(self) -> None:
+    def adopt(self, driver: str) -> bool:
+        """A driver takes over: False (refused) while another one's heartbeats arrive."""
+        if driver != self.driver and self.alive():
+            return False
+        self.driver = driver
         self.beat()
         self.silent_since = None
+        return True
 
     def watch(self, grace_s: float, give_up: Callable[[], None], what: str) -> None:
         if self._thread is not None or grace_s <= 0:
@@ -130,3 +145,30 @@ class Grace:
 
         self._thread = threading.Thread(target=run, name="tokenlake-grace", daemon=True)
         self._thread.start()
+
+
+def end_pool(pool: str, instance: int, instances: int, state_file: str | None) -> None:
+    """The last of a host's duties when no driver adopted pool ``pool``: the lowest-
+    numbered host still there waits (10 s at most) until the other hosts have ended
+    (each unlinks its buffers first), then removes the placement group and the state
+    file; the others leave that to it."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    from tokenlake.dataplane import pool_state
+
+    def hosts(indices) -> list[int]:
+        out = []
+        for i in indices:
+            with contextlib.suppress(Exception):  # gone: ValueError
+                ray.get_actor(actor_name(pool, "host", i), namespace=NAMESPACE)
+                out.append(i)
+        return out
+
+    if hosts(range(instance)):
+        return  # a lower host removes the group
+    deadline = time.monotonic() + 10.0
+    while hosts([i for i in range(instances) if i != instance]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(Exception):  # removed already
+        remove_placement_group(get_placement_group(group_name(pool)))
+    pool_state.forget(state_file, pool)

@@ -58,7 +58,7 @@ class EngineWatcher:
 
     def _watch(self) -> None:
         """Waits on the engines' sentinels; reports each unexpected death once."""
-        while True:
+        while not self._stop:  # checked before each wait: a wake-up byte may be read already
             with self.lock:
                 watched = {proc.sentinel: key for key, proc in self.procs.items()
                            if key[1] not in self.leaving and key not in self.failures}

@@ -88,7 +88,7 @@ def test_the_tree_has_every_command():
         ("demo",), ("walkthrough",), ("serve",), ("threshold",), ("fit-roofline",),
         ("profile-cpu",), ("profile-latency",), ("eval",), ("sim",), ("config", "show"),
         ("status",),
-        *(("bench", b) for b in ("plans", "query-vs-fetch", "kernel", "gpu", "curve", "vllm", "e2e", "scheduler", "sim", "restart",
+        *(("bench", b) for b in ("plans", "query-vs-fetch", "kernel", "gpu", "curve", "vllm", "e2e", "scheduler", "sim", "restart", "roundtrip",
                                          "serve", "http", "soak")),
     }
 

@@ -73,6 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "engines (adopt) or, its first process run with --orphan-grace-s 0, "
                     "empty (cold); times the restart to ready and to the first answer about "
                     "the document, with its cached tokens."))
+    add_roundtrip(what.add_parser(
+        "roundtrip", help="one layer's pool query on one host: round trip vs the attention alone",
+        description="A one-page prefix in a one-instance pool; 1 and 8 decode rows asked of "
+                    "the pool layer after layer and, alternately, attended by the query "
+                    "engine's kernel in this process: per-layer round trip, attention, "
+                    "overhead and a bare PING, medians and ranges in microseconds (JSON)."))
 
 
 def _json_flag(p: argparse.ArgumentParser, always: bool = False) -> None:
@@ -337,6 +343,31 @@ def run_restart(args: argparse.Namespace) -> int:
             f"bench restart: {line}", file=sys.stderr, flush=True))
     except RuntimeError as exc:  # a serve that does not start, a pool too small to answer
         raise UsageError(f"bench restart: {exc}") from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_report(result)
+    return 0
+
+
+# --------------------------------------------------------------------------- roundtrip
+
+
+def add_roundtrip(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeats", type=positive(int), default=20,
+                   help="passes over every layer per row count (after one warm-up pass)")
+    _json_flag(p)
+    p.set_defaults(run=run_roundtrip)
+
+
+def run_roundtrip(args: argparse.Namespace) -> int:
+    import sys
+
+    # torch and a local pool: only when it runs
+    from tokenlake.tools.bench_roundtrip import bench_roundtrip, print_report
+
+    result = bench_roundtrip(args.repeats, progress=lambda line: print(
+        f"bench roundtrip: {line}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

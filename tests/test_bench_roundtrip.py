@@ -1,0 +1,23 @@
+"""`tokenlake bench roundtrip` runs and reports what it says: per-layer round trip,
+attention alone, their difference and a bare PING, per row count, from a real pool."""
+
+from __future__ import annotations
+
+from tokenlake.dataplane.shm_files import list_buffers
+from tokenlake.tools.bench_roundtrip import bench_roundtrip
+
+
+def test_the_roundtrip_benchmark_reports_every_figure_per_row_count():
+    before = set(list_buffers())
+    result = bench_roundtrip(repeats=1)
+    keys = ("roundtrip_us", "attention_us", "overhead_us", "socket_roundtrip_us", "ping_us")
+    for key in keys:
+        assert set(result[key]) == {"1", "8"}, key
+        for stats in result[key].values():
+            assert stats["min"] <= stats["median"] <= stats["max"], (key, stats)
+    for rows in ("1", "8"):
+        assert result["attention_us"][rows]["median"] > 0 and result["ping_us"][rows]["median"] > 0
+        # the pool's answer includes the same attention, run by the query engine
+        assert result["roundtrip_us"][rows]["median"] > result["attention_us"][rows]["min"]
+    assert result["isa"] and result["layers"] == 30
+    assert set(list_buffers()) == before, "the benchmark's pool left shared memory behind"

@@ -1,0 +1,127 @@
+"""``tokenlake bench roundtrip``: what one layer's pool query costs a compute engine on
+one host beyond the attention itself.
+
+A one-page prefix (16 tokens of SmolLM2-135M's shape, 30 layers) is stored in a local
+pool of one instance; then 1 or 8 decode rows over it (8: eight requests sharing the
+prefix) are registered once and, layer after layer, asked of the pool
+(``InstanceClient.query``) and, alternately in the same loop, attended in this process by
+the very kernel the query engine runs (``slab_partial_attention``) on the same slab:
+
+* ``roundtrip_us``: one layer's ``client.query`` (the compute engine's wait), by the path
+  the pool uses on one host;
+* ``attention_us``: the kernel alone on the same rows and slot;
+* ``overhead_us``: their difference, what the hand-off costs;
+* ``socket_roundtrip_us``: one layer's query by the socket path (today the only path, so
+  equal to ``roundtrip_us``); ``ping_us``: a bare ``PING`` to the query engine and back
+  (the floor of any message, CURVE included).
+
+Each is a dict keyed by rows (``"1"``, ``"8"``) of ``{"median", "min", "max", "p90"}`` in
+microseconds over every layer of every repeat. The pool runs with its defaults (CURVE on,
+co-located slabs, 2 query threads); ``isa`` is what the CPU offers the native kernels.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+ROWS = (1, 8)
+PAGE = 16  # tokens: the prefix is one page, a whole segment of C = 16
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"median": round(statistics.median(ordered), 1), "min": round(ordered[0], 1),
+            "max": round(ordered[-1], 1), "p90": round(ordered[int(0.9 * (len(ordered) - 1))], 1)}
+
+
+def _store(cluster, doc: list[int]) -> None:
+    """The prefix, stored through the real put path (random K/V)."""
+    from tokenlake.core.plans import Batch, BatchRequest
+
+    cp = cluster.control
+    plans = cp.gen_plans([Batch((BatchRequest("doc", tuple(doc)),))], [1])
+    (tp,) = plans.transfer_plans
+    client = cluster.client(tp.home)
+    client.init_transfer(tp).normal_()
+    client.put(0, cluster.model.num_layers).wait(timeout_s=60)
+    cp.complete(plans)
+    cp.finish_request("doc")
+
+
+def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list[float]]:
+    """Per-layer times (µs) of the pool query and of the kernel alone, alternating."""
+    from tokenlake.core.plans import Batch, BatchRequest
+    from tokenlake.dataplane.attention_slab import slab_partial_attention
+    from tokenlake.dataplane.messages import Ping, Pong
+
+    cp = cluster.control
+    reqs = tuple(BatchRequest(f"r{i}", (5 + i,), tuple(doc)) for i in range(rows))
+    plans = cp.gen_plans([Batch(reqs)], [1])
+    (qp,) = plans.query_plans
+    assert all(s.prefix_tokens == PAGE for s in qp.spans), "the prefix was not hit"
+    client = cluster.client(qp.home)
+    q = client.init_query(qp)
+    q.normal_()
+    slab = cluster.slab(qp.home)
+    slot = cp.get_prefix_tree().replicas(cp.get_prefix_tree().match(doc).keys[0])[0].slot
+    out: dict[str, list[float]] = {"roundtrip": [], "attention": [], "ping": []}
+    try:
+        for rep in range(repeats + 1):  # the first repeat warms up
+            for layer in range(cluster.model.num_layers):
+                t0 = time.perf_counter()
+                client.query(layer)
+                t1 = time.perf_counter()
+                slab_partial_attention(q[:rows], slab, layer, [slot], [PAGE])
+                t2 = time.perf_counter()
+                cluster._request(("query", qp.home), Ping(), Pong)
+                t3 = time.perf_counter()
+                if rep:
+                    out["roundtrip"].append((t1 - t0) * 1e6)
+                    out["attention"].append((t2 - t1) * 1e6)
+                    out["ping"].append((t3 - t2) * 1e6)
+    finally:
+        cp.abort(plans)  # the rows were admitted by this iteration: the abort undoes them
+    return out
+
+
+def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda line: None) -> dict:
+    """The figures of the module docstring, as JSON-ready data."""
+    import torch
+
+    from tokenlake.core.specs import load_model
+    from tokenlake.dataplane import native
+    from tokenlake.deploy.local import LocalCluster
+
+    model = load_model("smollm2-135m")
+    torch.set_num_threads(2)  # as the query engine's (query_threads)
+    seg = model.num_layers * 2 * model.num_kv_heads * PAGE * model.head_dim * 4
+    doc = list(range(3, 3 + PAGE))
+    result: dict = {"isa": native.load().isa(), "model": model.name, "layers": model.num_layers,
+                    "prefix_tokens": PAGE, "repeats": repeats,
+                    **{k: {} for k in ("roundtrip_us", "attention_us", "overhead_us",
+                                       "socket_roundtrip_us", "ping_us")}}
+    progress("starting a one-instance pool ...")
+    with LocalCluster(1, model, 64 * seg, segment_tokens=PAGE, max_rows=64, page_tokens=PAGE) as cluster:
+        _store(cluster, doc)
+        for rows in ROWS:
+            progress(f"{rows} rows: {repeats} x {model.num_layers} layers ...")
+            got = _measure(cluster, doc, rows, repeats)
+            key = str(rows)
+            result["roundtrip_us"][key] = _stats(got["roundtrip"])
+            result["socket_roundtrip_us"][key] = result["roundtrip_us"][key]  # the only path today
+            result["attention_us"][key] = _stats(got["attention"])
+            result["overhead_us"][key] = _stats([a - b for a, b in zip(got["roundtrip"], got["attention"])])
+            result["ping_us"][key] = _stats(got["ping"])
+    return result
+
+
+def print_report(result: dict) -> None:
+    print(f"per-layer pool query, {result['model']} ({result['layers']} layers), one-page prefix "
+          f"({result['prefix_tokens']} tokens), isa {result['isa']}; µs, median (min-max)")
+    print("rows  roundtrip           attention        overhead            ping")
+    for rows in result["roundtrip_us"]:
+        cells = [result[k][rows] for k in ("roundtrip_us", "attention_us", "overhead_us", "ping_us")]
+        print(f"{rows:>4}  " + "  ".join(f"{c['median']:>7.1f} ({c['min']:.0f}-{c['max']:.0f})".ljust(18)
+                                        for c in cells))

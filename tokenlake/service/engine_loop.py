@@ -369,20 +369,21 @@ class EngineLoop:
         stream.last_s = now
         event = TokenEvent(token, len(res.output_ids) - 1, res.done, res.finish_reason,
                            res.hit_tokens, stream.prompt_tokens)
-        if not stream._deliver(event) and not res.done:
-            self.cancel(request_id)  # applied between iterations, not inside this one
-        if res.done:
+        done = res.done
+        if done:  # the bookkeeping first: a caller woken by its last token finds it done
             del self._streams[request_id]
             self._finished(request_id)
+        if not stream._deliver(event) and not done:
+            self.cancel(request_id)  # applied between iterations, not inside this one
 
     def _on_error(self, request_id: str, message: str) -> None:
         """``request_id`` failed on its own (the backend retired it): its caller gets
         :class:`RequestFailed`; the other requests are untouched."""
         log.warning("request %s failed: %s", request_id, message)
         stream = self._streams.pop(request_id, None)
+        self._finished(request_id)  # before its caller wakes (as for a last token)
         if stream is not None:
             stream._deliver(RequestFailed(f"the request failed: {message}"))
-        self._finished(request_id)
 
     def _finished(self, request_id: str) -> None:
         res = self.server.pop_result(request_id)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,14 @@ import pytest
 
 from tokenlake.dataplane import pool_state
 from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers, pid_alive
+from tokenlake.tools.bench_restart import free_port
 
 START_TIMEOUT_S = 180
 DOC = (Path(__file__).resolve().parents[1] / "tokenlake" / "data" / "demo_document.txt").read_text()
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # below the ephemeral range: no engine of the serve takes it first
 
 
 class Serve:

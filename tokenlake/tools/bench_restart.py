@@ -109,10 +109,27 @@ class _Serve(LaunchedServer):
         self.stop()  # closes its stderr file
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A port free now, outside the kernel's ephemeral range: the serve process binds its
+    engines to ephemeral ports before its control and HTTP ports, and one of them could
+    otherwise take the number picked here."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _document(copies: int = 1) -> str:
@@ -230,7 +247,7 @@ def _restart(stack: ExitStack, config: RestartConfig, ports: tuple[int, int], gr
 
 def run_round(config: RestartConfig, mode: str, home: Path, progress: Callable[[str], None]) -> dict:
     """One mode's kill and restart on fresh ports; its raw figures."""
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     grace = config.orphan_grace_s if mode == "adopt" else 0.0
     engines = _Engines(home, ports[0])
     env = serve_env(home)

@@ -98,6 +98,15 @@ def _kill(proc) -> None:
     proc.stdout.close()
 
 
+def _reap(proc, started: dict) -> None:
+    """The owner process and every engine it started: gone, whatever the test did."""
+    if proc.poll() is None:
+        _kill(proc)
+    for pid in started["pids"]:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _wait_gone(pids, prefix, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while any(map(pid_alive, pids)) or list_buffers(prefix):
@@ -161,11 +170,7 @@ def test_a_kill_during_a_put_adopts_whole_segments_only_and_answers_stay_exact(t
         _wait_gone(started["pids"], prefix, 10)
         assert not state_file.exists() and not leftover.exists()
     finally:
-        if proc.poll() is None:
-            _kill(proc)
-        for pid in started["pids"]:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(proc, started)
 
 
 def _old_grants_are_refused(cluster, old_key: bytes, key: bytes) -> None:
@@ -203,11 +208,7 @@ def test_engines_not_adopted_end_after_their_grace_with_every_buffer_and_file(tm
         assert time.monotonic() - killed > grace / 2, "the engines did not wait"
         assert not state_file.exists() and not leftover.exists(), "files outlived the pool"
     finally:
-        if proc.poll() is None:
-            _kill(proc)
-        for pid in started["pids"]:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(proc, started)
 
 
 def test_a_waiting_pool_that_lost_an_engine_is_discarded_and_a_new_one_starts(tmp_path):
@@ -234,11 +235,7 @@ def test_a_waiting_pool_that_lost_an_engine_is_discarded_and_a_new_one_starts(tm
             cluster.close()
         assert not state_file.exists()
     finally:
-        if proc.poll() is None:
-            _kill(proc)
-        for pid in started["pids"]:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(proc, started)
 
 
 @pytest.fixture

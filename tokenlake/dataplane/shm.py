@@ -190,15 +190,7 @@ class BufferRegistry:
         self._atexit = False
 
     def create(self, spec: BufferSpec) -> SharedTensor:
-        if self.prefix is not None and not spec.name.startswith(self.prefix):
-            raise SharedMemoryError(f"{spec.name!r} is outside this registry's {self.prefix!r}")
-        with self._lock:
-            if not self._atexit:
-                atexit.register(self._cleanup_at_exit)
-                self._atexit = True
-            st = SharedTensor.create(spec)
-            self._buffers[spec.name] = st
-            return st
+        return self._track(spec, lambda: SharedTensor.create(spec))
 
     def adopt(self, spec: BufferSpec) -> SharedTensor:
         """Maps an existing CPU buffer under this registry's prefix and takes over its
@@ -207,13 +199,17 @@ class BufferRegistry:
         if spec.is_cuda:
             raise SharedMemoryError("a CUDA buffer dies with the process that made it: "
                                     f"{spec.name!r} cannot be adopted")
+        return self._track(spec, lambda: SharedTensor(spec, _cpu_attach(spec), owner=True))
+
+    def _track(self, spec: BufferSpec, make) -> SharedTensor:
+        """``make()``'s buffer, kept for :meth:`cleanup` (it must be under the prefix)."""
         if self.prefix is not None and not spec.name.startswith(self.prefix):
             raise SharedMemoryError(f"{spec.name!r} is outside this registry's {self.prefix!r}")
         with self._lock:
             if not self._atexit:
                 atexit.register(self._cleanup_at_exit)
                 self._atexit = True
-            st = self._buffers[spec.name] = SharedTensor(spec, _cpu_attach(spec), owner=True)
+            st = self._buffers[spec.name] = make()
             return st
 
     @property

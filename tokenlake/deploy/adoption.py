@@ -45,6 +45,13 @@ def check_settings(mine: dict[str, Any], state: dict[str, Any]) -> None:
             "after their grace")
 
 
+def refuse_if_served(state: dict[str, Any], state_file) -> None:
+    """``AdoptionRefused`` while the process that wrote ``state`` still runs."""
+    if pool_state.owner_alive(state):
+        raise AdoptionRefused(f"the pool of {state_file} is still served by process "
+                              f"{state['owner_pid']}")
+
+
 def rebuild(cluster, instances) -> RestoreReport:
     """Rebuilds ``cluster``'s control plane from the records of ``instances`` (those
     whose record tables it maps), refused records cleared."""
@@ -135,9 +142,7 @@ class Adoptable:
         dead, an engine alive); ``AdoptionRefused`` while its owner still lives."""
         if state is None or not _engines_of(state):
             return False  # nothing left of it: a state file to discard
-        if pool_state.owner_alive(state):
-            raise AdoptionRefused(f"the pool of {self.state_file} is still served by process "
-                                  f"{state['owner_pid']}")
+        refuse_if_served(state, self.state_file)
         return True
 
     def check_settings(self, state: dict[str, Any]) -> None:

@@ -12,12 +12,11 @@ from typing import Any
 
 import ray
 
-from tokenlake.core.errors import AdoptionRefused
 from tokenlake.core.restore import RestoreReport
 from tokenlake.dataplane import pool_state
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec
-from tokenlake.deploy.adoption import check_settings, rebuild
+from tokenlake.deploy.adoption import check_settings, rebuild, refuse_if_served
 from tokenlake.deploy.ray.orphans import NAMESPACE, Heartbeat, actor_name
 
 log = logging.getLogger(__name__)
@@ -98,9 +97,7 @@ class RayAdoptable:
             ray.get_actor(actor_name(self.options.name, "host", 0), namespace=NAMESPACE)
         except ValueError:
             return False  # nothing left of it: a state file to discard
-        if pool_state.owner_alive(state):
-            raise AdoptionRefused(f"the pool of {self.state_file} is still served by process "
-                                  f"{state['owner_pid']}")
+        refuse_if_served(state, self.state_file)
         return True
 
     def check_settings(self, state: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,8 +36,9 @@ from tokenlake.core.errors import EngineUnavailable, NotAuthorized, PlanError
 from tokenlake.dataplane import grants
 from tokenlake.dataplane.attention import empty_partial, merge, merge_many
 from tokenlake.dataplane.attention_paged import flashinfer_slab_attention, warm_up
-from tokenlake.dataplane.attention_slab import slabs_partial_attention
+from tokenlake.dataplane.attention_slab import prepare_slabs_attention
 from tokenlake.dataplane.engine import Caller, EngineLoop, EngineSpec, Pending
+from tokenlake.dataplane.engine_bells import Answer
 from tokenlake.dataplane.messages import (
     AttendItem,
     PeerQuery,
@@ -84,9 +85,11 @@ class AttendLayout:
 
     insts: tuple[int, ...]  # the slabs, by instance (this one's, or co-located peers')
     own: tuple[tuple[int, int, Work], ...]  # (start, stop, work)
-    shared: tuple[tuple[torch.Tensor, Work], ...]  # (row indices, work)
+    shared: tuple[tuple[slice | torch.Tensor, Work], ...]  # (rows: a slice where they are contiguous, work)
     disjoint: bool  # the own row ranges do not overlap: each is written, not merged
     stop: int  # rows the items need
+    # the calls that attend each part, set up at first use for every layer (CPU)
+    calls: list = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def of(cls, by_slab: dict[int, Sequence[AttendItem]], cascade: bool = True) -> AttendLayout:
@@ -106,9 +109,17 @@ class AttendLayout:
         spans = sorted(own)
         return cls(tuple(by_slab),
                    tuple((a, z, tuple(zip(*w))) for (a, z), w in own.items()),
-                   tuple((torch.cat([torch.arange(a, z) for a, z in rs]), tuple(zip(*w))) for rs, w in shared.items()),
+                   tuple((_rows(rs), tuple(zip(*w))) for rs, w in shared.items()),
                    all(a2 >= z1 for (_, z1), (a2, _) in zip(spans, spans[1:])),
                    max((z for rs in ranges_of.values() for _, z in rs), default=0))
+
+
+def _rows(ranges: tuple[tuple[int, int], ...]) -> slice | torch.Tensor:
+    """Sorted row ranges as one slice where they follow each other (the requests of a
+    batch over one document), else as row indices."""
+    if all(z == a2 for (_, z), (a2, _) in zip(ranges, ranges[1:])):
+        return slice(ranges[0][0], ranges[-1][1])
+    return torch.cat([torch.arange(a, z) for a, z in ranges])
 
 
 @dataclass(frozen=True)
@@ -262,16 +273,18 @@ class QueryEngine(EngineLoop):
         if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
             return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer,
                                              [(a, z, list(w[1]), list(w[2])) for a, z, w in layout.own])
-        parts: list[tuple[slice | torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
-        for a, z, work in layout.own:
-            parts.append((slice(a, z), slabs_partial_attention(q[a:z], slabs, layer, *work)))
-        for rows, work in layout.shared:
-            parts.append((rows, slabs_partial_attention(q[rows], slabs, layer, *work)))
-        if len(parts) == 1 and isinstance(parts[0][0], slice) and parts[0][0] == slice(0, q.shape[0]):
-            return parts[0][1]
+        if not layout.calls:  # the slot tables, once for every layer; own parts first
+            for rows, w, own in [(slice(a, z), w, True) for a, z, w in layout.own] + \
+                    [(rows, w, False) for rows, w in layout.shared]:
+                n = len(range(q.shape[0])[rows]) if isinstance(rows, slice) else len(rows)
+                # an own part of disjoint ranges is written (nothing else wrote its rows yet)
+                layout.calls.append((rows, prepare_slabs_attention(n, self.q_heads, slabs, *w), own and layout.disjoint))
+        if len(layout.calls) == 1 and layout.calls[0][0] == slice(0, q.shape[0]):
+            return layout.calls[0][1](q, layer)  # one part over every row: nothing to merge
         o, lse = empty_partial(q.shape[0], self.q_heads, self.head_dim)
-        for rows, (po, plse) in parts:  # the row ranges' own parts come first
-            if layout.disjoint and isinstance(rows, slice):  # rows nothing else wrote yet: no merge
+        for rows, call, write in layout.calls:
+            po, plse = call(q[rows], layer)
+            if write:
                 o[rows], lse[rows] = po, plse
             else:
                 o[rows], lse[rows] = merge(o[rows], lse[rows], po, plse)
@@ -297,21 +310,39 @@ class QueryEngine(EngineLoop):
         self.reply(identity, PeerQueryResult(layer, o, lse).encode(msg_id))
 
     def _serve_home(self, identity, msg_id: int, message: Query, caller: Caller) -> None:
-        pid = message.plan
+        def answer(exc: BaseException | None) -> None:
+            self.reply(identity, QueryDone(message.layer).encode(msg_id) if exc is None
+                       else error_message(msg_id, exc))
+        self._query(caller, message.plan, message.layer, answer)
+
+    def handle_bell(self, caller: Caller, plan: int, layer: int, layers: int, answer: Answer) -> None:
+        """A ``QUERY`` posted on the session's bell (``layers`` is 1)."""
+        self._query(caller, plan, layer, answer)
+
+    def _query(self, caller: Caller, pid: int, layer: int, answer: Answer) -> None:
+        """Serves a query of plan ``pid`` at ``layer``: peers asked, the own share attended,
+        every partial merged into the session's ``out``; ``answer`` once (a check that
+        fails before anything is asked raises instead)."""
         session, _ = self.session_buffers(caller)
         plan = self.home_plans.get((session, pid))
         if plan is None:
             raise PlanError(f"unknown plan {pid} on instance {self.spec.instance}")
         if plan.expiry < time.time():
             raise NotAuthorized(f"plan {pid}'s grant expired")
-        layer = self._check_layer(message.layer)
+        layer = self._check_layer(layer)
         gone = [i for i in plan.local.insts if i != self.spec.instance and i not in self.peers]
         if gone:  # its slab may be zeroed for a restart: never read it after it left
             raise EngineUnavailable(f"instance {gone[0]} left the cluster after plan {pid} was registered")
         q = plan.q[: plan.rows]
+        if not plan.remote:  # every slot is attended here: nothing to wait for
+            o, lse = self._partial(q, plan.local, layer)
+            plan.out_o[: plan.rows].copy_(o)
+            plan.out_lse[: plan.rows].copy_(lse)
+            answer(None)
+            return
         pending = self.new_pending(PeerQueryResult, session)
-        pending.on_done = lambda p: self._finish_home(identity, msg_id, plan, layer, p)
-        pending.on_fail = lambda p, exc: self.reply(identity, error_message(msg_id, exc))
+        pending.on_done = lambda p: self._finish_home(plan, layer, p, answer)
+        pending.on_fail = lambda p, exc: answer(exc)
         for inst, (lo, hi) in plan.remote.items():  # q rows out first: peers work meanwhile
             self.ask(inst, PeerQuery(self.spec.instance, plan.peer_id, layer, q[lo:hi]), pending)
         try:
@@ -321,9 +352,9 @@ class QueryEngine(EngineLoop):
             return
         pending.results.append((self.spec.instance, own))
         if not pending.waiting:
-            self._finish_home(identity, msg_id, plan, layer, pending)
+            self._finish_home(plan, layer, pending, answer)
 
-    def _finish_home(self, identity, msg_id: int, plan: HomePlan, layer: int, pending: Pending) -> None:
+    def _finish_home(self, plan: HomePlan, layer: int, pending: Pending, answer: Answer) -> None:
         o, lse = plan.out_o[: plan.rows], plan.out_lse[: plan.rows]
         parts = []  # (lo, hi, o, lse), every one checked before the caller's buffers are written
         for inst, result in pending.results:  # PeerQueryResults (Pending.expect)
@@ -347,4 +378,4 @@ class QueryEngine(EngineLoop):
             lse.fill_(float("-inf"))
             for lo, hi, po, plse in parts:
                 o[lo:hi], lse[lo:hi] = merge(o[lo:hi], lse[lo:hi], po, plse)
-        self.reply(identity, QueryDone(layer).encode(msg_id))
+        answer(None)

@@ -32,10 +32,10 @@ def credentials_home(tmp_path_factory):
 def no_leftovers():
     from tokenlake.dataplane.shm_files import list_buffers
 
-    before = set(list_buffers())
+    before = set(list_buffers(fifos=True))
     yield
     children = [p for p in multiprocessing.active_children() if p.name.startswith("tokenlake-")]
-    leaked = sorted(name for name in set(list_buffers()) - before if _ours_or_orphaned(name))
+    leaked = sorted(name for name in set(list_buffers(fifos=True)) - before if _ours_or_orphaned(name))
     assert not children, f"engine processes still running after the tests: {children}"
     assert not leaked, f"shared memory left behind: {leaked}"
 

@@ -100,7 +100,8 @@ def run(address: str, spec: ModelSpec, seed: int, iterations: int) -> dict:
                 worst, waits, done = max(worst, err), waits + w, done + 1
             cp.finish_request(rid)
         session = cp.session.session
-    return {"iterations": done, "worst": worst, "waits": waits, "session": session}
+        bells = sorted(i for i, c in cp._clients.items() if c._bell is not None)  # hand-offs in shared memory
+    return {"iterations": done, "worst": worst, "waits": waits, "session": session, "bells": bells}
 
 
 def victim(address: str, spec: ModelSpec, seed: int, prompt: list[int] | None = None) -> None:

@@ -490,7 +490,9 @@ def test_client_tables_stay_flat_over_many_iterations(cluster):
             client.query(0)
             sizes.append(len(client._replies) + len(client._puts) + len(client._unawaited))
         client.wait_puts()
-        assert max(sizes[100:]) <= 2, max(sizes[100:])  # at most a release still in flight
+        # at most the two releases still in flight (their replies are read with the next
+        # message: the per-layer hand-offs through the bell need none) and the last put
+        assert max(sizes[100:]) <= 3, max(sizes[100:])
     finally:
         cp.abort(plans)
 
@@ -556,7 +558,9 @@ def test_a_plans_layout_attends_slots_read_alike_once_for_all_their_rows():
     layout = AttendLayout.of({2: (doc0, tail0, doc1, tail1, doc2), 0: (AttendItem(0, 1, (1,), (C,)),)})
     assert layout.insts == (2, 0) and layout.stop == 4 and layout.disjoint
     ((rows, work),) = layout.shared
-    assert rows.tolist() == [0, 1, 2, 3] and work == ((0, 0), (4, 5), (C, C))
+    assert rows == slice(0, 4) and work == ((0, 0), (4, 5), (C, C))  # contiguous rows: a slice
+    gap = AttendLayout.of({2: (doc0, AttendItem(3, 4, (4, 5), (C, C)))})
+    assert gap.shared[0][0].tolist() == [0, 3]  # rows with a gap: indices
     assert sorted(layout.own) == [(0, 1, ((0, 1), (9, 1), (3, C))), (1, 2, ((0,), (8,), (5,)))]
     flat = AttendLayout.of({2: (doc0, tail0, doc1)}, cascade=False)
     assert not flat.shared and sorted(flat.own) == [(0, 1, ((0, 0, 0), (4, 5, 9), (C, C, 3))),

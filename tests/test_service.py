@@ -255,7 +255,7 @@ def test_serve_local_serves_until_stopped_and_cleans_up():
             assert client.instance == 1 and client.q.shape[0] == 64
             info = cp.client_info(1)
             assert set(info.endpoints) == {"query", "transfer"}
-            assert set(info.buffers) == {"q", "out_o", "out_lse", "kv"}
+            assert set(info.buffers) == {"q", "out_o", "out_lse", "kv", "bell"}
             with pytest.raises(ConfigError, match="no instance 5"):
                 cp.client_info(5)
     assert list_buffers(prefix) == []

@@ -269,9 +269,12 @@ def test_closing_a_session_waits_for_nothing_and_unlinks_its_buffers(cluster):
     view.client(0)
     mine = f"-s{view.number}-"
     names = [n for n in list_buffers(cluster_prefix(cluster.cluster_id)) if mine in n]
-    assert len(names) == 4  # q, out_o, out_lse, kv
+    assert len(names) == 5  # q, out_o, out_lse, kv, bell
+    fifos = [n for n in list_buffers(cluster_prefix(cluster.cluster_id), fifos=True) if mine in n]
+    assert sorted(fifos) == sorted(names + [f"{n}.{r}" for n in names if "-bell-" in n
+                                            for r in ("query", "transfer")])  # the engines' doorbells
     view.close()
-    assert not [n for n in list_buffers(cluster_prefix(cluster.cluster_id)) if mine in n]
+    assert not [n for n in list_buffers(cluster_prefix(cluster.cluster_id), fifos=True) if mine in n]
 
 
 def test_wire_error_request_ids_are_strings():

@@ -107,6 +107,7 @@ def test_http_and_three_workers_share_a_pool_exactly(pool, smollm2):
     assert sum(r["iterations"] for r in results) >= 100
     assert max(r["worst"] for r in results) < 1e-4, results
     assert len({r["session"] for r in results}) == 3
+    assert all(r["bells"] for r in results), results  # their per-layer hand-offs went through their bells
     for text, msgs in answers:  # greedy answers are the reference engine's, token for token
         assert text == reference(smollm2, msgs)
     assert len(answers) == len(QUESTIONS)

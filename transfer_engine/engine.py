@@ -33,6 +33,7 @@ import torch
 from tokenlake.core.errors import NotAuthorized, PlanError
 from tokenlake.dataplane import grants
 from tokenlake.dataplane.engine import Caller, EngineLoop, EngineSpec, Pending
+from tokenlake.dataplane.engine_bells import Answer
 from tokenlake.dataplane.messages import (
     CopyDone,
     CopySegment,
@@ -207,15 +208,29 @@ class TransferEngine(EngineLoop):
         self.slab[slot, layer, :, :, offset : offset + n, :].copy_(rows.permute(1, 2, 0, 3))
 
     def _put(self, identity, msg_id: int, message: Put, caller: Caller) -> None:
+        def answer(exc: BaseException | None) -> None:
+            self.reply(identity, PutDone(message.layer).encode(msg_id) if exc is None
+                       else error_message(msg_id, exc))
+        self._put_layers(caller, message.plan, message.layer, message.layers, answer)
+
+    def handle_bell(self, caller: Caller, plan: int, layer: int, layers: int, answer: Answer) -> None:
+        """A ``PUT`` posted on the session's bell."""
+        self._put_layers(caller, plan, layer, layers, answer)
+
+    def _put_layers(self, caller: Caller, pid: int, layer: int, n: int, answer: Answer) -> None:
+        """Stores layers ``[layer, layer + n)`` of plan ``pid``: this slab's rows written,
+        peers' sent; ``answer`` once every store is done (a failed check raises instead)."""
         session, _ = self.session_buffers(caller)
-        plan = self.plans.get((session, message.plan))
+        plan = self.plans.get((session, pid))
         if plan is None:
-            raise PlanError(f"unknown transfer plan {message.plan} on instance {self.spec.instance}")
+            raise PlanError(f"unknown transfer plan {pid} on instance {self.spec.instance}")
         if plan.expiry < time.time():
-            raise NotAuthorized(f"transfer plan {message.plan}'s grant expired")
-        layers = self._check_layers(message.layer, message.layers)
+            raise NotAuthorized(f"transfer plan {pid}'s grant expired")
+        layers = self._check_layers(layer, n)
         kv = plan.kv
-        pending = self._answer(identity, msg_id, PutDone(layers.start), session)
+        pending = self.new_pending(PutDone, session)
+        pending.on_done = lambda p: answer(None)
+        pending.on_fail = lambda p, exc: answer(exc)
         remote_copies = plan.remote_copies
         for inst in plan.remote.keys() | remote_copies.keys():  # remote first: they store while we do
             puts = plan.remote.get(inst, ())

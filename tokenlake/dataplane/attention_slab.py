@@ -179,6 +179,38 @@ def slabs_partial_attention(q: Tensor, slabs: Sequence[Tensor], layer: int, sour
     return merge_many(torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts]))
 
 
+def prepare_slabs_attention(rows: int, q_heads: int, slabs: Sequence[Tensor], sources: Sequence[int],
+                            slots: Sequence[int], tokens: Sequence[int]) -> Callable[[Tensor, int], Partial]:
+    """:func:`slabs_partial_attention` of ``rows`` q rows over these slots, checked and
+    set up once for every layer (a query engine's plan: plan once, run many): the call
+    returned takes ``(q, layer)``. On the csrc kernel's path the slot tables are built
+    here, so a layer costs one kernel call; otherwise each call is the function's."""
+    if slabs and not slabs[0].is_cuda and rows and len(slots) == len(tokens) == len(sources):
+        first = slabs[0]
+        used = sorted(set(sources))
+        same = all(slabs[k].shape == first.shape and slabs[k].dtype == first.dtype for k in used)
+        head_dim, kv_heads = first.shape[5], first.shape[3]
+        kernel = _kernel_for(first, rows * (q_heads // kv_heads), all(slabs[k].is_contiguous() for k in used)) \
+            if same and kv_heads and q_heads % kv_heads == 0 else None
+        work = [(k, s, n) for k, s, n in zip(sources, slots, tokens) if n > 0]
+        if kernel is not None and work and all(0 <= n <= first.shape[4] for n in tokens):
+            renumber = {k: j for j, k in enumerate(used)}
+            table = [slabs[k] for k in used]
+            idx = torch.as_tensor([w[1] for w in work], dtype=torch.int64)
+            cnt = torch.as_tensor([w[2] for w in work], dtype=torch.int64)
+            src = torch.as_tensor([renumber[w[0]] for w in work], dtype=torch.int64)
+            scale = softmax_scale(None, head_dim)
+
+            def call(q: Tensor, layer: int) -> Partial:
+                try:
+                    o, lse = kernel.slab_attention(q.float().contiguous(), table, int(layer), idx, cnt, scale, src)
+                except RuntimeError as exc:  # TORCH_CHECK failures: the call does not fit
+                    raise ValueError(str(exc).splitlines()[0]) from None
+                return Partial(o, lse)
+            return call
+    return lambda q, layer: slabs_partial_attention(q, slabs, layer, sources, slots, tokens)
+
+
 def _slab_small_rows(qg: Tensor, slab: Tensor, layer: int, work: list[tuple[int, int]],
                      scale: float) -> tuple[Tensor, Tensor]:
     """Few-row slab attention: scores of every slot, one exact softmax, then P @ V per

@@ -23,6 +23,7 @@ routing id of its sockets, so its plans never meet another client's.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from tokenlake.core.plans import QueryPlan, TransferPlan
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.attention import Partial
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
+from tokenlake.dataplane.doorbell import RING, ClientBell
 from tokenlake.dataplane.messages import (
     PlanAck,
     Put,
@@ -53,19 +55,29 @@ from tokenlake.dataplane.sockets import send_frames
 class PutHandle:
     """Completion of one layer's put; :meth:`wait` blocks until every store is done."""
 
-    def __init__(self, client: InstanceClient, msg_id: int, layer: int) -> None:
+    def __init__(self, client: InstanceClient, msg_id: int, layer: int, bell: bool = False) -> None:
         self._client, self._id, self.layer = client, msg_id, layer
+        self._bell = bell  # msg_id is the seq of a hand-off on the session's bell
         self._done = False
 
     def wait(self, timeout_s: float | None = None) -> None:
         if not self._done:
-            self._client._wait(self._id, timeout_s, PutDone)
+            if self._bell:
+                self._client._wait_bell("transfer", self._id, timeout_s)
+            else:
+                self._client._wait(self._id, timeout_s, PutDone)
             self._done = True
 
     def done(self) -> bool:
-        """True once the put has completed (does not block)."""
-        if not self._done and self._client._poll_done(self._id):
-            self._done = True
+        """True once the put has completed (does not block; a failed put is done, and
+        :meth:`wait` raises its error)."""
+        if not self._done:
+            if self._bell:
+                state = self._client._bell.state("transfer", self._id)
+                self._done = state > 0  # a failed one raises in wait()
+                return state != 0
+            if self._client._poll_done(self._id):
+                self._done = True
         return self._done
 
 
@@ -74,11 +86,14 @@ class QueryHandle:
     :class:`~tokenlake.dataplane.attention.Partial`: float32 views of the shared ``out``
     buffer, to consume before the next :meth:`InstanceClient.query`."""
 
-    def __init__(self, client: InstanceClient, msg_id: int, rows: int) -> None:
-        self._client, self._id, self._rows = client, msg_id, rows
+    def __init__(self, client: InstanceClient, msg_id: int, rows: int, bell: bool = False) -> None:
+        self._client, self._id, self._rows, self._bell = client, msg_id, rows, bell
 
     def wait(self, timeout_s: float | None = None) -> Partial:
-        self._client._wait(self._id, timeout_s, QueryDone)
+        if self._bell:
+            self._client._wait_bell("query", self._id, timeout_s)
+        else:
+            self._client._wait(self._id, timeout_s, QueryDone)
         return Partial(self._client.out_o[: self._rows], self._client.out_lse[: self._rows])
 
 
@@ -122,6 +137,11 @@ class InstanceClient:
         self._query_plan: tuple[int, int] | None = None  # (plan id, rows)
         self._transfer_plan: tuple[int, int] | None = None
         self._puts: deque[PutHandle] = deque()  # not known to be done, in issue order
+        # per-layer hand-offs through the session's shared bell (doorbell.py) when its
+        # engines offer one; False: the socket path (``fast = False`` forces it)
+        self.bell = self._bell_buf = buffers.get("bell")  # (uint8, host memory)
+        self._bell: ClientBell | None = None
+        self.fast = os.environ.get("TOKENLAKE_BELL", "1") != "0"  # an operator's switch to the socket path
 
     def start(self, ctx: zmq.Context) -> None:
         self._ctx = ctx
@@ -135,6 +155,9 @@ class InstanceClient:
             self._socks[role] = sock
 
     def close(self) -> None:
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
@@ -156,6 +179,13 @@ class InstanceClient:
         """Prefix attention of ``q_buf`` over the pool for one layer."""
         return self.query_async(layer).wait(timeout_s)
 
+    def expect_query(self) -> None:
+        """Says a :meth:`query` comes soon (call it before computing the layer's q): on
+        one host the query engine wakes now and waits for it spinning, so its wake-up
+        overlaps that work. Optional; nothing on the socket path."""
+        if self._query_plan is not None and self._use_bell():
+            self._bell.heads_up("query")
+
     def query_async(self, layer: int) -> QueryHandle:
         """Starts :meth:`query`; do other work (self-attention), then ``wait()``. Do not
         touch ``q_buf`` until it is done."""
@@ -164,6 +194,8 @@ class InstanceClient:
         _index(layer, "layer", self.kv.shape[0])
         pid, rows = self._query_plan
         _written(self.q)
+        if self._use_bell():
+            return QueryHandle(self, self._post("query", pid, layer, 1), rows, bell=True)
         msg_id = self._send("query", Query(pid, layer))
         return QueryHandle(self, msg_id, rows)
 
@@ -192,8 +224,10 @@ class InstanceClient:
         if layers < 1 or layer < 0 or layer + layers > self.kv.shape[0]:
             raise PlanError(f"layers [{layer}, {layer + layers}) outside [0, {self.kv.shape[0]})")
         _written(self.kv)
-        msg_id = self._send("transfer", Put(self._transfer_plan[0], layer, layers))
-        handle = PutHandle(self, msg_id, layer)
+        if self._use_bell():
+            handle = PutHandle(self, self._post("transfer", self._transfer_plan[0], layer, layers), layer, True)
+        else:
+            handle = PutHandle(self, self._send("transfer", Put(self._transfer_plan[0], layer, layers)), layer)
         while self._puts and self._puts[0]._done:  # waited for by their owner already
             self._puts.popleft()
         self._puts.append(handle)
@@ -207,6 +241,30 @@ class InstanceClient:
             self._puts.popleft()
 
     # ------------------------------------------------------------ internals
+    def _use_bell(self) -> bool:
+        """True if hand-offs go through the session's bell (opened on first use)."""
+        if not self.fast or self._bell_buf is None:
+            return False
+        if self._bell is None:
+            self._bell = ClientBell.attach(self._bell_buf)
+            if self._bell is None:  # engines without bells: the socket path, for good
+                self._bell_buf = None
+                return False
+        return True
+
+    def _post(self, role: str, plan: int, layer: int, layers: int) -> int:
+        bell = self._bell
+        assert bell is not None
+        seq = bell.next_seq(role)
+        if seq > RING and not bell.state(role, seq - RING):  # its entry is still in use
+            self._wait_bell(role, seq - RING, None)
+        return bell.post(role, plan, layer, layers)
+
+    def _wait_bell(self, role: str, seq: int, timeout_s: float | None) -> None:
+        assert self._bell is not None
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        self._bell.wait(role, seq, deadline, self.poll_s, self._alive, self.instance)
+
     def _check_home(self, home: int) -> None:
         if home != self.instance:
             raise PlanError(f"plan is homed on instance {home}; this client is instance {self.instance}")

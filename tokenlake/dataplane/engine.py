@@ -44,6 +44,7 @@ from tokenlake.dataplane.auth import (
     guard,
     serve_secure,
 )
+from tokenlake.dataplane.engine_bells import EngineBells
 from tokenlake.dataplane.engine_owner import OwnerWatch
 from tokenlake.dataplane.engine_sessions import OWNER_SESSION, Caller, EngineSessions
 from tokenlake.dataplane.engine_spec import ROLES, EngineSpec
@@ -87,15 +88,13 @@ class Pending:
     session: bytes = OWNER_SESSION  # on whose behalf (a closing session waits for it)
 
 
-class EngineLoop(OwnerWatch, EngineSessions):
-    """Single-threaded event loop: one ROUTER for incoming work, one DEALER per peer.
-
-    Every message is read once into its typed message
-    (:mod:`tokenlake.dataplane.messages`). The loop answers ``PING``, ``PEERS`` and
-    ``SHUTDOWN`` itself; subclasses implement :meth:`handle` (any other request from a
-    client or a peer, on the ROUTER) and use :meth:`ask` to send requests to peers whose
-    replies complete a :class:`Pending`.
-    """
+class EngineLoop(OwnerWatch, EngineSessions, EngineBells):
+    """Single-threaded event loop: one ROUTER for incoming work, one DEALER per peer, the
+    sessions' doorbells (engine_bells.py). Every message is read once into its typed
+    message (:mod:`tokenlake.dataplane.messages`). The loop answers ``PING``, ``PEERS``
+    and ``SHUTDOWN`` itself; subclasses implement :meth:`handle` (any other request, on
+    the ROUTER) and use :meth:`ask` to send requests to peers whose replies complete a
+    :class:`Pending`."""
 
     tick_s = 0.1
 
@@ -116,6 +115,7 @@ class EngineLoop(OwnerWatch, EngineSessions):
         self.keys = ClusterKeys.from_dict(spec.keys) if spec.keys is not None else None
         self._gate = None
         self._init_sessions()
+        self._init_bells()  # per-layer hand-offs in shared memory (engine_bells.py)
         self._init_owner()  # the launcher's death, the grace, adoption (engine_owner.py)
 
     # ------------------------------------------------------------ lifecycle
@@ -186,6 +186,7 @@ class EngineLoop(OwnerWatch, EngineSessions):
         self._maps = {n: SharedTensor.attach(BufferSpec.from_dict(d)) for n, d in self.spec.buffers.items()}
         bufs = {n: m.tensor for n, m in self._maps.items()}
         self.sessions[OWNER_SESSION] = {n: t for n, t in bufs.items() if n != "slab"}
+        self.open_bell(OWNER_SESSION, bufs.get("bell"), self._maps["bell"].spec if "bell" in bufs else None)
         return bufs
 
     def map_shared_slabs(self, slab: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -201,6 +202,7 @@ class EngineLoop(OwnerWatch, EngineSessions):
         return out
 
     def close(self) -> None:
+        self.close_bells()
         for m in getattr(self, "_maps", {}).values():
             m.close()
         self._close_session_maps()
@@ -216,10 +218,12 @@ class EngineLoop(OwnerWatch, EngineSessions):
     def _poller(self) -> tuple[zmq.Poller, dict]:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
-        by_socket = {}
+        by_socket: dict = {}
         for inst, sock in self.peers.items():
             poller.register(sock, zmq.POLLIN)
             by_socket[sock] = inst
+        for fd in self._bell_fds:  # the sessions' doorbells (raw FIFO fds)
+            poller.register(fd, zmq.POLLIN)
         self._peers_changed = False
         return poller, by_socket
 
@@ -236,6 +240,8 @@ class EngineLoop(OwnerWatch, EngineSessions):
                 if sock is self.router:
                     self._on_request(sock.recv_multipart(copy=False))
                     self._handled += 1
+                elif isinstance(sock, int):
+                    self.serve_bell(self._bell_fds[sock])
                 else:
                     self._on_reply(by_socket[sock], sock.recv_multipart(copy=False))
                 self._busy_s += time.perf_counter() - t0
@@ -254,9 +260,9 @@ class EngineLoop(OwnerWatch, EngineSessions):
 
     def stats(self) -> Pong:
         """What a PING is answered with: identity and the bytes this process copied on
-        the wire path (payload bytes decode had to copy, see ``CopyStats``)."""
+        the wire path (``CopyStats``)."""
         return Pong(self.spec.role, self.spec.instance, CopyStats.bytes_copied,
-                    CopyStats.messages, self._handled, self._busy_s)
+                    CopyStats.messages, self._handled, self._busy_s, self.bell_handoffs)
 
     # ------------------------------------------------------------- messages
     def _on_request(self, frames: list) -> None:
@@ -287,6 +293,7 @@ class EngineLoop(OwnerWatch, EngineSessions):
                 self._adopt(message)
                 self.reply(identity, Ack().encode(msg_id))
             else:
+                self.serve_bell_first(caller.session)  # a session's hand-offs in its order
                 self.handle(identity, msg_id, message, caller)
         except Exception as exc:  # a bad request must not stop the engine
             msg_id = getattr(exc, "msg_id", None) or msg_id  # WireError knows it if readable
@@ -333,8 +340,7 @@ class EngineLoop(OwnerWatch, EngineSessions):
         send_frames(self.router, [identity, *frames])
 
     def tell(self, instance: int, message: WireMessage) -> None:
-        """Sends ``message`` to a peer without waiting: its reply (id 0) is dropped."""
-        send_frames(self._peer(instance), message.encode(0))
+        send_frames(self._peer(instance), message.encode(0))  # no wait: its reply (id 0) is dropped
 
     def ask(self, instance: int, message: WireMessage, pending: Pending) -> None:
         """Sends ``message`` to a peer; its reply will complete ``pending``."""
@@ -402,10 +408,8 @@ def run_engine(engine_cls: Callable[[EngineSpec], Any], spec_bytes: bytes, conn)
         conn.send_bytes(msgpack.packb({"ready": True}))
         profile_dir = os.environ.get("TOKENLAKE_PROFILE_ENGINES")  # developer aid
         if profile_dir:
-            import cProfile
-
-            cProfile.runctx("engine.serve()", globals(), {"engine": engine},
-                            os.path.join(profile_dir, f"{spec.role}-{spec.instance}.prof"))
+            __import__("cProfile").runctx("engine.serve()", globals(), {"engine": engine},
+                                          os.path.join(profile_dir, f"{spec.role}-{spec.instance}.prof"))
         else:
             engine.serve()
     finally:

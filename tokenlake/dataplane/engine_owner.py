@@ -41,10 +41,15 @@ class OwnerWatch:
         #: where the owner is no local process (a Ray driver): whether it is alive (its
         #: heartbeats arrive), set by the actor that runs this engine
         self.owner_alive = None
+        self._owner_checked = 0.0  # time.monotonic() of the last look
 
     def owner_gone(self) -> bool:
         """Called every tick: True when the loop should end (the owner is gone and no
-        grace is left)."""
+        grace is left). Looked at once a tick at most (not after every message)."""
+        now = time.monotonic()
+        if now - self._owner_checked < self.tick_s:
+            return False
+        self._owner_checked = now
         if self.waiting_since is not None:
             return self._grace_over()
         if self.owner_alive is not None:
@@ -91,6 +96,7 @@ class OwnerWatch:
         for token in list(self.sessions):
             self.drop_session(token)
             if token != OWNER_SESSION:
+                self.close_bell(token)
                 for m in self._session_maps.pop(token, []):
                     m.close()
                 del self.sessions[token]

@@ -121,7 +121,7 @@ class EngineSessions:
         if len(self.sessions) > MAX_SESSIONS:
             raise PlanError(f"this engine serves {MAX_SESSIONS} sessions at most")
         own = {n: BufferSpec.from_dict(d) for n, d in self.spec.buffers.items() if n != "slab"}
-        if set(message.buffers) != set(own):
+        if not set(own) - {"bell"} <= set(message.buffers) <= set(own):  # without a bell: the socket path
             raise PlanError(f"a session of a {self.spec.role} engine needs the buffers "
                             f"{sorted(own)}, got {sorted(message.buffers)}")
         for name, spec in message.buffers.items():
@@ -139,6 +139,7 @@ class EngineSessions:
             raise
         self.sessions[token] = {name: m.tensor for name, m in zip(message.buffers, maps)}
         self._session_maps[token] = maps
+        self.open_bell(token, self.sessions[token].get("bell"), message.buffers.get("bell"))
 
     def _close_session(self, identity, msg_id: int, token: bytes) -> None:
         """Ends a session here: its plans go at once (:meth:`drop_session`); the answer
@@ -181,6 +182,7 @@ class EngineSessions:
         for token in [t for t in self._closing if t not in busy]:
             waiting = self._closing.pop(token)
             if any(close for _, _, close in waiting):
+                self.close_bell(token)
                 for m in self._session_maps.pop(token, []):
                     m.close()
                 self.sessions.pop(token, None)

@@ -183,9 +183,12 @@ def stat_buffer(name: str) -> BufferFile:
     return BufferFile(name, path, st.st_size, st.st_ino)
 
 
-def list_buffers(prefix: str = PREFIX) -> list[str]:
-    """Names of the existing CPU buffers that start with ``prefix``, sorted."""
-    return sorted(n for n in os.listdir(shm_dir()) if n.startswith(prefix))
+def list_buffers(prefix: str = PREFIX, fifos: bool = False) -> list[str]:
+    """Names of the existing CPU buffers that start with ``prefix``, sorted; with
+    ``fifos``, the doorbells beside them too (named FIFOs: dataplane/doorbell.py)."""
+    with os.scandir(shm_dir()) as entries:
+        return sorted(e.name for e in entries if e.name.startswith(prefix)
+                      and (fifos or e.is_file(follow_symlinks=False)))
 
 
 def unlink_buffer(name: str) -> bool:
@@ -198,8 +201,9 @@ def unlink_buffer(name: str) -> bool:
 
 
 def unlink_prefix(prefix: str) -> list[str]:
-    """Unlink every buffer whose name starts with ``prefix``; returns the names removed."""
-    return [name for name in list_buffers(prefix) if unlink_buffer(name)]
+    """Unlink every buffer (and doorbell) whose name starts with ``prefix``; returns the
+    names removed."""
+    return [name for name in list_buffers(prefix, fifos=True) if unlink_buffer(name)]
 
 
 # --------------------------------------------------------------------------- stale buffers
@@ -258,7 +262,7 @@ def sweep_stale(prefix: str = PREFIX) -> list[str]:
     do not share /dev/shm between containers with separate pid namespaces and sweep there.
     Returns the names removed.
     """
-    stale = [n for n in list_buffers(prefix)
+    stale = [n for n in list_buffers(prefix, fifos=True)
              if (m := _CREATOR_RE.match(n)) and not pid_alive(int(m.group(1)))]
     if not stale:
         return []

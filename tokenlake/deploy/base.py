@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tokenlake.core.control import pool_control
 from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
+from tokenlake.dataplane.doorbell import BELL_BYTES
 from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.deploy.roles import ENGINE_ROLES
 
@@ -46,11 +47,11 @@ BUFFER_DTYPE = "float32"
 #: The buffers each engine role maps (its instance's slab, and its compute engine's
 #: home buffers: q rows and partial outputs for a query engine, new KV for a transfer one).
 ENGINE_BUFFERS: dict[str, tuple[str, ...]] = {
-    "query": ("slab", "q", "out_o", "out_lse"),
-    "transfer": ("slab", "kv"),
+    "query": ("slab", "q", "out_o", "out_lse", "bell"),
+    "transfer": ("slab", "kv", "bell"),
 }
 #: The buffers an instance's client (its compute engine) maps.
-CLIENT_BUFFERS = ("q", "out_o", "out_lse", "kv")
+CLIENT_BUFFERS = ("q", "out_o", "out_lse", "kv", "bell")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class BufferLayout:
     kv        [layers, R, 2, kv_heads, head_dim]              new K and V to put
     records   [slots, record bytes] (uint8; CPU pools only)   what each slot holds (a restart
                                                               adopts it: deploy/records.py)
+    bell      [BELL_BYTES] (uint8; host memory)               per-layer hand-offs of q, out
+                                                              and kv (dataplane/doorbell.py)
     ========= =============================================== ==========================
     """
 
@@ -81,7 +84,7 @@ class BufferLayout:
 
     def dtype(self, name: str) -> str:
         """The element type of buffer ``name``."""
-        if name == "records":
+        if name in ("records", "bell"):
             return "uint8"
         return self.kv_dtype if name in ("slab", "kv") else BUFFER_DTYPE
 
@@ -96,6 +99,7 @@ class BufferLayout:
             "out_o": (rows, m.num_q_heads, m.head_dim),
             "out_lse": (rows, m.num_q_heads),
             "kv": (m.num_layers, rows, 2, m.num_kv_heads, m.head_dim),
+            "bell": (BELL_BYTES,),
         }
         if self.device == "cpu":  # a CUDA pool dies with its creator: nothing to adopt
             shapes["records"] = (self.slots, record_bytes(self.segment_tokens))
@@ -104,8 +108,12 @@ class BufferLayout:
     def specs(self, prefix: str, instance: int) -> dict[str, BufferSpec]:
         """``{name: spec}`` of ``instance``'s buffers, named ``<prefix><name>-<instance>``
         (``prefix`` is a cluster prefix of :func:`tokenlake.dataplane.shm_files.cluster_prefix`)."""
-        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, self.dtype(name), self.device)
+        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, self.dtype(name), self.device_of(name))
                 for name, shape in self.shapes().items()}
+
+    def device_of(self, name: str) -> str:
+        """Where buffer ``name`` lives: the pool's device, but a bell is host memory."""
+        return "cpu" if name == "bell" else self.device
 
     def session_specs(self, prefix: str, session: int, instance: int) -> dict[str, BufferSpec]:
         """``{name: spec}`` of a client session's own buffers on ``instance`` (the
@@ -114,7 +122,7 @@ class BufferLayout:
         unlinks the cluster's buffers unlinks them too."""
         shapes = self.shapes()
         return {name: BufferSpec(f"{prefix}s{session}-{name}-{instance}", shapes[name], self.dtype(name),
-                                 self.device) for name in CLIENT_BUFFERS}
+                                 self.device_of(name)) for name in CLIENT_BUFFERS}
 
 
 class ClusterBase(abc.ABC):

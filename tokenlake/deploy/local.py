@@ -39,7 +39,13 @@ from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.engine import EngineSpec
 from tokenlake.dataplane.messages import Shutdown, WireMessage
 from tokenlake.dataplane.shm import BufferRegistry, SharedTensor
-from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, new_cluster_id, sweep_stale
+from tokenlake.dataplane.shm_files import (
+    BufferSpec,
+    cluster_prefix,
+    new_cluster_id,
+    sweep_stale,
+    unlink_prefix,
+)
 from tokenlake.dataplane.sockets import send_frames
 from tokenlake.deploy.adoption import Adoptable
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
@@ -306,6 +312,8 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         for st in self._session_buffers.pop((session, instance), {}).values():
             st.close()
             st.unlink()
+            if st.spec.name.endswith(f"bell-{instance}"):  # and its doorbells (a crashed client's)
+                unlink_prefix(f"{st.spec.name}.")
 
     def _engine_endpoints(self, instance: int) -> dict[str, str]:
         return {role: self._endpoints[(role, instance)] for role in ROLES}

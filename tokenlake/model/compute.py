@@ -140,6 +140,8 @@ class ComputeEngine:
         rope = llama.rope_tables(self.cfg, lay.positions)
         kv_dtype = buf[2].dtype  # the pool's: new rows attend as the pool will store them
         for layer in range(self.cfg.num_layers):
+            if lay.decode:  # the query engine wakes while q is computed (doorbell.py heads-up)
+                client.expect_query()
             q, k, v = llama.qkv(self.w, layer, hidden, lay.positions, rope=rope)
             k, v = llama.stored_kv(k, v, kv_dtype)
             if lay.later is not None:

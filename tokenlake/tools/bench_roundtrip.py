@@ -5,15 +5,16 @@ A one-page prefix (16 tokens of SmolLM2-135M's shape, 30 layers) is stored in a 
 pool of one instance; then 1 or 8 decode rows over it (8: eight requests sharing the
 prefix) are registered once and, layer after layer, asked of the pool
 (``InstanceClient.query``) and, alternately in the same loop, attended in this process by
-the very kernel the query engine runs (``slab_partial_attention``) on the same slab:
+the very call the query engine makes (``prepare_slabs_attention``, set up once for the
+plan) on the same slab:
 
 * ``roundtrip_us``: one layer's ``client.query`` (the compute engine's wait), by the path
-  the pool uses on one host;
-* ``attention_us``: the kernel alone on the same rows and slot;
+  the pool uses on one host: the session's bell in shared memory (doorbell.py);
+* ``attention_us``: the engine's attention call alone on the same rows and slot;
 * ``overhead_us``: their difference, what the hand-off costs;
-* ``socket_roundtrip_us``: one layer's query by the socket path (today the only path, so
-  equal to ``roundtrip_us``); ``ping_us``: a bare ``PING`` to the query engine and back
-  (the floor of any message, CURVE included).
+* ``socket_roundtrip_us``: one layer's query by the socket path (``QUERY``/``QUERY_DONE``
+  messages, as towards a pool without bells); ``ping_us``: a bare ``PING`` to the query
+  engine and back (the floor of any message, CURVE included).
 
 Each is a dict keyed by rows (``"1"``, ``"8"``) of ``{"median", "min", "max", "p90"}`` in
 microseconds over every layer of every repeat. The pool runs with its defaults (CURVE on,
@@ -53,7 +54,7 @@ def _store(cluster, doc: list[int]) -> None:
 def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list[float]]:
     """Per-layer times (µs) of the pool query and of the kernel alone, alternating."""
     from tokenlake.core.plans import Batch, BatchRequest
-    from tokenlake.dataplane.attention_slab import slab_partial_attention
+    from tokenlake.dataplane.attention_slab import prepare_slabs_attention
     from tokenlake.dataplane.messages import Ping, Pong
 
     cp = cluster.control
@@ -66,21 +67,31 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
     q.normal_()
     slab = cluster.slab(qp.home)
     slot = cp.get_prefix_tree().replicas(cp.get_prefix_tree().match(doc).keys[0])[0].slot
-    out: dict[str, list[float]] = {"roundtrip": [], "attention": [], "ping": []}
+    client.query(0)
+    out_path = "bell" if client._bell is not None else "socket"
+    attend = prepare_slabs_attention(rows, q.shape[1], [slab], [0], [slot], [PAGE])
+    out: dict = {"roundtrip": [], "socket": [], "attention": [], "ping": [], "path": out_path}
     try:
         for rep in range(repeats + 1):  # the first repeat warms up
             for layer in range(cluster.model.num_layers):
                 t0 = time.perf_counter()
                 client.query(layer)
                 t1 = time.perf_counter()
-                slab_partial_attention(q[:rows], slab, layer, [slot], [PAGE])
+                attend(q[:rows], layer)
                 t2 = time.perf_counter()
-                cluster._request(("query", qp.home), Ping(), Pong)
+                client.fast = False
+                try:
+                    client.query(layer)
+                finally:
+                    client.fast = True
                 t3 = time.perf_counter()
+                cluster._request(("query", qp.home), Ping(), Pong)
+                t4 = time.perf_counter()
                 if rep:
                     out["roundtrip"].append((t1 - t0) * 1e6)
                     out["attention"].append((t2 - t1) * 1e6)
-                    out["ping"].append((t3 - t2) * 1e6)
+                    out["socket"].append((t3 - t2) * 1e6)
+                    out["ping"].append((t4 - t3) * 1e6)
     finally:
         cp.abort(plans)  # the rows were admitted by this iteration: the abort undoes them
     return out
@@ -110,7 +121,8 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
             got = _measure(cluster, doc, rows, repeats)
             key = str(rows)
             result["roundtrip_us"][key] = _stats(got["roundtrip"])
-            result["socket_roundtrip_us"][key] = result["roundtrip_us"][key]  # the only path today
+            result["path"] = got["path"]
+            result["socket_roundtrip_us"][key] = _stats(got["socket"])
             result["attention_us"][key] = _stats(got["attention"])
             result["overhead_us"][key] = _stats([a - b for a, b in zip(got["roundtrip"], got["attention"])])
             result["ping_us"][key] = _stats(got["ping"])
@@ -120,8 +132,9 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
 def print_report(result: dict) -> None:
     print(f"per-layer pool query, {result['model']} ({result['layers']} layers), one-page prefix "
           f"({result['prefix_tokens']} tokens), isa {result['isa']}; µs, median (min-max)")
-    print("rows  roundtrip           attention        overhead            ping")
+    print("rows  roundtrip           attention         overhead            socket path         ping")
     for rows in result["roundtrip_us"]:
-        cells = [result[k][rows] for k in ("roundtrip_us", "attention_us", "overhead_us", "ping_us")]
+        cells = [result[k][rows] for k in ("roundtrip_us", "attention_us", "overhead_us", "socket_roundtrip_us",
+                                           "ping_us")]
         print(f"{rows:>4}  " + "  ".join(f"{c['median']:>7.1f} ({c['min']:.0f}-{c['max']:.0f})".ljust(18)
                                         for c in cells))

@@ -27,9 +27,10 @@ class Pong(WireMessage):
     """``PONG``: the answering engine's identity and counters (``EngineLoop.stats``).
 
     Body ``{"role", "instance", "bytes_copied", "messages_copied", "requests",
-    "busy_s"}``: role ``"query"`` or ``"transfer"``; payload bytes its decodes copied and
-    the messages that needed a copy (``CopyStats``); requests served; seconds spent
-    handling messages (not waiting).
+    "busy_s", "handoffs"}``: role ``"query"`` or ``"transfer"``; payload bytes its decodes
+    copied and the messages that needed a copy (``CopyStats``); requests served; seconds
+    spent handling messages (not waiting); hand-offs served from the sessions' bells
+    (doorbell.py; optional, 0 when absent).
     """
 
     KIND = Kind.PONG
@@ -39,17 +40,19 @@ class Pong(WireMessage):
     messages_copied: int
     requests: int
     busy_s: float
+    handoffs: int = 0
 
     def body(self) -> dict:
         return {"role": self.role, "instance": self.instance, "bytes_copied": self.bytes_copied,
                 "messages_copied": self.messages_copied, "requests": self.requests,
-                "busy_s": self.busy_s}
+                "busy_s": self.busy_s, "handoffs": self.handoffs}
 
     @classmethod
     def from_wire(cls, f: Fields) -> Pong:
         f.tensors(0)
         return cls(f.str("role"), f.int("instance"), f.int("bytes_copied"),
-                   f.int("messages_copied"), f.int("requests"), f.float("busy_s"))
+                   f.int("messages_copied"), f.int("requests"), f.float("busy_s"),
+                   f.int("handoffs", default=0))
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ class InstanceHost:
         """Unlinks client session ``session``'s buffers (idempotent)."""
         for spec in layout.session_specs(self.prefix, session, self.instance).values():
             unlink_buffer(spec.name)
+            unlink_prefix(f"{spec.name}.")  # a bell's doorbells (a crashed client's FIFO)
             if spec.name in self._names:
                 self._names.remove(spec.name)
 

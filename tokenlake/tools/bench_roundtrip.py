@@ -9,7 +9,11 @@ the very call the query engine makes (``prepare_slabs_attention``, set up once f
 plan) on the same slab:
 
 * ``roundtrip_us``: one layer's ``client.query`` (the compute engine's wait), by the path
-  the pool uses on one host: the session's bell in shared memory (doorbell.py);
+  the pool uses on one host: the session's bell in shared memory (doorbell.py), used as
+  a decode step uses it: ``client.expect_query()`` before the layer's work (here the
+  attention kernel alone stands in for computing q), then the query;
+* ``no_heads_up_roundtrip_us``: the same query without the heads-up, right after the
+  ``PING`` below (the engine wakes on the post);
 * ``attention_us``: the engine's attention call alone on the same rows and slot;
 * ``overhead_us``: their difference, what the hand-off costs;
 * ``socket_roundtrip_us``: one layer's query by the socket path (``QUERY``/``QUERY_DONE``
@@ -70,14 +74,15 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
     client.query(0)
     out_path = "bell" if client._bell is not None else "socket"
     attend = prepare_slabs_attention(rows, q.shape[1], [slab], [0], [slot], [PAGE])
-    out: dict = {"roundtrip": [], "socket": [], "attention": [], "ping": [], "path": out_path}
+    out: dict = {"roundtrip": [], "cold": [], "socket": [], "attention": [], "ping": [], "path": out_path}
     try:
         for rep in range(repeats + 1):  # the first repeat warms up
             for layer in range(cluster.model.num_layers):
+                client.expect_query()  # as a decode step does before it computes q ...
                 t0 = time.perf_counter()
-                client.query(layer)
+                attend(q[:rows], layer)  # ... which the kernel alone stands in for here
                 t1 = time.perf_counter()
-                attend(q[:rows], layer)
+                client.query(layer)
                 t2 = time.perf_counter()
                 client.fast = False
                 try:
@@ -87,11 +92,14 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
                 t3 = time.perf_counter()
                 cluster._request(("query", qp.home), Ping(), Pong)
                 t4 = time.perf_counter()
+                client.query(layer)  # no heads-up: the engine wakes on the post
+                t5 = time.perf_counter()
                 if rep:
-                    out["roundtrip"].append((t1 - t0) * 1e6)
-                    out["attention"].append((t2 - t1) * 1e6)
+                    out["attention"].append((t1 - t0) * 1e6)
+                    out["roundtrip"].append((t2 - t1) * 1e6)
                     out["socket"].append((t3 - t2) * 1e6)
                     out["ping"].append((t4 - t3) * 1e6)
+                    out["cold"].append((t5 - t4) * 1e6)
     finally:
         cp.abort(plans)  # the rows were admitted by this iteration: the abort undoes them
     return out
@@ -112,7 +120,7 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
     result: dict = {"isa": native.load().isa(), "model": model.name, "layers": model.num_layers,
                     "prefix_tokens": PAGE, "repeats": repeats,
                     **{k: {} for k in ("roundtrip_us", "attention_us", "overhead_us",
-                                       "socket_roundtrip_us", "ping_us")}}
+                                       "socket_roundtrip_us", "no_heads_up_roundtrip_us", "ping_us")}}
     progress("starting a one-instance pool ...")
     with LocalCluster(1, model, 64 * seg, segment_tokens=PAGE, max_rows=64, page_tokens=PAGE) as cluster:
         _store(cluster, doc)
@@ -123,6 +131,7 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
             result["roundtrip_us"][key] = _stats(got["roundtrip"])
             result["path"] = got["path"]
             result["socket_roundtrip_us"][key] = _stats(got["socket"])
+            result["no_heads_up_roundtrip_us"][key] = _stats(got["cold"])
             result["attention_us"][key] = _stats(got["attention"])
             result["overhead_us"][key] = _stats([a - b for a, b in zip(got["roundtrip"], got["attention"])])
             result["ping_us"][key] = _stats(got["ping"])
@@ -132,9 +141,9 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
 def print_report(result: dict) -> None:
     print(f"per-layer pool query, {result['model']} ({result['layers']} layers), one-page prefix "
           f"({result['prefix_tokens']} tokens), isa {result['isa']}; µs, median (min-max)")
-    print("rows  roundtrip           attention         overhead            socket path         ping")
+    names = ("roundtrip_us", "attention_us", "overhead_us", "no_heads_up_roundtrip_us", "socket_roundtrip_us",
+             "ping_us")
+    print("rows  " + "".join(n.removesuffix("_us").replace("_roundtrip", "").ljust(20) for n in names))
     for rows in result["roundtrip_us"]:
-        cells = [result[k][rows] for k in ("roundtrip_us", "attention_us", "overhead_us", "socket_roundtrip_us",
-                                           "ping_us")]
-        print(f"{rows:>4}  " + "  ".join(f"{c['median']:>7.1f} ({c['min']:.0f}-{c['max']:.0f})".ljust(18)
-                                        for c in cells))
+        print(f"{rows:>4}  " + "".join(f"{result[k][rows]['median']:>7.1f} ({result[k][rows]['min']:.0f}-"
+                                       f"{result[k][rows]['max']:.0f})".ljust(20) for k in names))

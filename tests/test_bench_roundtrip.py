@@ -10,7 +10,7 @@ from tokenlake.tools.bench_roundtrip import bench_roundtrip
 def test_the_roundtrip_benchmark_reports_every_figure_per_row_count():
     before = set(list_buffers(fifos=True))
     result = bench_roundtrip(repeats=1)
-    keys = ("roundtrip_us", "attention_us", "overhead_us", "socket_roundtrip_us", "ping_us")
+    keys = ("roundtrip_us", "attention_us", "overhead_us", "socket_roundtrip_us", "heads_up_roundtrip_us", "ping_us")
     for key in keys:
         assert set(result[key]) == {"1", "8"}, key
         for stats in result[key].values():

@@ -61,11 +61,10 @@ SPIN_S = float(os.environ.get("TOKENLAKE_BELL_SPIN_US", "200")) * 1e-6 \
     if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86") else 0.0
 
 #: How long an engine told to expect an entry (:meth:`ClientBell.heads_up`) spins for it
-#: before it sleeps again (seconds; 0, the default: no heads-up is sent). On the 2-core
-#: VM the spin takes the core the compute engine's projections need: decode through the
-#: pool ran at 0.8x with 300 µs (docs/data-plane.md "Doorbells"); a machine with cores to
-#: spare overlaps the engine's wake-up with the projections instead.
-ENGINE_SPIN_S = float(os.environ.get("TOKENLAKE_BELL_ENGINE_SPIN_US", "0")) * 1e-6
+#: before it sleeps again (seconds). Clients send no heads-up unless asked
+#: (``InstanceClient.heads_up``): on the 2-core VM the spin takes the core the compute
+#: engine's projections need (docs/data-plane.md "Doorbells").
+ENGINE_SPIN_S = float(os.environ.get("TOKENLAKE_BELL_ENGINE_SPIN_US", "300")) * 1e-6
 
 assert (_ERRORS + len(ROLES) * _ERROR_WORDS) * 8 <= BELL_BYTES
 
@@ -248,8 +247,6 @@ class ClientBell:
         """Tells ``role``'s engine an entry is coming soon (the compute engine is about to
         compute the layer's q): it wakes now and spins for it, so the wake-up overlaps
         the caller's work instead of following it."""
-        if not ENGINE_SPIN_S:  # the engine would not wait for it: no wake-up for nothing
-            return
         area = _HEADER + ROLES.index(role) * _AREA
         self.w[area + 1] = self.w[area] + 1
         self.engines[role].ring()

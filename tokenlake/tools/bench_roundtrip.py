@@ -9,11 +9,12 @@ the very call the query engine makes (``prepare_slabs_attention``, set up once f
 plan) on the same slab:
 
 * ``roundtrip_us``: one layer's ``client.query`` (the compute engine's wait), by the path
-  the pool uses on one host: the session's bell in shared memory (doorbell.py), used as
-  a decode step uses it: ``client.expect_query()`` before the layer's work (here the
-  attention kernel alone stands in for computing q), then the query;
-* ``no_heads_up_roundtrip_us``: the same query without the heads-up, right after the
-  ``PING`` below (the engine wakes on the post);
+  the pool uses on one host: the session's bell in shared memory (doorbell.py), right
+  after the kernel call below (the query engine has gone idle meanwhile and wakes on
+  the post);
+* ``heads_up_roundtrip_us``: the same with a heads-up (``client.expect_query()``) sent
+  before a kernel call that stands in for computing q: the engine's wake-up overlaps it
+  (off by default, see docs/data-plane.md "Doorbells");
 * ``attention_us``: the engine's attention call alone on the same rows and slot;
 * ``overhead_us``: their difference, what the hand-off costs;
 * ``socket_roundtrip_us``: one layer's query by the socket path (``QUERY``/``QUERY_DONE``
@@ -74,15 +75,14 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
     client.query(0)
     out_path = "bell" if client._bell is not None else "socket"
     attend = prepare_slabs_attention(rows, q.shape[1], [slab], [0], [slot], [PAGE])
-    out: dict = {"roundtrip": [], "cold": [], "socket": [], "attention": [], "ping": [], "path": out_path}
+    out: dict = {"roundtrip": [], "heads_up": [], "socket": [], "attention": [], "ping": [], "path": out_path}
     try:
         for rep in range(repeats + 1):  # the first repeat warms up
             for layer in range(cluster.model.num_layers):
-                client.expect_query()  # as a decode step does before it computes q ...
                 t0 = time.perf_counter()
-                attend(q[:rows], layer)  # ... which the kernel alone stands in for here
+                attend(q[:rows], layer)  # the kernel alone, which also stands in for the layer's work
                 t1 = time.perf_counter()
-                client.query(layer)
+                client.query(layer)  # by the bell, as every query is by default
                 t2 = time.perf_counter()
                 client.fast = False
                 try:
@@ -92,14 +92,21 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
                 t3 = time.perf_counter()
                 cluster._request(("query", qp.home), Ping(), Pong)
                 t4 = time.perf_counter()
-                client.query(layer)  # no heads-up: the engine wakes on the post
-                t5 = time.perf_counter()
+                client.heads_up = True  # as a decode step would with heads-ups on: ...
+                try:
+                    client.expect_query()
+                    attend(q[:rows], layer)  # ... the engine wakes while q is computed
+                    t5 = time.perf_counter()
+                    client.query(layer)
+                finally:
+                    client.heads_up = False
+                t6 = time.perf_counter()
                 if rep:
                     out["attention"].append((t1 - t0) * 1e6)
                     out["roundtrip"].append((t2 - t1) * 1e6)
                     out["socket"].append((t3 - t2) * 1e6)
                     out["ping"].append((t4 - t3) * 1e6)
-                    out["cold"].append((t5 - t4) * 1e6)
+                    out["heads_up"].append((t6 - t5) * 1e6)
     finally:
         cp.abort(plans)  # the rows were admitted by this iteration: the abort undoes them
     return out
@@ -120,7 +127,7 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
     result: dict = {"isa": native.load().isa(), "model": model.name, "layers": model.num_layers,
                     "prefix_tokens": PAGE, "repeats": repeats,
                     **{k: {} for k in ("roundtrip_us", "attention_us", "overhead_us",
-                                       "socket_roundtrip_us", "no_heads_up_roundtrip_us", "ping_us")}}
+                                       "socket_roundtrip_us", "heads_up_roundtrip_us", "ping_us")}}
     progress("starting a one-instance pool ...")
     with LocalCluster(1, model, 64 * seg, segment_tokens=PAGE, max_rows=64, page_tokens=PAGE) as cluster:
         _store(cluster, doc)
@@ -131,7 +138,7 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
             result["roundtrip_us"][key] = _stats(got["roundtrip"])
             result["path"] = got["path"]
             result["socket_roundtrip_us"][key] = _stats(got["socket"])
-            result["no_heads_up_roundtrip_us"][key] = _stats(got["cold"])
+            result["heads_up_roundtrip_us"][key] = _stats(got["heads_up"])
             result["attention_us"][key] = _stats(got["attention"])
             result["overhead_us"][key] = _stats([a - b for a, b in zip(got["roundtrip"], got["attention"])])
             result["ping_us"][key] = _stats(got["ping"])
@@ -141,7 +148,7 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
 def print_report(result: dict) -> None:
     print(f"per-layer pool query, {result['model']} ({result['layers']} layers), one-page prefix "
           f"({result['prefix_tokens']} tokens), isa {result['isa']}; µs, median (min-max)")
-    names = ("roundtrip_us", "attention_us", "overhead_us", "no_heads_up_roundtrip_us", "socket_roundtrip_us",
+    names = ("roundtrip_us", "attention_us", "overhead_us", "heads_up_roundtrip_us", "socket_roundtrip_us",
              "ping_us")
     print("rows  " + "".join(n.removesuffix("_us").replace("_roundtrip", "").ljust(20) for n in names))
     for rows in result["roundtrip_us"]:

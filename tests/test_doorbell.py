@@ -185,3 +185,34 @@ def test_a_silent_engine_is_a_deadline_and_a_dead_one_unavailable_at_once(tmp_pa
             client._wait_bell("query", seq, 30.0)
         assert time.monotonic() - t0 < 2.0  # the liveness check, not the 30 s deadline
         cl.control.abort(plans)
+
+
+def test_a_doorbell_is_a_fifo_or_nothing(tmp_path):
+    """An engine never reads a file or a link planted where its FIFO goes, and a client
+    never writes into one: a doorbell is a FIFO of this user's or nothing."""
+    buf = torch.zeros(doorbell.BELL_BYTES, dtype=torch.uint8)
+    base = str(tmp_path / "bell")
+    (tmp_path / "bell.query").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        doorbell.EngineBell("query", buf, base)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "bell.transfer")
+    os.mkfifo(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError):
+        doorbell.EngineBell("transfer", buf, base)
+    ringer = doorbell._Ringer(str(tmp_path / "bell.query"))
+    ringer.ring()
+    assert ringer.fd < 0 and (tmp_path / "bell.query").read_bytes() == b""
+    os.unlink(tmp_path / "bell.query")
+    os.unlink(tmp_path / "bell.transfer")
+    engine = doorbell.EngineBell("query", buf, base)  # a FIFO of its own: served
+    client = doorbell.ClientBell.attach(buf)
+    assert client is None  # the transfer engine has not opened the bell yet
+    other = doorbell.EngineBell("transfer", buf, base)
+    client = doorbell.ClientBell.attach(buf)
+    seq = client.post("query", 7, 1)
+    assert engine.take() == [(seq, 7, 1, 1)]
+    engine.finish(seq)
+    client.wait("query", seq, time.monotonic() + 5, 0.05, lambda: None, 0)
+    for end in (client, engine, other):
+        end.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]

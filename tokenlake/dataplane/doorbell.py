@@ -82,9 +82,9 @@ def _make_fifo(path: str) -> int:
     try:
         os.mkfifo(path, 0o600)
     except FileExistsError:
-        if not stat.S_ISFIFO(os.stat(path).st_mode):
+        if not stat.S_ISFIFO(os.lstat(path).st_mode):  # a file or a link there is not ours to read
             raise
-    return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW)
 
 
 def _drain(fd: int) -> None:
@@ -106,8 +106,11 @@ class _Ringer:
         for _ in range(2):
             if self.fd < 0:
                 try:
-                    self.fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+                    self.fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
                 except OSError:  # no reader (ENXIO) or no FIFO: whoever waits polls anyway
+                    return
+                if not stat.S_ISFIFO(os.fstat(self.fd).st_mode):  # never write into a file
+                    self.close()
                     return
             try:
                 os.write(self.fd, b"\x01")

@@ -74,7 +74,8 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.CP_CLIENT_INFO_RESULT: m.CpClientInfoResult(
         1, {"query": "tcp://127.0.0.1:5001", "transfer": "tcp://127.0.0.1:5002"},
         {"q": BufferSpec("tokenlake-1-ab-q-1", (8, 4, 2), "float32")}, 5.0,
-        ClusterKeys.generate().member_view().to_dict()),
+        ClusterKeys.generate().member_view().to_dict(),
+        BufferSpec("tokenlake-1-ab-slab-1", (16, 30, 2, 3, 128, 64), "float32")),
     Kind.CP_OPEN_SESSION: m.CpOpenSession(4242, "vllm-worker-0"),
     Kind.CP_SESSION: m.CpSession(3, 0.5, 3.0),
     Kind.CP_HEARTBEAT: m.CpHeartbeat(),

@@ -158,7 +158,8 @@ OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"): (), (Kind.PEER_PUT, "copies
             (Kind.READ_SEGMENT, "grant"): b"", (Kind.CP_PLANS, "grants"): (),
             (Kind.CP_LEASED, "grants"): (), (Kind.CP_STATS_RESULT, "buffers"): (),
             (Kind.CP_MATCH, "salt"): None, (Kind.CP_LEASE_PREFIX, "cache_salt"): None,
-            (Kind.ADOPT, "grant_key"): None, (Kind.CP_STATS_RESULT, "restored"): ()}
+            (Kind.ADOPT, "grant_key"): None, (Kind.CP_STATS_RESULT, "restored"): (),
+            (Kind.PONG, "handoffs"): 0, (Kind.CP_CLIENT_INFO_RESULT, "slab"): None}
 
 
 @pytest.mark.parametrize(("kind", "name"), CASES, ids=[f"{k.name}-{f}" for k, f in CASES])

@@ -9,6 +9,8 @@ tests/test_vllm.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import vllm_worker
 from service_util import control_served
@@ -36,19 +38,34 @@ def run_vllm(model_dir, prompts, max_tokens, address=None, timeout_s=10.0,
     return outputs
 
 
-def test_a_second_vllm_loads_the_prefix_the_first_stored(smollm2, smollm2_hf, pool):
+def transfer_requests(cluster, server) -> int:
+    """Requests the pool's transfer engines have served (``READ_SEGMENT`` among them),
+    once the last vLLM's session has ended (its closing is served, not counted later)."""
+    deadline = time.monotonic() + 15
+    while server.sessions.infos() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return sum(p.requests for (role, _), p in cluster.engine_stats().items() if role == "transfer")
+
+
+def stored_then_loaded(smollm2, smollm2_hf, pool, records: int) -> int:
+    """A first vLLM stores a document (whole segments, so the second stores nothing), a
+    second asks another question about it and loads it from the pool; both answer as
+    the reference does. Returns the transfer engines' requests during the second."""
     _, tok, ref = smollm2
     cluster, server = pool
-    doc = tok.encode(" ".join(f"Record {i}: the tide gauge at pier {i % 7} read "
-                              f"{(i * 37) % 100} centimetres." for i in range(60)))
-    assert len(doc) > 5 * C
+    doc = tok.encode(" ".join(f"Record {i}: the tide gauge at pier {(i * records) % 7} read "
+                              f"{(i * 37 + records) % 100} centimetres." for i in range(records)))
+    doc = doc[:len(doc) // C * C]
+    assert len(doc) >= 5 * C
     first = doc + tok.encode(" Question: which pier is named most often?")
     second = doc + tok.encode(" Question: what did record 12 read?")
     out_a = run_vllm(smollm2_hf, [first], 8, server.address)
     stats = cluster.control.stats()
     stored = stats.pool.segments
     assert stored >= len(doc) // C, "the first engine stored the document's segments"
+    before = transfer_requests(cluster, server)
     out_b = run_vllm(smollm2_hf, [second], 8, server.address)
+    served = transfer_requests(cluster, server) - before
     after = cluster.control.stats()
     assert after.hit_tokens - stats.hit_tokens >= (len(doc) // C) * C - C, \
         "the second engine leased the document's segments"
@@ -56,6 +73,22 @@ def test_a_second_vllm_loads_the_prefix_the_first_stored(smollm2, smollm2_hf, po
     assert out_b[0] == ref.generate(second, 8, stop_ids=()).output_ids
     assert cluster.control.live_requests == ()  # every lease released
     cluster.control.check()
+    return served
+
+
+def test_a_second_vllm_loads_the_prefix_the_first_stored(smollm2, smollm2_hf, pool):
+    """On the pool's machine the slabs are read in place: the transfer engines serve one
+    READ_SEGMENT per instance read (the last layer, the lease's check), not one per layer."""
+    served = stored_then_loaded(smollm2, smollm2_hf, pool, 60)
+    assert served < smollm2[0].config.num_layers, served
+
+
+def test_a_slab_not_offered_is_read_by_message(smollm2, smollm2_hf, pool, monkeypatch):
+    """``TOKENLAKE_LOAD_IN_PLACE=0`` (as where the slab cannot be mapped: another host, a
+    GPU pool): every layer is a READ_SEGMENT, and the answers are the same."""
+    monkeypatch.setenv("TOKENLAKE_LOAD_IN_PLACE", "0")
+    served = stored_then_loaded(smollm2, smollm2_hf, pool, 55)
+    assert served >= smollm2[0].config.num_layers, served
 
 
 def test_a_pool_that_dies_before_the_load_makes_vllm_compute(smollm2, smollm2_hf, pool):

@@ -304,7 +304,8 @@ class ClusterBase(abc.ABC):
         sockets) its own buffers on ``instance`` and registers them with the instance's
         engines (``OPEN_SESSION``); returns what the session's client needs, as
         :meth:`client_info` does for the owner's: ``{"instance", "endpoints", "buffers",
-        "timeout_s", "keys"}`` with the member's CURVE keys. Idempotent per instance."""
+        "timeout_s", "keys", "slab"}`` with the member's CURVE keys and
+        :meth:`mappable_slab`. Idempotent per instance."""
         self._check_started()
         if instance not in self.control.instances:
             raise ConfigError(f"no instance {instance} in the pool")
@@ -322,7 +323,16 @@ class ClusterBase(abc.ABC):
             known = self._sessions[(token, instance)] = (session, {n: s.to_dict() for n, s in specs.items()})
         return {"instance": instance, "endpoints": self._engine_endpoints(instance),
                 "buffers": dict(known[1]), "timeout_s": self.timeout_s,
-                "keys": None if self.keys is None else self.keys.member_view().to_dict()}
+                "keys": None if self.keys is None else self.keys.member_view().to_dict(),
+                "slab": self.mappable_slab(instance)}
+
+    def mappable_slab(self, instance: int) -> dict | None:
+        """The spec (plain data) of ``instance``'s slab when a client on the pool's
+        machine can map it (POSIX shared memory) and read its leased slots in place
+        instead of asking the transfer engine (vLLM's load mode); ``None`` where it
+        cannot. None by default: Ray's instances may be on another node than the client
+        (:class:`~tokenlake.deploy.local.LocalCluster` offers its CPU slabs)."""
+        return None
 
     def _open_on_engines(self, token: bytes, instance: int, specs: dict[str, BufferSpec]) -> None:
         from tokenlake.dataplane.messages import Ack, OpenSession

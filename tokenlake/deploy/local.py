@@ -293,6 +293,12 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
                 "timeout_s": self.timeout_s,
                 "keys": None if self.keys is None else self.keys.member_view().to_dict()}
 
+    def mappable_slab(self, instance: int) -> dict | None:
+        """A CPU slab is a file in this machine's ``/dev/shm``; a CUDA one is not offered
+        (its IPC handle would tie the client to the pool's device)."""
+        spec = self._made.get((instance, "slab"))
+        return None if spec is None or spec.is_cuda else spec.to_dict()
+
     # ------------------------------------------------------- client sessions
     def _make_session_buffers(self, session: int, instance: int) -> dict[str, BufferSpec]:
         specs = self.layout.session_specs(self._registry.prefix, session, instance)

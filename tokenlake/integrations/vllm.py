@@ -123,6 +123,7 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         self._caches: dict[int, torch.Tensor] = {}  # layer index -> its KV cache tensor
         self._clients: dict[int, Any] = {}
         self._socks: dict[int, Any] = {}
+        self._slabs: dict[int, Any] = {}  # instance -> its slab mapped (SharedTensor) or None
         self._puts: list = []
         self._load_errors: set[int] = set()
         self._kv_buf = None
@@ -314,4 +315,5 @@ class TokenLakeConnector(QueryMode, LoadMode, KVConnectorBase_V1):
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
+        self._close_slabs()
         self.cp.close()

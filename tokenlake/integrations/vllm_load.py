@@ -11,7 +11,12 @@ storing (``gen_plans``, one sub-batch at the connector's instance). Worker side:
 :data:`LOAD_AHEAD_LAYERS` layers (``READ_SEGMENT``, one message per instance and layer)
 and ``wait_for_layer_load`` copies each layer into the request's blocks just before vLLM
 computes it, asking for one more layer each time: the transfers overlap the forward
-pass. A load that fails reports its blocks as load errors, so vLLM computes them.
+pass. On the pool's machine a CPU instance's slab is shared memory that the control
+server names (``CP_CLIENT_INFO_RESULT.slab``): the worker maps it once and copies each
+layer of the leased slots straight from it, all but the last, which is read by message
+after the others as the lease's check (``_receive_layer``); ``TOKENLAKE_LOAD_IN_PLACE=0``
+reads every layer by message. A load that fails reports its blocks as load errors, so
+vLLM computes them.
 ``save_kv_layer`` copies the completed segments' pages into the home instance's shared
 ``kv`` buffer and puts the layer (asynchronous); ``wait_for_save`` waits and commits the
 plans (``complete``).
@@ -20,6 +25,7 @@ plans (``complete``).
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 
 import torch
@@ -30,6 +36,7 @@ from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
 from tokenlake.dataplane.messages import ReadSegment, SegmentData, expect
 from tokenlake.dataplane.messages.session import alias
+from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.sockets import send
 from tokenlake.integrations.vllm_meta import Load, Store, TokenLakeMetadata, layer_index
 
@@ -38,20 +45,26 @@ READ_CONNECTION = 3
 
 log = logging.getLogger(__name__)
 
+#: "0" in the worker's environment: every layer is read by ``READ_SEGMENT``, even from an
+#: instance whose slab this process could map (``LoadMode._slab``).
+IN_PLACE_ENV = "TOKENLAKE_LOAD_IN_PLACE"
+
 #: Load mode: layers requested ahead of the one vLLM waits for (the transfers of later
 #: layers overlap the computation of earlier ones; bounds the replies held in memory).
 LOAD_AHEAD_LAYERS = 4
 
 
 class _Loading:
-    """A load in progress: the replies it still expects, in order (layer, instance,
-    message id), and how many layers are in vLLM's blocks."""
+    """A load in progress: its segments' indices by instance, the instances read in place
+    (``in_place``: instance -> its mapped slab), the replies it still expects, in order
+    (layer, instance, message id), and how many layers are in vLLM's blocks."""
 
     def __init__(self, load: Load) -> None:
         self.load = load
         self.by_instance: dict[int, list[int]] = {}
         for i, (inst, _slot) in enumerate(load.segments):
             self.by_instance.setdefault(inst, []).append(i)
+        self.in_place: dict[int, torch.Tensor] = {}
         self.expected: deque[tuple[int, int, int]] = deque()
         self.done_layers = 0
         self.failed = False
@@ -94,59 +107,76 @@ class LoadMode:
         return Store(plans, rows, self.cp.plan_grants(plans))
 
     def _start_loads(self, meta: TokenLakeMetadata) -> None:
-        """Requests the first layers of this step's loads (``start_load_kv``)."""
+        """Maps the slabs this step's loads can read in place and requests the first
+        layers of the others (``start_load_kv``)."""
         self._finish_loads()  # a previous pass's leftovers (none when vLLM waited per layer)
-        self._loading = [_Loading(load) for load in meta.loads]
         self._layers = sorted(self._caches)
         self._next = 0  # index into self._layers of the next layer to request
+        self._loading = []
+        for load in meta.loads:
+            ld = _Loading(load)
+            self._loading.append(ld)
+            if len(self._layers) < 2:  # the last layer is the lease's check: none in place
+                continue
+            try:
+                ld.in_place = {inst: slab for inst in ld.by_instance
+                               if (slab := self._slab(inst)) is not None}
+            except Exception as e:  # the instance's client info: the socket path needs it too
+                self._load_failed(ld, e)
         while self._next < min(LOAD_AHEAD_LAYERS, len(self._layers)):
             self._request_layer()
 
     def _request_layer(self) -> None:
         """Asks the transfer engines for the next layer of every load (``READ_SEGMENT``
-        per instance), without waiting: the replies queue while vLLM computes."""
+        per instance not read in place), without waiting: the replies queue while vLLM
+        computes."""
         layer = self._layers[self._next]
         self._next += 1
         for ld in self._loading:
             if ld.failed:
                 continue
             try:
-                grants = dict(ld.load.grants)  # the lease's, one per instance it reads
-                for inst, idx in ld.by_instance.items():
-                    slots = tuple(ld.load.segments[i][1] for i in idx)
-                    msg_id = next(self._msg_ids)
-                    read = ReadSegment(layer, slots, grants.get(inst, b""))
-                    send(self._sock(inst), read.encode(msg_id), timeout_s=self.cp.timeout_s)
-                    ld.expected.append((layer, inst, msg_id))
+                for inst in ld.by_instance:
+                    if inst not in ld.in_place:
+                        self._send_read(ld, inst, layer)
             except Exception as e:
                 self._load_failed(ld, e)
 
+    def _send_read(self, ld: _Loading, inst: int, layer: int) -> None:
+        """One ``READ_SEGMENT``: ``layer`` of the load's slots on ``inst``, with the
+        lease's grant there (the engine serves it only while the lease holds)."""
+        slots = tuple(ld.load.segments[i][1] for i in ld.by_instance[inst])
+        msg_id = next(self._msg_ids)
+        read = ReadSegment(layer, slots, dict(ld.load.grants).get(inst, b""))
+        send(self._sock(inst), read.encode(msg_id), timeout_s=self.cp.timeout_s)
+        ld.expected.append((layer, inst, msg_id))
+
     def _receive_layer(self, layer: int) -> None:
-        """Copies ``layer`` of every load into vLLM's blocks (its replies were requested
-        ``LOAD_AHEAD_LAYERS`` layers ago), then requests one more layer."""
-        cache = self._caches[layer]
+        """Copies ``layer`` of every load into vLLM's blocks, then requests one more layer.
+
+        Slots of a mapped slab are copied straight from it, the others from their replies
+        (requested ``LOAD_AHEAD_LAYERS`` layers ago). The last layer of a mapped slab is
+        read by message, sent once every other layer is copied: the lease's check. The
+        engine serves it only while the lease's grant holds, and the server retires that
+        grant before it releases the lease, so a request finished during its load (an
+        abort under vLLM's asynchronous scheduling) fails its load instead of keeping
+        pages of slots that may have been given away meanwhile."""
+        cache, last = self._caches[layer], len(self._layers) - 1
         for ld in self._loading:
-            if ld.failed or not ld.expected or ld.expected[0][0] != layer:
+            if ld.failed or ld.done_layers > last or self._layers[ld.done_layers] != layer:
                 continue
             try:
-                pages = [None] * len(ld.load.segments)
-                while ld.expected and ld.expected[0][0] == layer:
-                    _, inst, msg_id = ld.expected.popleft()
-                    reply = wire.recv(self._sock(inst), self.cp.timeout_s)
-                    if reply.msg_id != msg_id:
-                        raise TokenLakeError(f"instance {inst} answered message {reply.msg_id}, "
-                                             f"expected {msg_id}")
-                    data = expect(reply, SegmentData)
-                    for i, block in zip(ld.by_instance[inst], data.blocks):
-                        pages[i] = block
-                for i, block in enumerate(pages):
-                    dst = ld.load.blocks[i]
-                    skip = ld.load.skip if i == 0 else 0
-                    if block is not None and skip < len(dst):
-                        src = _pages_of_slot(block, self.per_seg, cache.shape)
-                        cache[dst[skip:]] = src[skip:len(dst)]
+                pages = self._replies(ld, layer)
+                if ld.done_layers < last:
+                    for inst, slab in ld.in_place.items():
+                        for i in ld.by_instance[inst]:
+                            pages[i] = slab[ld.load.segments[i][1], layer]
+                self._copy_pages(ld, pages, cache)
                 ld.done_layers += 1
-                if ld.done_layers == len(self._layers):
+                if ld.done_layers == last:
+                    for inst in ld.in_place:
+                        self._send_read(ld, inst, self._layers[last])
+                elif ld.done_layers > last:
                     load = ld.load
                     self.loaded_tokens += sum(len(b) for b in load.blocks) * self.block_size - \
                         load.skip * self.block_size
@@ -154,6 +184,32 @@ class LoadMode:
                 self._load_failed(ld, e)
         if self._next < len(self._layers):
             self._request_layer()
+
+    def _replies(self, ld: _Loading, layer: int) -> list:
+        """The load's segments of ``layer`` that came by message (``None`` for the others)."""
+        pages = [None] * len(ld.load.segments)
+        while ld.expected and ld.expected[0][0] == layer:
+            _, inst, msg_id = ld.expected.popleft()
+            reply = wire.recv(self._sock(inst), self.cp.timeout_s)
+            if reply.msg_id != msg_id:
+                raise TokenLakeError(f"instance {inst} answered message {reply.msg_id}, "
+                                     f"expected {msg_id}")
+            data = expect(reply, SegmentData)
+            for i, block in zip(ld.by_instance[inst], data.blocks):
+                pages[i] = block
+        return pages
+
+    def _copy_pages(self, ld: _Loading, pages: list, cache: torch.Tensor) -> None:
+        """One layer of every segment of the load into its vLLM blocks (those vLLM
+        computed itself, ``skip``, are left alone); a segment not read fails the load."""
+        for i, block in enumerate(pages):
+            if block is None:
+                raise TokenLakeError(f"segment {i} of the load was not read")
+            dst = ld.load.blocks[i]
+            skip = ld.load.skip if i == 0 else 0
+            if skip < len(dst):
+                src = _pages_of_slot(block, self.per_seg, cache.shape)
+                cache[dst[skip:]] = src[skip:len(dst)]
 
     def _load_failed(self, ld: _Loading, error: BaseException) -> None:
         """vLLM computes the load's blocks instead (never wrong tokens); the replies still
@@ -169,8 +225,11 @@ class LoadMode:
 
     def _finish_loads(self) -> None:
         """Receives every layer still owed (a pass that did not wait for each layer)."""
-        while self._loading and any(not ld.failed and ld.expected for ld in self._loading):
-            pending = [ld.expected[0][0] for ld in self._loading if not ld.failed and ld.expected]
+        while True:
+            pending = [self._layers[ld.done_layers] for ld in self._loading
+                       if not ld.failed and ld.done_layers < len(self._layers)]
+            if not pending:
+                break
             self._receive_layer(min(pending))
         self._loading = []
 
@@ -188,6 +247,42 @@ class LoadMode:
             sock.connect(info.endpoints["transfer"])
             self._socks[instance] = sock
         return self._socks[instance]
+
+    def _slab(self, instance: int) -> torch.Tensor | None:
+        """``instance``'s slab mapped in this process (read only: its leased slots are
+        copied from it), or ``None``: its segments are read by ``READ_SEGMENT``. Mapped
+        on first use and kept until :meth:`_close_slabs`; a failure to ask the control
+        server is raised (the load fails, as on the socket path) and asked again next time."""
+        if instance not in self._slabs:
+            self._slabs[instance] = self._map_slab(instance)
+        shared = self._slabs[instance]
+        return None if shared is None else shared.tensor
+
+    def _map_slab(self, instance: int) -> SharedTensor | None:
+        """The control server offers a slab it knows to be POSIX shared memory on its
+        machine (``CP_CLIENT_INFO_RESULT.slab``); a client on another machine (or in
+        another ``/dev/shm``) fails to map it and reads by message, as does one with
+        ``TOKENLAKE_LOAD_IN_PLACE=0``."""
+        if os.environ.get(IN_PLACE_ENV, "1") == "0":
+            return None
+        spec = self.cp.client_info(instance).slab
+        if spec is None or spec.is_cuda:
+            return None
+        try:
+            shared = SharedTensor.attach(spec)
+        except Exception as e:
+            log.info("instance %d's slab is not mappable here (%s): reading it by message",
+                     instance, e)
+            return None
+        log.info("reading instance %d's slab in place (%s)", instance, spec.name)
+        return shared
+
+    def _close_slabs(self) -> None:
+        """Unmaps the slabs (the connector closes; the pool still owns them)."""
+        for shared in self._slabs.values():
+            if shared is not None:
+                shared.close()
+        self._slabs.clear()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._loading:

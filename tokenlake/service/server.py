@@ -101,7 +101,7 @@ class ServedCluster(Protocol):
     def open_session(self, token: bytes, session: int, instance: int) -> Mapping[str, Any]:
         """A client session's own buffers on ``instance``, registered with its engines:
         ``{"endpoints": {role: endpoint}, "buffers": {name: BufferSpec dict},
-        "timeout_s": float, "keys": member keys or None}``
+        "timeout_s": float, "keys": member keys or None, "slab": spec dict or None}``
         (:meth:`~tokenlake.deploy.base.ClusterBase.open_session`)."""
 
     def close_session(self, token: bytes) -> None:
@@ -415,5 +415,6 @@ class ControlServer:
         info = self.cluster.open_session(session.token, session.number, req.instance)
         session.instances.add(req.instance)
         buffers = {name: BufferSpec.from_dict(spec) for name, spec in info["buffers"].items()}
-        return CpClientInfoResult(req.instance, dict(info["endpoints"]), buffers,
-                                  float(info["timeout_s"]), info.get("keys"))
+        slab = info.get("slab")  # mappable on the pool's machine (docs/security.md)
+        return CpClientInfoResult(req.instance, dict(info["endpoints"]), buffers, float(info["timeout_s"]),
+                                  info.get("keys"), None if slab is None else BufferSpec.from_dict(slab))

@@ -225,12 +225,16 @@ class CpClientInfo(_PlainBody, WireMessage):
 class CpClientInfoResult(_PlainBody, WireMessage):
     """``CP_CLIENT_INFO_RESULT`` ``{"instance": int, "endpoints": [[role, endpoint]],
     "buffers": [[name, BufferSpec]], "timeout_s": float, "keys": {name: str | None} |
-    None}``: the instance's query and transfer engine endpoints and its client buffers
-    (``q``, ``out_o``, ``out_lse``, ``kv``), attachable on the engines' machine;
-    ``timeout_s`` is the cluster's wait limit for an engine's answer (seconds); ``keys``
-    the member's CURVE keys (:meth:`tokenlake.dataplane.auth.ClusterKeys.member_view`;
-    ``None``: the cluster runs without CURVE). Sent only over the control port, which is
-    itself CURVE-protected when the cluster is."""
+    None, "slab": BufferSpec | None (optional)}``: the instance's query and transfer engine
+    endpoints and its client buffers (``q``, ``out_o``, ``out_lse``, ``kv``), attachable on
+    the engines' machine; ``timeout_s`` is the cluster's wait limit for an engine's answer
+    (seconds); ``keys`` the member's CURVE keys
+    (:meth:`tokenlake.dataplane.auth.ClusterKeys.member_view`; ``None``: the cluster runs
+    without CURVE); ``slab``: the instance's slab, when it is POSIX shared memory that a
+    client on the pool's machine may map and read its leased slots from in place (vLLM's
+    load mode; docs/security.md); absent or ``None``: not mappable (a GPU pool, an
+    instance on another node), read by ``READ_SEGMENT``. Sent only over the control port,
+    which is itself CURVE-protected when the cluster is."""
 
     KIND = Kind.CP_CLIENT_INFO_RESULT
     instance: int
@@ -238,3 +242,4 @@ class CpClientInfoResult(_PlainBody, WireMessage):
     buffers: Mapping[str, BufferSpec]
     timeout_s: float
     keys: Mapping[str, str | None] | None
+    slab: BufferSpec | None = None

@@ -142,7 +142,7 @@ class InstanceClient:
         self.bell = self._bell_buf = buffers.get("bell")  # (uint8, host memory)
         self._bell: ClientBell | None = None
         self.fast = os.environ.get("TOKENLAKE_BELL", "1") != "0"  # an operator's switch to the socket path
-        self.heads_up = os.environ.get("TOKENLAKE_BELL_HEADS_UP") == "1"  # see expect_query
+        self.heads_up = os.environ.get("TOKENLAKE_BELL_HEADS_UP", "1") != "0"  # see expect_query
 
     def start(self, ctx: zmq.Context) -> None:
         self._ctx = ctx
@@ -182,8 +182,9 @@ class InstanceClient:
 
     def expect_query(self) -> None:
         """Says a :meth:`query` comes soon (call it before computing the layer's q): with
-        :attr:`heads_up` on, the query engine wakes now and waits for it spinning, so its
-        wake-up overlaps that work (worth it where cores are spare). Nothing otherwise."""
+        :attr:`heads_up` on (the default), the query engine wakes now and waits for it,
+        spinning but yielding to any runnable thread, so its wake-up overlaps that work.
+        Nothing on the socket path."""
         if self.heads_up and self._query_plan is not None and self._use_bell():
             self._bell.heads_up("query")
 

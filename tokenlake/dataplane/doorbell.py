@@ -61,9 +61,9 @@ SPIN_S = float(os.environ.get("TOKENLAKE_BELL_SPIN_US", "200")) * 1e-6 \
     if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86") else 0.0
 
 #: How long an engine told to expect an entry (:meth:`ClientBell.heads_up`) spins for it
-#: before it sleeps again (seconds). Clients send no heads-up unless asked
-#: (``InstanceClient.heads_up``): on the 2-core VM the spin takes the core the compute
-#: engine's projections need (docs/data-plane.md "Doorbells").
+#: before it sleeps again (seconds). The spin yields the core at every turn
+#: (``sched_yield``): a spin that did not took the core the compute engine's projections
+#: need on the 2-core VM (docs/data-plane.md "Doorbells").
 ENGINE_SPIN_S = float(os.environ.get("TOKENLAKE_BELL_ENGINE_SPIN_US", "300")) * 1e-6
 
 assert (_ERRORS + len(ROLES) * _ERROR_WORDS) * 8 <= BELL_BYTES
@@ -160,6 +160,7 @@ class EngineBell:
         while w[area] <= self.seen:
             if time.perf_counter() > end:
                 return False
+            os.sched_yield()  # a runnable compute thread goes first: the spin takes no core from it
         return True
 
     def take(self) -> list[tuple[int, int, int, int]]:

@@ -10,11 +10,11 @@ plan) on the same slab:
 
 * ``roundtrip_us``: one layer's ``client.query`` (the compute engine's wait), by the path
   the pool uses on one host: the session's bell in shared memory (doorbell.py), right
-  after the kernel call below (the query engine has gone idle meanwhile and wakes on
-  the post);
-* ``heads_up_roundtrip_us``: the same with a heads-up (``client.expect_query()``) sent
-  before a kernel call that stands in for computing q: the engine's wake-up overlaps it
-  (off by default, see docs/data-plane.md "Doorbells");
+  after the kernel call below, without a heads-up (the query engine has gone idle
+  meanwhile and wakes on the post);
+* ``heads_up_roundtrip_us``: the same as a decode step makes it: a heads-up
+  (``client.expect_query()``) before a kernel call that stands in for computing q, so
+  the engine's wake-up overlaps it (docs/data-plane.md "Doorbells");
 * ``attention_us``: the engine's attention call alone on the same rows and slot;
 * ``overhead_us``: their difference, what the hand-off costs;
 * ``socket_roundtrip_us``: one layer's query by the socket path (``QUERY``/``QUERY_DONE``
@@ -72,6 +72,7 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
     q.normal_()
     slab = cluster.slab(qp.home)
     slot = cp.get_prefix_tree().replicas(cp.get_prefix_tree().match(doc).keys[0])[0].slot
+    client.heads_up = True  # (the default, unless TOKENLAKE_BELL_HEADS_UP=0)
     client.query(0)
     out_path = "bell" if client._bell is not None else "socket"
     attend = prepare_slabs_attention(rows, q.shape[1], [slab], [0], [slot], [PAGE])
@@ -92,14 +93,10 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
                 t3 = time.perf_counter()
                 cluster._request(("query", qp.home), Ping(), Pong)
                 t4 = time.perf_counter()
-                client.heads_up = True  # as a decode step would with heads-ups on: ...
-                try:
-                    client.expect_query()
-                    attend(q[:rows], layer)  # ... the engine wakes while q is computed
-                    t5 = time.perf_counter()
-                    client.query(layer)
-                finally:
-                    client.heads_up = False
+                client.expect_query()  # as a decode step does: ...
+                attend(q[:rows], layer)  # ... the engine wakes while q is computed
+                t5 = time.perf_counter()
+                client.query(layer)
                 t6 = time.perf_counter()
                 if rep:
                     out["attention"].append((t1 - t0) * 1e6)

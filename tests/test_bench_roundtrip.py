@@ -21,4 +21,6 @@ def test_the_roundtrip_benchmark_reports_every_figure_per_row_count():
         assert result["roundtrip_us"][rows]["median"] > result["attention_us"][rows]["min"]
     assert result["isa"] and result["layers"] == 30
     assert result["path"] == "bell", "a pool on one host hands off through shared memory"
+    fifo = result["fifo_pingpong_us"]
+    assert fifo["sleeping"] > 0 and fifo["spinning"] > 0
     assert set(list_buffers(fifos=True)) == before, "the benchmark's pool left shared memory behind"

@@ -146,6 +146,20 @@ def test_an_instruction_set_above_the_cpus_is_refused(kernel):
     assert kernel.isa() == order[have]
 
 
+def test_bench_kernel_runs_as_a_cpu_without_tiles_would(kernel):
+    """``--isa avx512`` on a CPU with AMX: every row takes the vector path, and the CPU's
+    own instruction set is back afterwards."""
+    from tokenlake.tools.bench_kernel import bench_kernel
+
+    best = kernel.isa()
+    if best not in ("amx", "avx512"):
+        pytest.skip("needs AVX-512")
+    out = bench_kernel(tokens=(1024,), rows=(4,), dtypes=("bfloat16",), repeats=1, buffer_gib=0.05,
+                       linear_rows=(1,), linear_layers=1, isa="avx512")
+    assert out["isa"] == "avx512" and [r["path"] for r in out["results"]] == ["vector"]
+    assert kernel.isa() == best
+
+
 def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
     """A tiny run of ``tokenlake bench kernel``: its JSON has the memory bandwidth, a row
     per (dtype, rows, tokens) with the kernel's and torch's GB/s, and a linear row per

@@ -88,16 +88,30 @@ def _add_roof(row: dict, element_size: int, bandwidth_gbps: float, peak_gflops: 
 
 def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "bfloat16"),
                  repeats: int = 7, buffer_gib: float = 1.0, linear_rows=(1, 8, 32),
-                 linear_layers: int = LINEAR_LAYERS) -> dict:
+                 linear_layers: int = LINEAR_LAYERS, isa: str | None = None) -> dict:
     """The JSON of ``tokenlake bench kernel`` (module docstring)."""
+
+    from tokenlake.dataplane import native
+
+    mod = native.load()
+    if mod is None:
+        raise RuntimeError("the native kernel is not built (g++ and ninja are needed)")
+    if isa is None:
+        return _bench_kernel(mod, tokens, rows, dtypes, repeats, buffer_gib, linear_rows, linear_layers)
+    best = mod.isa()
+    mod.set_isa(isa)  # a lower instruction set than the CPU's: what CPUs without it run
+    try:
+        return _bench_kernel(mod, tokens, rows, dtypes, repeats, buffer_gib, linear_rows, linear_layers)
+    finally:
+        mod.set_isa(best)
+
+
+def _bench_kernel(mod, tokens, rows, dtypes, repeats, buffer_gib, linear_rows, linear_layers) -> dict:
     import torch
 
     from tokenlake.dataplane import native
     from tokenlake.dataplane.attention_slab import slab_partial_attention
 
-    mod = native.load()
-    if mod is None:
-        raise RuntimeError("the native kernel is not built (g++ and ninja are needed)")
     bw = memory_read_gbps(buffer_gib)
     peak = compute_gflops()
     results = []
@@ -207,6 +221,9 @@ def add_kernel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
                    help="K/V dtypes of the slab")
     p.add_argument("--repeats", type=int, default=7, help="timed calls of each, interleaved")
+    p.add_argument("--isa", choices=("amx", "avx512", "avx2", "base"), default=None,
+                   help="run the kernels as on a CPU with at most this instruction set (avx512: "
+                        "an AVX-512 CPU without AMX tiles); default: what this CPU offers")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.set_defaults(run=run_kernel)
 
@@ -218,7 +235,7 @@ def run_kernel(args: argparse.Namespace) -> int:
         raise UsageError("bench kernel: --tokens, --rows, --linear-rows and --repeats must be positive")
     try:
         result = bench_kernel(tuple(args.tokens), tuple(args.rows), tuple(args.dtypes), args.repeats,
-                              linear_rows=tuple(args.linear_rows))
+                              linear_rows=tuple(args.linear_rows), isa=args.isa)
     except RuntimeError as exc:
         raise UsageError(f"bench kernel: {exc}") from None
     if args.json:

@@ -17,6 +17,8 @@ plan) on the same slab:
   the engine's wake-up overlaps it (docs/data-plane.md "Doorbells");
 * ``attention_us``: the engine's attention call alone on the same rows and slot;
 * ``overhead_us``: their difference, what the hand-off costs;
+* ``fifo_pingpong_us``: the floor of any wake-up on this machine, a byte to another
+  process and back through FIFOs, both sides sleeping in ``poll`` or both spinning;
 * ``socket_roundtrip_us``: one layer's query by the socket path (``QUERY``/``QUERY_DONE``
   messages, as towards a pool without bells); ``ping_us``: a bare ``PING`` to the query
   engine and back (the floor of any message, CURVE included).
@@ -109,6 +111,61 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
     return out
 
 
+def _receive(fd: int, poll) -> bytes:
+    """One byte from ``fd``: sleeping in ``poll`` (a poll object) or spinning (None)."""
+    import os
+
+    while True:
+        if poll is not None:
+            poll.poll(1000)
+        try:
+            return os.read(fd, 1)
+        except BlockingIOError:
+            continue
+
+
+def fifo_pingpong(rounds: int = 1000) -> dict[str, float]:
+    """The floor of any wake-up here: a byte through a FIFO to a child process and back,
+    both sleeping in ``poll`` (``sleeping``), and both spinning on the FIFO instead
+    (``spinning``); µs, medians. The child only reads and writes (it is forked)."""
+    import os
+    import select
+    import tempfile
+
+    out = {}
+    for mode in ("sleeping", "spinning"):
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = [os.path.join(tmp, "there"), os.path.join(tmp, "back")]
+            for path in paths:
+                os.mkfifo(path)
+            fds = [os.open(path, os.O_RDWR | os.O_NONBLOCK) for path in paths]
+            pid = os.fork()
+            mine, theirs = (fds[1], fds[0]) if pid else (fds[0], fds[1])
+            poll = None
+            if mode == "sleeping":
+                poll = select.poll()
+                poll.register(mine, select.POLLIN)
+            if not pid:  # the child: echo until told to stop
+                while _receive(mine, poll) != b"q":
+                    os.write(theirs, b"x")
+                os._exit(0)
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                os.write(theirs, b"p")
+                _receive(mine, poll)
+                times.append((time.perf_counter() - t0) * 1e6)
+                end = time.perf_counter() + 200e-6  # as between two layers: the other side idles
+                while time.perf_counter() < end:
+                    pass
+            os.write(theirs, b"q")
+            os.waitpid(pid, 0)
+            for fd in fds:
+                os.close(fd)
+        out[mode] = round(statistics.median(times), 1)
+    return out
+
+
 def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda line: None) -> dict:
     """The figures of the module docstring, as JSON-ready data."""
     import torch
@@ -125,6 +182,8 @@ def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda 
                     "prefix_tokens": PAGE, "repeats": repeats,
                     **{k: {} for k in ("roundtrip_us", "attention_us", "overhead_us",
                                        "socket_roundtrip_us", "heads_up_roundtrip_us", "ping_us")}}
+    progress("a FIFO ping-pong with another process ...")
+    result["fifo_pingpong_us"] = fifo_pingpong()
     progress("starting a one-instance pool ...")
     with LocalCluster(1, model, 64 * seg, segment_tokens=PAGE, max_rows=64, page_tokens=PAGE) as cluster:
         _store(cluster, doc)
@@ -151,3 +210,7 @@ def print_report(result: dict) -> None:
     for rows in result["roundtrip_us"]:
         print(f"{rows:>4}  " + "".join(f"{result[k][rows]['median']:>7.1f} ({result[k][rows]['min']:.0f}-"
                                        f"{result[k][rows]['max']:.0f})".ljust(20) for k in names))
+    fifo = result.get("fifo_pingpong_us")
+    if fifo:
+        print(f"a FIFO ping-pong with another process: {fifo['sleeping']} µs both sleeping, "
+              f"{fifo['spinning']} µs both spinning (the floor of a wake-up)")

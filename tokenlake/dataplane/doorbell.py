@@ -27,6 +27,7 @@ only the words it needs from the ring and checks each entry as it checks a messa
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import select
@@ -124,6 +125,16 @@ class _Ringer:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def reader_alive(self) -> bool:
+        """False once nobody reads the FIFO (its engine died, or stopped and removed it):
+        an open to write finds no reader (ENXIO) or no FIFO. A liveness check that needs
+        no handle on the engine's process (a ``tokenlake.connect`` client has none)."""
+        try:
+            os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
+        except OSError as exc:
+            return exc.errno not in (errno.ENXIO, errno.ENOENT)
+        return True
 
 
 # ---------------------------------------------------------------------------- engine side
@@ -290,6 +301,8 @@ class ClientBell:
             st = self.state(role, seq)
             if not st and not woke:
                 dead = alive()  # quiet for poll_s: is anyone there?
+                if dead is None and not self.engines[role].reader_alive():
+                    dead = f"the {role} engine of instance {instance}"  # its doorbell has no reader
                 if dead is not None:
                     raise EngineUnavailable(f"{dead} is not running")
         self.spin[role] = SPIN_S > 0 and time.perf_counter() - start <= SPIN_S

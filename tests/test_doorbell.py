@@ -83,13 +83,20 @@ def test_a_pool_on_one_host_hands_off_through_bells_and_answers_as_by_message(cl
         cluster.control.abort(plans)
 
 
-def test_a_bad_entry_fails_alone_with_its_typed_error(cluster):
-    plans, _ = _doc_plans(cluster, "bad")
+def _querying(cluster, tag: str):
+    """``_doc_plans`` with its query plan registered on its home's client and one layer
+    served (the bell is open then); returns ``(plans, client)``."""
+    plans, _ = _doc_plans(cluster, tag)
     (qp,) = plans.query_plans
     client = cluster.client(qp.home)
     client.init_query(qp)
+    client.query(0)
+    return plans, client
+
+
+def test_a_bad_entry_fails_alone_with_its_typed_error(cluster):
+    plans, client = _querying(cluster, "bad")
     try:
-        client.query(0)
         bell = client._bell
         seq = bell.post("query", client._query_plan[0], TINY.num_layers + 3)  # no such layer
         with pytest.raises(PlanError, match="layer"):
@@ -137,16 +144,12 @@ def test_nonsense_in_a_ring_hangs_nothing(cluster):
     """A client that sets its ring's counter far ahead without writing the entries: the
     engine skips what was never written, keeps serving, and serves the next entry
     written properly."""
-    plans, _ = _doc_plans(cluster, "junk")
-    (qp,) = plans.query_plans
-    client = cluster.client(qp.home)
-    client.init_query(qp)
+    plans, client = _querying(cluster, "junk")
     try:
-        client.query(0)
         bell = client._bell
         bell.w[doorbell._HEADER] += 10 ** 12  # posted far ahead, no entry written
         bell.engines["query"].ring()
-        assert cluster._request(("query", qp.home), Ping(), Pong).role == "query"  # the loop runs
+        assert cluster._request(("query", client.instance), Ping(), Pong).role == "query"  # the loop runs
         client.fast = False
         try:
             client.query(1)  # by message, meanwhile

@@ -94,6 +94,27 @@ def _querying(cluster, tag: str):
     return plans, client
 
 
+def test_the_opt_in_spin_and_heads_up_answer_as_the_default_does(cluster, monkeypatch):
+    """Spinning is off by default (``TOKENLAKE_BELL_SPIN_US``); turned on, the client
+    spins on the done word first and the answers are bit for bit the same. A heads-up
+    to an engine that does not spin is harmless."""
+    assert doorbell.SPIN_S == 0.0 and not cluster.client(0).heads_up  # the defaults
+    plans, client = _querying(cluster, "spin")
+    try:
+        plain = client.query(1)
+        o, lse = plain.o.clone(), plain.lse.clone()
+        monkeypatch.setattr(doorbell, "SPIN_S", 0.05)
+        client._bell.spin = {role: True for role in doorbell.ROLES}
+        client.heads_up = True
+        client.expect_query()
+        spun = client.query(1)
+        assert torch.equal(o, spun.o) and torch.equal(lse, spun.lse)
+        assert client._bell.spin["query"], "a short wait keeps the spin on"
+    finally:
+        client.heads_up = False
+        cluster.control.abort(plans)
+
+
 def test_a_bad_entry_fails_alone_with_its_typed_error(cluster):
     plans, client = _querying(cluster, "bad")
     try:

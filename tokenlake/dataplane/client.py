@@ -36,7 +36,7 @@ from tokenlake.core.plans import QueryPlan, TransferPlan
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.attention import Partial
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
-from tokenlake.dataplane.doorbell import RING, ClientBell
+from tokenlake.dataplane.doorbell import ENGINE_SPIN_S, RING, ClientBell
 from tokenlake.dataplane.messages import (
     PlanAck,
     Put,
@@ -142,7 +142,8 @@ class InstanceClient:
         self.bell = self._bell_buf = buffers.get("bell")  # (uint8, host memory)
         self._bell: ClientBell | None = None
         self.fast = os.environ.get("TOKENLAKE_BELL", "1") != "0"  # an operator's switch to the socket path
-        self.heads_up = os.environ.get("TOKENLAKE_BELL_HEADS_UP", "1") != "0"  # see expect_query
+        # see expect_query; pointless unless the engines spin for what they are told of
+        self.heads_up = ENGINE_SPIN_S > 0 and os.environ.get("TOKENLAKE_BELL_HEADS_UP", "1") != "0"
 
     def start(self, ctx: zmq.Context) -> None:
         self._ctx = ctx
@@ -182,7 +183,8 @@ class InstanceClient:
 
     def expect_query(self) -> None:
         """Says a :meth:`query` comes soon (call it before computing the layer's q): with
-        :attr:`heads_up` on (the default), the query engine wakes now and waits for it,
+        :attr:`heads_up` on (the default where ``TOKENLAKE_BELL_ENGINE_SPIN_US`` is set),
+        the query engine wakes now and waits for it,
         spinning but yielding to any runnable thread, so its wake-up overlaps that work.
         Nothing on the socket path."""
         if self.heads_up and self._query_plan is not None and self._use_bell():

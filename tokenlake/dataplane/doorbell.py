@@ -14,7 +14,7 @@ client. The rings and counters are the truth; a doorbell is only a wake-up:
   and read by the client). A write of one byte wakes the reader; a lost or extra byte
   costs at most one ``poll_s`` of latency, never a wrong answer, because each side reads
   the counters after waking;
-* the client first spins briefly on the entry's done word (x86 only, where a store is
+* the client may first spin briefly on the entry's done word (opt-in; x86 only, where a store is
   never seen before the stores that precede it; elsewhere the FIFO read, a system call,
   orders them), then sleeps on its FIFO in ``poll_s`` steps, asking between steps whether
   the engine still runs: a dead engine is ``EngineUnavailable`` as fast as on the socket
@@ -56,16 +56,19 @@ _AREA = 8 + RING * _ENTRY  # words of one role's ring: posted, expected, spare x
 _ERRORS = _HEADER + len(ROLES) * _AREA  # word where the roles' error areas start
 _ERROR_WORDS = 256  # per role: [seq, length, msgpack of the ERROR frames]
 #: Spin on a done word before sleeping on the FIFO (seconds; 0 on CPUs that may reorder
-#: stores). A wake-up through the FIFO costs ~40 µs on a 2-core VM, a spin nothing: a wait
-#: that took longer than this turns the spin off for that ring until one is short again.
-SPIN_S = float(os.environ.get("TOKENLAKE_BELL_SPIN_US", "200")) * 1e-6 \
+#: stores). Off unless set: a wake-up through the FIFO costs ~40 µs on a 2-core VM, but a
+#: spin takes a core that a machine shared with other work may need (with two busy
+#: processes beside it, the suite's serving tests ran 12% slower spinning). A wait that
+#: took longer than this turns the spin off for that ring until one is short again.
+SPIN_S = float(os.environ.get("TOKENLAKE_BELL_SPIN_US", "0")) * 1e-6 \
     if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86") else 0.0
 
 #: How long an engine told to expect an entry (:meth:`ClientBell.heads_up`) spins for it
 #: before it sleeps again (seconds). The spin yields the core at every turn
 #: (``sched_yield``): a spin that did not took the core the compute engine's projections
-#: need on the 2-core VM (docs/data-plane.md "Doorbells").
-ENGINE_SPIN_S = float(os.environ.get("TOKENLAKE_BELL_ENGINE_SPIN_US", "300")) * 1e-6
+#: need on the 2-core VM (docs/data-plane.md "Doorbells"). Off unless set, as ``SPIN_S``;
+#: a client asks for no heads-up while it is 0.
+ENGINE_SPIN_S = float(os.environ.get("TOKENLAKE_BELL_ENGINE_SPIN_US", "0")) * 1e-6
 
 assert (_ERRORS + len(ROLES) * _ERROR_WORDS) * 8 <= BELL_BYTES
 

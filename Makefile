@@ -32,7 +32,7 @@ demo: native
 	$(BIN)/tokenlake demo
 
 test: native
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(BIN)/tokenlake bench plans --json

@@ -127,3 +127,13 @@ def control_served(spec, instances: int, pool_bytes: int, segment_tokens: int, m
             yield cluster, server
         finally:
             credentials.remove(path)
+
+
+def restart_failed(cluster, server) -> None:
+    """Starts the instances with a dead engine again, empty (leaves a module's pool whole
+    for its next tests), under the server's lock: its clients' sessions may be opening or
+    closing meanwhile, and the cluster is the server's to change while it serves."""
+    with server.lock:
+        for instance in cluster.failed_instances():
+            cluster.remove_instance(instance)
+            cluster.restart_instance(instance)

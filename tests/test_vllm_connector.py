@@ -1,19 +1,18 @@
 """vLLM on a TokenLake pool through ``TokenLakeConnector`` (issue #18).
 
 A pool for vLLM's pages (``kv_layout="vllm-cpu"``, C = 128 = vLLM's CPU block size) is
-served from this process; two vLLM engines, one after the other, each in a process of
-its own, load the connector. The first stores a long document's segments; the second,
-asking another question about the same document, loads them from the pool, and its
-greedy output equals the reference engine's (which equals vLLM's without a connector,
-tests/test_vllm.py)."""
+served from this process; vLLM engines, each in a process of its own, load the
+connector. The first stores a long document's segments; a second, asking another
+question about the same document, loads them from the pool, and its greedy output equals
+the reference engine's (which equals vLLM's without a connector, tests/test_vllm.py).
+The engines are started once for the module (``vllm_worker.workers``) and each test
+uses its own documents, so what a loading engine has is what it loaded from the pool."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import vllm_worker
-from service_util import control_served
+from service_util import control_served, restart_failed
 from vllm_worker import connector_config
 
 pytest.importorskip("vllm")  # the connector is a vLLM class
@@ -28,26 +27,35 @@ def pool(smollm2):
         yield served
 
 
-def run_vllm(model_dir, prompts, max_tokens, address=None, timeout_s=10.0,
-             loads_fail=False) -> list[list[int]]:
-    """Greedy outputs of a vLLM process; asserts that its loads from the pool all
+@pytest.fixture(scope="module")
+def engines(smollm2_hf, pool, tmp_path_factory):
+    """Two vLLM engines on the pool: ``in_place`` reads the slabs it loads in place,
+    ``by_message`` has ``TOKENLAKE_LOAD_IN_PLACE=0`` (as where a slab cannot be mapped:
+    another host, a GPU pool) and a 5 s timeout (the dying pool's test waits it out).
+    Each test stores with one and loads with the other."""
+    address, logs = pool[1].address, tmp_path_factory.mktemp("vllm")
+    specs = [dict(model_dir=smollm2_hf, log_path=logs / f"{name}.log", env=env,
+                  kv_config=connector_config(address, timeout_s=timeout_s))
+             for name, env, timeout_s in (("in_place", None, 10.0),
+                                          ("by_message", {"TOKENLAKE_LOAD_IN_PLACE": "0"}, 5.0))]
+    with vllm_worker.workers(*specs) as started:
+        yield dict(zip(("in_place", "by_message"), started))
+
+
+def run_vllm(engine, prompts, max_tokens, loads_fail=False) -> list[list[int]]:
+    """Greedy outputs of one of the ``engines``; asserts that its loads from the pool all
     succeeded (or, with ``loads_fail``, that one failed and was computed instead)."""
-    cfg = None if address is None else connector_config(address, timeout_s=timeout_s)
-    outputs, stderr = vllm_worker.run(model_dir, prompts, max_tokens, cfg)
-    assert ("loading from the pool failed" in stderr) == loads_fail, stderr[-4000:]
+    outputs, log = engine.run(prompts, max_tokens)
+    assert ("loading from the pool failed" in log) == loads_fail, log[-4000:]
     return outputs
 
 
-def transfer_requests(cluster, server) -> int:
-    """Requests the pool's transfer engines have served (``READ_SEGMENT`` among them),
-    once the last vLLM's session has ended (its closing is served, not counted later)."""
-    deadline = time.monotonic() + 15
-    while server.sessions.infos() and time.monotonic() < deadline:
-        time.sleep(0.1)
+def transfer_requests(cluster) -> int:
+    """Requests the pool's transfer engines have served (``READ_SEGMENT`` among them)."""
     return sum(p.requests for (role, _), p in cluster.engine_stats().items() if role == "transfer")
 
 
-def stored_then_loaded(smollm2, smollm2_hf, pool, records: int) -> int:
+def stored_then_loaded(smollm2, pool, store, load, records: int) -> int:
     """A first vLLM stores a document (whole segments, so the second stores nothing), a
     second asks another question about it and loads it from the pool; both answer as
     the reference does. Returns the transfer engines' requests during the second."""
@@ -59,13 +67,14 @@ def stored_then_loaded(smollm2, smollm2_hf, pool, records: int) -> int:
     assert len(doc) >= 5 * C
     first = doc + tok.encode(" Question: which pier is named most often?")
     second = doc + tok.encode(" Question: what did record 12 read?")
-    out_a = run_vllm(smollm2_hf, [first], 8, server.address)
+    stored_before = cluster.control.stats().pool.segments
+    out_a = run_vllm(store, [first], 8)
     stats = cluster.control.stats()
-    stored = stats.pool.segments
-    assert stored >= len(doc) // C, "the first engine stored the document's segments"
-    before = transfer_requests(cluster, server)
-    out_b = run_vllm(smollm2_hf, [second], 8, server.address)
-    served = transfer_requests(cluster, server) - before
+    assert stats.pool.segments - stored_before >= len(doc) // C, \
+        "the first engine stored the document's segments"
+    before = transfer_requests(cluster)
+    out_b = run_vllm(load, [second], 8)
+    served = transfer_requests(cluster) - before
     after = cluster.control.stats()
     assert after.hit_tokens - stats.hit_tokens >= (len(doc) // C) * C - C, \
         "the second engine leased the document's segments"
@@ -76,22 +85,21 @@ def stored_then_loaded(smollm2, smollm2_hf, pool, records: int) -> int:
     return served
 
 
-def test_a_second_vllm_loads_the_prefix_the_first_stored(smollm2, smollm2_hf, pool):
+def test_a_second_vllm_loads_the_prefix_the_first_stored(smollm2, pool, engines):
     """On the pool's machine the slabs are read in place: the transfer engines serve one
     READ_SEGMENT per instance read (the last layer, the lease's check), not one per layer."""
-    served = stored_then_loaded(smollm2, smollm2_hf, pool, 60)
+    served = stored_then_loaded(smollm2, pool, engines["by_message"], engines["in_place"], 60)
     assert served < smollm2[0].config.num_layers, served
 
 
-def test_a_slab_not_offered_is_read_by_message(smollm2, smollm2_hf, pool, monkeypatch):
-    """``TOKENLAKE_LOAD_IN_PLACE=0`` (as where the slab cannot be mapped: another host, a
-    GPU pool): every layer is a READ_SEGMENT, and the answers are the same."""
-    monkeypatch.setenv("TOKENLAKE_LOAD_IN_PLACE", "0")
-    served = stored_then_loaded(smollm2, smollm2_hf, pool, 55)
+def test_a_slab_not_offered_is_read_by_message(smollm2, pool, engines):
+    """``TOKENLAKE_LOAD_IN_PLACE=0``: every layer is a READ_SEGMENT, and the answers are
+    the same."""
+    served = stored_then_loaded(smollm2, pool, engines["in_place"], engines["by_message"], 55)
     assert served >= smollm2[0].config.num_layers, served
 
 
-def test_a_pool_that_dies_before_the_load_makes_vllm_compute(smollm2, smollm2_hf, pool):
+def test_a_pool_that_dies_before_the_load_makes_vllm_compute(smollm2, pool, engines):
     """The transfer engines that hold the segments are gone when the second engine loads:
     its reads fail within the connector's timeout, it reports the blocks as load errors,
     vLLM computes them, and the answer is still the reference's."""
@@ -100,14 +108,12 @@ def test_a_pool_that_dies_before_the_load_makes_vllm_compute(smollm2, smollm2_hf
     doc = tok.encode(" ".join(f"Line {i} of the harbour log notes {(i * 53) % 97} ships."
                               for i in range(50)))
     first, second = doc + tok.encode(" Summarise."), doc + tok.encode(" Which line is last?")
-    run_vllm(smollm2_hf, [first], 4, server.address)
+    run_vllm(engines["in_place"], [first], 4)
     for instance in (0, 1):
         cluster.kill("transfer", instance)
-    out = run_vllm(smollm2_hf, [second], 8, server.address, timeout_s=2.0, loads_fail=True)
+    out = run_vllm(engines["by_message"], [second], 8, loads_fail=True)
     assert out[0] == ref.generate(second, 8, stop_ids=()).output_ids
-    for instance in cluster.failed_instances():  # leave the pool whole for other tests
-        cluster.remove_instance(instance)
-        cluster.restart_instance(instance)
+    restart_failed(cluster, server)  # leave the pool whole for other tests
 
 
 def test_the_connector_refuses_a_pool_of_another_layout_or_segment_size(pool, smollm2):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import vllm_worker
-from service_util import control_served
+from service_util import control_served, restart_failed
 from vllm_worker import connector_config
 
 pytest.importorskip("vllm")
@@ -30,13 +30,19 @@ def pool(smollm2):
         yield served
 
 
-def run_vllm(model_dir, prompts, max_tokens, address, instance, timeout_s=10.0):
-    """``(outputs, stderr)`` of a vLLM process with the connector in query mode."""
-    cfg = connector_config(address, timeout_s=timeout_s, mode="query", instance=instance)
-    return vllm_worker.run(model_dir, prompts, max_tokens, cfg, NO_PREFIX_CACHE)
+@pytest.fixture(scope="module")
+def engines(smollm2_hf, pool, tmp_path_factory):
+    """Two vLLM engines with the connector in query mode, on instance 0 and on instance 1
+    (started once for the module; each test asks about documents of its own)."""
+    address, logs = pool[1].address, tmp_path_factory.mktemp("vllm")
+    specs = [dict(model_dir=smollm2_hf, log_path=logs / f"instance{i}.log", kwargs=NO_PREFIX_CACHE,
+                  kv_config=connector_config(address, timeout_s=5.0, mode="query", instance=i))
+             for i in (0, 1)]
+    with vllm_worker.workers(*specs) as started:
+        yield started
 
 
-def test_a_second_vllm_attends_the_first_ones_document_in_the_pool(smollm2, smollm2_hf, pool):
+def test_a_second_vllm_attends_the_first_ones_document_in_the_pool(smollm2, pool, engines):
     _, tok, ref = smollm2
     cluster, server = pool
     doc = tok.encode(" ".join(f"Entry {i}: the lighthouse at cape {i % 5} logged "
@@ -45,10 +51,11 @@ def test_a_second_vllm_attends_the_first_ones_document_in_the_pool(smollm2, smol
     first = doc + tok.encode(" Question: which cape is logged most often?")
     others = [doc + tok.encode(" Question: what did entry 7 log?"),
               doc + tok.encode(" Question: how many gulls in entry 30?")]
-    out_a, _ = run_vllm(smollm2_hf, [first], 12, server.address, instance=0)
+    segments = cluster.control.stats().pool.segments
+    out_a, _ = engines[0].run([first], 12)
     before = cluster.control.stats()
-    assert before.pool.segments >= len(doc) // C, "the first engine stored the document"
-    out_b, _ = run_vllm(smollm2_hf, others, 12, server.address, instance=1)
+    assert before.pool.segments - segments >= len(doc) // C, "the first engine stored the document"
+    out_b, _ = engines[1].run(others, 12)
     after = cluster.control.stats()
     hits = [lcp(first, p) // C * C for p in others]
     assert min(hits) >= len(doc) // C * C
@@ -117,7 +124,7 @@ def test_the_query_mode_refuses_what_it_cannot_serve(pool, smollm2):
     ok.shutdown()
 
 
-def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, smollm2_hf, pool):
+def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, pool, engines):
     """The pool's query engines are gone when the second engine runs: the control plane
     still finds the document and leases it, but the step cannot use the pool. The
     connector aborts the step's plans and reports the requests whose prefix only the pool
@@ -129,19 +136,16 @@ def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, smollm
                               f"crates." for i in range(36)))
     first = doc + tok.encode(" Which isle gets most crates?")
     second = doc + tok.encode(" What did note 9 carry?")
-    run_vllm(smollm2_hf, [first], 4, server.address, instance=0)
+    engines[0].run([first], 4)
     before = cluster.control.stats()
     for instance in (0, 1):
         cluster.kill("query", instance)
-    (out,), stderr = run_vllm(smollm2_hf, [second], 8, server.address, instance=1,
-                              timeout_s=2.0)
+    (out,), stderr = engines[1].run([second], 8)
     assert out == ref.generate(second, 8, stop_ids=()).output_ids
     assert "could not use the pool" in stderr  # the failure path ran
     assert cluster.control.stats().hit_tokens > before.hit_tokens  # the prefix was leased
     assert cluster.control.live_requests == ()
-    for instance in cluster.failed_instances():  # leave the pool whole for other tests
-        cluster.remove_instance(instance)
-        cluster.restart_instance(instance)
+    restart_failed(cluster, server)  # leave the pool whole for other tests
 
 
 def test_vllms_openai_server_in_query_mode_on_a_served_pool(smollm2, smollm2_hf, tmp_path):

@@ -1,25 +1,123 @@
 """vLLM in a process of its own (vLLM starts engine processes: a script needs the
 ``__main__`` guard): ``python vllm_worker.py MODEL_DIR PROMPTS_JSON MAX_TOKENS
 [KV_TRANSFER_CONFIG_JSON [LLM_KWARGS_JSON]]`` prints one JSON line ``{"outputs": [[token
-ids], ...]}`` with the greedy outputs of the prompts (lists of token ids)."""
+ids], ...]}`` with the greedy outputs of the prompts (lists of token ids).
+
+``python vllm_worker.py --serve FD MODEL_DIR KV_TRANSFER_CONFIG_JSON LLM_KWARGS_JSON``
+keeps one engine for many requests (:class:`Worker`): each line on stdin (``{"prompts":
+..., "max_tokens": N}``) is answered by one JSON line on file descriptor FD; vLLM's own
+output goes to stdout and stderr. A vLLM engine starts in ~40 s on 2 cores, so a test
+module keeps its engines instead of starting one per question."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import select
+import subprocess
 import sys
+
+
+def _llm(model_dir: str, kv_config: dict | None, kwargs: dict | None):
+    from vllm import LLM
+
+    extra = {"kv_transfer_config": kv_config} if kv_config else {}
+    extra.update(kwargs or {})
+    return LLM(model=model_dir, dtype="float32", max_model_len=4096, enforce_eager=True,
+               gpu_memory_utilization=0.3, kv_cache_memory_bytes=256 << 20, seed=0, **extra)
+
+
+def _generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
 
 
 def main(model_dir: str, prompts: list[list[int]], max_tokens: int, kv_config: dict | None,
          kwargs: dict | None = None) -> dict:
-    from vllm import LLM, SamplingParams
+    return _generate(_llm(model_dir, kv_config, kwargs), prompts, max_tokens)
 
-    extra = {"kv_transfer_config": kv_config} if kv_config else {}
-    extra.update(kwargs or {})
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=4096, enforce_eager=True,
-              gpu_memory_utilization=0.3, kv_cache_memory_bytes=256 << 20, seed=0, **extra)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
+
+def serve(fd: int, model_dir: str, kv_config: dict | None, kwargs: dict | None) -> None:
+    """The ``--serve`` loop: a request per stdin line, its answer on ``fd``."""
+    llm = _llm(model_dir, kv_config, kwargs)
+    with os.fdopen(fd, "w") as answers:
+        answers.write('{"ready": true}\n')
+        answers.flush()
+        for line in sys.stdin:
+            req = json.loads(line)
+            answers.write(json.dumps(_generate(llm, req["prompts"], req["max_tokens"])) + "\n")
+            answers.flush()
+
+
+@contextlib.contextmanager
+def workers(*specs: dict):
+    """:class:`Worker` s started side by side (``Worker(**spec)`` each), ready; all closed
+    on the way out."""
+    started: list[Worker] = []
+    try:
+        for spec in specs:
+            started.append(Worker(**spec))
+        yield [w.wait_ready() for w in started]
+    finally:
+        for w in started:
+            w.close()
+
+
+class Worker:
+    """A vLLM engine kept in a process of its own for many requests (``--serve``), with
+    ``env`` added to its environment. :meth:`run` returns ``(outputs, log)``: the greedy
+    outputs and what vLLM (and the connector in it) logged while it ran."""
+
+    def __init__(self, model_dir, log_path, kv_config=None, kwargs=None, env=None) -> None:
+        read, write = os.pipe()
+        self.log_path = str(log_path)
+        self._log = open(self.log_path, "wb")
+        args = [sys.executable, __file__, "--serve", str(write), str(model_dir),
+                json.dumps(kv_config), json.dumps(kwargs)]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=self._log,
+                                     stderr=subprocess.STDOUT, pass_fds=(write,),
+                                     env={**os.environ, **(env or {})})
+        os.close(write)
+        self._answers = os.fdopen(read, "r")
+
+    def wait_ready(self, timeout_s: float = 400.0) -> Worker:
+        assert self._next(timeout_s) == {"ready": True}
+        return self
+
+    def _next(self, timeout_s: float) -> dict:
+        ready, _, _ = select.select([self._answers], [], [], timeout_s)
+        line = self._answers.readline() if ready else ""
+        assert line, f"the vLLM worker gave no answer (exit {self.proc.poll()}): {self.log()[-4000:]}"
+        return json.loads(line)
+
+    def log(self, start: int = 0) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace")
+
+    def run(self, prompts, max_tokens, timeout_s: float = 300.0):
+        start = os.path.getsize(self.log_path)
+        self.proc.stdin.write((json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n").encode())
+        self.proc.stdin.flush()
+        outputs = self._next(timeout_s)["outputs"]
+        return outputs, self.log(start)
+
+    def close(self) -> None:
+        """Ends the engine: end of input first (vLLM shuts down its own processes), a kill
+        if it does not within 60 s."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._answers.close()
+        self._log.close()
 
 
 def connector_config(address: str, **extra) -> dict:
@@ -32,8 +130,6 @@ def connector_config(address: str, **extra) -> dict:
 
 def run(model_dir, prompts, max_tokens, kv_config=None, kwargs=None):
     """This script in a process of its own: ``(outputs, stderr)``; asserts it succeeded."""
-    import subprocess
-
     args = [sys.executable, __file__, str(model_dir), json.dumps(prompts), str(max_tokens),
             json.dumps(kv_config), json.dumps(kwargs)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=400, check=False)
@@ -42,7 +138,9 @@ def run(model_dir, prompts, max_tokens, kv_config=None, kwargs=None):
     return json.loads(line)["outputs"], done.stderr
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+    serve(int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), json.loads(sys.argv[5]))
+elif __name__ == "__main__":
     cfg = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
     kwargs = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
     print(json.dumps(main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), cfg, kwargs)),

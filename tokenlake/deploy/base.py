@@ -373,7 +373,7 @@ class ClusterBase(abc.ABC):
     def _reopen_sessions(self, instance: int) -> None:
         """Registers the sessions that had buffers on ``instance`` with its new engines
         (after a restart: the buffers outlived the old engines)."""
-        for (token, inst), (_session, specs) in self._sessions.items():
+        for (token, inst), (_session, specs) in list(self._sessions.items()):
             if inst == instance:
                 self._open_on_engines(token, instance, {n: BufferSpec.from_dict(d) for n, d in specs.items()})
 

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 
@@ -80,7 +81,7 @@ class Worker:
                 json.dumps(kv_config), json.dumps(kwargs)]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=self._log,
                                      stderr=subprocess.STDOUT, pass_fds=(write,),
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
         os.close(write)
         self._answers = os.fdopen(read, "r")
 
@@ -108,13 +109,13 @@ class Worker:
 
     def close(self) -> None:
         """Ends the engine: end of input first (vLLM shuts down its own processes), a kill
-        if it does not within 60 s."""
+        of its whole process group (vLLM's engine processes too) if it does not within 60 s."""
         if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self._answers.close()
         self._log.close()

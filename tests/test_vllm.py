@@ -4,17 +4,11 @@ rounding), vLLM's greedy output on it equals the reference engine's."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+import vllm_worker
 
 from tokenlake.integrations.hf_export import unpermute_rope_rows
-
-WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 def test_unpermute_moves_interleaved_pairs_to_the_two_halves():
@@ -52,10 +46,6 @@ def test_vllm_serves_the_export_with_the_reference_output(smollm2, smollm2_hf):
     _, tok, ref = smollm2
     prompts = [tok.encode("The capital of France is"), tok.apply_chat_template(
         [{"role": "user", "content": "Name three colours."}])]
-    done = subprocess.run([sys.executable, str(WORKER), str(smollm2_hf), json.dumps(prompts), "8"],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
-    outputs = json.loads(line)["outputs"]  # vLLM logs to stdout too
+    outputs, _ = vllm_worker.run(smollm2_hf, prompts, 8, timeout_s=300)
     for p, got in zip(prompts, outputs):
         assert got == ref.generate(p, 8, stop_ids=()).output_ids

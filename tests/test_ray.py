@@ -3,9 +3,10 @@ Ray actors (and, side by side, on LocalCluster), an engine actor killed mid-run,
 instance removed and restarted, clean shutdown, ``tokenlake serve --ray``, and SmolLM2
 served through compute-engine actors (one per instance) equal to the reference engine.
 
-One Ray instance serves the whole module (2 CPUs, no dashboard); the shared pool and
-the ``serve`` test ask for half a CPU per instance, the compute-actor pool for a quarter,
-so that all of them fit at once."""
+The Ray modules' shared head node (tests/ray_util.py: 2 CPUs, no GPU, no dashboard)
+serves the whole module, this process its driver; the shared pool and the ``serve`` test
+ask for half a CPU per instance, the compute-actor pool for a quarter, so that all of
+them fit at once."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+import ray_util  # noqa: E402
 from dataplane_util import TINY  # noqa: E402
 from test_dataplane import POOL_BYTES, C, run_iteration  # noqa: E402
 from test_dataplane import (  # noqa: E402  (the scenarios themselves, run on both cluster types)
@@ -52,16 +54,20 @@ pytestmark = pytest.mark.ray
 OPTIONS = RayOptions(cpus_per_instance=0.5)
 
 
+shared_ray = ray_util.shared_ray_fixture()
+
+
 @pytest.fixture(scope="module")
-def ray_session():
-    """Ray for the module; yields the dict of Ray clusters shared by its tests, which
-    are closed before Ray shuts down."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    shared: dict = {}
-    yield shared
-    for pool in shared.values():
-        pool.close()
-    ray.shutdown()
+def ray_session(shared_ray):
+    """This process as the shared Ray's driver for the module; yields the dict of Ray
+    clusters shared by its tests, which are closed before the driver disconnects."""
+    with ray_util.driver(shared_ray):
+        shared: dict = {}
+        try:
+            yield shared
+        finally:
+            for pool in shared.values():
+                pool.close()
 
 
 @pytest.fixture
@@ -178,7 +184,7 @@ def test_check_fit_accepts_bundles_that_fit(n, bundle, strategy, cpus, gpus):
      r"STRICT_SPREAD puts each of the 2 bundles .* only 1 of the Ray cluster's 1 nodes can hold one"),
 ])
 def test_a_request_the_ray_cluster_cannot_hold_fails_at_once(ray_session, options, match):
-    """More than the local Ray (one node, 2 CPUs, no GPU) has: a ConfigError naming the
+    """More than the shared Ray (one node, 2 CPUs, no GPU) has: a ConfigError naming the
     resources, in well under 10 s although the start-up timeout is 120 s; nothing is
     left placed."""
     before = ray.util.placement_group_table()
@@ -331,21 +337,14 @@ def test_close_leaves_no_shared_memory_and_no_processes(ray_pool):
 
 # ----------------------------------------------------------------- compute actors
 
-NEW = 4  # generated tokens per request (the reference engine is slow on 2 cores)
+NEW = ray_util.NEW
+_short_prompts = ray_util.short_prompts
 
 
 @pytest.fixture(scope="module")
 def smollm(smollm2):
     """The shipped model, its tokenizer and reference engine (conftest's ``smollm2``)."""
     return smollm2
-
-
-def _short_prompts(tok) -> list[tuple[int, ...]]:
-    """Three questions about one sentence: ~45 tokens each, the first ~38 shared."""
-    system = {"role": "system", "content": "Answer in a few words."}
-    doc = "The river Lumen runs 212 km from the Grey Hills to Kestrel Bay."
-    qs = ["How long is it?", "Where does it end?", "Where does it start?"]
-    return [tuple(tok.apply_chat_template([system, {"role": "user", "content": f"{doc} {q}"}])) for q in qs]
 
 
 @pytest.fixture
@@ -378,7 +377,7 @@ def test_generation_through_compute_actors_equals_the_reference(compute_pool, sm
     assert set(server.engine.batches_run) == {0, 1}
     for i, prompt in enumerate(prompts):
         res = server.results[f"p{i}"]
-        expected = ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,))
+        expected = ray_util.reference(ref, prompt, NEW, (tok.eos_id,))
         assert res.output_ids == list(expected.output_ids)
         assert len(res.logits) == len(expected.logits)
         for got, want in zip(res.logits, expected.logits):
@@ -400,7 +399,7 @@ def test_a_dop_2_prefill_on_two_compute_actors_equals_the_reference(compute_pool
     prefills = [b for d in server.decisions for b in d.batches if b.phase == "prefill"]
     assert prefills and all(b.dop == 2 for b in prefills)
     for i, prompt in enumerate(prompts):
-        expected = ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,))
+        expected = ray_util.reference(ref, prompt, NEW, (tok.eos_id,))
         assert server.results[f"s{i}"].output_ids == list(expected.output_ids)
         for got, want in zip(server.results[f"s{i}"].logits, expected.logits):
             assert (got - want).abs().max().item() < 1e-4

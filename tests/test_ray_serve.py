@@ -5,10 +5,17 @@ OpenAI-compatible HTTP API as ``tokenlake serve`` on one machine.
   the attached service yields is entered after the cluster starts and left before it
   stops, its ``info()`` is in the ``ready`` event, its lock is held while failed
   instances are removed and restarted;
+* the command in this process, joining the Ray modules' shared Ray (tests/ray_util.py)
+  as it joins any running one, with every instance claiming another node: it starts a
+  compute actor per instance and its HTTP API runs on them. This test comes first: the
+  shared Ray, still up from test_ray_restart, stops before the next one starts its own;
 * the command as an operator runs it, a process of its own on its own local Ray
   (``RAY_ADDRESS=local``, half a CPU per instance): ``tokenlake.connect`` and a chat
   completion through the ``openai`` client work, SIGTERM stops it with exit 0 and leaves
   no shared memory and no process (Ray's included) behind.
+
+Other test runs on this machine make and unlink buffers of their own meanwhile: a
+command's buffers are those its ``ready`` event names and those made by its processes.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from contextlib import contextmanager
 
 import pytest
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
+import ray_util  # noqa: E402
 from test_serve_command import _lines, _next_event  # noqa: E402
 
 import tokenlake  # noqa: E402
@@ -40,6 +48,80 @@ serve_module = importlib.import_module("tokenlake.deploy.ray.serve")
 pytestmark = pytest.mark.ray
 
 START_TIMEOUT_S = 90  # a new Ray, 6 actors and the model's weights, on a loaded 2-core machine
+
+shared_ray = ray_util.shared_ray_fixture("function")  # held by the first test only
+
+
+# ------------------------------------------------- the command in this process, on the shared Ray
+
+
+def test_serve_ray_starts_compute_actors_when_instances_are_on_other_nodes(monkeypatch, shared_ray):
+    """The driver maps only its own node's buffers: with instances elsewhere (here: every
+    instance claims another node) the command starts a compute actor per instance and the
+    HTTP API runs on them (the goodput policy), in this process, until Ctrl-C; it leaves
+    the Ray it joined as it found it (no driver connected, nothing of its own left)."""
+    from test_ray import _Lines
+
+    from tokenlake.deploy.ray import RayCluster, RayComputeEngine
+    from tokenlake.tools import cli
+
+    monkeypatch.setattr(RayCluster, "node_id", lambda self, instance: "another node")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the command joins the Ray --ray names
+    for name in [k for k in os.environ if k.startswith("TOKENLAKE_") and k != "TOKENLAKE_HOME"]:
+        monkeypatch.delenv(name)
+    engines: list = []  # what the HTTP API's Server computes with
+    real_compute_engine = RayCluster.compute_engine
+
+    def compute_engine(self, *args):
+        engines.append(real_compute_engine(self, *args))
+        return engines[-1]
+
+    monkeypatch.setattr(RayCluster, "compute_engine", compute_engine)
+    out = _Lines()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert not ray.is_initialized()
+    seen: list[dict] = []
+    answers: list = []
+    failure: list[BaseException] = []
+
+    def operator() -> None:
+        try:
+            ready = out.events.get(timeout=START_TIMEOUT_S)
+            seen.append(ready)
+            import openai
+
+            with openai.OpenAI(base_url=ready["http_url"] + "/v1", api_key="unused",
+                               max_retries=0, timeout=60) as client:
+                answers.append(client.completions.create(
+                    model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
+                    temperature=0))
+        except BaseException as exc:  # reported by the test below
+            failure.append(exc)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+
+    term = signal.getsignal(signal.SIGTERM)
+    watcher = threading.Thread(target=operator, daemon=True)
+    watcher.start()
+    try:
+        assert cli.main(["serve", "--ray", shared_ray.address, "--instances", "2", "--pool-mb", "8",
+                         "--cpus-per-instance", "0.5", "--control-port", "0",
+                         "--http-port", "0", "--json"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, term)
+        watcher.join(timeout=10)
+    assert not failure, failure
+    (answer,) = answers
+    assert answer.choices[0].text and answer.usage.completion_tokens >= 1
+    assert engines and all(isinstance(e, RayComputeEngine) for e in engines)
+    (ready,) = seen
+    assert all(inst["pids"].keys() >= {"host", "query", "transfer", "compute"} for inst in ready["instances"])
+    assert not ray.is_initialized(), "the command left its driver connected"
+    # this command's buffers: those it announced and any created by a process it ran
+    names = {b for inst in ready["instances"] for b in inst["buffers"]}
+    ours = {os.getpid(), *(pid for inst in ready["instances"] for pid in inst["pids"].values())}
+    left = [b for b in list_buffers() if b in names or _creator_pid(b) in ours]
+    assert names and left == [], "shared memory left behind"
 
 
 # ------------------------------------------------------- serve(attach=...), no Ray
@@ -271,62 +353,3 @@ def _creator_pid(name: str) -> int | None:
         return int(name.split("-")[1])
     except (IndexError, ValueError):
         return None
-
-
-def test_serve_ray_starts_compute_actors_when_instances_are_on_other_nodes(monkeypatch):
-    """The driver maps only its own node's buffers: with instances elsewhere (here: every
-    instance claims another node) the command starts a compute actor per instance and the
-    HTTP API runs on them (the goodput policy), in this process, until Ctrl-C."""
-    from test_ray import _Lines
-
-    from tokenlake.deploy.ray import RayCluster, RayComputeEngine
-    from tokenlake.tools import cli
-
-    monkeypatch.setattr(RayCluster, "node_id", lambda self, instance: "another node")
-    monkeypatch.setenv("RAY_ADDRESS", "local")
-    for name in [k for k in os.environ if k.startswith("TOKENLAKE_") and k != "TOKENLAKE_HOME"]:
-        monkeypatch.delenv(name)
-    engines: list = []  # what the HTTP API's Server computes with
-    real_compute_engine = RayCluster.compute_engine
-
-    def compute_engine(self, *args):
-        engines.append(real_compute_engine(self, *args))
-        return engines[-1]
-
-    monkeypatch.setattr(RayCluster, "compute_engine", compute_engine)
-    out = _Lines()
-    monkeypatch.setattr(sys, "stdout", out)
-    before = set(list_buffers())
-    answers: list = []
-    failure: list[BaseException] = []
-
-    def operator() -> None:
-        try:
-            ready = out.events.get(timeout=START_TIMEOUT_S)
-            import openai
-
-            with openai.OpenAI(base_url=ready["http_url"] + "/v1", api_key="unused",
-                               max_retries=0, timeout=60) as client:
-                answers.append(client.completions.create(
-                    model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
-                    temperature=0))
-        except BaseException as exc:  # reported by the test below
-            failure.append(exc)
-        finally:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
-
-    term = signal.getsignal(signal.SIGTERM)
-    watcher = threading.Thread(target=operator, daemon=True)
-    watcher.start()
-    try:
-        assert cli.main(["serve", "--ray", "local", "--instances", "2", "--pool-mb", "8",
-                         "--cpus-per-instance", "0.5", "--control-port", "0",
-                         "--http-port", "0", "--json"]) == 0
-    finally:
-        signal.signal(signal.SIGTERM, term)
-        watcher.join(timeout=10)
-    assert not failure, failure
-    (answer,) = answers
-    assert answer.choices[0].text and answer.usage.completion_tokens >= 1
-    assert engines and all(isinstance(e, RayComputeEngine) for e in engines)
-    assert set(list_buffers()) - before == set()

@@ -125,3 +125,16 @@ def smollm2_hf(smollm2, tmp_path_factory):
 
     weights, tok, _ = smollm2
     return export(tmp_path_factory.mktemp("smollm2-hf"), weights=weights, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """``(weights, tokenizer, reference engine)`` of the small random Llama of
+    tests/tiny_model.py (SmolLM2's vocab, so the shipped tokenizer serves it); the
+    reference keeps its answers for the whole run and checks their margins."""
+    from tiny_model import reference, tiny_weights
+
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+
+    weights = tiny_weights()
+    return weights, load_tokenizer(), reference(weights)

@@ -9,7 +9,8 @@ document itself and reads it back exactly.
 
 Each session has its own buffers and plan namespace (the workers even name their
 requests alike); without that (every client on the instance's own buffers) the first
-test fails with wrong partials.
+test fails with wrong partials. The model is the small Llama of ``tests/tiny_model.py``
+(its shape is what the workers' synthetic K/V follows): the claims are the pool's.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ QUESTIONS = ("How long is the river Lumen?", "Where does the Lumen reach the sea
 
 
 @pytest.fixture(scope="module")
-def pool(smollm2):
-    weights, tok, _ = smollm2
+def pool(tiny_llama):
+    weights, tok, _ = tiny_llama
     spec = weights.config.to_model_spec(SERVED_MODEL)
     with LocalCluster(2, spec, 64 << 20, segment_tokens=C, max_rows=256) as cluster:
         prefix = cluster_prefix(cluster.cluster_id)
@@ -78,13 +79,13 @@ def chat(svc, question: str, system: str = SYSTEM) -> tuple[str, list[dict]]:
     return r.json()["choices"][0]["message"]["content"], msgs
 
 
-def reference(smollm2, msgs) -> str:
-    _, tok, ref = smollm2
+def reference(tiny_llama, msgs) -> str:
+    _, tok, ref = tiny_llama
     out = ref.generate(tok.apply_chat_template(msgs), 8, stop_ids=(tok.eos_id,))
     return tok.decode(out.output_ids, skip_special_tokens=True)
 
 
-def test_http_and_three_workers_share_a_pool_exactly(pool, smollm2):
+def test_http_and_three_workers_share_a_pool_exactly(pool, tiny_llama):
     cluster, svc, spec = pool
     workers = [start_worker(svc, spec, seed, 34) for seed in (1, 2, 3)]
     answers: list[tuple[str, list[dict]]] = []
@@ -109,7 +110,7 @@ def test_http_and_three_workers_share_a_pool_exactly(pool, smollm2):
     assert len({r["session"] for r in results}) == 3
     assert all(r["bells"] for r in results), results  # their per-layer hand-offs went through their bells
     for text, msgs in answers:  # greedy answers are the reference engine's, token for token
-        assert text == reference(smollm2, msgs)
+        assert text == reference(tiny_llama, msgs)
     assert len(answers) == len(QUESTIONS)
     live = cluster.control.live_requests
     assert not [r for r in live if "/" in r], live  # every worker's requests finished
@@ -150,14 +151,14 @@ def test_a_client_killed_mid_iteration_is_cleaned_up_within_5_s(pool):
     assert again["first_hit"] == 0 and again["hit"] == 48 and again["worst"] < 1e-4, again
 
 
-def test_a_request_waits_for_a_segment_another_client_stores_and_computes_it_when_that_client_dies(pool, smollm2):
+def test_a_request_waits_for_a_segment_another_client_stores_and_computes_it_when_that_client_dies(pool, tiny_llama):
     """A worker is storing (synthetic K/V for) the first segments of a chat prompt when
     the same prompt arrives over HTTP: the serving loop does not fail the request, it
     waits (the segments are not visible). The worker is killed: its session is ended,
     its unfinished segments dropped, and the request stores them itself; its answer is
     the reference engine's, so nothing of the dead client's K/V was ever read."""
     cluster, svc, spec = pool
-    _, tok, _ = smollm2
+    _, tok, _ = tiny_llama
     # a system prompt of its own: no earlier test of the module has its segments cached
     msgs = [{"role": "system", "content": "You answer in one short sentence. " + SYSTEM},
             {"role": "user", "content": "Which towns are in the delta of the Lumen?"}]
@@ -180,6 +181,6 @@ def test_a_request_waits_for_a_segment_another_client_stores_and_computes_it_whe
     asked.join(120)
     assert answer, "the request never finished"
     text, sent = answer[0]
-    assert text == reference(smollm2, sent)
+    assert text == reference(tiny_llama, sent)
     for key in ready["keys"]:  # stored again by the request itself, ready now
         assert cluster.control.get_prefix_tree().is_ready(bytes.fromhex(key))

@@ -10,19 +10,18 @@ generation), in 3 layers of hidden size 128.
 
 Margins. Random weights give near ties: the top two logits of a random model often lie
 within float rounding of each other, and then the pool and the reference may pick
-different tokens on another CPU. So the weights are built to copy: an embedding lives in
-the first ``EMBED_DIMS`` coordinates of the hidden state ("A"); the layers before the last
-write only into the other coordinates ("B"), so they steer what later layers attend to;
-in the last layer, q head 0 (of kv head 0) attends sharply and copies the A part of the
-position it attends to, with gain ``COPY_GAIN``, into A. The tied LM head then scores that
-position's token far above the rest (it scores ``|e|^2`` against ``e . e'`` for others).
-Which position it copies depends on every layer's attention over the whole context, so a
-wrong K/V anywhere (a lost or misplaced segment, a chunk run twice) changes the tokens;
-the other heads and the MLPs add smaller random terms to the logits, which the tests that
-keep logits compare to 1e-4. :class:`CachedReference` checks every reference answer it
-hands out: at every step the top-1 logit must lead the top-2 by at least
+different tokens on another CPU; a model whose attention picks one position by content
+is no better (where two positions score alike, rounding moves the mixture). So the
+weights are built (:func:`tiny_weights`) to copy by position: in the last layer, q head 0
+attends to the position ``COPY_OFFSET`` tokens back and copies that token's embedding,
+with gain ``COPY_GAIN``, into the hidden state; the tied LM head then scores that token far
+above the rest (``|e|^2`` against ``e . e'``). The other heads of every layer attend by
+content (softly) and add smaller random terms, so every layer's K/V moves the logits,
+which the tests compare to 1e-4; what a lost, misplaced or duplicated segment does to the
+copied position changes the tokens. :class:`CachedReference` checks every reference
+answer it hands out: at every step the top-1 logit must lead the top-2 by at least
 ``MIN_MARGIN`` times the largest logit magnitude, else it raises (a near tie fails loudly
-instead of flaking).
+instead of flaking on another CPU).
 """
 
 from __future__ import annotations
@@ -36,21 +35,30 @@ from tokenlake.model.llama.reference import GenerationResult, ReferenceEngine
 from tokenlake.model.llama.weights import LayerWeights, LlamaConfig, LlamaWeights
 
 NAME = "tiny-llama"
-EMBED_DIMS = 64  # "A": where the embeddings live; the other HIDDEN - EMBED_DIMS are "B"
-HIDDEN = 128
-HEAD_DIM = 64
-COPY_GAIN = 8.0  # the copying head's output gain (the embedding has norm sqrt(EMBED_DIMS))
-QK_GAIN = 6.0  # scales q and k: scores of std ~QK_GAIN**2, so attention picks one position
-FINAL_NORM = 0.25  # brings the logits to SmolLM2's range (max ~20-30)
+CONFIG = LlamaConfig(
+    num_layers=3, hidden_size=128, num_q_heads=6, num_kv_heads=2, head_dim=64,
+    intermediate_size=128, vocab_size=49152, rope_base=100000.0, rms_eps=1e-5,
+    max_context=8192, bos_id=1, eos_id=2)
+#: Layout of the hidden state: the embeddings live in the first EMBED_DIMS coordinates
+#: ("A", where the copy goes); the layers before the last write into the next ones ("B");
+#: the last coordinate holds KAPPA for every token, so that after RMSNorm it is a constant
+#: (~sqrt(hidden)) from which q head 0 and kv head 0 of the last layer make their
+#: positional q and k (the norm weights scale A and B back to their own size).
+EMBED_DIMS = 64
+KAPPA = 256.0
+COPY_OFFSET = 10  # the copying head attends to the token this many positions back
+COPY_GAIN = 8.0  # its output, in units of the (norm sqrt(EMBED_DIMS)) embedding
+#: RoPE pairs of the copying head (the fastest-turning ones): summed over these, the
+#: score at the wanted offset leads every other offset up to max_context by 11%.
+POSITION_PAIRS = 8
+POSITION_AMPLITUDE = 1.2  # of the positional q and k pairs: a lead of ~20 in the score
+CONTENT_GAIN = 1.0  # of the content heads' q and k: soft attention
+OTHER_GAIN = 0.1  # of what the last layer's other heads and MLP add to A
+FINAL_NORM = 0.9  # brings the logits to SmolLM2's range (max ~20-30)
 #: Smallest accepted (top-1 - top-2) / max |logit| of a reference step of the tiny model.
 #: Float32 reduction order moves the logits by ~1e-6 relative; a half-precision KV cache
 #: by ~1e-3 relative.
 MIN_MARGIN = 1e-2
-
-CONFIG = LlamaConfig(
-    num_layers=3, hidden_size=HIDDEN, num_q_heads=6, num_kv_heads=2, head_dim=HEAD_DIM,
-    intermediate_size=128, vocab_size=49152, rope_base=100000.0, rms_eps=1e-5,
-    max_context=8192, bos_id=1, eos_id=2)
 
 
 def _orthogonal(gen: torch.Generator, n: int) -> torch.Tensor:
@@ -62,8 +70,10 @@ def _orthogonal(gen: torch.Generator, n: int) -> torch.Tensor:
 def tiny_weights(seed: int = 0) -> LlamaWeights:
     """The tiny model's float32 weights (deterministic in ``seed``; shared, do not modify)."""
     c, a = CONFIG, EMBED_DIMS
-    h, b, hd, f = c.hidden_size, c.hidden_size - a, c.head_dim, c.intermediate_size
+    h, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
+    k_idx, content = h - 1, slice(0, h - 1)  # the constant coordinate; A and B
     q_rows, kv_rows = c.num_q_heads * hd, c.num_kv_heads * hd
+    scale = KAPPA / h ** 0.5  # RMSNorm divides by ~this (KAPPA dominates the norm)
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
@@ -72,28 +82,47 @@ def tiny_weights(seed: int = 0) -> LlamaWeights:
     embed = torch.zeros(c.vocab_size, h)
     embed[:, :a] = randn(c.vocab_size, a)
     embed[:, :a] *= a ** 0.5 / embed[:, :a].norm(dim=1, keepdim=True)
+    embed[:, k_idx] = KAPPA
+    norm = torch.full((h,), scale)
+    norm[k_idx] = 1.0
+    theta = c.rope_base ** (-torch.arange(POSITION_PAIRS, dtype=torch.float64) * 2 / hd)
     layers = []
     for index in range(c.num_layers):
+        last = index == c.num_layers - 1
+        wq = torch.zeros(q_rows, h)
+        wk = torch.zeros(kv_rows, h)
+        wq[:, content] = randn(q_rows, h - 1, std=CONTENT_GAIN * h ** -0.5)
+        wk[:, content] = randn(kv_rows, h - 1, std=CONTENT_GAIN * h ** -0.5)
         wv = randn(kv_rows, h, std=h ** -0.5)
+        wv[:, k_idx] = 0.0
         wo = torch.zeros(h, q_rows)
         w_down = torch.zeros(h, f)
-        if index == c.num_layers - 1:  # copies A of the attended position into A
+        if last:
+            pos = slice(0, 2 * POSITION_PAIRS)  # q head 0 reads only these pairs of kv head 0
+            wq[:hd] = 0.0
+            wq[0:2 * POSITION_PAIRS:2, k_idx] = POSITION_AMPLITUDE  # q pair i: (1, 0)
+            wq[hd:3 * hd, pos] = 0.0  # q heads 1, 2 read kv head 0's other pairs
+            wk[pos] = 0.0
+            # k pair i: (cos, sin)(offset * theta_i): after RoPE, q . k peaks at that offset
+            wk[0:2 * POSITION_PAIRS:2, k_idx] = (POSITION_AMPLITUDE * torch.cos(COPY_OFFSET * theta)).float()
+            wk[1:2 * POSITION_PAIRS:2, k_idx] = (POSITION_AMPLITUDE * torch.sin(COPY_OFFSET * theta)).float()
             rot = _orthogonal(gen, hd)
             wv[:hd] = 0.0
-            wv[:hd, :a] = rot
-            wo[:a] = randn(a, q_rows, std=0.5 * q_rows ** -0.5)
-            wo[:a, :hd] = COPY_GAIN * rot.T
-            w_down[:a] = randn(a, f, std=0.5 * f ** -0.5)
-        else:  # steers later attention through B
-            wo[a:] = randn(b, q_rows, std=(h / b / q_rows) ** 0.5)
-            w_down[a:] = randn(b, f, std=f ** -0.5)
+            wv[:hd, :a] = rot  # kv head 0's value: the A part, rotated
+            wo[:a] = randn(a, q_rows, std=OTHER_GAIN * q_rows ** -0.5)
+            wo[:a, :hd] = COPY_GAIN * rot.T  # q head 0 writes the copy back into A
+            w_down[:a] = randn(a, f, std=OTHER_GAIN * f ** -0.5)
+        else:  # writes into B, where the later layers read it
+            wo[a:k_idx] = randn(k_idx - a, q_rows, std=q_rows ** -0.5)
+            w_down[a:k_idx] = randn(k_idx - a, f, std=f ** -0.5)
         layers.append(LayerWeights(
-            attn_norm=torch.ones(h), wq=randn(q_rows, h, std=QK_GAIN * h ** -0.5),
-            wk=randn(kv_rows, h, std=QK_GAIN * h ** -0.5), wv=wv.contiguous(),
-            wo=wo.contiguous(), ffn_norm=torch.ones(h), w_gate=randn(f, h, std=h ** -0.5),
+            attn_norm=norm, wq=wq.contiguous(), wk=wk.contiguous(), wv=wv.contiguous(),
+            wo=wo.contiguous(), ffn_norm=norm, w_gate=randn(f, h, std=h ** -0.5),
             w_up=randn(f, h, std=h ** -0.5), w_down=w_down.contiguous()))
+    final_norm = torch.zeros(h)
+    final_norm[:a] = FINAL_NORM
     return LlamaWeights(config=c, embed=embed.contiguous(), layers=tuple(layers),
-                        final_norm=torch.full((h,), FINAL_NORM))
+                        final_norm=final_norm)
 
 
 def is_tiny(weights: LlamaWeights) -> bool:

@@ -1,13 +1,20 @@
-"""vLLM in a process of its own (vLLM starts engine processes: a script needs the
-``__main__`` guard): ``python vllm_worker.py MODEL_DIR PROMPTS_JSON MAX_TOKENS
+"""vLLM in a process of its own: ``python vllm_worker.py MODEL_DIR PROMPTS_JSON MAX_TOKENS
 [KV_TRANSFER_CONFIG_JSON [LLM_KWARGS_JSON]]`` prints one JSON line ``{"outputs": [[token
 ids], ...]}`` with the greedy outputs of the prompts (lists of token ids).
 
 ``python vllm_worker.py --serve FD MODEL_DIR KV_TRANSFER_CONFIG_JSON LLM_KWARGS_JSON``
 keeps one engine for many requests (:class:`Worker`): each line on stdin (``{"prompts":
 ..., "max_tokens": N}``) is answered by one JSON line on file descriptor FD; vLLM's own
-output goes to stdout and stderr. A vLLM engine starts in ~40 s on 2 cores, so a test
-module keeps its engines instead of starting one per question."""
+output goes to stdout and stderr. A vLLM engine takes ~30 s to start on 2 cores, so a
+test module keeps its engines instead of starting one per question.
+
+A :class:`Worker` runs vLLM in one process (:data:`IN_PROCESS_ENV`,
+:data:`IN_PROCESS_KWARGS`): the engine core and the model's worker in the process that
+calls ``LLM``, not in two more that each import vLLM again (half the start-up time, and
+nothing to reap but the one process). The TokenLake connector's scheduler side and
+worker side are then two connector objects in that process, joining one pool session as
+they do from two processes. vLLM's multi-process engine (``vllm serve``) runs in
+tests/test_vllm_query.py's OpenAI-server test."""
 
 from __future__ import annotations
 
@@ -18,6 +25,11 @@ import select
 import signal
 import subprocess
 import sys
+
+#: vLLM's engine core in the process that calls ``LLM`` (``InprocClient``), not a process
+#: of its own; with :data:`IN_PROCESS_KWARGS`, the model's worker too.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+IN_PROCESS_KWARGS = {"distributed_executor_backend": "uni"}
 
 
 def _llm(model_dir: str, kv_config: dict | None, kwargs: dict | None):
@@ -52,31 +64,46 @@ def serve(fd: int, model_dir: str, kv_config: dict | None, kwargs: dict | None) 
             req = json.loads(line)
             answers.write(json.dumps(_generate(llm, req["prompts"], req["max_tokens"])) + "\n")
             answers.flush()
+    llm.llm_engine.engine_core.shutdown()  # the connector's sides close their pool session
+    # Nothing is left to release: vLLM has shut down (its engine processes too, if it
+    # had any) and its connector's pool sessions are closed. The interpreter's own
+    # teardown (collecting vLLM's and torch's modules) would take ~5 s more on 2 cores;
+    # the process ends without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager
 def workers(*specs: dict):
     """:class:`Worker` s started side by side (``Worker(**spec)`` each), ready; all closed
-    on the way out."""
+    on the way out, and each must have shut down cleanly (exit status 0)."""
     started: list[Worker] = []
     try:
         for spec in specs:
             started.append(Worker(**spec))
         yield [w.wait_ready() for w in started]
     finally:
-        for w in started:
-            w.close()
+        for w in started:  # all shut down side by side
+            w.end_input()
+        status = [w.close() for w in started]
+    for w, code in zip(started, status):
+        assert code == 0, f"a vLLM worker did not shut down cleanly (exit {code}): {w.log()[-4000:]}"
 
 
 class Worker:
     """A vLLM engine kept in a process of its own for many requests (``--serve``), with
-    ``env`` added to its environment. :meth:`run` returns ``(outputs, log)``: the greedy
-    outputs and what vLLM (and the connector in it) logged while it ran."""
+    ``env`` added to its environment; the whole engine in that one process unless
+    ``in_process`` is false. :meth:`run` returns ``(outputs, log)``: the greedy outputs
+    and what vLLM (and the connector in it) logged while it ran."""
 
-    def __init__(self, model_dir, log_path, kv_config=None, kwargs=None, env=None) -> None:
+    def __init__(self, model_dir, log_path, kv_config=None, kwargs=None, env=None,
+                 in_process: bool = True) -> None:
         read, write = os.pipe()
         self.log_path = str(log_path)
         self._log = open(self.log_path, "wb")
+        if in_process:
+            env, kwargs = {**IN_PROCESS_ENV, **(env or {})}, {**IN_PROCESS_KWARGS, **(kwargs or {})}
         args = [sys.executable, __file__, "--serve", str(write), str(model_dir),
                 json.dumps(kv_config), json.dumps(kwargs)]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=self._log,
@@ -107,11 +134,11 @@ class Worker:
         outputs = self._next(timeout_s)["outputs"]
         return outputs, self.log(start)
 
-    def close(self) -> None:
-        """Ends the engine: end of input first (vLLM shuts down its own processes), a kill
-        of its whole process group (vLLM's engine processes too) if it does not within 60 s."""
-        if self.proc.stdin and not self.proc.stdin.closed:
-            self.proc.stdin.close()
+    def close(self) -> int:
+        """Ends the engine and returns its exit status: end of input first (vLLM shuts
+        down, the connector closes its pool sessions), a kill of its whole process group
+        (vLLM's engine processes too, if any) if it has not exited within 60 s."""
+        self.end_input()
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -119,6 +146,12 @@ class Worker:
             self.proc.wait()
         self._answers.close()
         self._log.close()
+        return self.proc.returncode
+
+    def end_input(self) -> None:
+        """No more requests: the engine shuts down (:meth:`close` waits for it)."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
 
 
 def connector_config(address: str, **extra) -> dict:

@@ -2,11 +2,13 @@
 
 A pool for vLLM's pages (``kv_layout="vllm-cpu"``, C = 128 = vLLM's CPU block size) is
 served from this process; vLLM engines, each in a process of its own, load the
-connector. The first stores a long document's segments; a second, asking another
-question about the same document, loads them from the pool, and its greedy output equals
-the reference engine's (which equals vLLM's without a connector, tests/test_vllm.py).
-The engines are started once for the module (``vllm_worker.workers``) and each test
-uses its own documents, so what a loading engine has is what it loaded from the pool."""
+connector. First, prompts shorter than a segment, which the pool can neither hold nor
+serve: vLLM computes them alone, and its greedy output on the exported model
+(tests/test_vllm.py) equals the reference engine's. Then the first engine stores a long
+document's segments; a second, asking another question about the same document, loads
+them from the pool, and its greedy output equals the reference engine's too. The
+engines are started once for the module (``vllm_worker.workers``) and each test uses its
+own documents, so what a loading engine has is what it loaded from the pool."""
 
 from __future__ import annotations
 
@@ -83,6 +85,23 @@ def stored_then_loaded(smollm2, pool, store, load, records: int) -> int:
     assert cluster.control.live_requests == ()  # every lease released
     cluster.control.check()
     return served
+
+
+def test_vllm_serves_the_export_with_the_reference_output(smollm2, pool, engines):
+    """vLLM on the Hugging Face export of the shipped model: prompts shorter than one
+    segment are neither found in the pool nor stored (the pool's counters do not move),
+    so vLLM computes them alone, and its greedy output is the reference engine's."""
+    _, tok, ref = smollm2
+    cluster, _ = pool
+    prompts = [tok.encode("The capital of France is"), tok.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}])]
+    assert all(len(p) < C for p in prompts)
+    before = cluster.control.stats()
+    outputs = run_vllm(engines["in_place"], prompts, 8)
+    after = cluster.control.stats()
+    assert (after.pool.segments, after.hit_tokens) == (before.pool.segments, before.hit_tokens)
+    for p, got in zip(prompts, outputs):
+        assert got == ref.generate(p, 8, stop_ids=()).output_ids
 
 
 def test_a_second_vllm_loads_the_prefix_the_first_stored(smollm2, pool, engines):

@@ -8,7 +8,8 @@ run with the connector in query mode. The first computes a long document and sto
 token; the second asks other questions about it, several at once: their prefix is found
 in the pool, attended there layer by layer (the pool's query engines, with their
 partials merged with vLLM's attention over the new tokens), and the greedy outputs equal
-the reference engine's (which equals vLLM's without a connector, tests/test_vllm.py)."""
+the reference engine's (which equals vLLM's own computation,
+tests/test_vllm_connector.py::test_vllm_serves_the_export_with_the_reference_output)."""
 
 from __future__ import annotations
 

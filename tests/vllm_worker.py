@@ -162,17 +162,6 @@ def connector_config(address: str, **extra) -> dict:
             "kv_connector_extra_config": {"address": address, **extra}}
 
 
-def run(model_dir, prompts, max_tokens, kv_config=None, kwargs=None, timeout_s: float = 400.0):
-    """This script in a process of its own, for one set of prompts: ``(outputs, stderr)``;
-    asserts it succeeded (vLLM logs to stdout too: the outputs are the one JSON line)."""
-    args = [sys.executable, __file__, str(model_dir), json.dumps(prompts), str(max_tokens),
-            json.dumps(kv_config), json.dumps(kwargs)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith('{"outputs"')]
-    return json.loads(line)["outputs"], done.stderr
-
-
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
     serve(int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), json.loads(sys.argv[5]))
 elif __name__ == "__main__":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import vllm_worker
 from service_util import control_served, restart_failed
-from vllm_worker import connector_config
+from vllm_worker import connector_config, reference_outputs
 
 pytest.importorskip("vllm")  # the connector is a vLLM class
 
@@ -67,8 +67,9 @@ def stored_then_loaded(smollm2, pool, store, load, records: int) -> int:
                               f"{(i * 37 + records) % 100} centimetres." for i in range(records)))
     doc = doc[:len(doc) // C * C]
     assert len(doc) >= 5 * C
-    first = doc + tok.encode(" Question: which pier is named most often?")
-    second = doc + tok.encode(" Question: what did record 12 read?")
+    questions = [tok.encode(" Question: which pier is named most often?"),
+                 tok.encode(" Question: what did record 12 read?")]
+    first, second = (doc + q for q in questions)
     stored_before = cluster.control.stats().pool.segments
     out_a = run_vllm(store, [first], 8)
     stats = cluster.control.stats()
@@ -80,8 +81,7 @@ def stored_then_loaded(smollm2, pool, store, load, records: int) -> int:
     after = cluster.control.stats()
     assert after.hit_tokens - stats.hit_tokens >= (len(doc) // C) * C - C, \
         "the second engine leased the document's segments"
-    assert out_a[0] == ref.generate(first, 8, stop_ids=()).output_ids
-    assert out_b[0] == ref.generate(second, 8, stop_ids=()).output_ids
+    assert [out_a[0], out_b[0]] == reference_outputs(ref, doc, questions, 8)
     assert cluster.control.live_requests == ()  # every lease released
     cluster.control.check()
     return served

@@ -154,6 +154,27 @@ class Worker:
             self.proc.stdin.close()
 
 
+def reference_outputs(ref, prefix: list[int], tails: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The reference engine's greedy outputs (``max_tokens`` each, no stop token) of the
+    prompts ``prefix + tail``, one per tail: the prefix is prefilled once and each tail
+    runs after a copy of its K/V, as after a prefix-cache hit, instead of every prompt
+    from scratch (the prefix is most of each prompt, and most of the reference's time)."""
+    from tokenlake.model.llama.reference import KVCache, greedy
+
+    _, cache = ref.prefill(prefix)
+    outputs = []
+    for tail in tails:
+        own = KVCache([k.clone() for k in cache.keys], [v.clone() for v in cache.values], cache.length)
+        logits, out = ref.extend(own, tail), []
+        while True:
+            out.append(greedy(logits))
+            if len(out) == max_tokens:
+                break
+            logits = ref.decode_step(own, out[-1])
+        outputs.append(out)
+    return outputs
+
+
 def connector_config(address: str, **extra) -> dict:
     """The KV-transfer config of the TokenLake connector on the pool at ``address``."""
     return {"kv_connector": "TokenLakeConnector",

@@ -1,21 +1,41 @@
-"""End to end: SmolLM2-135M whose every prefix attention is served by the pool generates
-exactly what a plain engine with a local KV cache generates (issue #4)."""
+"""End to end: a model whose every prefix attention is served by the pool generates
+exactly what a plain engine with a local KV cache generates (issue #4).
+
+The serving mechanics (scheduling, admission, batching, refusals) run the small Llama of
+tests/tiny_model.py (reference answers computed once per run and checked for clear
+margins), in pools of as many segments as the SmolLM2 pools of the same tests held
+(``SLOTS``); SmolLM2-135M itself still generates through a pool of two instances (the
+shipped model's numbers through the pool) and answers the second chat turn (its answer,
+decoded and templated again, must come back as a hit)."""
 
 from __future__ import annotations
 
 import pytest
+from tiny_model import check_margins, model_spec, pool_bytes, reference
 
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.model.llama.reference import GenerationResult
 from tokenlake.serving import BadRequest, GenerationRequest, Server
 
 C = 16
 NEW = 6
+#: segments per instance of the pools below: what 48, 16 and 8 MiB held of SmolLM2
+SLOTS_48M, SLOTS_16M, SLOTS_8M = 68, 22, 11
 
 
 @pytest.fixture(scope="module")
-def model(smollm2):
-    """The shipped model, its tokenizer and reference engine (conftest's ``smollm2``)."""
-    return smollm2
+def model(tiny_llama):
+    """The tiny model, the shipped tokenizer and the tiny model's cached reference."""
+    return tiny_llama
+
+
+def _same(result, want: GenerationResult) -> None:
+    """Token-identical to the reference; every kept step's logits within 1e-4."""
+    assert result.output_ids == list(want.output_ids)
+    if result.logits:
+        assert len(result.logits) == len(want.logits)
+    for got, exp in zip(result.logits, want.logits):
+        assert (got - exp).abs().max().item() < 1e-4
 
 
 def _prompts(tok):
@@ -34,27 +54,38 @@ def serve_two_waves(cluster, weights, tok, prompts):
     return server.results
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_generation_through_the_pool_equals_the_reference(model, n):
-    weights, tok, ref = model
-    spec = weights.config.to_model_spec("smollm2-135m")
+@pytest.mark.parametrize("which, n", [("tiny", 1), ("tiny", 2), ("tiny", 4), ("smollm2", 2)])
+def test_generation_through_the_pool_equals_the_reference(request, which, n):
+    weights, tok, _ = request.getfixturevalue("tiny_llama" if which == "tiny" else "smollm2")
+    ref = reference(weights)
     prompts = _prompts(tok)
     assert any(len(p) % C for p in prompts), "want a prefix that is not a multiple of C"
-    with LocalCluster(n, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(n, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
+                      max_rows=512) as cluster:
         results = serve_two_waves(cluster, weights, tok, prompts)
     for i, prompt in enumerate(prompts):
-        res = results[f"p{i}"]
-        expected = ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,))
-        assert res.output_ids == list(expected.output_ids)
-        for got, want in zip(res.logits, expected.logits):
-            assert (got - want).abs().max().item() < 1e-4
+        _same(results[f"p{i}"], ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,)))
     assert results["p1"].hit_tokens > 0 and results["p1"].hit_tokens % C == 0
 
 
-def test_second_turn_prefills_only_its_new_tokens(model):
-    weights, tok, _ = model
-    spec = weights.config.to_model_spec("smollm2-135m")
-    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+def test_a_near_tie_of_the_tiny_model_fails_loudly():
+    """The tiny model's reference answers are checked for margins (tests/tiny_model.py):
+    a step whose two best logits lie within 1e-2 of the largest is refused."""
+    import torch
+
+    clear = GenerationResult([0], [torch.tensor([20.0, 10.0, -3.0])], False)
+    check_margins(clear)
+    tie = GenerationResult([0, 1], [torch.tensor([20.0, 10.0, -3.0]), torch.tensor([1.0, 20.0, 19.9])], False)
+    with pytest.raises(AssertionError, match="near tie at step 1"):
+        check_margins(tie)
+
+
+def test_second_turn_prefills_only_its_new_tokens(smollm2):
+    """SmolLM2 (its text answer, templated again, must tokenize back to what it generated,
+    which a random model's tokens need not)."""
+    weights, tok, _ = smollm2
+    spec = model_spec(weights)
+    with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
         server = Server(cluster, weights, chunk_tokens=64)
         turn1 = [{"role": "user", "content": "Give me a name for a small grey cat."}]
         p1 = tuple(tok.apply_chat_template(turn1))
@@ -73,11 +104,11 @@ def test_second_turn_prefills_only_its_new_tokens(model):
 
 def test_bad_requests_are_refused_and_others_are_served(model):
     weights, tok, ref = model
-    spec = weights.config.to_model_spec("smollm2-135m")
-    with LocalCluster(1, spec, 16 << 20, segment_tokens=C, max_rows=256) as cluster:
+    spec = model_spec(weights)
+    with LocalCluster(1, spec, pool_bytes(weights, C, SLOTS_16M), segment_tokens=C, max_rows=256) as cluster:
         with pytest.raises(ValueError, match="max_rows"):
             Server(cluster, weights, chunk_tokens=512)
-        server = Server(cluster, weights, chunk_tokens=128)
+        server = Server(cluster, weights, chunk_tokens=128, keep_logits=True)
         good = tuple(tok.apply_chat_template([{"role": "user", "content": "Say hello."}]))
         server.submit(GenerationRequest("good", good, 4, (tok.eos_id,)))
         with pytest.raises(BadRequest, match="empty"):
@@ -90,7 +121,7 @@ def test_bad_requests_are_refused_and_others_are_served(model):
             server.submit(GenerationRequest("good", good, 4))
         results = server.run()
     assert set(results) == {"good"}
-    assert results["good"].output_ids == list(ref.generate(list(good), 4, stop_ids=(tok.eos_id,)).output_ids)
+    _same(results["good"], ref.generate(list(good), 4, stop_ids=(tok.eos_id,)))
 
 
 def test_goodput_scheduler_drives_the_server_and_output_is_unchanged(model):
@@ -101,13 +132,13 @@ def test_goodput_scheduler_drives_the_server_and_output_is_unchanged(model):
     from tokenlake.core.cost_model import LatencyModel
 
     weights, tok, ref = model
-    spec = weights.config.to_model_spec("smollm2-135m")
+    spec = model_spec(weights)
     # Token work dominates: splitting a prefill over k instances divides it, so the DP
     # must choose DoP > 1 for prefill batches when instances are free.
     latency = LatencyModel(c_const=1e-3, c_new=1e-3, c_new_prefix=0.0, c_new_sq=0.0,
                            c_prefix=1e-6, c_request=1e-4)
     prompts = _prompts(tok)
-    with LocalCluster(3, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(3, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
         server = Server(cluster, weights, chunk_tokens=32, keep_logits=True,
                         policy=GoodputScheduler(chunk_tokens=32), latency=latency, compute_slots=3)
         # Alone, a prefill is best split over every instance; then three run together.
@@ -122,10 +153,7 @@ def test_goodput_scheduler_drives_the_server_and_output_is_unchanged(model):
     assert all(b.dop == 1 for b in batches if b.phase == "decode")
     assert all(sum(d.dops) <= 3 for d in decisions)
     for i, prompt in enumerate(prompts):
-        expected = ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,))
-        assert results[f"g{i}"].output_ids == list(expected.output_ids)
-        for got, want in zip(results[f"g{i}"].logits, expected.logits):
-            assert (got - want).abs().max().item() < 1e-4
+        _same(results[f"g{i}"], ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,)))
 
 
 def test_a_policy_that_schedules_nothing_is_an_error_not_a_hang(model):
@@ -139,9 +167,9 @@ def test_a_policy_that_schedules_nothing_is_an_error_not_a_hang(model):
             return Decision(())
 
     weights, tok, _ = model
-    spec = weights.config.to_model_spec("smollm2-135m")
+    spec = model_spec(weights)
     latency = LatencyModel(1e-3, 1e-3, 0.0, 0.0, 0.0, 0.0)
-    with LocalCluster(1, spec, 16 << 20, segment_tokens=C, max_rows=128) as cluster:
+    with LocalCluster(1, spec, pool_bytes(weights, C, SLOTS_16M), segment_tokens=C, max_rows=128) as cluster:
         server = Server(cluster, weights, chunk_tokens=64, policy=Idle(), latency=latency)
         server.submit(GenerationRequest("x", _prompts(tok)[0], 2, ()))
         with pytest.raises(RuntimeError, match="scheduled nothing"):
@@ -155,10 +183,10 @@ def test_one_local_compute_engine_runs_one_batch_per_phase(model):
     from tokenlake.serving.server import one_per_phase
 
     weights, tok, ref = model
-    spec = weights.config.to_model_spec("smollm2-135m")
+    spec = model_spec(weights)
     prompts = _prompts(tok)
-    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
-        server = Server(cluster, weights, chunk_tokens=64)
+    with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
+        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
         assert server.compute_slots == 2
         server.run([GenerationRequest(f"o{i}", p, 3, ()) for i, p in enumerate(prompts)])
         with pytest.raises(ValueError):
@@ -167,7 +195,7 @@ def test_one_local_compute_engine_runs_one_batch_per_phase(model):
     assert all(len({b.phase for b in r}) == len(r) for r in ran)  # one batch per phase
     assert max(len(b.request_ids) for r in ran for b in r if b.phase == "decode") == 3
     for i, p in enumerate(prompts):
-        assert server.results[f"o{i}"].output_ids == list(ref.generate(list(p), 3, stop_ids=()).output_ids)
+        _same(server.results[f"o{i}"], ref.generate(list(p), 3, stop_ids=()))
 
 
 def test_one_per_phase_joins_the_dop1_batches_of_a_phase_in_order():
@@ -189,11 +217,11 @@ def test_a_new_request_gets_its_first_token_while_another_decodes(model, paralle
     from tokenlake.model.compute import ParallelComputeEngine
 
     weights, tok, ref = model
-    spec = weights.config.to_model_spec("smollm2-135m")
+    spec = model_spec(weights)
     prompts = _prompts(tok)
-    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
         engine = ParallelComputeEngine(weights, cluster) if parallel else None
-        server = Server(cluster, weights, chunk_tokens=64, engine=engine)
+        server = Server(cluster, weights, chunk_tokens=64, engine=engine, keep_logits=True)
         first = server.submit(GenerationRequest("long", prompts[0], 16, ()))
         while not first.output_ids:
             server.step()
@@ -204,8 +232,8 @@ def test_a_new_request_gets_its_first_token_while_another_decodes(model, paralle
         server.run()
         if engine is not None:
             engine.close()
-    assert first.output_ids == list(ref.generate(list(prompts[0]), 16, stop_ids=()).output_ids)
-    assert second.output_ids == list(ref.generate(list(prompts[1]), 2, stop_ids=()).output_ids)
+    _same(first, ref.generate(list(prompts[0]), 16, stop_ids=()))
+    _same(second, ref.generate(list(prompts[1]), 2, stop_ids=()))
 
 
 def test_a_full_pool_makes_new_requests_wait_not_fail(model):
@@ -214,22 +242,22 @@ def test_a_full_pool_makes_new_requests_wait_not_fail(model):
     from scheduler.continuous import ContinuousBatching
 
     weights, tok, ref = model
-    spec = weights.config.to_model_spec("smollm2-135m")
+    spec = model_spec(weights)
     import random
 
     rng = random.Random(5)  # prompts that share nothing, so nothing is deduplicated
     prompts = [tuple(rng.randrange(17, 49152) for _ in range(50)) for _ in range(4)]
-    with LocalCluster(1, spec, 8 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(1, spec, pool_bytes(weights, C, SLOTS_8M), segment_tokens=C, max_rows=512) as cluster:
         slots = cluster.control.stats().pool.slots_capacity[0]
         need = [-(-(len(p) + NEW) // C) for p in prompts]
         assert max(need) <= slots < sum(need), (need, slots)  # alone yes, together no
-        server = Server(cluster, weights, policy=ContinuousBatching(256), compute_slots=1)
+        server = Server(cluster, weights, policy=ContinuousBatching(256), compute_slots=1, keep_logits=True)
         results = server.run([GenerationRequest(f"f{i}", p, NEW, ()) for i, p in enumerate(prompts)])
         assert server.admission_holds > 0, "the pool was full at least once"
         cluster.control.check()
         assert cluster.control.live_requests == ()
     for i, p in enumerate(prompts):
-        assert results[f"f{i}"].output_ids == ref.generate(list(p), NEW, stop_ids=()).output_ids
+        _same(results[f"f{i}"], ref.generate(list(p), NEW, stop_ids=()))
 
 
 def test_a_full_pool_offers_admission_to_the_cached_prefix_first(model):
@@ -237,10 +265,10 @@ def test_a_full_pool_offers_admission_to_the_cached_prefix_first(model):
     holds goes before an older one that hits nothing, unless the older one has waited
     past its patience (scheduler/admission.py)."""
     weights, tok, ref = model
-    spec = weights.config.to_model_spec("smollm2-135m")
+    spec = model_spec(weights)
     doc = tuple(range(100, 100 + 3 * C))
     now = [0.0]
-    with LocalCluster(1, spec, 8 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(1, spec, pool_bytes(weights, C, SLOTS_8M), segment_tokens=C, max_rows=512) as cluster:
         server = Server(cluster, weights, clock=lambda: now[0])
         server.run([GenerationRequest("doc", doc + (7,), 1, ())])
         server.submit(GenerationRequest("old", tuple(range(300, 340)), 1, ()))

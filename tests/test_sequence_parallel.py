@@ -1,6 +1,11 @@
 """Sequence parallelism for real (issue #20): one compute engine per instance, the
 sub-batches of a DoP > 1 prefill computed at once, exchanging the new K/V of a request
-that crosses a split; outputs equal the reference engine's."""
+that crosses a split; outputs equal the reference engine's.
+
+The small Llama of tests/tiny_model.py serves (reference answers computed once per run
+and checked for clear margins; pools of the 68 segments 48 MiB held of SmolLM2), but for
+the test that the two sub-batches' runs overlap in time: that needs runs long enough that
+starting the second thread cannot outlast the first run, which SmolLM2's 30 layers are."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import time
 
 import pytest
 import torch
+from tiny_model import model_spec, pool_bytes
 
 from scheduler.baselines.fcfs import FCFS
 from tokenlake.core.errors import EngineUnavailable, PlanError
@@ -19,6 +25,7 @@ from tokenlake.serving import GenerationRequest, Server
 
 C = 16
 NEW = 5
+SLOTS = 68  # segments per instance (what 48 MiB held of SmolLM2)
 
 
 def _prompts(tok):
@@ -38,14 +45,13 @@ def _check(results, prompts, ref, tok):
 
 
 @pytest.mark.parametrize("dop", [2, 4])
-def test_a_dop_k_prefill_on_k_compute_engines_equals_the_reference(smollm2, dop):
+def test_a_dop_k_prefill_on_k_compute_engines_equals_the_reference(tiny_llama, dop):
     """Every prefill chunk is split over ``dop`` instances (chunks of 64 rows cross
     segment and sub-batch boundaries); the second request reuses the first's prefix.
     Outputs are token-identical and logits within 1e-4 of the reference engine."""
-    weights, tok, ref = smollm2
-    spec = weights.config.to_model_spec("smollm2-135m")
+    weights, tok, ref = tiny_llama
     prompts = _prompts(tok)
-    with LocalCluster(4, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(4, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512) as cluster:
         engine = ParallelComputeEngine(weights, cluster)
         server = Server(cluster, weights, chunk_tokens=64, keep_logits=True, engine=engine,
                         policy=FCFS(64, prefill_dop=dop))
@@ -60,17 +66,16 @@ def test_a_dop_k_prefill_on_k_compute_engines_equals_the_reference(smollm2, dop)
     _check(results, prompts, ref, tok)
 
 
-def test_the_server_s_default_policy_splits_prefill_when_engines_compute_at_once(smollm2):
+def test_the_server_s_default_policy_splits_prefill_when_engines_compute_at_once(tiny_llama):
     """With an engine per instance the default goodput DP may use every instance for a
     prefill (here the latency model makes a split pay, so it does); with the one serial
     engine it keeps DoP 1. Output equals the reference either way."""
     from tokenlake.core.cost_model import LatencyModel
 
-    weights, tok, ref = smollm2
-    spec = weights.config.to_model_spec("smollm2-135m")
+    weights, tok, ref = tiny_llama
     latency = LatencyModel(c_const=1e-3, c_new=1e-3, c_new_prefix=0.0, c_new_sq=0.0, c_prefix=1e-6, c_request=1e-4)
     prompts = _prompts(tok)[:1]
-    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(2, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512) as cluster:
         serial = Server(cluster, weights, chunk_tokens=64, latency=latency)
         assert serial.policy.max_prefill_dop == 1
         engine = ParallelComputeEngine(weights, cluster)
@@ -86,9 +91,8 @@ def test_the_sub_batches_of_a_dop_2_batch_compute_at_the_same_time(smollm2):
     """The two sub-batches run on two threads whose runs overlap in time (the second
     waits for the first's K/V layer by layer, so it cannot end before the first ends)."""
     weights, tok, _ = smollm2
-    spec = weights.config.to_model_spec("smollm2-135m")
     runs = []
-    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(2, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512) as cluster:
         engine = ParallelComputeEngine(weights, cluster)
         inner = engine.run_part
 
@@ -109,20 +113,21 @@ def test_the_sub_batches_of_a_dop_2_batch_compute_at_the_same_time(smollm2):
     assert a1 < z0 and a0 < z1, first  # the intervals overlap
 
 
-def test_a_failed_sub_batch_fails_the_iteration_at_once_and_serving_goes_on(smollm2):
-    """Sub-batch 0 fails at layer 5 of the first DoP 2 iteration: the iteration raises
-    that error (sub-batch 1 stops waiting for its rows), the plans are aborted, and the
-    next run still gives the reference's output."""
-    weights, tok, ref = smollm2
-    spec = weights.config.to_model_spec("smollm2-135m")
+def test_a_failed_sub_batch_fails_the_iteration_at_once_and_serving_goes_on(tiny_llama):
+    """Sub-batch 0 fails at a middle layer of the first DoP 2 iteration: the iteration
+    raises that error (sub-batch 1 stops waiting for its rows), the plans are aborted, and
+    the next run still gives the reference's output."""
+    weights, tok, ref = tiny_llama
+    middle = weights.config.num_layers // 2
+    assert 0 < middle < weights.config.num_layers - 1
     prompts = _prompts(tok)
-    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512) as cluster:
+    with LocalCluster(2, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512) as cluster:
         engine = ParallelComputeEngine(weights, cluster, timeout_s=120)
         inner = engine._attention
         armed = [True]
 
         def failing(layer, q, k, v, buf, lay, exchange, qp, put=True):
-            if armed[0] and qp.part == 0 and layer == 5:
+            if armed[0] and qp.part == 0 and layer == middle:
                 armed[0] = False
                 raise RuntimeError("injected")
             return inner(layer, q, k, v, buf, lay, exchange, qp, put)

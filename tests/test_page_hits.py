@@ -1,11 +1,16 @@
 """Prefix hits exact to a page (issue #19): a request whose prompt leaves a cached
 segment part-way reuses the segment's matching leading pages, stores its own segment
 (the shared pages copied into its open tail, then its own tokens), and a later request
-that follows it past the divergence hits that segment. Outputs equal the reference."""
+that follows it past the divergence hits that segment. Outputs equal the reference.
+
+The small Llama of tests/tiny_model.py serves (the claims are about matching and
+storing pages; its reference answers are computed once and checked for clear margins),
+in pools of the 17 segments 48 MiB held of SmolLM2."""
 
 from __future__ import annotations
 
 import pytest
+from tiny_model import model_spec, pool_bytes
 from token_util import common_prefix
 
 from tokenlake.deploy.local import LocalCluster
@@ -13,12 +18,13 @@ from tokenlake.serving import GenerationRequest, Server
 
 C = 64
 NEW = 4
+SLOTS = 17  # segments per instance (what 48 MiB held of SmolLM2)
 
 
 @pytest.fixture(scope="module")
-def model(smollm2):
-    """The shipped model, its tokenizer and reference engine (conftest's ``smollm2``)."""
-    return smollm2
+def model(tiny_llama):
+    """The tiny model, the shipped tokenizer and the tiny model's cached reference."""
+    return tiny_llama
 
 
 def _expected_hit(prompt, stored, page: int) -> int:
@@ -33,7 +39,7 @@ def _expected_hit(prompt, stored, page: int) -> int:
 @pytest.mark.parametrize("page", [16, 1])
 def test_a_prompt_leaving_a_segment_part_way_reuses_its_pages(model, page):
     weights, tok, ref = model
-    spec = weights.config.to_model_spec("smollm2-135m")
+    spec = model_spec(weights)
     doc = ("The river Lumen runs 212 kilometres from the Grey Hills to the sea at Kestrel "
            "Bay, past the mills of Orrin and the old stone bridge at Vell. ")
     first = tuple(tok.encode(doc * 6 + "How long is the river?"))
@@ -44,7 +50,7 @@ def test_a_prompt_leaving_a_segment_part_way_reuses_its_pages(model, page):
     assert len(second) > 3 * C  # its own third segment fills
     # Follows ``second`` past its divergence, then leaves it too.
     third = second[: cut + 30] + tuple(tok.encode(" Answer with one word."))
-    with LocalCluster(2, spec, 48 << 20, segment_tokens=C, max_rows=512,
+    with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512,
                       page_tokens=page) as cluster:
         server = Server(cluster, weights, chunk_tokens=512, keep_logits=True)
         results = {}

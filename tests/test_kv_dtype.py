@@ -1,8 +1,12 @@
 """Pools that hold their K/V in bfloat16 or float16 (issue #21): the slab's dtype and
-size, the namespace, the reference engine's cache of the same dtype, and SmolLM2
+size, the namespace, the reference engine's cache of the same dtype, and a model
 generating through a half-precision pool what the reference generates with a cache of
 that dtype. The data-plane paths (puts, queries, replication, migration, page copies)
-run in half-precision pools in tests/test_dataplane.py."""
+run in half-precision pools in tests/test_dataplane.py.
+
+Generation runs the small Llama of tests/tiny_model.py (reference answers computed once
+per run and checked for clear margins); what rounding the cache does to SmolLM2's logits
+is still measured on SmolLM2."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 import torch
 from dataplane_util import TINY
 from test_serving import NEW, C, _prompts, serve_two_waves
+from tiny_model import model_spec, pool_bytes, reference
 
 from tokenlake.core.control import KV_DTYPES
 from tokenlake.core.errors import ConfigError
@@ -19,6 +24,7 @@ from tokenlake.serving import GenerationRequest
 from tokenlake.tools.demo import _near_tie
 
 SEGMENT_F32 = TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4
+SLOTS_24M = 34  # float32 segments per instance of 24 MiB of SmolLM2 (twice as many in half)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
@@ -71,12 +77,12 @@ def _agrees(got_ids, got_logits, want: GenerationResult, tolerance: float) -> No
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
-def test_generation_through_a_half_pool_equals_the_reference_of_that_dtype(smollm2, kv_dtype):
-    weights, tok, _ = smollm2
-    ref = ReferenceEngine(weights, getattr(torch, kv_dtype))
-    spec = weights.config.to_model_spec("smollm2-135m")
+def test_generation_through_a_half_pool_equals_the_reference_of_that_dtype(tiny_llama, kv_dtype):
+    weights, tok, _ = tiny_llama
+    ref = reference(weights, getattr(torch, kv_dtype))
     prompts = _prompts(tok)
-    with LocalCluster(2, spec, 24 << 20, segment_tokens=C, max_rows=512, kv_dtype=kv_dtype) as cluster:
+    with LocalCluster(2, model_spec(weights), pool_bytes(weights, C, SLOTS_24M), segment_tokens=C,
+                      max_rows=512, kv_dtype=kv_dtype) as cluster:
         results = serve_two_waves(cluster, weights, tok, prompts)
     for i, prompt in enumerate(prompts):
         res = results[f"p{i}"]
@@ -97,14 +103,14 @@ def test_the_demo_names_a_near_tie_and_nothing_else():
     assert _near_tie(run, [1, 0], "bfloat16") is None  # equal outputs
 
 
-def test_the_reference_baseline_holds_the_kv_dtype_it_is_served_with(smollm2):
+def test_the_reference_baseline_holds_the_kv_dtype_it_is_served_with(tiny_llama):
     """``tokenlake serve --engine reference --kv-dtype bfloat16``: the baseline's caches
     are in the pool's dtype, and it generates what the reference engine of that dtype
     generates (chunked prefill included)."""
     from tokenlake.service.local import reference_service
     from tokenlake.serving.reference_server import ReferenceServer
 
-    weights, tok, _ = smollm2
+    weights, tok, _ = tiny_llama
     with reference_service((weights, tok), http_port=0, kv_dtype="bfloat16") as served:
         assert served.http.loop.server.engine.kv_dtype == torch.bfloat16
     server = ReferenceServer(weights, chunk_tokens=24, kv_dtype=torch.bfloat16)
@@ -114,5 +120,5 @@ def test_the_reference_baseline_holds_the_kv_dtype_it_is_served_with(smollm2):
     assert server._live["r"].cache.keys[0].dtype == torch.bfloat16
     while server.busy:
         server.step()
-    want = ReferenceEngine(weights, torch.bfloat16).generate(list(prompt), 4, stop_ids=(tok.eos_id,))
+    want = reference(weights, torch.bfloat16).generate(list(prompt), 4, stop_ids=(tok.eos_id,))
     assert result.output_ids == list(want.output_ids)

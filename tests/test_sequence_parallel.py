@@ -105,8 +105,10 @@ def test_the_sub_batches_of_a_dop_2_batch_compute_at_the_same_time(smollm2):
 
         engine.run_part = timed
         server = Server(cluster, weights, chunk_tokens=64, engine=engine, policy=FCFS(64, prefill_dop=2))
-        server.run([GenerationRequest("r0", _prompts(tok)[0], 1, ())])
+        # one chunk: a single DoP 2 iteration, its two sub-batches of 32 rows
+        server.run([GenerationRequest("r0", _prompts(tok)[0][:64], 1, ())])
         engine.close()
+    assert len(runs) == 2
     first = sorted(r for r in runs)[:2]
     (p0, t0, a0, z0), (p1, t1, a1, z1) = sorted(runs, key=lambda r: r[2])[:2]
     assert {p0, p1} == {0, 1} and t0 != t1

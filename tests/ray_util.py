@@ -23,6 +23,9 @@ computed once per prompt (the reference engine is slow on 2 cores)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -145,3 +148,33 @@ def reference(ref, prompt, new: int, stop_ids: tuple[int, ...]):
     if key not in _reference:
         _reference[key] = (ref.weights, ref.generate(list(prompt), new, stop_ids=stop_ids))
     return _reference[key][1]
+
+
+# ------------------------------------------------------- the command at a terminal
+
+
+def serve_at_a_terminal(argv: list[str], operator) -> list[BaseException]:
+    """``tokenlake <argv>`` (a ``serve``) run in this thread as a person at a terminal
+    runs it: ``operator()`` (reading the events, asking, killing) in another thread, then
+    Ctrl-C (SIGINT); asserts the command exits 0 and returns what ``operator`` raised."""
+    from tokenlake.tools import cli
+
+    failure: list[BaseException] = []
+
+    def at_the_terminal() -> None:
+        try:
+            operator()
+        except BaseException as exc:  # reported to the caller
+            failure.append(exc)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+
+    term = signal.getsignal(signal.SIGTERM)
+    watcher = threading.Thread(target=at_the_terminal, daemon=True)
+    watcher.start()
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        signal.signal(signal.SIGTERM, term)
+        watcher.join(timeout=10)
+    return failure

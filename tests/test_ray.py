@@ -18,7 +18,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -476,7 +475,6 @@ def test_serve_command_reports_a_crash_and_stops_cleanly_on_ctrl_c(ray_session, 
     notices an engine process killed outside Ray, and on Ctrl-C (SIGINT) shuts everything
     down and exits 0."""
     from tokenlake.deploy.ray import ProcessRef
-    from tokenlake.tools import cli
 
     out = _Lines()
     monkeypatch.setattr(sys, "stdout", out)
@@ -486,28 +484,15 @@ def test_serve_command_reports_a_crash_and_stops_cleanly_on_ctrl_c(ray_session, 
             "--bind", "lo", "--ports", "47100-47199", "--no-restart", "--json",
             "--control-port", "0", "--http-port", "0"]
     seen: list[dict] = []
-    failure: list[BaseException] = []
 
     def operator() -> None:  # what a person at the terminal does
-        try:
-            seen.append(out.events.get(timeout=90))  # ready
-            seen.append(out.events.get(timeout=10))  # serving
-            (inst,) = seen[0]["instances"]
-            os.kill(inst["pids"]["query"], signal.SIGKILL)  # a crash Ray did not cause
-            seen.append(out.events.get(timeout=30))  # failed
-        except BaseException as exc:  # reported by the test below
-            failure.append(exc)
-        finally:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+        seen.append(out.events.get(timeout=90))  # ready
+        seen.append(out.events.get(timeout=10))  # serving
+        (inst,) = seen[0]["instances"]
+        os.kill(inst["pids"]["query"], signal.SIGKILL)  # a crash Ray did not cause
+        seen.append(out.events.get(timeout=30))  # failed
 
-    term = signal.getsignal(signal.SIGTERM)
-    watcher = threading.Thread(target=operator, daemon=True)
-    watcher.start()
-    try:
-        assert cli.main(argv) == 0
-    finally:
-        signal.signal(signal.SIGTERM, term)
-        watcher.join(timeout=10)
+    failure = ray_util.serve_at_a_terminal(argv, operator)
     assert not failure, failure
     ready, serving, failed = seen
     assert [ready["event"], serving["event"], failed["event"]] == ["ready", "serving", "failed"]

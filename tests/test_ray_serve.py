@@ -63,7 +63,6 @@ def test_serve_ray_starts_compute_actors_when_instances_are_on_other_nodes(monke
     from test_ray import _Lines
 
     from tokenlake.deploy.ray import RayCluster, RayComputeEngine
-    from tokenlake.tools import cli
 
     monkeypatch.setattr(RayCluster, "node_id", lambda self, instance: "another node")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the command joins the Ray --ray names
@@ -82,34 +81,22 @@ def test_serve_ray_starts_compute_actors_when_instances_are_on_other_nodes(monke
     assert not ray.is_initialized()
     seen: list[dict] = []
     answers: list = []
-    failure: list[BaseException] = []
 
     def operator() -> None:
-        try:
-            ready = out.events.get(timeout=START_TIMEOUT_S)
-            seen.append(ready)
-            import openai
+        ready = out.events.get(timeout=START_TIMEOUT_S)
+        seen.append(ready)
+        import openai
 
-            with openai.OpenAI(base_url=ready["http_url"] + "/v1", api_key="unused",
-                               max_retries=0, timeout=60) as client:
-                answers.append(client.completions.create(
-                    model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
-                    temperature=0))
-        except BaseException as exc:  # reported by the test below
-            failure.append(exc)
-        finally:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+        with openai.OpenAI(base_url=ready["http_url"] + "/v1", api_key="unused",
+                           max_retries=0, timeout=60) as client:
+            answers.append(client.completions.create(
+                model="smollm2-135m", prompt="The capital of France is", max_tokens=4,
+                temperature=0))
 
-    term = signal.getsignal(signal.SIGTERM)
-    watcher = threading.Thread(target=operator, daemon=True)
-    watcher.start()
-    try:
-        assert cli.main(["serve", "--ray", shared_ray.address, "--instances", "2", "--pool-mb", "8",
-                         "--cpus-per-instance", "0.5", "--control-port", "0",
-                         "--http-port", "0", "--json"]) == 0
-    finally:
-        signal.signal(signal.SIGTERM, term)
-        watcher.join(timeout=10)
+    failure = ray_util.serve_at_a_terminal(
+        ["serve", "--ray", shared_ray.address, "--instances", "2", "--pool-mb", "8",
+         "--cpus-per-instance", "0.5", "--control-port", "0", "--http-port", "0", "--json"],
+        operator)
     assert not failure, failure
     (answer,) = answers
     assert answer.choices[0].text and answer.usage.completion_tokens >= 1

@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 # The csrc CPU kernels (torch C++ extension, g++ and ninja): built once, rebuilt after a
 # change in csrc/ (a few seconds when current); the torch path serves without them.
 native: $(STAMP)
-	$(BIN)/python -m tokenlake.dataplane.native
+	$(BIN)/python -m tokenlake.kernels.native
 
 demo: native
 	$(BIN)/tokenlake demo

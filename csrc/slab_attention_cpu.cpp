@@ -1,6 +1,6 @@
 // Partial attention of a few query rows over slots of segment slabs (one shape), on CPU.
 //
-// The layout and the contract are those of tokenlake.dataplane.attention_slab
+// The layout and the contract are those of tokenlake.kernels.slab
 // (docs/design.md §4): slab [slots, layers, 2, kv_heads, C, head_dim] (index 0 = K,
 // 1 = V), slot s holding tokens[s] <= C valid tokens at its front; q [rows, q_heads,
 // head_dim] float32. Returns float32 o [rows, q_heads, head_dim] and the natural-log

@@ -35,8 +35,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from evals.sim.backend import SimulationError
 from evals.sim.config import SimConfig
-from evals.sim.engine import SimulationError
 from evals.sim.metrics import SimResult
 from evals.sim.systems import simulate
 from evals.sim.trace import trace_grid

@@ -3,7 +3,7 @@
 The same small trace runs twice:
 
 * **real**: SmolLM2-135M through the pool on a :class:`~tokenlake.deploy.local.LocalCluster`
-  with one compute engine per instance (:class:`~tokenlake.model.compute.ParallelComputeEngine`),
+  with one compute engine per instance (:class:`~tokenlake.engines.compute.ParallelComputeEngine`),
   the real query and transfer engines, every iteration timed by the wall clock and each
   instance's query-engine busy time read from the engine (``engine_stats``);
 * **simulated**: the TokenLake backend with the ``cpu`` hardware profile, the
@@ -38,9 +38,9 @@ from evals.sim.pooled import PooledBackend
 from evals.workloads.base import Request
 from scheduler.baselines.fcfs import FCFS
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.model.compute import ParallelComputeEngine
+from tokenlake.engines.compute import ParallelComputeEngine
+from tokenlake.generation import GenerationLoop, GenerationRequest
 from tokenlake.model.llama.weights import load_weights
-from tokenlake.serving import GenerationRequest, Server
 
 VOCAB = 49152
 
@@ -84,7 +84,7 @@ def run_real(trace: list[Request], instances: int, segment_tokens: int, chunk_to
     with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens,
                       max_rows=max(chunk_tokens, 64), share_slabs=False) as cluster:
         engine = ParallelComputeEngine(weights, cluster)
-        server = Server(cluster, weights, chunk_tokens=chunk_tokens, rebalance_every=1, engine=engine,
+        server = GenerationLoop(cluster, weights, chunk_tokens=chunk_tokens, rebalance_every=1, engine=engine,
                         policy=FCFS(chunk_tokens, prefill_dop=dop))
         before = _query_busy(cluster)
         times: list[float] = []

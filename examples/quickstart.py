@@ -10,9 +10,9 @@ import torch
 
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_model
-from tokenlake.dataplane.attention import merge, partial_attention_ref
-from tokenlake.dataplane.attention_cpu import partial_attention
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.kernels.attention import merge, partial_attention_ref
+from tokenlake.kernels.cpu import partial_attention
 
 
 def fake_kv(positions: range, layer: int, model) -> torch.Tensor:

@@ -18,7 +18,7 @@ def pytest_report_header(config) -> list[str]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
     try:
-        from tokenlake.dataplane import native
+        from tokenlake.kernels import native
 
         mod = native.load()
         isa = "none" if mod is None else mod.isa()
@@ -85,7 +85,7 @@ def kernel():
     fails where g++ and ninja are present but the build did not succeed."""
     import shutil
 
-    from tokenlake.dataplane import native
+    from tokenlake.kernels import native
 
     mod = native.load()
     if mod is None:

@@ -8,7 +8,7 @@ import torch
 
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
-from tokenlake.dataplane.attention import merge, partial_attention_ref
+from tokenlake.kernels.attention import merge, partial_attention_ref
 
 TINY = ModelSpec(
     name="tiny-gqa", num_layers=2, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,

@@ -87,7 +87,7 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
 def serving_locally(*args, **kwargs):
     """``serve_local(*args, **kwargs)`` on a thread: yields its ``Served`` once ready;
     on exit stops it and asserts it ended without an error."""
-    from tokenlake.service.local import serve_local
+    from tokenlake.service.serve import serve_local
 
     stop, ready, served, errors = threading.Event(), threading.Event(), [], []
 

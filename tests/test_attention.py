@@ -1,4 +1,4 @@
-"""Partial attention and its exact log-sum-exp merge (tokenlake.dataplane.attention and its
+"""Partial attention and its exact log-sum-exp merge (tokenlake.kernels.attention and its
 CPU, slab and device-backend modules, docs/design.md §4)."""
 
 import math
@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenlake.dataplane import attention as A
-from tokenlake.dataplane import attention_backends as BACKENDS
-from tokenlake.dataplane import attention_cpu as CPU
-from tokenlake.dataplane import attention_slab as SLAB
+from tokenlake.kernels import attention as A
+from tokenlake.kernels import backends as BACKENDS
+from tokenlake.kernels import cpu as CPU
+from tokenlake.kernels import slab as SLAB
 
 HEADS = [(9, 3), (32, 32), (32, 8)]  # (q_heads, kv_heads)
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers, pid_alive
-from tokenlake.tools.bench_restart import METRICS, MODES, RestartConfig, bench_restart, print_report
+from tokenlake.tools.bench.restart import METRICS, MODES, RestartConfig, bench_restart, print_report
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ attention alone, their difference and a bare PING, per row count, from a real po
 from __future__ import annotations
 
 from tokenlake.dataplane.shm_files import list_buffers
-from tokenlake.tools.bench_roundtrip import bench_roundtrip
+from tokenlake.tools.bench.roundtrip import bench_roundtrip
 
 
 def test_the_roundtrip_benchmark_reports_every_figure_per_row_count():

@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tokenlake.tools import cli
-from tokenlake.tools.bench_serve import BenchConfig, Load, arrival_offsets, run_bench, send_one
-from tokenlake.tools.bench_serve_load import (
+from tokenlake.tools.bench.serve import BenchConfig, Load, arrival_offsets, run_bench, send_one
+from tokenlake.tools.bench.serve_load import (
     RESERVED_IDS,
     BenchRequest,
     LaunchedServer,
@@ -31,7 +31,7 @@ from tokenlake.tools.bench_serve_load import (
     parse_ready_line,
     serve_command,
 )
-from tokenlake.tools.bench_serve_stats import (
+from tokenlake.tools.bench.serve_stats import (
     Outcome,
     distribution,
     format_report,

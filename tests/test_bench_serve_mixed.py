@@ -22,10 +22,10 @@ import tokenlake
 from tokenlake.dataplane import credentials
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.service.server import ControlServer
-from tokenlake.tools.bench_serve import run_bench
-from tokenlake.tools.bench_serve_mixed import MixedSpec
-from tokenlake.tools.bench_serve_stats import http_check, mixed_report, worker_summary
-from tokenlake.tools.bench_serve_worker import PoolWorker, WorkerOptions, WorkerStats
+from tokenlake.tools.bench.serve import run_bench
+from tokenlake.tools.bench.serve_mixed import MixedSpec
+from tokenlake.tools.bench.serve_stats import http_check, mixed_report, worker_summary
+from tokenlake.tools.bench.serve_worker import PoolWorker, WorkerOptions, WorkerStats
 from tokenlake.tools.synthetic_kv import KVShape, query_rows, reference_partial, stable_seed
 
 C = 16
@@ -223,7 +223,7 @@ def test_mixed_options_that_cannot_run_are_refused_in_one_line(capsys):
 
 
 def test_a_wrong_answer_makes_the_exit_status_non_zero(monkeypatch, capsys):
-    import tokenlake.tools.bench_serve as bench
+    import tokenlake.tools.bench.serve as bench
 
     seen = {}
 

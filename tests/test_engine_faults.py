@@ -122,7 +122,7 @@ def test_an_unusable_peer_answer_fails_one_query_and_the_engine_serves_on(cluste
 def test_rejected_messages_log_one_line_at_a_time(caplog):
     import logging
 
-    from tokenlake.dataplane.engine import RateLimitedLog
+    from tokenlake.engines.loop import RateLimitedLog
 
     clock = iter([0.0, 0.1, 0.2, 0.3, 1.5, 1.6])
     limited = RateLimitedLog(logging.getLogger("test.rate"), every_s=1.0,
@@ -186,10 +186,10 @@ def test_a_read_naming_a_slot_twice_is_refused(cluster):
 
 def test_peer_plans_are_bounded_per_home(cluster):
     """Registrations that are never released stay bounded: the oldest is dropped."""
-    from query_engine.engine import MAX_PEER_PLANS
     from tokenlake.core.errors import PlanError
     from tokenlake.dataplane.messages import PlanAck
     from tokenlake.dataplane.messages.query import PeerQuery, PeerRegisterPlan
+    from tokenlake.engines.query import MAX_PEER_PLANS
 
     for pid in range(2000, 2000 + MAX_PEER_PLANS + 10):
         engine_request(cluster, ("query", 0), PeerRegisterPlan(1, pid, (_item([0]),)), PlanAck)
@@ -219,10 +219,8 @@ def test_a_failed_local_part_is_the_only_reply_and_late_peer_results_are_dropped
     no second reply, and the caller's output buffer is not written. The home engine
     here is a twin of instance ``home``'s query engine in this process (same buffers,
     same peers, keys of the cluster) whose local attention is made to fail."""
-    from query_engine.engine import QueryEngine
     from tokenlake.core.errors import PlanError
     from tokenlake.dataplane import wire
-    from tokenlake.dataplane.engine import EngineSpec
     from tokenlake.dataplane.messages import (
         ErrorReply,
         Ping,
@@ -232,6 +230,8 @@ def test_a_failed_local_part_is_the_only_reply_and_late_peer_results_are_dropped
         RegisterQueryPlan,
     )
     from tokenlake.deploy.base import ENGINE_BUFFERS
+    from tokenlake.engines.loop import EngineSpec
+    from tokenlake.engines.query import QueryEngine
 
     rng = random.Random(21)
     doc = [rng.randrange(3, 900) for _ in range(6 * C)]
@@ -308,10 +308,10 @@ def test_a_flood_of_peer_plans_is_bounded_and_memory_returns_to_its_baseline(clu
     entry, with room to spare; ``test_peer_plans_are_bounded_per_home`` shows the oldest
     going); after the first round (which grows the allocator's pools once) it returns to
     the same level every round."""
-    from query_engine.engine import MAX_PEER_PLANS
     from tokenlake.dataplane import wire
     from tokenlake.dataplane.messages import PeerRegisterPlan, PeerReleasePlan, PlanAck
     from tokenlake.dataplane.messages.query import AttendItem
+    from tokenlake.engines.query import MAX_PEER_PLANS
 
     pid = cluster._procs[("query", 1)].pid
     slots, rows = cluster.slots_per_instance, cluster.max_rows // 4  # a quarter: a faster test

@@ -20,7 +20,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.service.local import SERVED_MODEL, pool_service, reference_service
+from tokenlake.service.serve import SERVED_MODEL, pool_service, reference_service
 
 C = 16
 DOC = ("The river Lumen runs 212 kilometres from the Grey Hills to the sea at Kestrel Bay. "
@@ -268,11 +268,11 @@ def test_the_reference_server_ends_a_failing_request_alone(model):
     """The baseline's iterations too: NaN logits for one request of a decode batch end
     that request (``finish_reason == "error"``), the others' tokens are
     ``generate``'s."""
-    from tokenlake.serving.reference_server import ReferenceServer
-    from tokenlake.serving.server import GenerationRequest
+    from tokenlake.generation.reference import ReferenceLoop
+    from tokenlake.generation.requests import GenerationRequest
 
     weights, tok, ref = model
-    server = ReferenceServer(weights, chunk_tokens=64)
+    server = ReferenceLoop(weights, chunk_tokens=64)
     failed = []
     server.on_error = lambda rid, message: failed.append((rid, message))
     decode = server.engine.decode_batch
@@ -369,7 +369,7 @@ def test_an_engine_per_instance_serves_the_same_answers_splitting_prefills(model
     """``compute="per-instance"`` (``tokenlake serve --compute per-instance``): one compute
     engine per instance, the goodput DP free to split a prefill over both instances;
     the answers equal the reference engine's."""
-    from tokenlake.model.compute import ParallelComputeEngine
+    from tokenlake.engines.compute import ParallelComputeEngine
 
     weights, tok, _ = model
     spec = weights.config.to_model_spec(SERVED_MODEL)
@@ -411,11 +411,11 @@ def test_the_reference_baseline_answers_the_same(model, client):
 def test_reference_server_batches_and_equals_generate(model):
     """The baseline batches decode and packs prefill chunks; its greedy tokens are the
     reference engine's, request by request."""
-    from tokenlake.serving.reference_server import ReferenceServer
-    from tokenlake.serving.server import GenerationRequest
+    from tokenlake.generation.reference import ReferenceLoop
+    from tokenlake.generation.requests import GenerationRequest
 
     weights, tok, ref = model
-    server = ReferenceServer(weights, chunk_tokens=40)
+    server = ReferenceLoop(weights, chunk_tokens=40)
     prompts = {f"r{i}": tuple(tok.apply_chat_template(_chat(q))) for i, q in
                enumerate(("How long?", "Which towns?", "Where is the sea?"))}
     for rid, p in prompts.items():

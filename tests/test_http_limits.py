@@ -30,11 +30,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenlake.generation.requests import RequestResult
 from tokenlake.service.frontend import HttpFrontend
 from tokenlake.service.http import ModelInfo
 from tokenlake.service.limits import HttpLimits, longest_token_bytes
-from tokenlake.service.local import SERVED_MODEL
-from tokenlake.serving.server import RequestResult
+from tokenlake.service.serve import SERVED_MODEL
 
 POISON = 4242  # a token-id prompt starting with it gets a token the tokenizer does not know
 HEALTH_S = 0.100  # the bound on /health, for the median of the probes in a window

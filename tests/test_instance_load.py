@@ -125,7 +125,7 @@ def test_the_runs_of_one_decision_are_timed_to_their_fixed_point():
     run once against the other's time alone would give ``(C + q)^2 / C``."""
     from types import SimpleNamespace
 
-    from evals.sim.engine import Run
+    from evals.sim.backend import Run
     from evals.sim.run_timing import RunTiming
 
     model, hw = load_model("llama-2-7b"), load_hardware("a100-80gb")

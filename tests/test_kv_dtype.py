@@ -19,8 +19,8 @@ from tiny_model import model_spec, pool_bytes, reference
 from tokenlake.core.control import KV_DTYPES
 from tokenlake.core.errors import ConfigError
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.generation import GenerationRequest
 from tokenlake.model.llama.reference import LOGIT_TOLERANCE, GenerationResult, ReferenceEngine
-from tokenlake.serving import GenerationRequest
 from tokenlake.tools.demo import _near_tie
 
 SEGMENT_F32 = TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4
@@ -107,13 +107,13 @@ def test_the_reference_baseline_holds_the_kv_dtype_it_is_served_with(tiny_llama)
     """``tokenlake serve --engine reference --kv-dtype bfloat16``: the baseline's caches
     are in the pool's dtype, and it generates what the reference engine of that dtype
     generates (chunked prefill included)."""
-    from tokenlake.service.local import reference_service
-    from tokenlake.serving.reference_server import ReferenceServer
+    from tokenlake.generation.reference import ReferenceLoop
+    from tokenlake.service.serve import reference_service
 
     weights, tok, _ = tiny_llama
     with reference_service((weights, tok), http_port=0, kv_dtype="bfloat16") as served:
         assert served.http.loop.server.engine.kv_dtype == torch.bfloat16
-    server = ReferenceServer(weights, chunk_tokens=24, kv_dtype=torch.bfloat16)
+    server = ReferenceLoop(weights, chunk_tokens=24, kv_dtype=torch.bfloat16)
     prompt = tuple(_prompts(tok)[0])
     result = server.submit(GenerationRequest("r", prompt, 4, (tok.eos_id,)))
     server.step()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenlake.dataplane import native
-from tokenlake.dataplane.attention import partial_attention_ref
+from tokenlake.kernels import native
+from tokenlake.kernels.attention import partial_attention_ref
 
 
 def _slab(slots, layers, kv_heads, capacity, head_dim, dtype, seed=0):
@@ -149,7 +149,7 @@ def test_an_instruction_set_above_the_cpus_is_refused(kernel):
 def test_bench_kernel_runs_as_a_cpu_without_tiles_would(kernel):
     """``--isa avx512`` on a CPU with AMX: every row takes the vector path, and the CPU's
     own instruction set is back afterwards."""
-    from tokenlake.tools.bench_kernel import bench_kernel
+    from tokenlake.tools.bench.kernel import bench_kernel
 
     best = kernel.isa()
     if best not in ("amx", "avx512"):
@@ -164,7 +164,7 @@ def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
     """A tiny run of ``tokenlake bench kernel``: its JSON has the memory bandwidth, a row
     per (dtype, rows, tokens) with the kernel's and torch's GB/s, and a linear row per
     rows with the projection kernel's and BLAS's."""
-    from tokenlake.tools.bench_kernel import bench_kernel
+    from tokenlake.tools.bench.kernel import bench_kernel
 
     out = bench_kernel(tokens=(1024,), rows=(1, 4), dtypes=("float32", "bfloat16"), repeats=1,
                        buffer_gib=0.05, linear_rows=(1, 3), linear_layers=1)
@@ -200,7 +200,7 @@ def test_the_stream_loop_reads_every_line_once(kernel, isas, dtype, fmas):
     once, as 16 floats, and multiplies it ``fmas`` times by c: its result is fmas x c x the
     buffer's sum as float32, on every instruction set; a line counted twice, or one left
     out, would move the sum by far more than rounding."""
-    from tokenlake.dataplane.native import roof_stream
+    from tokenlake.kernels.native import roof_stream
 
     g = torch.Generator().manual_seed(fmas)
     # small integers, exact in float32 whatever the order of the sums; the buffer's bytes
@@ -219,7 +219,7 @@ def test_the_stream_loop_reads_every_line_once(kernel, isas, dtype, fmas):
     (torch.zeros(64), 128, "power of two"),
 ])
 def test_the_stream_loop_refuses_what_it_does_not_take(kernel, buf, fmas, needle):
-    from tokenlake.dataplane.native import roof_stream
+    from tokenlake.kernels.native import roof_stream
 
     with pytest.raises(ValueError, match=needle):
         roof_stream(buf, fmas, module=kernel)
@@ -231,7 +231,7 @@ def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch, dty
     kernel when it is built, and many-row calls (prefill chunks) to torch, except bfloat16
     ones where the kernel has its tile path (AMX CPUs), which take it up to TILE_ROWS;
     all give the reference's answer, and switching the kernel off gives torch's path."""
-    from tokenlake.dataplane import attention_slab
+    from tokenlake.kernels import slab as attention_slab
 
     calls = []
 
@@ -288,7 +288,7 @@ def test_slots_of_several_slabs_in_one_call_equal_the_reference(kernel, dtype, o
     """A query engine's own slab and its co-located peers' (docs/data-plane.md
     "Co-located slabs"): slot i of slabs[sources[i]], one softmax over all of them, on the
     kernel and on the torch path (one call per slab, merged)."""
-    from tokenlake.dataplane.attention_slab import slabs_partial_attention, use_native
+    from tokenlake.kernels.slab import slabs_partial_attention, use_native
 
     slabs = [_slab(5, 2, 3, 40, 64, dtype, seed=s) for s in range(3)]
     q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(5))

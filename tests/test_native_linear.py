@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenlake.dataplane import native
+from tokenlake.kernels import native
 from tokenlake.model.llama import model as llama
 
 

@@ -14,7 +14,7 @@ from tiny_model import model_spec, pool_bytes
 from token_util import common_prefix
 
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.serving import GenerationRequest, Server
+from tokenlake.generation import GenerationLoop, GenerationRequest
 
 C = 64
 NEW = 4
@@ -52,7 +52,7 @@ def test_a_prompt_leaving_a_segment_part_way_reuses_its_pages(model, page):
     third = second[: cut + 30] + tuple(tok.encode(" Answer with one word."))
     with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512,
                       page_tokens=page) as cluster:
-        server = Server(cluster, weights, chunk_tokens=512, keep_logits=True)
+        server = GenerationLoop(cluster, weights, chunk_tokens=512, keep_logits=True)
         results = {}
         for rid, prompt in (("first", first), ("second", second), ("third", third)):
             results.update(server.run([GenerationRequest(rid, prompt, NEW, (tok.eos_id,))]))

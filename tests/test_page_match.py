@@ -213,7 +213,7 @@ def test_replication_evicts_a_colder_replica_on_a_full_target():
 @settings(max_examples=80, deadline=None)
 @given(stored=st.lists(SEQ, min_size=1, max_size=8), query=SEQ)
 def test_the_benchmark_radix_tree_matches_the_longest_stored_prefix(stored, query):
-    from tokenlake.tools.bench_match import RadixStandIn
+    from tokenlake.tools.bench.match import RadixStandIn
 
     radix = RadixStandIn()
     seen: list = []

@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from tokenlake.dataplane.attention import partial_attention_ref
-from tokenlake.dataplane.attention_paged import paged_batch, paged_reference, unpack
+from tokenlake.kernels.attention import partial_attention_ref
+from tokenlake.kernels.paged import paged_batch, paged_reference, unpack
 
 C = 16
 
@@ -103,7 +103,7 @@ def test_one_flashinfer_launch_equals_the_reference():
     again), then one row per request (the decode kernel; a page hit beside an own tail
     makes two entries of one row): every result equals the reference of its groups and layer."""
     pytest.importorskip("flashinfer")
-    from tokenlake.dataplane.attention_paged import flashinfer_slab_attention
+    from tokenlake.kernels.paged import flashinfer_slab_attention
 
     slab = torch.randn(12, 2, 2, 8, 64, 128).bfloat16().cuda()
     q = torch.randn(6, 32, 128).cuda()

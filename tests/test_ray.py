@@ -46,7 +46,7 @@ from tokenlake.dataplane.shm_files import list_buffers  # noqa: E402
 from tokenlake.deploy.local import LocalCluster  # noqa: E402
 from tokenlake.deploy.ray import RayCluster, RayComputeEngine, RayOptions  # noqa: E402
 from tokenlake.deploy.ray.fit import NodeResources, check_fit  # noqa: E402
-from tokenlake.serving import GenerationRequest, Server  # noqa: E402
+from tokenlake.generation import GenerationLoop, GenerationRequest  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -362,12 +362,12 @@ def compute_pool(ray_session, smollm):
 
 
 def test_generation_through_compute_actors_equals_the_reference(compute_pool, smollm):
-    """``Server`` on a RayCluster with compute actors picks the RayComputeEngine by
+    """``GenerationLoop`` on a RayCluster with compute actors picks the RayComputeEngine by
     itself; every batch runs in the actor of its home instance (both are used), and
     greedy output and logits equal the plain engine's, token for token."""
     weights, tok, ref = smollm
     cluster = compute_pool
-    server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
+    server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True)
     assert isinstance(server.engine, RayComputeEngine)
     prompts = _short_prompts(tok)
     # The first request alone puts the shared prefix into the pool; the others reuse it.
@@ -391,7 +391,7 @@ def test_a_dop_2_prefill_on_two_compute_actors_equals_the_reference(compute_pool
     from scheduler.baselines.fcfs import FCFS
 
     weights, tok, ref = smollm
-    server = Server(compute_pool, weights, chunk_tokens=64, keep_logits=True, policy=FCFS(64, prefill_dop=2))
+    server = GenerationLoop(compute_pool, weights, chunk_tokens=64, keep_logits=True, policy=FCFS(64, prefill_dop=2))
     prompts = _short_prompts(tok)[:2]
     for i, p in enumerate(prompts):  # one at a time: each prefill has both instances
         server.run([GenerationRequest(f"s{i}", p, NEW, (tok.eos_id,))])

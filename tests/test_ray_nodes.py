@@ -14,7 +14,7 @@ import ray_util  # noqa: E402
 
 from scheduler.baselines.fcfs import FCFS  # noqa: E402
 from tokenlake.deploy.ray import RayCluster, RayComputeEngine, RayOptions  # noqa: E402
-from tokenlake.serving import GenerationRequest, Server  # noqa: E402
+from tokenlake.generation import GenerationLoop, GenerationRequest  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -51,7 +51,7 @@ def test_a_dop_2_prefill_across_two_nodes_equals_the_reference(two_nodes, smollm
             assert info["keys"] is not None  # CURVE on
             host = info["endpoints"]["query"].split("//")[1].rsplit(":", 1)[0]
             assert host == procs[("query", i)].ip and not host.startswith("127.")
-        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True, policy=FCFS(64, prefill_dop=2))
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True, policy=FCFS(64, prefill_dop=2))
         assert isinstance(server.engine, RayComputeEngine)
         for i, p in enumerate(prompts):  # the second reuses the first's prefix across nodes
             server.run([GenerationRequest(f"n{i}", p, NEW, (tok.eos_id,))])

@@ -68,7 +68,7 @@ def test_serve_ray_starts_compute_actors_when_instances_are_on_other_nodes(monke
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the command joins the Ray --ray names
     for name in [k for k in os.environ if k.startswith("TOKENLAKE_") and k != "TOKENLAKE_HOME"]:
         monkeypatch.delenv(name)
-    engines: list = []  # what the HTTP API's Server computes with
+    engines: list = []  # what the HTTP API's GenerationLoop computes with
     real_compute_engine = RayCluster.compute_engine
 
     def compute_engine(self, *args):

@@ -212,7 +212,7 @@ def test_engines_not_adopted_end_after_their_grace_with_every_buffer_and_file(tm
 
 
 def test_a_waiting_pool_that_lost_an_engine_is_discarded_and_a_new_one_starts(tmp_path):
-    from tokenlake.service.local import _start_or_adopt
+    from tokenlake.service.serve import _start_or_adopt
 
     proc, started, state_file, leftover = _owner(tmp_path, grace=60)
     prefix = cluster_prefix(started["cluster_id"])

@@ -19,7 +19,7 @@ import pytest
 
 from tokenlake.dataplane import pool_state
 from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers, pid_alive
-from tokenlake.tools.bench_restart import free_port
+from tokenlake.tools.bench.restart import free_port
 
 START_TIMEOUT_S = 180
 DOC = (Path(__file__).resolve().parents[1] / "tokenlake" / "data" / "demo_document.txt").read_text()

@@ -36,7 +36,7 @@ from tokenlake.core.specs import load_model
 from tokenlake.dataplane import messages as m
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.wire import Kind
-from tokenlake.service.local import SERVED_MODEL
+from tokenlake.service.serve import SERVED_MODEL
 
 MODEL = load_model("smollm2-135m")
 P = tuple(range(1, 15))  # 14 tokens: 3 segments of 4 and a 2-token tail

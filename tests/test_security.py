@@ -27,11 +27,11 @@ import tokenlake
 from tokenlake.core.errors import ConfigError, EngineUnavailable, NotAuthorized
 from tokenlake.dataplane import credentials, wire
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
-from tokenlake.dataplane.engine import EngineSpec
 from tokenlake.dataplane.messages import Ack, PeerPut, Peers, Ping, Pong, Shutdown, expect, parse
 from tokenlake.dataplane.messages.transfer import SlotWrite
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.service.local import pool_service
+from tokenlake.engines.loop import EngineSpec
+from tokenlake.service.serve import pool_service
 
 HANDSHAKE = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "ok", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused",
              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",

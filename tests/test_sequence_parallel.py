@@ -19,9 +19,9 @@ from tiny_model import model_spec, pool_bytes
 from scheduler.baselines.fcfs import FCFS
 from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.model.compute import ParallelComputeEngine
-from tokenlake.model.exchange import LocalExchange
-from tokenlake.serving import GenerationRequest, Server
+from tokenlake.engines.compute import ParallelComputeEngine
+from tokenlake.engines.exchange import LocalExchange
+from tokenlake.generation import GenerationLoop, GenerationRequest
 
 C = 16
 NEW = 5
@@ -53,7 +53,7 @@ def test_a_dop_k_prefill_on_k_compute_engines_equals_the_reference(tiny_llama, d
     prompts = _prompts(tok)
     with LocalCluster(4, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512) as cluster:
         engine = ParallelComputeEngine(weights, cluster)
-        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True, engine=engine,
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True, engine=engine,
                         policy=FCFS(64, prefill_dop=dop))
         assert server.compute_slots == 4
         server.run([GenerationRequest("r0", prompts[0], NEW, (tok.eos_id,))])
@@ -76,10 +76,10 @@ def test_the_server_s_default_policy_splits_prefill_when_engines_compute_at_once
     latency = LatencyModel(c_const=1e-3, c_new=1e-3, c_new_prefix=0.0, c_new_sq=0.0, c_prefix=1e-6, c_request=1e-4)
     prompts = _prompts(tok)[:1]
     with LocalCluster(2, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512) as cluster:
-        serial = Server(cluster, weights, chunk_tokens=64, latency=latency)
+        serial = GenerationLoop(cluster, weights, chunk_tokens=64, latency=latency)
         assert serial.policy.max_prefill_dop == 1
         engine = ParallelComputeEngine(weights, cluster)
-        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True, engine=engine, latency=latency)
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True, engine=engine, latency=latency)
         server.run([GenerationRequest("r0", prompts[0], NEW, (tok.eos_id,))])
         engine.close()
     assert server.compute_slots == 2 and server.policy.max_prefill_dop is None
@@ -104,7 +104,7 @@ def test_the_sub_batches_of_a_dop_2_batch_compute_at_the_same_time(smollm2):
                 runs.append((qp.part, threading.get_ident(), t0, time.perf_counter()))
 
         engine.run_part = timed
-        server = Server(cluster, weights, chunk_tokens=64, engine=engine, policy=FCFS(64, prefill_dop=2))
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, engine=engine, policy=FCFS(64, prefill_dop=2))
         # one chunk: a single DoP 2 iteration, its two sub-batches of 32 rows
         server.run([GenerationRequest("r0", _prompts(tok)[0][:64], 1, ())])
         engine.close()
@@ -135,7 +135,7 @@ def test_a_failed_sub_batch_fails_the_iteration_at_once_and_serving_goes_on(tiny
             return inner(layer, q, k, v, buf, lay, exchange, qp, put)
 
         engine._attention = failing
-        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True, engine=engine,
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True, engine=engine,
                         policy=FCFS(64, prefill_dop=2))
         server.submit(GenerationRequest("r0", prompts[0], NEW, (tok.eos_id,)))
         t0 = time.monotonic()

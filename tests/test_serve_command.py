@@ -114,7 +114,7 @@ def test_status_summarises_the_pool_stats():
     """The figures of `tokenlake status`, from stats with known values."""
     from tokenlake.core.control import ControlStats
     from tokenlake.core.pool import PoolStats
-    from tokenlake.tools.cli_status import status_summary
+    from tokenlake.tools.cli.status import status_summary
 
     pool = PoolStats(segments=5, replicas=7, pinned=0, slots_used={0: 3, 1: 4},
                      slots_capacity={0: 10, 1: 10}, reads={0: 10, 1: 30}, evictions=2)

@@ -31,7 +31,7 @@ from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers
 from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.service.local import serve_local
+from tokenlake.service.serve import serve_local
 from tokenlake.service.server import ControlServer
 
 C = 8
@@ -296,7 +296,7 @@ def test_a_remote_client_leases_a_cached_prefix(served):
 
 
 def test_status_lists_sessions_with_what_they_hold(served):
-    from tokenlake.tools.cli_status import print_status, status_summary
+    from tokenlake.tools.cli.status import print_status, status_summary
 
     cluster, server = served
     with connect(server, label="worker-a") as cp, connect(server) as reader:

@@ -13,15 +13,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenlake.service.engine_loop import EngineFailed, EngineLoop, LoopClosed, RequestFailed
+from tokenlake.generation.requests import BadRequest, GenerationRequest, RequestResult
+from tokenlake.generation.sampling import MIN_TEMPERATURE, SamplingError, SamplingParams, next_token
+from tokenlake.service.generation_thread import (
+    EngineFailed,
+    GenerationThread,
+    LoopClosed,
+    RequestFailed,
+)
 from tokenlake.service.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     Detokenizer,
     StopMatcher,
 )
-from tokenlake.serving.sampling import MIN_TEMPERATURE, SamplingError, SamplingParams, next_token
-from tokenlake.serving.server import BadRequest, GenerationRequest, RequestResult
 
 # ------------------------------------------------------------------ sampling
 
@@ -273,7 +278,7 @@ class Scripted:
             raise RuntimeError("boom")
         for rid, req in list(self.live.items()):
             res = self.results[rid]
-            if rid in self.fail_alone:  # as Server._emit: retired, finish_reason "error"
+            if rid in self.fail_alone:  # as GenerationLoop._emit: retired, finish_reason "error"
                 del self.live[rid]
                 res.done, res.finish_reason, res.error = True, "error", "SamplingError: NaN"
                 self.on_error(rid, res.error)
@@ -301,7 +306,7 @@ class Scripted:
 @pytest.fixture
 def loop():
     backend = Scripted()
-    lp = EngineLoop(backend).start()
+    lp = GenerationThread(backend).start()
     yield lp, backend
     lp.close()
 
@@ -312,7 +317,7 @@ async def _tokens(stream):
 
 def test_requests_stream_their_tokens_and_share_steps():
     backend = Scripted()
-    lp = EngineLoop(backend)
+    lp = GenerationThread(backend)
 
     async def main():
         # both are posted before the thread runs: the first iteration sees both
@@ -375,7 +380,7 @@ def test_a_failed_iteration_ends_its_requests_and_the_loop_goes_on(loop):
 
 def test_closing_ends_live_requests_and_refuses_new_ones():
     backend = Scripted()
-    lp = EngineLoop(backend).start()
+    lp = GenerationThread(backend).start()
     backend.gated = True
 
     async def main():
@@ -445,7 +450,7 @@ def test_a_failing_cancel_does_not_kill_the_engine_thread(loop):
 def test_if_the_engine_thread_dies_no_caller_hangs():
     backend = Scripted()
     backend.counts = lambda: 1 / 0  # a bug in the backend, hit after every pass
-    lp = EngineLoop(backend).start()
+    lp = GenerationThread(backend).start()
 
     async def main():
         with pytest.raises((LoopClosed, EngineFailed)):

@@ -14,8 +14,8 @@ import pytest
 from tiny_model import check_margins, model_spec, pool_bytes, reference
 
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.generation import BadRequest, GenerationLoop, GenerationRequest
 from tokenlake.model.llama.reference import GenerationResult
-from tokenlake.serving import BadRequest, GenerationRequest, Server
 
 C = 16
 NEW = 6
@@ -48,7 +48,7 @@ def _prompts(tok):
 def serve_two_waves(cluster, weights, tok, prompts):
     """The first prompt alone puts the shared prefix into the pool; the others reuse it.
     Returns the server's results (``p0``, ``p1``, ...), every step's logits kept."""
-    server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
+    server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True)
     server.run([GenerationRequest("p0", prompts[0], NEW, (tok.eos_id,))])
     server.run([GenerationRequest(f"p{i}", p, NEW, (tok.eos_id,)) for i, p in enumerate(prompts[1:], 1)])
     return server.results
@@ -86,7 +86,7 @@ def test_second_turn_prefills_only_its_new_tokens(smollm2):
     weights, tok, _ = smollm2
     spec = model_spec(weights)
     with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
-        server = Server(cluster, weights, chunk_tokens=64)
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
         turn1 = [{"role": "user", "content": "Give me a name for a small grey cat."}]
         p1 = tuple(tok.apply_chat_template(turn1))
         r1 = server.run([GenerationRequest("t1", p1, NEW, (tok.eos_id,))])["t1"]
@@ -107,8 +107,8 @@ def test_bad_requests_are_refused_and_others_are_served(model):
     spec = model_spec(weights)
     with LocalCluster(1, spec, pool_bytes(weights, C, SLOTS_16M), segment_tokens=C, max_rows=256) as cluster:
         with pytest.raises(ValueError, match="max_rows"):
-            Server(cluster, weights, chunk_tokens=512)
-        server = Server(cluster, weights, chunk_tokens=128, keep_logits=True)
+            GenerationLoop(cluster, weights, chunk_tokens=512)
+        server = GenerationLoop(cluster, weights, chunk_tokens=128, keep_logits=True)
         good = tuple(tok.apply_chat_template([{"role": "user", "content": "Say hello."}]))
         server.submit(GenerationRequest("good", good, 4, (tok.eos_id,)))
         with pytest.raises(BadRequest, match="empty"):
@@ -139,7 +139,7 @@ def test_goodput_scheduler_drives_the_server_and_output_is_unchanged(model):
                            c_prefix=1e-6, c_request=1e-4)
     prompts = _prompts(tok)
     with LocalCluster(3, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
-        server = Server(cluster, weights, chunk_tokens=32, keep_logits=True,
+        server = GenerationLoop(cluster, weights, chunk_tokens=32, keep_logits=True,
                         policy=GoodputScheduler(chunk_tokens=32), latency=latency, compute_slots=3)
         # Alone, a prefill is best split over every instance; then three run together.
         server.run([GenerationRequest("g0", prompts[0], NEW, (tok.eos_id,))])
@@ -170,7 +170,7 @@ def test_a_policy_that_schedules_nothing_is_an_error_not_a_hang(model):
     spec = model_spec(weights)
     latency = LatencyModel(1e-3, 1e-3, 0.0, 0.0, 0.0, 0.0)
     with LocalCluster(1, spec, pool_bytes(weights, C, SLOTS_16M), segment_tokens=C, max_rows=128) as cluster:
-        server = Server(cluster, weights, chunk_tokens=64, policy=Idle(), latency=latency)
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, policy=Idle(), latency=latency)
         server.submit(GenerationRequest("x", _prompts(tok)[0], 2, ()))
         with pytest.raises(RuntimeError, match="scheduled nothing"):
             server.step()
@@ -180,17 +180,17 @@ def test_one_local_compute_engine_runs_one_batch_per_phase(model):
     """By default the policy sees two slots on a LocalCluster (one compute engine runs
     every batch in turn): a prefill and a decode batch may share an iteration, and the
     DoP 1 batches of a phase run as one: decode requests are batched together."""
-    from tokenlake.serving.server import one_per_phase
+    from tokenlake.generation.live import one_per_phase
 
     weights, tok, ref = model
     spec = model_spec(weights)
     prompts = _prompts(tok)
     with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
-        server = Server(cluster, weights, chunk_tokens=64, keep_logits=True)
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True)
         assert server.compute_slots == 2
         server.run([GenerationRequest(f"o{i}", p, 3, ()) for i, p in enumerate(prompts)])
         with pytest.raises(ValueError):
-            Server(cluster, weights, compute_slots=3)
+            GenerationLoop(cluster, weights, compute_slots=3)
     ran = [one_per_phase(d.batches) for d in server.decisions]
     assert all(len({b.phase for b in r}) == len(r) for r in ran)  # one batch per phase
     assert max(len(b.request_ids) for r in ran for b in r if b.phase == "decode") == 3
@@ -200,7 +200,7 @@ def test_one_local_compute_engine_runs_one_batch_per_phase(model):
 
 def test_one_per_phase_joins_the_dop1_batches_of_a_phase_in_order():
     from scheduler.api import BatchDecision as B
-    from tokenlake.serving.server import one_per_phase
+    from tokenlake.generation.live import one_per_phase
 
     got = one_per_phase([B(("a",), "decode", 1, (1,)), B(("p",), "prefill", 2, (64,)),
                          B(("b", "c"), "decode", 1, (1, 1)), B(("q",), "prefill", 1, (32,)),
@@ -214,14 +214,14 @@ def test_a_new_request_gets_its_first_token_while_another_decodes(model, paralle
     """The goodput DP on one local engine, or on an engine per instance: a request
     arriving while another decodes is prefilled beside that decode, not after it
     finishes; both answers stay exact."""
-    from tokenlake.model.compute import ParallelComputeEngine
+    from tokenlake.engines.compute import ParallelComputeEngine
 
     weights, tok, ref = model
     spec = model_spec(weights)
     prompts = _prompts(tok)
     with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
         engine = ParallelComputeEngine(weights, cluster) if parallel else None
-        server = Server(cluster, weights, chunk_tokens=64, engine=engine, keep_logits=True)
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, engine=engine, keep_logits=True)
         first = server.submit(GenerationRequest("long", prompts[0], 16, ()))
         while not first.output_ids:
             server.step()
@@ -251,7 +251,7 @@ def test_a_full_pool_makes_new_requests_wait_not_fail(model):
         slots = cluster.control.stats().pool.slots_capacity[0]
         need = [-(-(len(p) + NEW) // C) for p in prompts]
         assert max(need) <= slots < sum(need), (need, slots)  # alone yes, together no
-        server = Server(cluster, weights, policy=ContinuousBatching(256), compute_slots=1, keep_logits=True)
+        server = GenerationLoop(cluster, weights, policy=ContinuousBatching(256), compute_slots=1, keep_logits=True)
         results = server.run([GenerationRequest(f"f{i}", p, NEW, ()) for i, p in enumerate(prompts)])
         assert server.admission_holds > 0, "the pool was full at least once"
         cluster.control.check()
@@ -269,7 +269,7 @@ def test_a_full_pool_offers_admission_to_the_cached_prefix_first(model):
     doc = tuple(range(100, 100 + 3 * C))
     now = [0.0]
     with LocalCluster(1, spec, pool_bytes(weights, C, SLOTS_8M), segment_tokens=C, max_rows=512) as cluster:
-        server = Server(cluster, weights, clock=lambda: now[0])
+        server = GenerationLoop(cluster, weights, clock=lambda: now[0])
         server.run([GenerationRequest("doc", doc + (7,), 1, ())])
         server.submit(GenerationRequest("old", tuple(range(300, 340)), 1, ()))
         now[0] = 1.0

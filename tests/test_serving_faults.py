@@ -15,7 +15,7 @@ from tiny_model import model_spec, pool_bytes
 
 from tokenlake.core.errors import CapacityError, EngineUnavailable
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.serving import GenerationRequest, Server
+from tokenlake.generation import GenerationLoop, GenerationRequest
 
 C = 16
 NEW = 4
@@ -76,7 +76,7 @@ def test_an_injected_failure_changes_no_answer(model, where, fail_at):
     spec = model_spec(weights)
     reqs = _requests()
     with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=256) as cluster:
-        server = Server(cluster, weights, chunk_tokens=16, keep_logits=True)  # prompts take several chunks
+        server = GenerationLoop(cluster, weights, chunk_tokens=16, keep_logits=True)  # prompts take several chunks
         error = CapacityError("injected") if where == "gen_plans" else \
             EngineUnavailable("injected")
         if where == "gen_plans":
@@ -107,7 +107,7 @@ def test_an_injected_failure_changes_no_answer(model, where, fail_at):
 @pytest.mark.parametrize("notice", ["watcher", "failed-iteration"])
 def test_an_engine_killed_mid_generation_changes_no_answer(model, notice):
     """Engines of both instances die while requests prefill and decode. Noticed by the
-    watcher (before any iteration fails) or by a failed iteration, ``Server.recover``
+    watcher (before any iteration fails) or by a failed iteration, ``GenerationLoop.recover``
     replaces the instances and computes the requests that lost KV again; every answer
     equals the reference's."""
     import threading
@@ -118,7 +118,7 @@ def test_an_engine_killed_mid_generation_changes_no_answer(model, notice):
     new = 8
     reqs = [GenerationRequest(r.request_id, r.prompt_ids, new, ()) for r in reqs]
     with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=256) as cluster:
-        server = Server(cluster, weights, chunk_tokens=16, keep_logits=True)
+        server = GenerationLoop(cluster, weights, chunk_tokens=16, keep_logits=True)
         seen = threading.Event()
         cluster.add_failure_listener(lambda role, instance: seen.set())
         for r in reqs:

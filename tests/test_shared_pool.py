@@ -31,7 +31,7 @@ import pytest
 from tokenlake.dataplane import credentials
 from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.service.local import SERVED_MODEL, pool_service
+from tokenlake.service.serve import SERVED_MODEL, pool_service
 
 WORKER = Path(__file__).with_name("shared_pool_worker.py")
 C = 16

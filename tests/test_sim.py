@@ -218,7 +218,7 @@ def test_admission_recounts_when_finding_a_hit_settles_another_admission():
     """Finding a queued request's hit can settle another plan, which admits (or takes
     back) requests while admission is counting: the count starts over on the new
     state instead of failing on the changed queue or double-booking the pool."""
-    from evals.sim.engine import SimRequest
+    from evals.sim.backend import SimRequest
     from evals.sim.systems import make_backend
 
     b = make_backend("tokenlake", SMALL)
@@ -248,9 +248,9 @@ def test_workers_admit_first_come_first_served_like_sglang():
     """A baseline worker admits new requests in arrival order and stops at the first
     that does not fit (as SGLang's scheduler does, and as TokenLake's admission does):
     a later small request does not pass it. Admitted prefills go on regardless."""
-    from evals.sim.engine import SimRequest
-    from evals.sim.local import Worker, admit_in_order
-    from tokenlake.serving.tracker import RequestTracker
+    from evals.sim.backend import SimRequest
+    from evals.sim.unpooled import Worker, admit_in_order
+    from tokenlake.generation.tracker import RequestTracker
 
     tracker = RequestTracker(chunk_tokens=BS)
 

@@ -1,4 +1,4 @@
-"""The request tracker (tokenlake/serving/tracker.py): phases, derivations, and its two
+"""The request tracker (tokenlake/generation/tracker.py): phases, derivations, and its two
 users -- the serving loop and the simulator -- seeing one request state the same way.
 
 The phase rules, views and cache-load inputs are checked against the paper's §6.1
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from tokenlake.core.cost_model import LoadRequest, get_cache_load
-from tokenlake.serving.tracker import (
+from tokenlake.generation.tracker import (
     DECODE,
     DONE,
     PREFILL,
@@ -177,10 +177,10 @@ def test_cache_load_is_the_core_formula_over_the_tracker_inputs():
 
 def test_the_tracker_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from tokenlake.serving.tracker import RequestTracker\n"
-            "import evals.sim.pooled, evals.sim.local, evals.sim.xpyd\n"
-            "import tokenlake.serving\n"
-            "assert 'tokenlake.serving.server' not in sys.modules\n")
+            "from tokenlake.generation.tracker import RequestTracker\n"
+            "import evals.sim.pooled, evals.sim.unpooled, evals.sim.xpyd\n"
+            "import tokenlake.generation\n"
+            "assert 'tokenlake.generation.loop' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -214,16 +214,16 @@ class _Engine:
 
 
 def _server(setup, **kw):
-    """A :class:`Server` on the simulator's model, hardware and latency model."""
+    """A :class:`GenerationLoop` on the simulator's model, hardware and latency model."""
     pytest.importorskip("torch")
     from tokenlake.core.config import PoolConfig
     from tokenlake.core.control import ControlPlane
-    from tokenlake.serving.server import Server
+    from tokenlake.generation.loop import GenerationLoop
 
     pool = PoolConfig(setup.segment_tokens, "tracker-test", 4096)
     cp = ControlPlane(pool, setup.model, list(range(setup.instances)))
     weights = SimpleNamespace(config=SimpleNamespace(vocab_size=1000, max_context=1 << 20))
-    return Server(_Cluster(cp, setup.instances), weights, chunk_tokens=setup.chunk_tokens,
+    return GenerationLoop(_Cluster(cp, setup.instances), weights, chunk_tokens=setup.chunk_tokens,
                   latency=setup.latency, hardware=setup.hardware.name, tbt_slo_s=0.1,
                   clock=lambda: 1.5, engine=_Engine(1000), rebalance_every=0, **kw)
 
@@ -241,11 +241,11 @@ def test_server_and_simulator_derive_the_same_views_and_cache_load():
     """The same request states -- waiting with a hit, prefilling, decoding -- give the
     same snapshot views and the same cache load in the serving loop and in the
     simulator, and both equal the §6.1 inputs written out here."""
+    from evals.sim.backend import SimRequest
     from evals.sim.config import SimConfig
-    from evals.sim.engine import SimRequest
     from evals.sim.systems import make_backend
     from evals.workloads.base import Request
-    from tokenlake.serving.server import GenerationRequest
+    from tokenlake.generation.requests import GenerationRequest
 
     backend = make_backend("tokenlake", SimConfig(instances=4, segment_tokens=256, chunk_tokens=512))
     setup = backend.setup
@@ -291,7 +291,7 @@ def test_a_prompt_is_matched_once_in_the_iteration_that_admits_it(monkeypatch):
     own check of the declared prefix is a match of the prefix, not of the prompt."""
     from evals.sim.config import SimConfig
     from tokenlake.core.prefix_tree import PrefixTree
-    from tokenlake.serving.server import GenerationRequest
+    from tokenlake.generation.requests import GenerationRequest
 
     setup = SimConfig(instances=4, segment_tokens=256, chunk_tokens=512).resolve()
     server = _server(setup)

@@ -1,5 +1,5 @@
 """Property test of the request tracker: random operations replayed on
-:class:`tokenlake.serving.tracker.RequestTracker` and on a shadow model of plain tuples.
+:class:`tokenlake.generation.tracker.RequestTracker` and on a shadow model of plain tuples.
 
 Every operation, legal or not in the request's phase, is applied to both; an illegal
 one must raise :class:`TrackerError` and change nothing. After every step the tracker's
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tokenlake.core.cost_model import LoadRequest
-from tokenlake.serving.tracker import RequestTracker, TrackedRequest, TrackerError
+from tokenlake.generation.tracker import RequestTracker, TrackedRequest, TrackerError
 
 CHUNK = 8
 IDS = st.sampled_from([f"r{i}" for i in range(6)])

@@ -17,7 +17,7 @@ from tokenlake.core.control import ControlPlane
 from tokenlake.core.errors import CapacityError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.pool import CachePool, Eviction
-from tokenlake.core.requests import RequestTable
+from tokenlake.core.request_table import RequestTable
 from tokenlake.core.specs import load_model
 from tokenlake.core.store_plan import StorePlanner
 from tokenlake.core.transaction import Transaction

@@ -157,7 +157,7 @@ def test_vllms_openai_server_in_query_mode_on_a_served_pool(smollm2, smollm2_hf,
     from service_util import serving_locally
 
     import tokenlake
-    from tokenlake.tools.bench_vllm import _free_port, _server, _stop, _wait_ready
+    from tokenlake.tools.bench.vllm import _free_port, _server, _stop, _wait_ready
 
     weights, tok, ref = smollm2
     spec = weights.config.to_model_spec("smollm2-135m")

@@ -2,7 +2,7 @@
 
 The package is layered (``docs/design.md`` §2), lowest first: :mod:`tokenlake.core` (the
 pure control plane), :mod:`tokenlake.dataplane`, :mod:`tokenlake.model`,
-:mod:`tokenlake.serving`, :mod:`tokenlake.deploy`, :mod:`tokenlake.service` and
+:mod:`tokenlake.generation`, :mod:`tokenlake.deploy`, :mod:`tokenlake.service` and
 :mod:`tokenlake.tools`. Importing this package loads none of them: ``tokenlake.connect``
 (:func:`tokenlake.service.remote.connect`, the control plane of a served pool) is loaded
 on first use.

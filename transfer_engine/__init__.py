@@ -1,16 +1,7 @@
-"""Transfer engine: one process per instance that executes transfer plans (puts of new
-KV, whole-segment replication and migration, frees) (:mod:`transfer_engine.engine`).
+"""The transfer engine's entry point under its own name (docs/design.md §1); the engine is
+:mod:`tokenlake.engines.transfer`. :func:`main` is the process target the launchers in
+:mod:`tokenlake.deploy` start."""
 
-:func:`main` is the process entry point the launchers in :mod:`tokenlake.deploy` start.
-"""
-
-from tokenlake.dataplane.engine import run_engine
-from transfer_engine.engine import TransferEngine
+from tokenlake.engines.transfer import TransferEngine, main
 
 __all__ = ["TransferEngine", "main"]
-
-
-def main(spec_bytes: bytes, conn) -> None:
-    """Runs one transfer engine process (a ``multiprocessing`` target; see
-    :func:`tokenlake.dataplane.engine.run_engine` for the handshake over ``conn``)."""
-    run_engine(TransferEngine, spec_bytes, conn)

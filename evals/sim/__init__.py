@@ -7,6 +7,6 @@ time of compute and data movement is modelled. Entry point::
     result = simulate(requests, "tokenlake", SimConfig(instances=8))
 
 Importing this package is cheap (no numpy); the command line (``tokenlake sim``,
-``tokenlake bench sim``) lives in :mod:`tokenlake.tools.cli_eval` and
-:mod:`tokenlake.tools.cli_bench`.
+``tokenlake bench sim``) lives in :mod:`tokenlake.tools.cli.eval` and
+:mod:`tokenlake.tools.cli.bench`.
 """

@@ -4,9 +4,9 @@ The design TokenLake argues against most directly: every worker's cache memory f
 one prefix store that any worker can fetch from, and since any worker can reach any
 prefix the router balances load only (:class:`~scheduler.baselines.least_load.LeastLoadRouter`:
 fewest requests in flight). Modelled here on the colocated workers of
-:mod:`evals.sim.local` (``tp`` GPUs each, SGLang-style iterations):
+:mod:`evals.sim.unpooled` (``tp`` GPUs each, SGLang-style iterations):
 
-* **Store.** One token radix tree with LRU leaf eviction (:class:`~evals.sim.local.LocalCache`)
+* **Store.** One token radix tree with LRU leaf eviction (:class:`~evals.sim.unpooled.LocalCache`)
   over the memory of all workers that their running requests leave; a request's hit is
   its longest prefix there when its worker admits it; prompts go in when their prefill
   ends, prompt plus output when the request finishes.
@@ -23,8 +23,8 @@ fewest requests in flight). Modelled here on the colocated workers of
 
 from __future__ import annotations
 
-from evals.sim.engine import Run, SimRequest
-from evals.sim.local import LocalCache, RoutedBackend, Worker, local_prefill_run
+from evals.sim.backend import Run, SimRequest
+from evals.sim.unpooled import LocalCache, RoutedBackend, Worker, local_prefill_run
 from scheduler.baselines.least_load import LeastLoadRouter
 
 

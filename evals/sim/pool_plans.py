@@ -21,7 +21,7 @@ segments a prefill request stored since its plan was made (at their hash homes).
 
 from __future__ import annotations
 
-from evals.sim.engine import Run, SimRequest
+from evals.sim.backend import Run, SimRequest
 from evals.sim.trace import decode_tokens
 from tokenlake.core.errors import CapacityError
 from tokenlake.core.plans import Batch, BatchRequest, Plans

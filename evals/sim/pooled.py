@@ -30,7 +30,7 @@ import math
 import random
 from dataclasses import replace
 
-from evals.sim.engine import Backend, Run, SimRequest, SimulationError
+from evals.sim.backend import Backend, Run, SimRequest, SimulationError
 from evals.sim.pool_plans import PoolPlanner
 from evals.sim.run_timing import RunTiming
 from evals.sim.trace import prompt_array
@@ -217,7 +217,7 @@ class PooledBackend(Backend):
         uncached prompt, its output and one open tail; reused prefixes count once however many requests share them.
         Admission stops at the first request that does not fit, as SGLang's scheduler
         stops adding waiting requests to a batch, and as the baselines' workers do
-        (``evals/sim/local.py``, ``evals/sim/xpyd.py``).
+        (``evals/sim/unpooled.py``, ``evals/sim/xpyd.py``).
 
         Finding a request's hit can settle another request's plan (it computed segments
         this one reuses), and a settle can take an admission back or admit again; the

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from evals.sim.engine import Run, SimRequest
+from evals.sim.backend import Run, SimRequest
 from evals.sim.instance_load import Held, InstanceLoad, compute_s
 from evals.sim.timing import ChunkSchedule, DecodeSchedule
 from tokenlake.core.cost_model import comm_bytes_per_query_layer

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 from evals.sim.config import SimConfig
 from evals.sim.global_store import GlobalStoreBackend
-from evals.sim.local import FlowKVAdapter, RoutedBackend
 from evals.sim.metrics import SimResult
 from evals.sim.pooled import PooledBackend
+from evals.sim.unpooled import FlowKVAdapter, RoutedBackend
 from evals.sim.xpyd import XPyDBackend
 from evals.workloads.base import Request
 from scheduler.baselines.cache_aware_router import CacheAwareRouter

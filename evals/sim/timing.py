@@ -1,7 +1,7 @@
 """Modelled time: iteration schedules of a run, communication, batch-size-1 SLO bases.
 
 A *run* is a batch that repeats iterations without a new decision (see
-:mod:`evals.sim.engine`). Its iteration times are known in advance, so the time of
+:mod:`evals.sim.backend`). Its iteration times are known in advance, so the time of
 every token is exact without an event per iteration:
 
 * :class:`DecodeSchedule` -- decode: every request gains one token per step, so the

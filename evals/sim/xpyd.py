@@ -6,7 +6,7 @@ a request goes to the prefill worker with the longest prefix in its (router-side
 when its prefill ends, to the decode worker with the fewest decodes.
 
 * A prefill worker prefills its requests (chunked, all of them each iteration) with a
-  hit from its own :class:`~evals.sim.local.LocalCache`, then caches the prompt.
+  hit from its own :class:`~evals.sim.unpooled.LocalCache`, then caches the prompt.
 * The prompt's KV then moves to the decode worker: ``tokens x kv_bytes_per_token`` over
   ``net_bw`` plus a round trip, once the decode worker has memory for the request's
   prompt and output (it waits otherwise; the paper: "requests in the prefill phase have
@@ -19,15 +19,15 @@ from __future__ import annotations
 
 from collections import deque
 
-from evals.sim.engine import Backend, Run, SimRequest
-from evals.sim.local import (
+from evals.sim.backend import Backend, Run, SimRequest
+from evals.sim.trace import prompt_array
+from evals.sim.unpooled import (
     Worker,
     admit_in_order,
     local_decode_run,
     local_prefill_run,
     local_reads,
 )
-from evals.sim.trace import prompt_array
 from scheduler.baselines.xpyd import XPyDRouter
 
 TRANSFERRED = 30

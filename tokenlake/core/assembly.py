@@ -31,7 +31,7 @@ from tokenlake.core.plans import (
     RowSpan,
     TransferPlan,
 )
-from tokenlake.core.requests import NewTokenPut, RequestState
+from tokenlake.core.request_table import NewTokenPut, RequestState
 from tokenlake.core.segments import SegmentKey
 
 Access = tuple[tuple[SegmentKey, ...], dict[int, int]]  # (chain, reads per instance)

@@ -4,7 +4,7 @@
 degrees of parallelism into query plans, transfer plans and instance groups:
 
 1. :class:`~tokenlake.core.store_plan.StorePlanner` admits each request into the
-   :class:`~tokenlake.core.requests.RequestTable`, resolves its prefix to one replica
+   :class:`~tokenlake.core.request_table.RequestTable`, resolves its prefix to one replica
    per segment (power of two choices, cached across iterations) and gives its new
    tokens slots in the :class:`~tokenlake.core.pool.CachePool` (deduplicated against
    the tree; the open tail stays private until it fills);
@@ -35,7 +35,7 @@ from tokenlake.core.plans import Batch, Plans
 from tokenlake.core.pool import CachePool, PoolStats
 from tokenlake.core.prefix_tree import PrefixTree, SegmentLocation
 from tokenlake.core.replication import Replication
-from tokenlake.core.requests import RequestTable
+from tokenlake.core.request_table import RequestTable
 from tokenlake.core.specs import HardwareProfile, ModelSpec
 from tokenlake.core.store_plan import StorePlanner
 from tokenlake.core.transaction import PlanCounts, Transaction

@@ -33,7 +33,7 @@ from tokenlake.core.errors import CapacityError, SegmentInFlight
 from tokenlake.core.plans import Batch
 from tokenlake.core.pool import CachePool
 from tokenlake.core.prefix_tree import SegmentLocation
-from tokenlake.core.requests import NewTokenPut, RequestState, RequestTable
+from tokenlake.core.request_table import NewTokenPut, RequestState, RequestTable
 from tokenlake.core.segments import SegmentKey
 from tokenlake.core.transaction import Transaction
 

@@ -37,7 +37,7 @@ from tokenlake.core.segments import SegmentKey
 
 class RequestLedger(Protocol):
     """What a transaction needs of the request table
-    (:class:`~tokenlake.core.requests.RequestTable` is one). Snapshots are the table's
+    (:class:`~tokenlake.core.request_table.RequestTable` is one). Snapshots are the table's
     own values, opaque here: the transaction only keeps them and hands them back."""
 
     def set_idle(self, request_ids: Iterable[str]) -> None:

@@ -1,6 +1,8 @@
-"""The data plane: the wire format, shared buffers, partial attention and its merge, the
-client a compute engine embeds, and the event loop both engine kinds share.
+"""The data plane: how bytes move between the control plane, the engines and the compute
+engines. The wire format and its messages, shared buffers (shared memory on CPU, CUDA IPC
+on GPU) and the doorbells between processes, authentication and grants, and the client a
+compute engine embeds.
 
-The engine processes themselves live in the top-level ``query_engine`` and
-``transfer_engine`` packages, which import this one (never the other way round).
+The engines that serve it live in :mod:`tokenlake.engines`, the attention math in
+:mod:`tokenlake.kernels`; neither is imported from here.
 """

@@ -34,7 +34,6 @@ import zmq
 from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.core.plans import QueryPlan, TransferPlan
 from tokenlake.dataplane import wire
-from tokenlake.dataplane.attention import Partial
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
 from tokenlake.dataplane.doorbell import ENGINE_SPIN_S, RING, ClientBell
 from tokenlake.dataplane.messages import (
@@ -50,6 +49,7 @@ from tokenlake.dataplane.messages import (
     expect,
 )
 from tokenlake.dataplane.sockets import send_frames
+from tokenlake.kernels.attention import Partial
 
 
 class PutHandle:
@@ -83,7 +83,7 @@ class PutHandle:
 
 class QueryHandle:
     """A query in flight; :meth:`wait` returns its merged
-    :class:`~tokenlake.dataplane.attention.Partial`: float32 views of the shared ``out``
+    :class:`~tokenlake.kernels.attention.Partial`: float32 views of the shared ``out``
     buffer, to consume before the next :meth:`InstanceClient.query`."""
 
     def __init__(self, client: InstanceClient, msg_id: int, rows: int, bell: bool = False) -> None:

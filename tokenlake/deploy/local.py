@@ -36,7 +36,6 @@ from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import pool_state
 from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.client import InstanceClient
-from tokenlake.dataplane.engine import EngineSpec
 from tokenlake.dataplane.messages import Shutdown, WireMessage
 from tokenlake.dataplane.shm import BufferRegistry, SharedTensor
 from tokenlake.dataplane.shm_files import (
@@ -54,6 +53,7 @@ from tokenlake.deploy.local_lifecycle import InstanceLifecycle
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
 from tokenlake.deploy.watcher import EngineWatcher
+from tokenlake.engines.loop import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         """Starts the engines of ``instances`` (default: all) and hands each the
         endpoints of its role's engines."""
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "query_engine.engine", "transfer_engine.engine"])
+        ctx.set_forkserver_preload(["torch", "tokenlake.engines.query", "tokenlake.engines.transfer"])
         self._specs = specs
         conns = {}
         for inst in range(self.n_instances) if instances is None else instances:

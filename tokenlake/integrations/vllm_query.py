@@ -36,15 +36,15 @@ import torch
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
-from tokenlake.dataplane.attention import merge
-from tokenlake.dataplane.attention_cpu import partial_attention, single_token_attention
+from tokenlake.engines.compute import COALESCE_PUT_ROWS
 from tokenlake.integrations.vllm_meta import (
     FailedRequests,
     QueryStep,
     TokenLakeMetadata,
     layer_index,
 )
-from tokenlake.model.compute import COALESCE_PUT_ROWS
+from tokenlake.kernels.attention import merge
+from tokenlake.kernels.cpu import partial_attention, single_token_attention
 
 log = logging.getLogger(__name__)
 

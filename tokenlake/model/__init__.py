@@ -1,3 +1,3 @@
-"""The model: SmolLM2 (Llama) pieces read from its GGUF file (:mod:`tokenlake.model.llama`)
-and the stateless compute engine that runs them over the pool
-(:mod:`tokenlake.model.compute`)."""
+"""The model: SmolLM2 (Llama) read from its GGUF file (:mod:`tokenlake.model.llama`): its
+weights, tokenizer, layer math and a float reference. The compute engine that runs it over
+the pool is :mod:`tokenlake.engines.compute`."""

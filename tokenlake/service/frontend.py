@@ -1,4 +1,4 @@
-"""The HTTP front end, running: a serving backend behind an :class:`EngineLoop`, the
+"""The HTTP front end, running: a serving backend behind an :class:`GenerationThread`, the
 FastAPI app and uvicorn on a bound socket, started and stopped as one.
 
     with HttpFrontend(server, model_info, host="127.0.0.1", port=8000) as front:
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import uvicorn
 
 from tokenlake.core.errors import ConfigError
-from tokenlake.service.engine_loop import EngineLoop, LoopObserver, ServingBackend
+from tokenlake.service.generation_thread import GenerationThread, LoopObserver, ServingBackend
 from tokenlake.service.http import ModelInfo, create_app
 from tokenlake.service.limits import HttpLimits
 from tokenlake.service.metrics import ServiceMetrics
@@ -30,7 +30,7 @@ class HttpFrontend:
     """Serves ``backend`` over HTTP on ``host:port`` (see the module docstring).
 
     Args:
-        backend: ``Server`` (the pool) or ``ReferenceServer`` (the baseline).
+        backend: ``GenerationLoop`` (the pool) or ``ReferenceLoop`` (the baseline).
         model: name, tokenizer and limits of what is served.
         pool_stats: the control plane's ``stats`` (None: no pool; no pool metrics).
         instances: the pool's instances at start (metrics report one gone as down).
@@ -43,7 +43,7 @@ class HttpFrontend:
     def __init__(self, backend: ServingBackend, model: ModelInfo, host: str = "127.0.0.1",
                  port: int = 8000, pool_stats=None, instances=(), heal=None,
                  limits: HttpLimits | None = None, sessions=None) -> None:
-        self.loop = EngineLoop(backend, heal=heal)
+        self.loop = GenerationThread(backend, heal=heal)
         self.metrics = ServiceMetrics(pool_stats, instances,
                                       lambda: (self.loop.queue_length, self.loop.running), sessions)
         self.loop.observer = LoopObserver(

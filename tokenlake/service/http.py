@@ -3,7 +3,7 @@
 Routes: ``POST /v1/completions`` (``prompt``: text or token ids),
 ``POST /v1/chat/completions`` (the model's chat template), ``stream: true`` as
 server-sent events, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
-(Prometheus). Requests go to an :class:`~tokenlake.service.engine_loop.EngineLoop`,
+(Prometheus). Requests go to an :class:`~tokenlake.service.generation_thread.GenerationThread`,
 which batches every live request each iteration; a client that disconnects cancels its
 request, whether it streams or not. Bad input is answered with an OpenAI-style error body
 and a 4xx status, logged in one line, and touches nothing else.
@@ -35,9 +35,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tokenlake.service.engine_loop import (
+from tokenlake.generation.requests import BadRequest, GenerationRequest
+from tokenlake.generation.sampling import SamplingError, SamplingParams
+from tokenlake.service.generation_thread import (
     EngineFailed,
-    EngineLoop,
+    GenerationThread,
     LoopClosed,
     RequestFailed,
     RequestStream,
@@ -52,8 +54,6 @@ from tokenlake.service.openai_api import (
     Detokenizer,
     _Sampling,
 )
-from tokenlake.serving.sampling import SamplingError, SamplingParams
-from tokenlake.serving.server import BadRequest, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class _Job:
     detok: Executor | None  # where its detokenizer is built (None: asyncio's default threads)
 
 
-def create_app(loop: EngineLoop, model: ModelInfo, metrics: ServiceMetrics,
+def create_app(loop: GenerationThread, model: ModelInfo, metrics: ServiceMetrics,
                limits: HttpLimits | None = None, detok: Executor | None = None) -> FastAPI:
     """The ASGI app serving ``model`` through ``loop`` under ``limits`` (default:
     :class:`HttpLimits`'s defaults). Each request's detokenizer is built on ``detok``
@@ -172,7 +172,7 @@ def _add_info_routes(app: FastAPI, model: ModelInfo, metrics: ServiceMetrics) ->
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _add_completion_routes(app: FastAPI, loop: EngineLoop, model: ModelInfo,
+def _add_completion_routes(app: FastAPI, loop: GenerationThread, model: ModelInfo,
                            limits: HttpLimits, detok: Executor | None,
                            check_prompt: Callable[[int, str], None]) -> None:
     """``POST /v1/completions`` and ``POST /v1/chat/completions``: each body is checked,

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenlake.serving.server import RequestResult
+from tokenlake.generation.requests import RequestResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -87,7 +87,7 @@ class _Sampling(BaseModel):
 
     model: Text
     max_tokens: Int | None = Field(default=None, description="tokens to generate at most")
-    # below tokenlake.serving.sampling.MIN_TEMPERATURE (1e-5): greedy, as 0
+    # below tokenlake.generation.sampling.MIN_TEMPERATURE (1e-5): greedy, as 0
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Int | None = None

@@ -14,8 +14,8 @@ from importlib import resources
 
 from tokenlake.core.placement import coefficient_of_variation
 from tokenlake.deploy.local import LocalCluster
-from tokenlake.serving import GenerationRequest, Server
-from tokenlake.serving.server import one_per_phase
+from tokenlake.generation import GenerationLoop, GenerationRequest
+from tokenlake.generation.live import one_per_phase
 
 SYSTEM = (
     "You are the reading assistant of the Port Veldon town library. You answer questions about "
@@ -64,7 +64,7 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
     spec = weights.config.to_model_spec("smollm2-135m")
     with LocalCluster(config.instances, spec, config.pool_mib_per_instance << 20,
                       segment_tokens=config.segment_tokens, kv_dtype=config.kv_dtype) as cluster:
-        server = Server(cluster, weights)
+        server = GenerationLoop(cluster, weights)
         prompts = _serve_workload(server, tok, config)
         stats = cluster.control.stats()
         page_tokens = cluster.control.config.page_tokens
@@ -89,7 +89,7 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
     }
 
 
-def _serve_workload(server: Server, tok, config: DemoConfig) -> dict[str, tuple[int, ...]]:
+def _serve_workload(server: GenerationLoop, tok, config: DemoConfig) -> dict[str, tuple[int, ...]]:
     """Runs the three waves of the demo; returns each request's prompt token ids."""
     doc = _document()
     system = [{"role": "system", "content": SYSTEM}]
@@ -114,7 +114,7 @@ def _serve_workload(server: Server, tok, config: DemoConfig) -> dict[str, tuple[
     return prompts
 
 
-def _schedule_summary(server: Server) -> dict:
+def _schedule_summary(server: GenerationLoop) -> dict:
     """What ran: iterations, prefill batches per DoP, decode batches (the policy's
     batches, joined per phase as one local engine runs them)."""
     batches = [b for d in server.decisions

@@ -6,7 +6,7 @@ roofline; for this machine they are *measured* here: a :class:`LocalCluster` of
 SmolLM2-135M instances is seeded with a cached document, then batches of
 ``(new tokens, prefix tokens)`` pairs -- chunked prefills, decode batches, two
 prefills batched -- are planned by the real control plane and run by the
-real stateless :class:`~tokenlake.model.compute.ComputeEngine` through the pool, each timed
+real stateless :class:`~tokenlake.engines.compute.ComputeEngine` through the pool, each timed
 end to end (plans, compute, queries, puts). Each sample is aborted afterwards, so the
 pool holds only the seed document throughout.
 
@@ -105,7 +105,7 @@ def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
     # Imported here: the command line reads this module's defaults, and must not load
     # torch to print its help.
     from tokenlake.deploy.local import LocalCluster
-    from tokenlake.model.compute import ComputeEngine
+    from tokenlake.engines.compute import ComputeEngine
 
     st = _Setup(segment_tokens, max_prefix, seed)
     weights, spec, C, max_prefix, rng, doc = st.weights, st.spec, st.C, st.prefix, st.rng, st.doc
@@ -150,13 +150,13 @@ def measure_dop_speedup(instances: int = 4, rows: tuple[int, ...] = (512, 1024),
                         progress=None) -> dict[str, Any]:
     """How much faster a prefill chunk of ``rows`` new tokens over a cached ``prefix``
     computes at DoP ``k`` than at DoP 1, for ``k = 1 .. instances``, on one compute engine
-    per instance (:class:`~tokenlake.model.compute.ParallelComputeEngine`): best of
+    per instance (:class:`~tokenlake.engines.compute.ParallelComputeEngine`): best of
     ``repeats`` runs each, the DoPs interleaved within every repeat, the median ratio
     over ``rows``. Returns ``{"dop_speedup": [1.0, s_2, ...], "dop_setup": {...}}``."""
     import statistics
 
     from tokenlake.deploy.local import LocalCluster
-    from tokenlake.model.compute import ParallelComputeEngine
+    from tokenlake.engines.compute import ParallelComputeEngine
 
     st = _Setup(segment_tokens, prefix, seed)
     spec, C, prefix, rng, doc = st.spec, st.C, st.prefix, st.rng, st.doc
@@ -205,7 +205,7 @@ def measure_query_engine(coefficients: dict[str, float], instances: int = 4, pre
     "work_scale", "residual", "setup"}}``; ``residual`` is the mean relative error of that
     model over the (sample, instance) pairs."""
     from tokenlake.deploy.local import LocalCluster
-    from tokenlake.model.compute import ComputeEngine
+    from tokenlake.engines.compute import ComputeEngine
 
     st = _Setup(segment_tokens, prefix, seed)
     spec, C, prefix, rng, doc = st.spec, st.C, st.prefix, st.rng, st.doc

@@ -6,7 +6,7 @@ what the pool answers can be checked exactly: the partial attention of a query o
 request's cached prefix must equal :func:`reference_partial`, float64 attention over the
 K/V those prefix tokens stand for, rounded once to the pool's KV dtype (what its slabs
 hold). ``tokenlake bench serve --mixed`` drives compute engines with it
-(:mod:`tokenlake.tools.bench_serve_worker`); ``tests/dataplane_util.py`` has the same
+(:mod:`tokenlake.tools.bench.serve_worker`); ``tests/dataplane_util.py`` has the same
 formula for the data-plane tests.
 
 Query rows are seeded by a stable digest (BLAKE2b) of the request key, position and
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tokenlake.dataplane.attention import Partial, partial_attention_ref
+from tokenlake.kernels.attention import Partial, partial_attention_ref
 
 
 @dataclass(frozen=True)

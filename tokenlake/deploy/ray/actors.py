@@ -3,7 +3,7 @@ engine) and :class:`ComputeActor` (a compute engine). Both run in the instance's
 placement-group bundle, so on the node of its buffers.
 
 An engine actor runs the unchanged engine loop (``EngineLoop.serve`` of
-``query_engine/`` or ``transfer_engine/``) in a thread of the actor process. The actor
+:mod:`tokenlake.engines.query` or :mod:`tokenlake.engines.transfer`) in a thread of the actor process. The actor
 process *is* the engine process: ``ray.kill`` of the actor is the death of the engine,
 and an engine loop that ends on its own takes the actor down with it (``os._exit``), so
 "the engine is alive" and "its process is alive" mean the same thing, as with
@@ -67,7 +67,7 @@ class EngineActor:
         engine's socket; returns the endpoint peers connect to."""
         import torch  # the engine's own dependency, already loaded by engine_class
 
-        from tokenlake.dataplane.engine import EngineSpec  # imports torch (see above)
+        from tokenlake.engines.loop import EngineSpec  # imports torch (see above)
 
         spec = EngineSpec.from_bytes(spec_bytes)
         if (spec.role, spec.instance) != (self.role, self.instance):
@@ -169,7 +169,7 @@ class EngineActor:
 
 
 class _OwnInstance:
-    """The "cluster" a compute actor's :class:`~tokenlake.model.compute.ComputeEngine` sees:
+    """The "cluster" a compute actor's :class:`~tokenlake.engines.compute.ComputeEngine` sees:
     the actor's own instance only. A sub-batch homed elsewhere is a ``PlanError`` (its
     client would map another instance's buffers, possibly on another node)."""
 
@@ -187,7 +187,7 @@ class ComputeActor:
     """The compute engine of one instance, run as a Ray actor in the instance's bundle
     (so on the node of its buffers): the weights, loaded once, and the instance's
     client. :meth:`run` computes the sub-batches homed on this instance with the
-    unchanged :class:`~tokenlake.model.compute.ComputeEngine`; the KV moves through shared
+    unchanged :class:`~tokenlake.engines.compute.ComputeEngine`; the KV moves through shared
     memory and the engines' sockets, only plans, token ids and logits go through Ray."""
 
     def __init__(self, instance: int, weights_loader: Callable[[], Any] | None = None,
@@ -213,7 +213,7 @@ class ComputeActor:
     def open(self, info: dict[str, Any]) -> ProcessRef:
         """(Re)opens the instance's client from :meth:`RayCluster.client_info`; checks
         that the weights fit the pool's buffers. Returns this actor's process."""
-        from tokenlake.model.compute import ComputeEngine  # the model layer: torch
+        from tokenlake.engines.compute import ComputeEngine  # the model layer: torch
 
         if info["instance"] != self.instance:
             raise ConfigError(f"client_info of instance {info['instance']} sent to {self!r}")

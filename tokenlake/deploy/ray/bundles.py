@@ -145,7 +145,7 @@ class Bundles:
 
     def _start_engines(self, engines: dict[tuple[str, int], Any]) -> None:
         """Has each engine map its buffers and bind its socket; records the endpoints."""
-        from tokenlake.dataplane.engine import EngineSpec  # imports torch (the engine loop)
+        from tokenlake.engines.loop import EngineSpec  # imports torch (the engine loop)
 
         starts = {}
         for (role, i), actor in engines.items():

@@ -70,7 +70,7 @@ class RayCluster(RayAdoptable, ClusterBase):
 
     Compute engines: :meth:`start_compute` (or ``compute=True``) starts one
     :class:`~tokenlake.deploy.ray.ComputeActor` per instance in its bundle;
-    :meth:`compute_engine` is the driver-side :class:`RayComputeEngine` that ``Server``
+    :meth:`compute_engine` is the driver-side :class:`RayComputeEngine` that ``GenerationLoop``
     uses (it picks it by itself). They are stopped with their instance and restarted
     with it.
 
@@ -363,7 +363,7 @@ class RayCluster(RayAdoptable, ClusterBase):
 
     def compute_engine(self, timeout_s: float | None = 300.0) -> RayComputeEngine | None:
         """A :class:`RayComputeEngine` over the compute actors, or None when they were not
-        started (``Server`` then computes in the driver with :meth:`client`)."""
+        started (``GenerationLoop`` then computes in the driver with :meth:`client`)."""
         return RayComputeEngine(self, timeout_s) if self._compute is not None else None
 
     def _compute_actors(self, loader: Callable[[], Any] | None, threads: int | None) -> ComputeActors:

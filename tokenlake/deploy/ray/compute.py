@@ -19,7 +19,7 @@ from tokenlake.deploy.ray.options import COMPUTE_ROLE, RayOptions
 from tokenlake.deploy.ray.relay import ActorTable, actor_error
 
 if TYPE_CHECKING:
-    from tokenlake.model.compute import IterationOutput
+    from tokenlake.engines.compute import IterationOutput
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ def _later_homes(plans: Plans, parts: list[int]) -> set[int]:
 
 class RayComputeEngine:
     """Driver side of the compute actors, with the interface of
-    :class:`~tokenlake.model.compute.ComputeEngine` (``run(plans, batches) ->
-    IterationOutput``), so :class:`~tokenlake.serving.Server` can use either.
+    :class:`~tokenlake.engines.compute.ComputeEngine` (``run(plans, batches) ->
+    IterationOutput``), so :class:`~tokenlake.generation.Server` can use either.
 
     Each sub-batch goes to the compute actor of its home instance (several with the
     same home run there one after the other); the actors of one iteration run in
@@ -74,7 +74,7 @@ class RayComputeEngine:
     ``EngineUnavailable``; so is an iteration not finished within ``timeout_s``.
 
     ``batches_run[i]`` counts the sub-batches computed by instance i's actor.
-    ``parallel = True`` tells the ``Server`` that batches on different instances
+    ``parallel = True`` tells the ``GenerationLoop`` that batches on different instances
     compute at the same time (one batch per instance and iteration).
     """
 
@@ -86,7 +86,7 @@ class RayComputeEngine:
         self.batches_run: dict[int, int] = {}
 
     def run(self, plans: Plans, batches: list[Batch]) -> IterationOutput:
-        from tokenlake.model.compute import IterationOutput  # the model layer: torch
+        from tokenlake.engines.compute import IterationOutput  # the model layer: torch
 
         by_home = _parts_by_home(plans, len(batches))
         if not batches:
@@ -104,7 +104,7 @@ class RayComputeEngine:
         next); merges their outputs, or raises the first failure."""
         import torch  # the model layer's tensors
 
-        from tokenlake.model.compute import IterationOutput  # the model layer: torch
+        from tokenlake.engines.compute import IterationOutput  # the model layer: torch
 
         ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)[0])
         logits, prefix, error = {}, {}, None

@@ -3,7 +3,7 @@
 The sub-batches of a DoP > 1 batch run on the compute actors of their home instances,
 possibly on different nodes. A sub-batch whose last request continues in later
 sub-batches publishes that request's K/V rows of every layer
-(:mod:`tokenlake.model.exchange` says what and why); here the rows also go, by an actor
+(:mod:`tokenlake.engines.exchange` says what and why); here the rows also go, by an actor
 call per later home, into the mailbox of each later sub-batch's actor, where its
 ``collect`` finds them. The call is fire-and-forget: a lost one surfaces as the
 receiver's timeout, and a dead receiver as the driver's ``EngineUnavailable``.
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenlake.model.exchange import LocalExchange
+from tokenlake.engines.exchange import LocalExchange
 
 
 class ActorExchange(LocalExchange):

@@ -10,7 +10,7 @@ Liveness goes the other way by heartbeats: the driver calls ``beat`` on every ac
 :data:`BEAT_S` (:class:`Heartbeat`); an actor that hears none for
 :data:`DRIVER_TIMEOUT_S` takes the driver for dead. Its engine then drops every plan
 and session and waits ``orphan_grace_s`` for an ``ADOPT``
-(:mod:`tokenlake.dataplane.engine_owner`); its host waits as long (:class:`Grace`) and,
+(:mod:`tokenlake.engines.owner`); its host waits as long (:class:`Grace`) and,
 not adopted, unlinks the instance's buffers, removes the placement group and ends. Both
 need a Ray cluster that outlives the driver (``ray start --head``): a Ray started inside
 the driver dies with it, and the pool with it.

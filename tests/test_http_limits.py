@@ -37,7 +37,9 @@ from tokenlake.service.limits import HttpLimits, longest_token_bytes
 from tokenlake.service.serve import SERVED_MODEL
 
 POISON = 4242  # a token-id prompt starting with it gets a token the tokenizer does not know
-HEALTH_S = 0.100  # the bound on /health, for the median of the probes in a window
+HEALTH_S = 0.100  # the bound on /health, for the median of the probes in a window
+QUIET_S = 0.4  # the idle window each Window measures first: what /health costs here now
+SLOWER = 3.0  # a loaded machine may answer this much slower than its own quiet window
 INNOCENT = {"model": SERVED_MODEL, "prompt": "The river Lumen runs to the sea.",
             "max_tokens": 200, "temperature": 0, "stream": True}
 
@@ -180,6 +182,8 @@ class Window:
         assert self.proc.stdout.readline().strip() == "ready"
         gc.collect()
         gc.freeze()
+        self.quiet_start = time.monotonic()
+        time.sleep(QUIET_S)  # the length of the quiet measurement, not a wait for an event
         self.start = time.monotonic()
         return self
 
@@ -187,13 +191,18 @@ class Window:
         end = time.monotonic()
         gc.unfreeze()
         out, _ = self.proc.communicate("stop\n", timeout=60)
-        self.latencies = [s for sent, s in json.loads(out) if self.start <= sent <= end]
+        probes = json.loads(out)
+        self.quiet = [s for sent, s in probes if self.quiet_start <= sent < self.start]
+        self.latencies = [s for sent, s in probes if self.start <= sent <= end]
 
     def assert_fast(self) -> None:
         lat = sorted(self.latencies)
-        assert len(lat) >= 5, f"only {len(lat)} probes in the window"
-        assert statistics.median(lat) < HEALTH_S, \
+        assert len(lat) >= 5 and len(self.quiet) >= 5, \
+            f"only {len(lat)} probes in the window, {len(self.quiet)} before it"
+        bound = max(HEALTH_S, SLOWER * statistics.median(self.quiet))
+        assert statistics.median(lat) < bound, (
             f"/health median {statistics.median(lat) * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms"
+            f" (quiet median {statistics.median(self.quiet) * 1e3:.1f} ms)")
 
 
 def _repeat(fn, min_s: float = 0.3) -> list:

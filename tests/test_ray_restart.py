@@ -20,11 +20,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_util  # noqa: E402
-from test_restart_serve import Serve, _free_port  # noqa: E402
+from test_restart_serve import Serve  # noqa: E402
 
 from tokenlake.dataplane import pool_state  # noqa: E402
 from tokenlake.dataplane.shm_files import list_buffers, unlink_buffer  # noqa: E402
 from tokenlake.deploy.ray.orphans import NAMESPACE, actor_name, group_name  # noqa: E402
+from tokenlake.tools.bench.restart import free_ports  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -55,7 +56,7 @@ def drivers(tmp_path, ray_address):
     what their pool left on the shared Ray (the next module's Ray, which a failed
     test here must not spoil): its actors, its placement group and its buffers."""
     made: list[_Serve] = []
-    ports = (_free_port(), _free_port())
+    ports = free_ports(2)  # below the ephemeral range: no engine of the serve takes one first
 
     def start(*flags: str) -> _Serve:
         made.append(_Serve(tmp_path, *ports, "--ray", ray_address, "--cpus-per-instance", "0.5", *flags))

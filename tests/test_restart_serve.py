@@ -19,14 +19,11 @@ import pytest
 
 from tokenlake.dataplane import pool_state
 from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers, pid_alive
-from tokenlake.tools.bench.restart import free_port
+from tokenlake.tools.bench.restart import free_ports
 
 START_TIMEOUT_S = 180
 DOC = (Path(__file__).resolve().parents[1] / "tokenlake" / "data" / "demo_document.txt").read_text()
 
-
-def _free_port() -> int:
-    return free_port()  # below the ephemeral range: no engine of the serve takes it first
 
 
 class Serve:
@@ -76,7 +73,7 @@ def serving(tmp_path):
     """Starts serve processes; kills every one of them and every engine they left."""
     made: list[Serve] = []
     engines: list[int] = []
-    ports = (_free_port(), _free_port())
+    ports = free_ports(2)  # below the ephemeral range: no engine of the serve takes one first
 
     def start(*flags: str) -> Serve:
         made.append(Serve(tmp_path, *ports, *flags))

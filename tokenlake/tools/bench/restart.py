@@ -109,10 +109,11 @@ class _Serve(LaunchedServer):
         self.stop()  # closes its stderr file
 
 
-def free_port() -> int:
-    """A port free now, outside the kernel's ephemeral range: the serve process binds its
-    engines to ephemeral ports before its control and HTTP ports, and one of them could
-    otherwise take the number picked here."""
+def free_ports(n: int = 2) -> tuple[int, ...]:
+    """``n`` different ports free now, outside the kernel's ephemeral range: the serve
+    process binds its engines to ephemeral ports before its control and HTTP ports, and
+    one of them could otherwise take a number picked here. Each is held until all are
+    picked, so no two are the same."""
     import random
 
     try:
@@ -121,14 +122,18 @@ def free_port() -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        for _ in range(200 * n):
+            port = rng.randrange(max(1024, low - 12000), low)
+            s = held.enter_context(socket.socket())
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+            ports.append(port)
+            if len(ports) == n:
+                return tuple(ports)
     raise RuntimeError("no free port below the ephemeral range")
 
 
@@ -247,7 +252,7 @@ def _restart(stack: ExitStack, config: RestartConfig, ports: tuple[int, int], gr
 
 def run_round(config: RestartConfig, mode: str, home: Path, progress: Callable[[str], None]) -> dict:
     """One mode's kill and restart on fresh ports; its raw figures."""
-    ports = (free_port(), free_port())
+    ports = free_ports(2)
     grace = config.orphan_grace_s if mode == "adopt" else 0.0
     engines = _Engines(home, ports[0])
     env = serve_env(home)

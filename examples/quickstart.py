@@ -10,7 +10,7 @@ import torch
 
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_model
-from tokenlake.deploy.local import LocalCluster
+from tokenlake.deploy.local import ClusterConfig, LocalCluster
 from tokenlake.kernels.attention import merge, partial_attention_ref
 from tokenlake.kernels.cpu import partial_attention
 
@@ -26,7 +26,8 @@ def main() -> float:
     prompt = tuple(range(3, 300))
     history: dict[int, torch.Tensor] = {}  # layer -> all K/V so far (for the check only)
     worst = 0.0
-    with LocalCluster(4, model, pool_bytes=64 << 20, segment_tokens=64) as cluster:
+    config = ClusterConfig(4, model, pool_bytes=64 << 20, segment_tokens=64)  # validated here
+    with LocalCluster(config) as cluster:  # or LocalCluster(4, model, pool_bytes=64 << 20, ...)
         cp = cluster.control
         steps = [BatchRequest("r1", prompt), BatchRequest("r1", (42,)), BatchRequest("r1", (7,))]
         for step, req in enumerate(steps):

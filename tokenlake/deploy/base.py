@@ -20,13 +20,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from tokenlake.core.control import pool_control
 from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane.doorbell import BELL_BYTES
 from tokenlake.dataplane.shm_files import BufferSpec
+from tokenlake.deploy.config import ClusterConfig
 from tokenlake.deploy.roles import ENGINE_ROLES
 
 if TYPE_CHECKING:
@@ -130,85 +131,55 @@ class ClusterBase(abc.ABC):
     requests the driver sends to engines. Subclasses start, reach and stop the engines.
 
     Args:
-        n_instances: instances (each gets one query and one transfer engine).
-        model: model spec (heads, head dim, layers size the buffers).
-        pool_bytes: slab bytes per instance; slots = pool_bytes // segment bytes.
-        segment_tokens: ``C`` (default 64 for small CPU models; see
-            :func:`tokenlake.core.cost_model.default_segment_tokens`).
-        max_rows: rows of each instance's q/out/kv buffers (tokens per sub-batch).
-        clock, seed: injected clock and seed of the control plane.
-        timeout_s: wait limit of the driver and of clients for an engine's answer
-            (seconds); peer_timeout_s: engine-to-engine limit; start_timeout_s: limit
-            of the start-up (``None``: 60 s, or 900 s for a GPU pool, whose query
-            engines compile FlashInfer's kernels on a machine's first use).
-        host: what the engines bind.
-        kv_dtype: the element type of the pool's K/V (``"float32"``, ``"bfloat16"``,
-            ``"float16"``): slabs, puts, replicas and migrations carry it; queries still
-            send float32 q rows and get float32 partials (docs/design.md "KV dtype").
-        device: where the buffers live: ``"cpu"`` (POSIX shared memory) or ``"cuda"`` /
-            ``"cuda:N"`` (CUDA IPC; half ``kv_dtype`` only, FlashInfer's batched kernels;
-            docs/design.md "GPU path").
-        kv_layout: whose KV the pool holds (``tokenlake.core.control.KV_LAYOUTS``; part
-            of the namespace, so the layouts never match each other).
-        share_slabs: every engine maps the other instances' slabs (one machine; CPU
-            pools only): a launcher that can offers it (``LocalCluster``), and the
-            control plane then plans for it (``PoolConfig.shared_memory``).
-        page_tokens: granularity of prefix hits inside a segment
-            (:class:`~tokenlake.core.config.PoolConfig`; ``None``: its default, 16).
-        insecure: no CURVE (docs/security.md): every socket of the cluster then accepts
-            anyone who reaches it, and a ``host`` beyond loopback is logged as a warning.
-            By default the cluster generates its keys (:attr:`keys`) and every engine,
-            client and peer connection is encrypted and authenticated.
+        config: the pool's settings (:class:`~tokenlake.deploy.config.ClusterConfig`,
+            validated when built), kept as :attr:`config`; the attributes below are read
+            from it once.
+        clock: the control plane's injected clock (seconds).
+
+    A launcher says what it can do with two class attributes: ``shares_slabs`` (it
+    runs every instance on one machine, so ``config.share_slabs`` is honoured on a CPU
+    pool) and :meth:`default_start_timeout_s` (the limit of a start-up when
+    ``config.start_timeout_s`` is ``None``). Unless ``config.insecure``, the cluster
+    generates its CURVE keys (:attr:`keys`); a ``host`` beyond loopback without them is
+    logged as a warning.
     """
 
-    def __init__(
-        self,
-        n_instances: int,
-        model: ModelSpec,
-        pool_bytes: int,
-        segment_tokens: int,
-        max_rows: int,
-        clock: Callable[[], float] = time.monotonic,
-        seed: int = 0,
-        timeout_s: float = 5.0,
-        peer_timeout_s: float = 2.0,
-        start_timeout_s: float | None = None,
-        host: str = "127.0.0.1",
-        insecure: bool = False,
-        kv_layout: str = "tokenlake",
-        page_tokens: int | None = None,
-        kv_dtype: str = "float32",
-        device: str = "cpu",
-        share_slabs: bool = False,
-    ) -> None:
+    #: whether this launcher can map every slab in every engine (one machine)
+    shares_slabs: ClassVar[bool] = False
+
+    def __init__(self, config: ClusterConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         from tokenlake.dataplane.auth import ClusterKeys  # zmq only, no torch
 
-        self.share_slabs = bool(share_slabs) and device == "cpu"  # CUDA slabs: by message
-        self.control = pool_control(n_instances, model, pool_bytes, segment_tokens, kv_dtype, clock, seed,
-                                    kv_layout, page_tokens, self.share_slabs)  # checks kv_dtype
-        if device != "cpu" and kv_dtype == "float32":
-            raise ConfigError("a GPU pool holds float16 or bfloat16 K/V (FlashInfer's kernels), not float32")
-        if device != "cpu" and importlib.util.find_spec("flashinfer") is None:
+        if not isinstance(config, ClusterConfig):
+            raise TypeError(f"config must be a ClusterConfig, got {type(config).__name__}")
+        if config.device != "cpu" and importlib.util.find_spec("flashinfer") is None:
             raise ConfigError("a GPU pool attends with FlashInfer, which is not installed "
-                              "(pip install 'tokenlake[gpu]')")
-        self.kv_dtype = kv_dtype
-        self.n_instances, self.model, self.max_rows = n_instances, model, max_rows
-        self.segment_tokens = segment_tokens
+                              "(pip install 'tokenlake[gpu]')")  # this machine's, not the config's
+        #: the pool's settings, as given
+        self.config = config
+        #: whether the engines map each other's slabs: asked, offered and a CPU pool
+        self.share_slabs = config.share_slabs and self.shares_slabs and config.device == "cpu"
+        self.control = pool_control(config.instances, config.model, config.pool_bytes, config.segment_tokens,
+                                    config.kv_dtype, clock, config.seed, config.kv_layout, config.page_tokens,
+                                    self.share_slabs)
+        self.n_instances, self.model, self.max_rows = config.instances, config.model, config.max_rows
+        self.segment_tokens, self.kv_dtype, self.kv_layout = config.segment_tokens, config.kv_dtype, config.kv_layout
+        self.pool_bytes = config.pool_bytes
         self.slots_per_instance = self.control.config.slots_per_instance
-        self.layout = BufferLayout(model, self.slots_per_instance, segment_tokens, max_rows, kv_dtype, device)
+        self.layout = BufferLayout(config.model, self.slots_per_instance, config.segment_tokens,
+                                   config.max_rows, config.kv_dtype, config.device)
         from tokenlake.deploy.records import RecordTables  # numpy, no torch
 
         #: each instance's slot records, written as the tree changes (tables attached by
         #: the launcher that can map them): what a restart adopts (docs/design.md §5)
-        self.records = RecordTables(segment_tokens, self.control.pool.hasher.root, clock)
+        self.records = RecordTables(config.segment_tokens, self.control.pool.hasher.root, clock)
         self.control.pool.tree.journal = self.records
-        self.timeout_s, self.peer_timeout_s = timeout_s, peer_timeout_s
-        if start_timeout_s is None:
-            start_timeout_s = 60.0 if device == "cpu" else 900.0
-        self.start_timeout_s, self.host = start_timeout_s, host
-        self.insecure = bool(insecure)
+        self.timeout_s, self.peer_timeout_s = config.timeout_s, config.peer_timeout_s
+        start_timeout_s = config.start_timeout_s
+        self.start_timeout_s = self.default_start_timeout_s(config) if start_timeout_s is None else start_timeout_s
+        self.host, self.insecure = config.host, config.insecure
         #: the cluster's CURVE keys (all of them: this process is the owner); None if insecure
-        self.keys: ClusterKeys | None = None if insecure else ClusterKeys.generate()
+        self.keys: ClusterKeys | None = None if config.insecure else ClusterKeys.generate()
         #: what the control server signs client sessions' plans and leases with (the
         #: engines check them: tokenlake.dataplane.grants); never given to members
         self.grant_key: bytes = os.urandom(32)
@@ -216,6 +187,13 @@ class ClusterBase(abc.ABC):
         # (session token, instance) -> (session number, its buffers' spec dicts): the
         # client sessions whose buffers this launcher made (re-opened on a restarted instance)
         self._sessions: dict[tuple[bytes, int], tuple[int, dict[str, dict]]] = {}
+
+    @classmethod
+    def default_start_timeout_s(cls, config: ClusterConfig) -> float:
+        """The start-up limit when ``config.start_timeout_s`` is ``None``: 60 s, or 900 s
+        for a GPU pool, whose query engines compile FlashInfer's kernels on a machine's
+        first use."""
+        return 60.0 if config.device == "cpu" else 900.0
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:

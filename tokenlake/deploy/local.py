@@ -1,6 +1,7 @@
 """``LocalCluster``: the query and transfer engines of N instances on this machine.
 
-    with LocalCluster(4, load_model("smollm2-135m"), pool_bytes=64 << 20) as cluster:
+    config = ClusterConfig(4, load_model("smollm2-135m"), pool_bytes=64 << 20)
+    with LocalCluster(config) as cluster:    # or LocalCluster(4, model, pool_bytes=64 << 20)
         plans = cluster.control.gen_plans(batches, dops)
         client = cluster.client(plans.query_plans[0].home)
         ...
@@ -32,7 +33,6 @@ import torch
 import zmq
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable
-from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import pool_state
 from tokenlake.dataplane.auth import connect_secure
 from tokenlake.dataplane.client import InstanceClient
@@ -48,6 +48,7 @@ from tokenlake.dataplane.shm_files import (
 from tokenlake.dataplane.sockets import send_frames
 from tokenlake.deploy.adoption import Adoptable
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
+from tokenlake.deploy.config import ClusterConfig
 from tokenlake.deploy.driver import DriverSockets
 from tokenlake.deploy.local_lifecycle import InstanceLifecycle
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
@@ -57,51 +58,53 @@ from tokenlake.engines.loop import EngineSpec
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ClusterConfig", "LocalCluster"]  # the settings with their launcher, for one import
+
 
 class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
     """N instances' query and transfer engines as local processes, plus the control plane.
 
-    Args: see :class:`~tokenlake.deploy.base.ClusterBase`; ``host`` is the address the
-    engines bind (loopback by default); CURVE is on unless ``insecure``. ``share_slabs``
-    (default on a CPU pool): every slab is in this machine's memory, so a query engine
-    attends the other instances' slots of its plans itself, through shared memory,
-    instead of asking their query engines, and a transfer engine copies a segment
-    (replication, migration) straight into the target's slab (docs/data-plane.md
-    "Co-located slabs"); ``False`` sends all of it by message, as between hosts. ``query_threads``:
-    intra-op threads of each query engine (the csrc kernel splits a large query over kv
-    heads and slots; the compute engine waits meanwhile), 1 for the transfer engines.
-    ``orphan_grace_s``: how long the engines outlive this process waiting to be adopted
-    (0: they stop with it; CPU pools only), ``state_file``: where the pool's state is
-    kept for that (:mod:`tokenlake.deploy.adoption`, docs/design.md §4 "Restart").
+    Two forms, the same cluster::
+
+        LocalCluster(ClusterConfig(4, model, 64 << 20, segment_tokens=64), query_threads=2)
+        LocalCluster(4, model, 64 << 20, segment_tokens=64, query_threads=2)
+
+    The first takes a :class:`~tokenlake.deploy.config.ClusterConfig` (the pool's
+    settings, validated when built); the second, for convenience, takes its fields
+    (``instances, model, pool_bytes`` and optionally ``segment_tokens, max_rows`` by
+    position, any other by name) and builds it (:meth:`ClusterConfig.of
+    <tokenlake.deploy.config.ClusterConfig.of>`); :attr:`config` is the result either way.
+
+    Settings (see ``ClusterConfig``): ``host`` is the address the engines bind (loopback
+    by default); CURVE is on unless ``insecure``. ``share_slabs`` (default on; honoured
+    on a CPU pool): every slab is in this machine's memory, so a query engine attends the
+    other instances' slots of its plans itself, through shared memory, instead of asking
+    their query engines, and a transfer engine copies a segment (replication, migration)
+    straight into the target's slab (docs/data-plane.md "Co-located slabs"); ``False``
+    sends all of it by message, as between hosts.
+
+    Args of this launcher alone: ``query_threads``: intra-op threads of each query
+    engine (the csrc kernel splits a large query over kv heads and slots; the compute
+    engine waits meanwhile), 1 for the transfer engines. ``orphan_grace_s``: how long the
+    engines outlive this process waiting to be adopted (0: they stop with it; CPU pools
+    only), ``state_file``: where the pool's state is kept for that
+    (:mod:`tokenlake.deploy.adoption`, docs/design.md §4 "Restart"). ``clock``: the
+    control plane's injected clock.
     """
+
+    shares_slabs = True  # every instance on this machine
 
     def __init__(
         self,
-        n_instances: int,
-        model: ModelSpec,
-        pool_bytes: int,
-        segment_tokens: int = 64,
-        max_rows: int = 1024,
-        clock: Callable[[], float] = time.monotonic,
-        seed: int = 0,
-        timeout_s: float = 5.0,
-        peer_timeout_s: float = 2.0,
-        start_timeout_s: float | None = None,
-        host: str = "127.0.0.1",
-        insecure: bool = False,
-        kv_layout: str = "tokenlake",
-        page_tokens: int | None = None,
-        kv_dtype: str = "float32",
-        device: str = "cpu",
-        share_slabs: bool = True,
+        config: ClusterConfig | int,
+        *args: Any,
         query_threads: int = 2,
-        *,
         orphan_grace_s: float = 0.0,
         state_file: str | os.PathLike | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **fields: Any,
     ) -> None:
-        super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
-                         timeout_s, peer_timeout_s, start_timeout_s, host, insecure, kv_layout,
-                         page_tokens, kv_dtype, device, share_slabs)
+        super().__init__(ClusterConfig.of(config, *args, **fields), clock=clock)
         if query_threads < 1:
             raise ConfigError(f"query_threads must be >= 1, got {query_threads}")
         self.query_threads = int(query_threads)
@@ -113,7 +116,6 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
             orphan_grace_s = 0.0
         self.orphan_grace_s = float(orphan_grace_s)
         self.state_file = None if state_file is None else str(state_file)
-        self.pool_bytes, self.kv_layout = pool_bytes, kv_layout
         self._leftovers: set[str] = set()  # files removed with the state file
         self._retired_procs: list = []  # replaced adopted engines (their pidfds close with the cluster)
         self.cluster_id = ""

@@ -19,6 +19,7 @@ Inside this package ``import ray`` is the Ray library (imports are absolute). Im
 it loads no torch: the actors load it when they start.
 """
 
+from tokenlake.deploy.config import ClusterConfig
 from tokenlake.deploy.ray.actors import ComputeActor
 from tokenlake.deploy.ray.client import open_client
 from tokenlake.deploy.ray.cluster import RayCluster
@@ -27,5 +28,5 @@ from tokenlake.deploy.ray.liveness import ProcessRef
 from tokenlake.deploy.ray.options import RayOptions
 from tokenlake.deploy.ray.serve import serve
 
-__all__ = ["ComputeActor", "ProcessRef", "RayCluster", "RayComputeEngine", "RayOptions",
+__all__ = ["ClusterConfig", "ComputeActor", "ProcessRef", "RayCluster", "RayComputeEngine", "RayOptions",
            "open_client", "serve"]

@@ -1,11 +1,12 @@
 """:class:`RayCluster`: the pool's engines as Ray actors, with the client API of ``LocalCluster``.
 
     import ray
+    from tokenlake.deploy.config import ClusterConfig
     from tokenlake.deploy.ray import RayCluster, RayOptions
 
     ray.init(address="auto")
-    with RayCluster(4, load_model("smollm2-135m"), pool_bytes=256 << 20,
-                    options=RayOptions(host="node", strategy="STRICT_SPREAD")) as cluster:
+    config = ClusterConfig(4, load_model("smollm2-135m"), pool_bytes=256 << 20, host="node")
+    with RayCluster(config, options=RayOptions(host="node", strategy="STRICT_SPREAD")) as cluster:
         plans = cluster.control.gen_plans(batches, dops)
         ...                                   # exactly as with LocalCluster
 
@@ -42,16 +43,16 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable
-from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.deploy.base import ClusterBase
+from tokenlake.deploy.config import ClusterConfig
 from tokenlake.deploy.ray.adopting import RayAdoptable
 from tokenlake.deploy.ray.bundles import Bundles
 from tokenlake.deploy.ray.client import open_client
 from tokenlake.deploy.ray.compute import ComputeActors, RayComputeEngine
 from tokenlake.deploy.ray.liveness import ProcessRef
-from tokenlake.deploy.ray.options import ALL_ROLES, COMPUTE_ROLE, RayOptions
+from tokenlake.deploy.ray.options import ALL_ROLES, COMPUTE_ROLE, RayOptions, with_options
 from tokenlake.deploy.roles import ENGINE_ROLES
 
 log = logging.getLogger(__name__)
@@ -74,45 +75,49 @@ class RayCluster(RayAdoptable, ClusterBase):
     uses (it picks it by itself). They are stopped with their instance and restarted
     with it.
 
-    Args: as ``LocalCluster`` (``host`` is in ``options``), plus ``options``
-    (:class:`RayOptions`). ``start_timeout_s`` bounds starting the actors (worker
-    start-up and the torch import included); ``options.place_timeout_s`` placing the
-    bundles. ``compute``: start the compute actors in :meth:`start` (``True``: with the
-    default weights; a callable: their weights loader, see :meth:`start_compute`).
+    Two forms, as ``LocalCluster``'s: ``RayCluster(config, options=..., compute=...)``
+    with a :class:`~tokenlake.deploy.config.ClusterConfig`, or, for convenience, its
+    fields (``RayCluster(4, model, pool_bytes, segment_tokens=64, options=...)``).
+    Where the engines bind and whether CURVE is off are ``options.host`` and
+    ``options.insecure``: the convenience form takes them from ``options``; a
+    ``ClusterConfig`` without ``options`` gives its own ``host`` and ``insecure`` to a
+    default :class:`RayOptions`, and with ``options`` must agree with them
+    (``ConfigError`` otherwise). ``start_timeout_s`` (``None``: 120 s) bounds starting
+    the actors (worker start-up and the torch import included);
+    ``options.place_timeout_s`` placing the bundles. A Ray pool's buffers are CPU shared
+    memory holding the ``tokenlake`` KV layout (another ``device`` or ``kv_layout`` is a
+    ``ConfigError``), and its engines never map each other's slabs (``share_slabs`` is
+    not honoured: the instances may be on several nodes).
+
+    Args of this launcher alone: ``options`` (:class:`RayOptions`); ``compute``: start
+    the compute actors in :meth:`start` (``True``: with the default weights; a callable:
+    their weights loader, see :meth:`start_compute`); ``state_file``: where a named
+    pool's state is kept for a new driver to adopt (docs/deploy-ray.md "When the driver
+    dies"); ``clock``: the control plane's injected clock.
     """
 
     def __init__(
         self,
-        n_instances: int,
-        model: ModelSpec,
-        pool_bytes: int,
-        segment_tokens: int = 64,
-        max_rows: int = 1024,
-        clock: Callable[[], float] = time.monotonic,
-        seed: int = 0,
-        timeout_s: float = 5.0,
-        peer_timeout_s: float = 2.0,
-        start_timeout_s: float = 120.0,
+        config: ClusterConfig | int,
+        *args: Any,
         options: RayOptions | None = None,
         compute: bool | Callable[[], Any] = False,
-        page_tokens: int | None = None,
-        kv_dtype: str = "float32",
         state_file: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **fields: Any,
     ) -> None:
-        options = options if options is not None else RayOptions()
-        super().__init__(n_instances, model, pool_bytes, segment_tokens, max_rows, clock, seed,
-                         timeout_s, peer_timeout_s, start_timeout_s, options.host, options.insecure,
-                         page_tokens=page_tokens, kv_dtype=kv_dtype)
+        config, options = with_options(config, args, fields, options)
+        super().__init__(config, clock=clock)
         self.options = options
         self._owns_ray = False
-        self._bundles = Bundles(options, self.layout, timeout_s, peer_timeout_s, start_timeout_s,
-                                self.keys, self.grant_key)
+        self._bundles = Bundles(options, self.layout, self.timeout_s, self.peer_timeout_s,
+                                self.start_timeout_s, self.keys, self.grant_key)
         self._clients: dict[int, Any] = {}
         self._slabs: dict[int, Any] = {}
         self._compute_at_start = compute
         self._compute: ComputeActors | None = None  # once started
         # outliving the driver (adopting.py): a named pool's state file, heartbeats, records
-        self.pool_bytes, self.state_file = pool_bytes, None if state_file is None else str(state_file)
+        self.state_file = None if state_file is None else str(state_file)
         self._bundles.state_file = self.state_file
         self._heartbeat = None
         self._record_maps: dict[int, Any] = {}
@@ -313,6 +318,11 @@ class RayCluster(RayAdoptable, ClusterBase):
         self.control.add_instance(instance)  # an empty instance joins the ring
         return lost
 
+    @classmethod
+    def default_start_timeout_s(cls, config: ClusterConfig) -> float:
+        """120 s: Ray starts a worker per actor, which imports torch."""
+        return 120.0
+
     def _check_running(self, instance: int) -> None:
         if instance not in self._bundles.running:
             raise ConfigError(f"instance {instance} is not running")
@@ -407,3 +417,4 @@ class RayCluster(RayAdoptable, ClusterBase):
     def _request_all(self, keys, message, reply):
         """All at once through the actors; an engine that fails is logged and left out."""
         return self._bundles.table.request_all(keys, message, reply, strict=False)
+

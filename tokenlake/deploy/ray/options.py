@@ -1,14 +1,16 @@
 """:class:`RayOptions`: where and how a :class:`~tokenlake.deploy.ray.RayCluster` runs on
-a Ray cluster (placement strategy, resources per instance, addresses), and the actor
-roles of an instance."""
+a Ray cluster (placement strategy, resources per instance, addresses), the actor
+roles of an instance, and how options and a :class:`ClusterConfig` agree."""
 
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from tokenlake.core.errors import ConfigError
+from tokenlake.deploy.config import ClusterConfig
 from tokenlake.deploy.roles import ENGINE_ROLES
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -127,6 +129,27 @@ class RayOptions:
         if self.gpus_per_instance and _GPU_SHARE[role]:
             out["num_gpus"] = round(self.gpus_per_instance * share * _GPU_SHARE[role], 4)
         return out
+
+
+def with_options(config: ClusterConfig | int, args: tuple, fields: dict[str, Any],
+                  options: RayOptions | None) -> tuple[ClusterConfig, RayOptions]:
+    """A Ray pool's :class:`ClusterConfig` and :class:`RayOptions`, agreeing on ``host``
+    and ``insecure`` (see :class:`RayCluster`), and refused unless it is the CPU,
+    ``tokenlake``-layout pool a Ray launcher serves."""
+    if options is not None and not isinstance(config, ClusterConfig):  # the options' own
+        fields = {"host": options.host, "insecure": options.insecure, **fields}
+    config = ClusterConfig.of(config, *args, **fields)
+    if options is None:
+        options = RayOptions(host=config.host, insecure=config.insecure)
+    if (config.host, config.insecure) != (options.host, options.insecure):
+        raise ConfigError(f"host and insecure of a RayCluster are its options': the config has "
+                          f"host={config.host!r}, insecure={config.insecure}, the options "
+                          f"host={options.host!r}, insecure={options.insecure}")
+    if config.device != "cpu":
+        raise ConfigError(f"device must be 'cpu' on Ray (its hosts make CPU shared memory), got {config.device!r}")
+    if config.kv_layout != "tokenlake":
+        raise ConfigError(f"kv_layout must be 'tokenlake' on Ray, got {config.kv_layout!r}")
+    return config, options
 
 
 def _floor4(x: float) -> float:

@@ -42,7 +42,7 @@ def config(**fields) -> ClusterConfig:
     ({"host": "two words"}, "host"),
     ({"host": ""}, "host"),
     ({"insecure": "yes"}, "insecure"),
-    ({"share_slabs": 1}, "share_slabs"),
+    ({"share_slabs": None}, "share_slabs"),
 ])
 def test_a_bad_value_is_refused_naming_its_field(fields, named):
     with pytest.raises(ConfigError, match=named):
@@ -65,6 +65,7 @@ def test_a_config_is_frozen_and_sizes_the_pool():
         cfg.instances = 3
     assert cfg.slots_per_instance == 80  # half the bytes per element: twice the segments
     assert config().slots_per_instance == 40
+    assert config(share_slabs=0).share_slabs is False  # as bool() took it before
     with pytest.raises(ConfigError, match="max_rows"):
         dataclasses.replace(cfg, max_rows=0)  # a changed copy is checked again
 
@@ -118,3 +119,73 @@ def test_both_ray_forms_give_equal_configs_and_keep_rays_defaults():
         RayCluster(config(device="cuda", kv_dtype="bfloat16"))
     with pytest.raises(ConfigError, match="kv_layout"):
         RayCluster(config(kv_layout="hf"))
+
+
+# ---------------------------------------------------------------- the service's settings
+
+
+def test_serve_settings_are_validated_naming_the_field_and_frozen():
+    from tokenlake.service.limits import HttpLimits
+    from tokenlake.service.settings import ServeSettings
+
+    pool = config()
+    settings = ServeSettings(pool)
+    assert (settings.control_port, settings.http_port, settings.orphan_grace_s) == (7400, 8000, 60.0)
+    assert settings.limits == HttpLimits() and settings.engine == "pool" and settings.compute == "one"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.http_port = 1
+    for fields, named in [({"control_port": 70000}, "control_port"), ({"http_port": -1}, "http_port"),
+                          ({"control_port": 9000, "http_port": 9000}, "must differ"),
+                          ({"engine": "vllm"}, "engine"), ({"compute": "two"}, "compute"),
+                          ({"orphan_grace_s": -1}, "orphan_grace_s"), ({"host": ""}, "host"),
+                          ({"limits": {"max_body_bytes": 1}}, "limits")]:
+        with pytest.raises(ConfigError, match=named):
+            ServeSettings(pool, **fields)
+    with pytest.raises(ConfigError, match="cluster"):
+        ServeSettings({"instances": 2})
+    assert ServeSettings(pool, control_port=0, http_port=0).http_port == 0  # any free port, both
+
+
+def test_the_serve_command_serves_the_settings_config_show_prints(monkeypatch, capsys):
+    """``tokenlake serve`` hands ``serve_local`` one ``ServeSettings`` built from exactly
+    the values ``tokenlake config show`` prints for the same file, environment and flags."""
+    import json
+    import signal
+
+    import tokenlake.service.serve as serve_module
+    from tokenlake.tools import cli
+    from tokenlake.tools.cli import pool as pool_command
+    from tokenlake.tools.config import SETTINGS, env_var
+
+    for name in SETTINGS:
+        monkeypatch.delenv(env_var(name), raising=False)
+    monkeypatch.delenv("TOKENLAKE_CONFIG", raising=False)
+    monkeypatch.setenv("TOKENLAKE_INSTANCES", "3")
+    monkeypatch.setenv("TOKENLAKE_HTTP_MAX_STOP_CHARS", "50")
+    served = []
+    monkeypatch.setattr(serve_module, "serve_local", lambda settings, **_: served.append(settings))
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # the command's SIGTERM handler
+    monkeypatch.setattr(pool_command, "configure_logging", lambda level: None)
+    argv = ["--pool-mb", "64", "--segment-tokens", "128", "--page-tokens", "32", "--max-rows", "512",
+            "--bind", "0.0.0.0", "--insecure", "--control-port", "0", "--http-port", "8123",
+            "--kv-dtype", "bfloat16", "--compute", "per-instance", "--orphan-grace-s", "5",
+            "--http-max-body-kib", "8", "--credentials", "/tmp/creds.json"]
+    assert cli.main(["config", "show", "--json", *argv]) == 0
+    shown = {key: row["value"] for key, row in json.loads(capsys.readouterr().out).items()}
+    assert cli.main(["serve", *argv]) == 0
+    (settings,) = served
+    pool = settings.cluster
+    assert (pool.instances, pool.model.name, pool.pool_bytes, pool.segment_tokens, pool.max_rows,
+            pool.page_tokens, pool.kv_dtype, pool.kv_layout, pool.host, pool.insecure) == (
+        shown["instances"], shown["model"], shown["pool_mb"] << 20, shown["segment_tokens"],
+        shown["max_rows"], shown["page_tokens"], shown["kv_dtype"], shown["kv_layout"], shown["bind"],
+        shown["insecure"])
+    assert pool.instances == 3 and pool.host == "0.0.0.0" and pool.share_slabs  # env, flag, default
+    assert (settings.host, settings.control_port, settings.http_port, settings.engine, settings.compute,
+            settings.credentials, settings.orphan_grace_s) == (
+        shown["host"], shown["control_port"], shown["http_port"], shown["engine"], shown["compute"],
+        shown["credentials"], shown["orphan_grace_s"])
+    limits = settings.limits
+    assert (limits.max_body_bytes, limits.body_timeout_s, limits.max_prompt_tokens, limits.max_stop_chars) == (
+        shown["http_max_body_kib"] << 10, shown["http_body_timeout_s"], shown["http_max_prompt_tokens"],
+        shown["http_max_stop_chars"])

@@ -116,9 +116,11 @@ class ClusterConfig:
         if self.device != "cpu" and self.kv_dtype == "float32":
             raise ConfigError(f"device={self.device!r} needs a half kv_dtype: a GPU pool holds float16 or "
                               "bfloat16 K/V (FlashInfer's kernels), not float32")
-        for name in ("insecure", "share_slabs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("insecure", "share_slabs"):  # a 0 or 1 is taken, as bool() took it before
+            value = getattr(self, name)
+            if not isinstance(value, int) or value not in (0, 1):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
+            object.__setattr__(self, name, bool(value))
 
     def _check_times(self) -> None:
         for name in ("timeout_s", "peer_timeout_s", "start_timeout_s"):

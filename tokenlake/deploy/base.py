@@ -132,13 +132,16 @@ class ClusterBase(abc.ABC):
 
     Args:
         config: the pool's settings (:class:`~tokenlake.deploy.config.ClusterConfig`,
-            validated when built), kept as :attr:`config`; the attributes below are read
-            from it once.
+            validated when built), kept as :attr:`config`; what the launchers and their
+            users read of it is also an attribute (``n_instances``, ``model``,
+            ``pool_bytes``, ``segment_tokens``, ``max_rows``, ``kv_dtype``,
+            ``kv_layout``, ``timeout_s``, ``peer_timeout_s``, ``start_timeout_s``,
+            ``host``, ``insecure``, and ``share_slabs`` as honoured).
         clock: the control plane's injected clock (seconds).
 
-    A launcher says what it can do with two class attributes: ``shares_slabs`` (it
-    runs every instance on one machine, so ``config.share_slabs`` is honoured on a CPU
-    pool) and :meth:`default_start_timeout_s` (the limit of a start-up when
+    A launcher says what it can do: ``shares_slabs`` (a class attribute: it runs every
+    instance on one machine, so ``config.share_slabs`` is honoured on a CPU pool) and
+    :meth:`default_start_timeout_s` (the limit of a start-up when
     ``config.start_timeout_s`` is ``None``). Unless ``config.insecure``, the cluster
     generates its CURVE keys (:attr:`keys`); a ``host`` beyond loopback without them is
     logged as a warning.

@@ -4,8 +4,9 @@ The control server offers a client session each CPU instance's slab
 (``CP_CLIENT_INFO_RESULT.slab``); the connector maps it once and copies a load's leased
 slots straight from it, every layer but the last, which it reads by ``READ_SEGMENT`` once
 the others are copied (the lease's check). Where the slab cannot be mapped it reads every
-layer by message. The end-to-end tests with vLLM processes are in
-tests/test_vllm_connector.py; these drive the connector's load-mode methods directly."""
+layer by message, through the session's ``SegmentReader``. The end-to-end tests with vLLM
+processes are in tests/test_vllm_connector.py; these drive the load mode's
+``PageLoader`` directly, and the session's reader against a served pool."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 from dataplane_util import TINY
 
 import tokenlake
-from tokenlake.core.errors import EngineUnavailable
+from tokenlake.core.errors import ConfigError, EngineUnavailable, NotAuthorized
+from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec
 from tokenlake.deploy.local import LocalCluster
@@ -39,108 +41,167 @@ def test_a_client_session_is_offered_each_cpu_slab():
                 assert torch.equal(shared.tensor[3, 1], cluster.slab(i)[3, 1])
 
 
+def test_a_session_reads_its_leased_slots_by_message():
+    """``RemoteControlPlane.reader``: reads pipelined on a connection of the session's
+    own, answered in order with the slots' layers as the slab holds them; only with the
+    lease's grant, and not once the lease ended."""
+    doc = tuple(range(100, 100 + 2 * C + 1))
+    with LocalCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=64) as cluster, \
+            ControlServer(cluster) as server, \
+            tokenlake.connect(server.address, credentials=server.credentials()) as cp:
+        control = server.shared_control()
+        control.complete(control.gen_plans([Batch((BatchRequest("seed", doc),))], [1]))
+        control.finish_request("seed")
+        locs = cp.lease_prefix("r", doc[:2 * C])
+        inst = locs[0].instance
+        slots = [loc.slot for loc in locs if loc.instance == inst]
+        for layer in range(TINY.num_layers):
+            for s in slots:
+                cluster.slab(inst)[s, layer].fill_(float(10 * s + layer))
+        with pytest.raises(ConfigError, match="connection"):
+            cp.reader(inst, cp.connection)
+        reader = cp.reader(inst, 3)
+        grant = cp.read_grant("r", inst)
+        ids = [reader.read(layer, slots, grant) for layer in range(TINY.num_layers)]
+        for layer, msg_id in enumerate(ids):
+            blocks = reader.receive(msg_id, 10.0)
+            assert len(blocks) == len(slots)
+            for s, block in zip(slots, blocks):
+                assert torch.equal(block, cluster.slab(inst)[s, layer])
+        with pytest.raises(NotAuthorized):  # another grant than the lease's
+            reader.receive(reader.read(0, slots, b"x" * len(grant)), 10.0)
+        cp.finish_request("r")
+        with pytest.raises(NotAuthorized):  # the lease ended: its grant is spent
+            reader.receive(reader.read(0, slots, grant), 10.0)
+        reader.close()
+        assert reader.closed
+        with pytest.raises(EngineUnavailable, match="closed"):
+            reader.read(0, slots, grant)
+        left_open = cp.reader(inst, 3)
+    assert left_open.closed  # the session's close closes the readers it opened
+
+
 # ------------------------------------------------------------ the connector's side
 
 pytest.importorskip("vllm")  # the connector's modules import vLLM's base classes
 
-from tokenlake.integrations import vllm_load  # noqa: E402
-from tokenlake.integrations.vllm_load import LoadMode, _pages_of_slot  # noqa: E402
+from tokenlake.integrations import vllm_reads  # noqa: E402
 from tokenlake.integrations.vllm_meta import Load  # noqa: E402
+from tokenlake.integrations.vllm_reads import PageLoader, pages_of_slot  # noqa: E402
 
 BLOCK, LAYERS = 4, 6  # vLLM blocks of 4 tokens, segments of one block
 SLAB_SHAPE = (4, LAYERS, 2, 1, BLOCK, 2)  # [slots, layers, 2, kv_heads, C, head_dim]
 
 
-class FakeControl:
-    """The control server's answer to ``client_info``: only the slab matters here."""
+class FakeReader:
+    """A transfer engine's answers to ``READ_SEGMENT``, from ``source``, in order."""
 
-    def __init__(self, slab: BufferSpec | None) -> None:
-        self.slab, self.asked = slab, 0
+    def __init__(self, control: FakeControl) -> None:
+        self.control, self.owed, self.closed = control, [], False
+
+    def read(self, layer, slots, grant, timeout_s):
+        self.control.sent.append((layer, len(self.control.copied)))
+        self.owed.append((layer, tuple(slots)))
+        return len(self.control.sent)
+
+    def receive(self, msg_id, timeout_s):
+        layer, slots = self.owed.pop(0)
+        if self.control.lease_ended:
+            raise NotAuthorized("the grant was retired")
+        return tuple(self.control.source[s, layer] for s in slots)
+
+    def close(self):
+        self.closed = True
+
+
+class FakeControl:
+    """The session as the loader uses it: ``client_info`` (only the slab matters here)
+    and ``reader``; its reads are recorded (layer, layers copied by then)."""
+
+    timeout_s = 1.0
+
+    def __init__(self, slab: BufferSpec | None = None) -> None:
+        self.slab, self.asked, self.readers = slab, 0, []
+        self.sent, self.copied, self.lease_ended = [], [], False
+        self.source = torch.arange(torch.Size(SLAB_SHAPE).numel(),
+                                   dtype=torch.float32).reshape(SLAB_SHAPE)
 
     def client_info(self, instance: int):
         self.asked += 1
         return SimpleNamespace(slab=self.slab)
 
-
-def loader(mapped: bool):
-    """A LoadMode with vLLM's caches ([blocks, kv_heads, block_size, 2 * head_dim] per
-    layer) and one instance's slab (``lm.source``), mapped or not; its reads by message
-    are recorded (layer, layers copied by then) and answered from the same slab."""
-    lm = LoadMode()
-    lm._caches = {layer: torch.zeros(8, 1, BLOCK, 4) for layer in range(LAYERS)}
-    lm._loading, lm._layers, lm._next, lm._load_errors = [], [], 0, set()
-    lm.per_seg, lm.block_size, lm.C, lm.loaded_tokens = 1, BLOCK, BLOCK, 0
-    lm.sent, lm.copied = [], []
-    source = torch.arange(torch.Size(SLAB_SHAPE).numel(), dtype=torch.float32).reshape(SLAB_SHAPE)
-    lm.source = source
-
-    def send_read(ld, inst, layer):  # what the transfer engine would answer
-        lm.sent.append((layer, len(lm.copied)))
-        ld.expected.append((layer, inst, 0))
-
-    def replies(ld, layer):
-        pages = [None] * len(ld.load.segments)
-        while ld.expected and ld.expected[0][0] == layer:
-            _, inst, _ = ld.expected.popleft()
-            if lm.lease_ended:
-                raise vllm_load.TokenLakeError("NotAuthorized: the grant was retired")
-            for i in ld.by_instance[inst]:
-                pages[i] = source[ld.load.segments[i][1], layer]
-        return pages
-
-    lm._send_read, lm._replies, lm.lease_ended = send_read, replies, False
-    lm._slab = lambda inst: source if mapped else None
-    return lm
+    def reader(self, instance: int, connection: int) -> FakeReader:
+        assert connection == vllm_reads.READ_CONNECTION
+        self.readers.append(FakeReader(self))
+        return self.readers[-1]
 
 
-def load_all(lm) -> None:
-    meta = SimpleNamespace(loads=[Load("r", [(0, 1), (0, 3)], [[5], [6]], 0, ((0, b"g"),))])
-    lm._start_loads(meta)
+def loader(mapped: bool) -> PageLoader:
+    """A PageLoader with vLLM's caches ([blocks, kv_heads, block_size, 2 * head_dim] per
+    layer) and one instance's slab (``cp.source``), mapped or not."""
+    pl = PageLoader(FakeControl(), per_seg=1, block_size=BLOCK)
+    pl.caches = {layer: torch.zeros(8, 1, BLOCK, 4) for layer in range(LAYERS)}
+    pl._slab = lambda inst: pl.cp.source if mapped else None
+    return pl
+
+
+def load_all(pl: PageLoader) -> None:
+    pl.start([Load("r", [(0, 1), (0, 3)], [[5], [6]], 0, ((0, b"g"),))])
     for layer in range(LAYERS):
-        lm._receive_layer(layer)
-        lm.copied.append(layer)
+        pl.receive_layer(layer)
+        pl.cp.copied.append(layer)
 
 
-def expected_block(lm, slot: int, layer: int) -> torch.Tensor:
-    return _pages_of_slot(lm.source[slot, layer], 1, lm._caches[layer].shape)[0]
+def expected_block(pl: PageLoader, slot: int, layer: int) -> torch.Tensor:
+    return pages_of_slot(pl.cp.source[slot, layer], 1, pl.caches[layer].shape)[0]
 
 
 @pytest.mark.parametrize("mapped", [True, False], ids=["in-place", "by-message"])
 def test_a_load_copies_every_layer_of_every_segment(mapped):
     """In place, only the last layer goes by message, sent after every other layer is
     in vLLM's blocks; without a slab, every layer does, LOAD_AHEAD_LAYERS ahead."""
-    lm = loader(mapped)
-    load_all(lm)
+    pl = loader(mapped)
+    load_all(pl)
     for layer in range(LAYERS):
-        assert torch.equal(lm._caches[layer][5], expected_block(lm, 1, layer))
-        assert torch.equal(lm._caches[layer][6], expected_block(lm, 3, layer))
-    assert not lm._load_errors and lm.loaded_tokens == 2 * BLOCK
+        assert torch.equal(pl.caches[layer][5], expected_block(pl, 1, layer))
+        assert torch.equal(pl.caches[layer][6], expected_block(pl, 3, layer))
+    assert not pl.take_errors() and pl.loaded_tokens == 2 * BLOCK
     if mapped:
-        assert lm.sent == [(LAYERS - 1, LAYERS - 2)]  # after layer LAYERS-2 was copied
+        assert pl.cp.sent == [(LAYERS - 1, LAYERS - 2)]  # after layer LAYERS-2 was copied
     else:
-        ahead = vllm_load.LOAD_AHEAD_LAYERS
-        assert [layer for layer, _ in lm.sent] == list(range(LAYERS))
-        assert lm.sent[:ahead] == [(layer, 0) for layer in range(ahead)]
+        ahead = vllm_reads.LOAD_AHEAD_LAYERS
+        assert [layer for layer, _ in pl.cp.sent] == list(range(LAYERS))
+        assert pl.cp.sent[:ahead] == [(layer, 0) for layer in range(ahead)]
+    assert len(pl.cp.readers) == 1  # one reader per instance, kept
+    pl.close()
+    assert pl.cp.readers[0].closed
 
 
 def test_a_lease_that_ended_during_the_load_makes_its_blocks_load_errors():
     """The request finished while its slots were copied (its grant retired): the check
-    fails, so vLLM computes the blocks instead of trusting what was copied."""
-    lm = loader(True)
-    lm.lease_ended = True
-    load_all(lm)
-    assert lm._load_errors == {5, 6} and lm.loaded_tokens == 0
+    fails, so vLLM computes the blocks instead of trusting what was copied; the reader
+    that owed the load replies is closed, and the next read opens a new one."""
+    pl = loader(True)
+    pl.cp.lease_ended = True
+    load_all(pl)
+    assert pl.take_errors() == {5, 6} and pl.loaded_tokens == 0
+    assert pl.take_errors() == set()
+    pl.cp.lease_ended = False
+    pl.cp.copied.clear()
+    load_all(pl)
+    assert pl.take_errors() == set() and pl.loaded_tokens == 2 * BLOCK
+    assert [r.closed for r in pl.cp.readers] == [True, False]
 
 
 def test_an_unreachable_instance_fails_the_load_not_the_step():
-    lm = loader(True)
+    pl = loader(True)
 
     def dead(inst):
         raise EngineUnavailable("the transfer engine of instance 0 is not running")
 
-    lm._slab = dead
-    load_all(lm)
-    assert lm._load_errors == {5, 6} and lm.sent == []
+    pl._slab = dead
+    load_all(pl)
+    assert pl.take_errors() == {5, 6} and pl.cp.sent == []
 
 
 def test_the_slab_is_mapped_once_or_not_at_all(tmp_path, monkeypatch):
@@ -150,21 +211,18 @@ def test_the_slab_is_mapped_once_or_not_at_all(tmp_path, monkeypatch):
     spec = BufferSpec(f"tokenlake-test-{tmp_path.name}-slab-0", SLAB_SHAPE, "float32")
     with SharedTensor.create(spec) as made:
         made.tensor[2, 1].fill_(7.0)
-        lm = LoadMode()
-        lm.cp, lm._slabs = FakeControl(spec), {}
-        slab = lm._slab(0)
+        pl = PageLoader(FakeControl(spec), 1, BLOCK)
+        slab = pl._slab(0)
         assert slab is not None and float(slab[2, 1].max()) == 7.0
-        assert lm._slab(0) is slab and lm.cp.asked == 1
-        shared = lm._slabs[0]
-        lm._close_slabs()
-        assert lm._slabs == {} and shared.closed
+        assert pl._slab(0) is slab and pl.cp.asked == 1
+        shared = pl._slabs[0]
+        pl.close()
+        assert pl._slabs == {} and shared.closed
     cuda = BufferSpec("tokenlake-test-cuda", SLAB_SHAPE, "float16", "cuda:0", b"handle")
     missing = BufferSpec("tokenlake-test-never-made-slab-0", SLAB_SHAPE, "float32")
     for offered in (None, cuda, missing):
-        lm = LoadMode()
-        lm.cp, lm._slabs = FakeControl(offered), {}
-        assert lm._slab(0) is None
-    monkeypatch.setenv(vllm_load.IN_PLACE_ENV, "0")
-    lm = LoadMode()
-    lm.cp, lm._slabs = FakeControl(missing), {}
-    assert lm._slab(0) is None and lm.cp.asked == 0
+        pl = PageLoader(FakeControl(offered), 1, BLOCK)
+        assert pl._slab(0) is None
+    monkeypatch.setenv(vllm_reads.IN_PLACE_ENV, "0")
+    pl = PageLoader(FakeControl(missing), 1, BLOCK)
+    assert pl._slab(0) is None and pl.cp.asked == 0

@@ -370,12 +370,12 @@ def test_the_vllm_connector_matches_leases_and_stores_under_its_salts(tmp_path):
             long = SimpleNamespace(request_id="long", prompt_token_ids=list(doc),
                                    cache_salt="y" * (MAX_SALT_CHARS + 1))
             assert conn.get_num_new_matched_tokens(long, 0) == (0, False)  # its digest's
-            assert conn._salts["long"].startswith("blake2b:")
+            assert conn.requests.salts["long"].startswith("blake2b:")
             conn.request_finished(long, [])
             blocks = SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],))
             conn.update_state_after_alloc(mine, blocks, 2 * c)  # leases under "inst"
             conn.update_state_after_alloc(own, blocks, 0)
-            store = conn._plan_store({"mine": len(doc), "own": len(doc)})
+            store = conn.strategy.plan_store({"mine": len(doc), "own": len(doc)})
             conn.cp.complete(store.plans)
             tree = cluster.control.get_prefix_tree()
             assert tree.match(doc, salt="inst").keys == tuple(h.keys(doc, parent=h.salt_root("inst")))

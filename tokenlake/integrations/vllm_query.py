@@ -30,19 +30,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.engines.compute import COALESCE_PUT_ROWS
-from tokenlake.integrations.vllm_meta import (
-    FailedRequests,
-    QueryStep,
-    TokenLakeMetadata,
-    layer_index,
-)
+from tokenlake.integrations.vllm_meta import FailedRequests, QueryStep, TokenLakeMetadata
+from tokenlake.integrations.vllm_mode import PoolRequests, VllmPool
 from tokenlake.kernels.attention import merge
 from tokenlake.kernels.cpu import partial_attention, single_token_attention
 
@@ -166,11 +162,26 @@ def _cat(index: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(index) if index else torch.empty(0, dtype=torch.long)
 
 
-class QueryMode:
-    """The query mode's methods of :class:`~tokenlake.integrations.vllm.TokenLakeConnector`."""
+class QueryStrategy:
+    """The query mode (see the module): a :class:`~tokenlake.integrations.vllm_mode.ModeStrategy`."""
+
+    layout: ClassVar[str] = "hf"  # K/V rows [tokens, 2, kv_heads, head_dim], Hugging Face order
+    holds: ClassVar[str] = "vLLM's K/V rows"
+
+    def __init__(self, pool: VllmPool, requests: PoolRequests) -> None:
+        self.pool, self.requests = pool, requests
+        # scheduler side
+        self._live: dict[str, Any] = {}  # request id -> vLLM's live Request
+        self._external: dict[str, int] = {}  # pooled tokens vLLM never computed
+        self._local: set[str] = set()  # requests vLLM attends alone
+        self.pooled_tokens = 0  # prefix tokens found in the pool
+        # worker side
+        self._step: StepState | None = None  # this step's plans and buffers
+        self._failed_requests: set[str] = set()  # to report to the scheduler side
+        self._load_errors: set[int] = set()
 
     @staticmethod
-    def _check_query_mode(vllm_config) -> None:
+    def check_vllm(vllm_config) -> None:
         """The query mode keeps no KV in vLLM's blocks: vLLM's own prefix cache would
         match empty blocks, and a step must finish before the next is planned."""
         cache = getattr(vllm_config, "cache_config", None)
@@ -184,26 +195,54 @@ class QueryMode:
         if getattr(vllm_config, "speculative_config", None) is not None:
             raise ConfigError("the query mode does not support speculative decoding")
 
+    @staticmethod
+    def check_segments(segment_tokens: int, block_size: int) -> None:
+        """Any segment size: the pool holds rows, not vLLM blocks."""
+
+    # ------------------------------------------------------------ scheduler side
+    def rematch(self, request_id: str) -> None:
+        """Preempted by vLLM and scheduled again: it starts over in the pool."""
+        self.requests.release(request_id)
+        self._local.discard(request_id)
+        self._external.pop(request_id, None)
+
+    def allocated(self, request, num_external_tokens: int) -> None:
+        """Leases the prefix (it is attended where it lives; vLLM's blocks for it stay
+        empty); a prefix the pool no longer holds is computed by vLLM (build_meta)."""
+        rid = request.request_id
+        self._live[rid] = request
+        if num_external_tokens <= 0 or self.requests.lease(rid) is None:
+            return
+        hit = self.requests.hits.get(rid, 0)
+        self._external[rid] = hit  # tokens vLLM's blocks do not hold
+        self.pooled_tokens += hit
+
+    def build_meta(self, scheduler_output, done: dict[str, int]) -> TokenLakeMetadata:
+        meta = TokenLakeMetadata()
+        meta.query = self._plan_query(scheduler_output, done, meta)
+        return meta
+
     def _plan_query(self, scheduler_output, done: dict[str, int], meta: TokenLakeMetadata) -> QueryStep:
-        """Query mode: one sub-batch at this instance with the new tokens of every
-        scheduled request the pool serves. A request whose computed tokens are not what
-        the pool holds for it (a failed step, a prefix evicted before its lease) leaves
-        the pool: if vLLM computed all its tokens itself, vLLM attends over its own blocks
-        from then on; if part of them was only in the pool, its first block is reported
-        as a load error, so vLLM discards this step's output and computes it again."""
+        """One sub-batch at this instance with the new tokens of every scheduled request
+        the pool serves. A request whose computed tokens are not what the pool holds for
+        it (a failed step, a prefix evicted before its lease) leaves the pool: if vLLM
+        computed all its tokens itself, vLLM attends over its own blocks from then on; if
+        part of them was only in the pool, its first block is reported as a load error,
+        so vLLM discards this step's output and computes it again."""
         reqs, anchors, first, external = [], {}, {}, set()
+        requests, bs = self.requests, self.pool.block_size
         for rid, upto in done.items():
             n = scheduler_output.num_scheduled_tokens[rid]
             start = upto - n
-            blocks = self._blocks.get(rid, [])
-            request = self._requests.get(rid)
+            blocks = requests.blocks.get(rid, [])
+            request = self._live.get(rid)
             if rid in self._local or request is None or not blocks:
                 continue
-            if rid in self._admitted and self._pool_len.get(rid, 0) != start:
-                self._release(rid)  # what the pool holds for it is not what vLLM computed
+            if rid in requests.admitted and requests.pool_len.get(rid, 0) != start:
+                requests.release(rid)  # what the pool holds for it is not what vLLM computed
             if start == 0:
                 self._external.pop(rid, None)  # computed from the start: vLLM holds it all
-            elif rid not in self._admitted:
+            elif rid not in requests.admitted:
                 if self._external.pop(rid, 0):
                     meta.failed_blocks.append(blocks[0])
                     log.info("request %s: its pooled prefix is gone; computed again", rid)
@@ -214,43 +253,54 @@ class QueryMode:
             tokens = list(request.all_token_ids[start:upto])
             if len(tokens) != n:
                 raise TokenLakeError(f"request {rid}: {n} tokens scheduled, {len(tokens)} known")
-            reqs.append(BatchRequest(rid, tuple(tokens), cache_salt=self._salt_of(request)))
-            anchors[blocks[start // self.block_size]] = rid
+            reqs.append(BatchRequest(rid, tuple(tokens), cache_salt=requests.salt_of(request)))
+            anchors[blocks[start // bs]] = rid
             first[rid] = blocks[0]
             if self._external.get(rid, 0):
                 external.add(rid)
         if not reqs:
             return QueryStep(None)
+        return self._plan(reqs, anchors, first, external, meta)
+
+    def _plan(self, reqs: list[BatchRequest], anchors: dict[int, str], first: dict[str, int],
+              external: set[str], meta: TokenLakeMetadata) -> QueryStep:
+        """The step's plans for ``reqs``; where the pool cannot plan them, they leave it
+        (and the ``external`` ones are computed again)."""
         phase = "decode" if all(len(r.new_token_ids) == 1 for r in reqs) else "prefill"
+        cp = self.pool.cp
         try:
-            plans = self.cp.gen_plans([Batch(tuple(reqs), phase)], [1], homes=[self.home])
+            plans = cp.gen_plans([Batch(tuple(reqs), phase)], [1], homes=[self.pool.home])
         except TokenLakeError as e:  # nothing reaches the pool this step
             log.warning("query mode: this step cannot be planned in the pool (%s)", e)
             for r in reqs:
-                self._release(r.request_id)
+                self.requests.release(r.request_id)
             meta.failed_blocks += [first[rid] for rid in external]
             for rid in external:
                 self._external.pop(rid, None)
             return QueryStep(None)
         for r in reqs:
-            self._admitted.add(r.request_id)
-            self._pool_len[r.request_id] = self._pool_len.get(r.request_id, 0) + \
-                len(r.new_token_ids)
-        return QueryStep(plans, anchors, first, frozenset(external), self.cp.plan_grants(plans))
+            self.requests.admit(r.request_id, len(r.new_token_ids))
+        return QueryStep(plans, anchors, first, frozenset(external), cp.plan_grants(plans))
 
-    def update_connector_output(self, connector_output) -> None:
+    def step_output(self, connector_output) -> None:
         failed = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(failed, FailedRequests):
             for rid in failed.request_ids:  # the pool did not take the step: start over
-                self._release(rid)
+                self.requests.release(rid)
 
-    def _check_backend(self) -> None:
-        """The query mode needs vLLM's attention layers to run TokenLake's backend (the
-        ``vllm.general_plugins`` entry point installs it)."""
+    def finished(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        self._external.pop(request_id, None)
+        self._local.discard(request_id)
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, caches: dict[int, torch.Tensor], vllm_config) -> None:
+        """vLLM's attention layers must run TokenLake's backend (the
+        ``vllm.general_plugins`` entry point installs it); its blocks are not read here."""
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
-        layers = get_layers_from_vllm_config(self._vllm_config, Attention)
+        layers = get_layers_from_vllm_config(vllm_config, Attention)
         plain = [name for name, layer in layers.items()
                  if not getattr(layer.impl, "tokenlake_query", False)]
         if plain:
@@ -258,31 +308,38 @@ class QueryMode:
                               "not run TokenLake's backend; is the 'tokenlake_query_mode' "
                               "vLLM plugin installed and allowed (VLLM_PLUGINS)?")
 
-    def attend(self, layer_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attn_metadata, scale: float) -> torch.Tensor:
+    def start_load_kv(self, meta: TokenLakeMetadata) -> None:
+        """Nothing: the pool attends over the prefix, nothing is loaded."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Nothing to wait for (see :meth:`start_load_kv`)."""
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, meta: TokenLakeMetadata | None) -> None:
+        """Nothing: :meth:`attend` put the layer's new K/V already."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_metadata, scale: float, meta: TokenLakeMetadata | None):
         """One attention layer of this step (called by the query-mode backend): the new
         K/V put into the pool, q sent to it, merged with attention over the new tokens."""
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        step = meta.query if isinstance(meta, TokenLakeMetadata) else None
+        step = meta.query if meta is not None else None
         if self._step is None or step is None or self._step.step is not step:
             # a new step (or a warm-up pass without metadata: attention over its own tokens)
             step = step if step is not None else QueryStep(None)
-            client = None
+            client, cp, home = None, self.pool.cp, self.pool.home
             if step.plans is not None:
                 try:
-                    self.cp.adopt_grants(step.plans, step.grants)  # the scheduler side's
-                    client = self._client(self.home)
+                    cp.adopt_grants(step.plans, step.grants)  # the scheduler side's
+                    client = cp.client(home)
                 except Exception as e:
-                    log.warning("query mode: cannot reach pool instance %d: %s", self.home, e)
-            self._step = StepState(step, client, self.block_size, self.cp.timeout_s)
-        return self._step.attend(layer_index(layer_name), q, k, v, attn_metadata, scale)
+                    log.warning("query mode: cannot reach pool instance %d: %s", home, e)
+            self._step = StepState(step, client, self.pool.block_size, cp.timeout_s)
+        return self._step.attend(layer, q, k, v, attn_metadata, scale)
 
-    def _finish_query_step(self) -> None:
+    def wait_for_save(self, meta: TokenLakeMetadata | None) -> None:
         """After the forward pass: wait for the puts and commit the step's plans, or,
         when anything failed, abort them and make vLLM compute the affected requests."""
         state, self._step = self._step, None
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        step = meta.query if isinstance(meta, TokenLakeMetadata) else None
+        step = meta.query if meta is not None else None
         if step is None or step.plans is None:
             return
         if state is not None and state.step is not step:
@@ -291,21 +348,28 @@ class QueryMode:
         if not failed:
             try:
                 state.finish()
-                self.cp.complete(step.plans)
+                self.pool.cp.complete(step.plans)
             except Exception as e:
                 state.fail(e)
                 failed = True
         if failed:
             try:
-                self.cp.abort(step.plans)
+                self.pool.cp.abort(step.plans)
             except Exception as e:
                 log.warning("query mode: aborting the step's plans failed: %s", e)
             requests = {s.request_id for qp in step.plans.query_plans for s in qp.spans}
             self._failed_requests |= requests
             self._load_errors.update(step.first_block[rid] for rid in step.external)
 
-    def build_connector_worker_meta(self):
+    def worker_meta(self) -> FailedRequests | None:
         if not self._failed_requests:
             return None
         failed, self._failed_requests = frozenset(self._failed_requests), set()
         return FailedRequests(failed)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        """Nothing of its own: its client is the session's."""

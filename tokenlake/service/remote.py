@@ -44,7 +44,7 @@ from tokenlake.core.prefix_tree import MatchResult, SegmentLocation
 from tokenlake.core.specs import HardwareProfile
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
-from tokenlake.dataplane.client import InstanceClient
+from tokenlake.dataplane.client import InstanceClient, SegmentReader
 from tokenlake.dataplane.credentials import load as credentials_load
 from tokenlake.dataplane.messages import (
     Ack,
@@ -121,6 +121,7 @@ class RemoteControlPlane:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._clients: dict[int, InstanceClient] = {}
+        self._readers: list[SegmentReader] = []  # opened by reader() (closed ones dropped at its next call)
         self._attached: list[SharedTensor] = []
         self._in_flight: set[int] = set()  # iterations planned here, not yet completed or aborted
         # the server's grants of this session's plans: id(plan) -> (plan, grant), per iteration
@@ -166,9 +167,10 @@ class RemoteControlPlane:
                 pass
             self.session = None
         self._in_flight.clear()
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *self._readers]:
             client.close()
         self._clients.clear()
+        self._readers.clear()
         for shared in self._attached:
             shared.close()
         self._attached.clear()
@@ -315,6 +317,22 @@ class RemoteControlPlane:
             client.start(self._ctx)
             self._clients[instance] = client
         return self._clients[instance]
+
+    def reader(self, instance: int, connection: int) -> SegmentReader:
+        """A new reader of ``instance``'s slots by message (``READ_SEGMENT``), on this
+        session's ``connection`` (1 to 250; not this object's own: one connection per
+        routing id and engine). It maps none of the session's buffers, so it also works
+        where :meth:`client` cannot (another machine). The caller closes it (at the
+        latest :meth:`close` does)."""
+        if not 1 <= connection <= 250 or connection == self.connection:
+            raise ConfigError(f"a reader needs a connection in [1, 250] other than this "
+                              f"object's ({self.connection}), got {connection}")
+        info = self.client_info(instance)
+        keys = None if info.keys is None else ClusterKeys.from_dict(dict(info.keys))
+        reader = SegmentReader(instance, info.endpoints["transfer"], keys, alias(self.token, connection))
+        self._readers = [r for r in self._readers if not r.closed]
+        self._readers.append(reader.start(self._ctx))
+        return reader
 
     def client_info(self, instance: int) -> CpClientInfoResult:
         """What opening ``instance``'s data-plane client needs: its engines' endpoints,

@@ -82,12 +82,10 @@ class RayCluster(RayAdoptable, ClusterBase):
     ``options.insecure``: the convenience form takes them from ``options``; a
     ``ClusterConfig`` without ``options`` gives its own ``host`` and ``insecure`` to a
     default :class:`RayOptions`, and with ``options`` must agree with them
-    (``ConfigError`` otherwise). ``start_timeout_s`` (``None``: 120 s) bounds starting
-    the actors (worker start-up and the torch import included);
-    ``options.place_timeout_s`` placing the bundles. A Ray pool's buffers are CPU shared
-    memory holding the ``tokenlake`` KV layout (another ``device`` or ``kv_layout`` is a
-    ``ConfigError``), and its engines never map each other's slabs (``share_slabs`` is
-    not honoured: the instances may be on several nodes).
+    (``ConfigError`` otherwise). ``start_timeout_s`` (``None``: 120 s) bounds starting the
+    actors, ``options.place_timeout_s`` placing the bundles. The buffers are CPU shared
+    memory of the ``tokenlake`` KV layout (other ``device``, ``kv_layout``: ``ConfigError``);
+    ``share_slabs`` is not honoured (the instances may be on several nodes).
 
     Args of this launcher alone: ``options`` (:class:`RayOptions`); ``compute``: start
     the compute actors in :meth:`start` (``True``: with the default weights; a callable:

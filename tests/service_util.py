@@ -83,34 +83,34 @@ SERVICE_EXAMPLES: dict[Kind, m.WireMessage] = {
 }
 
 
-def serve_settings(model, instances: int, pool_bytes: int, segment_tokens: int = 64, max_rows: int = 1024,
+def serve_config(model, instances: int, pool_bytes: int, segment_tokens: int = 64, max_rows: int = 1024,
                    *, engine_host: str = "127.0.0.1", insecure: bool = False, kv_layout: str = "tokenlake",
                    page_tokens: int | None = None, kv_dtype: str = "float32", **service):
-    """The tests' short form of a :class:`ServeSettings`: the pool's sizes by position
+    """The tests' short form of a :class:`ServeConfig`: the pool's sizes by position
     (as ``serve_local`` once took them), its engines' settings and the service's
     (``control_port``, ``http_port``, ``engine``, ...) by name."""
     from tokenlake.deploy.config import ClusterConfig
-    from tokenlake.service.settings import ServeSettings
+    from tokenlake.service.config import ServeConfig
 
     cluster = ClusterConfig(instances, model, pool_bytes, segment_tokens, max_rows, host=engine_host,
                             insecure=insecure, kv_layout=kv_layout, page_tokens=page_tokens, kv_dtype=kv_dtype)
-    return ServeSettings(cluster, **service)
+    return ServeConfig(cluster, **service)
 
 
 @contextlib.contextmanager
 def serving_locally(*args, **kwargs):
-    """``serve_local`` of ``serve_settings(*args, **kwargs)`` (or of the one
-    ``ServeSettings`` given) on a thread: yields its ``Served`` once ready; on exit stops
+    """``serve_local`` of ``serve_config(*args, **kwargs)`` (or of the one
+    ``ServeConfig`` given) on a thread: yields its ``Served`` once ready; on exit stops
     it and asserts it ended without an error."""
+    from tokenlake.service.config import ServeConfig
     from tokenlake.service.serve import serve_local
-    from tokenlake.service.settings import ServeSettings
 
-    settings = args[0] if args and isinstance(args[0], ServeSettings) else serve_settings(*args, **kwargs)
+    config = args[0] if args and isinstance(args[0], ServeConfig) else serve_config(*args, **kwargs)
     stop, ready, served, errors = threading.Event(), threading.Event(), [], []
 
     def run() -> None:
         try:
-            serve_local(settings, stop=stop, on_ready=lambda s: (served.append(s), ready.set()))
+            serve_local(config, stop=stop, on_ready=lambda s: (served.append(s), ready.set()))
         except Exception as e:  # reported below
             errors.append(e)
             ready.set()

@@ -1,6 +1,6 @@
 """The pool's settings as one object per layer: :class:`ClusterConfig` (deploy) validated
 once with errors that name the field, the launchers' two constructor forms giving equal
-configs and the same defaults as before, and the service's :class:`ServeSettings` that
+configs and the same defaults as before, and the service's :class:`ServeConfig` that
 ``tokenlake serve`` builds from what ``tokenlake config show`` prints. Nothing is started."""
 
 from __future__ import annotations
@@ -121,15 +121,15 @@ def test_both_ray_forms_give_equal_configs_and_keep_rays_defaults():
         RayCluster(config(kv_layout="hf"))
 
 
-# ---------------------------------------------------------------- the service's settings
+# ------------------------------------------------------------------ the service's config
 
 
-def test_serve_settings_are_validated_naming_the_field_and_frozen():
+def test_the_serve_config_is_validated_naming_the_field_and_frozen():
+    from tokenlake.service.config import ServeConfig
     from tokenlake.service.limits import HttpLimits
-    from tokenlake.service.settings import ServeSettings
 
     pool = config()
-    settings = ServeSettings(pool)
+    settings = ServeConfig(pool)
     assert (settings.control_port, settings.http_port, settings.orphan_grace_s) == (7400, 8000, 60.0)
     assert settings.limits == HttpLimits() and settings.engine == "pool" and settings.compute == "one"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -140,14 +140,14 @@ def test_serve_settings_are_validated_naming_the_field_and_frozen():
                           ({"orphan_grace_s": -1}, "orphan_grace_s"), ({"host": ""}, "host"),
                           ({"limits": {"max_body_bytes": 1}}, "limits")]:
         with pytest.raises(ConfigError, match=named):
-            ServeSettings(pool, **fields)
+            ServeConfig(pool, **fields)
     with pytest.raises(ConfigError, match="cluster"):
-        ServeSettings({"instances": 2})
-    assert ServeSettings(pool, control_port=0, http_port=0).http_port == 0  # any free port, both
+        ServeConfig({"instances": 2})
+    assert ServeConfig(pool, control_port=0, http_port=0).http_port == 0  # any free port, both
 
 
 def test_the_serve_command_serves_the_settings_config_show_prints(monkeypatch, capsys):
-    """``tokenlake serve`` hands ``serve_local`` one ``ServeSettings`` built from exactly
+    """``tokenlake serve`` hands ``serve_local`` one ``ServeConfig`` built from exactly
     the values ``tokenlake config show`` prints for the same file, environment and flags."""
     import json
     import signal

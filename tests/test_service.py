@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 from dataplane_util import TINY
-from service_util import HARDWARE, LATENCY, SERVICE_EXAMPLES, serve_settings, serving_locally
+from service_util import HARDWARE, LATENCY, SERVICE_EXAMPLES, serve_config, serving_locally
 from test_layering import GRAPH, layer_of
 
 import tokenlake
@@ -266,7 +266,7 @@ def test_serve_local_on_a_taken_port_fails_and_leaves_nothing(served):
     port = int(server.address.rsplit(":", 1)[1])
     before = set(list_buffers())
     with pytest.raises(ConfigError, match="cannot bind the control port"):
-        serve_local(serve_settings(TINY, 1, POOL_BYTES, C, 64, control_port=port))
+        serve_local(serve_config(TINY, 1, POOL_BYTES, C, 64, control_port=port))
     assert set(list_buffers()) <= before
 
 

@@ -3,7 +3,7 @@ frozen, validated object.
 
 Both launchers (:class:`~tokenlake.deploy.local.LocalCluster`,
 :class:`~tokenlake.deploy.ray.RayCluster`) take one, and the service
-(:class:`~tokenlake.service.settings.ServeSettings`) carries one, so the pool's
+(:class:`~tokenlake.service.config.ServeConfig`) carries one, so the pool's
 settings cross each layer as a single value instead of a list of a dozen and a half
 parameters repeated at every hop. A bad value is a
 :class:`~tokenlake.core.errors.ConfigError` naming the field, raised when the object is

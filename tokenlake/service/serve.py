@@ -8,7 +8,7 @@ to stop.
 * :func:`reference_service` is the baseline: the same model and HTTP layer, no pool
   and no prefix cache.
 * :func:`serve_local` is ``tokenlake serve`` without ``--ray``: either of the two on this
-  machine, as one :class:`~tokenlake.service.settings.ServeSettings` says, until ``stop``
+  machine, as one :class:`~tokenlake.service.config.ServeConfig` says, until ``stop``
   is set or Ctrl-C.
 """
 
@@ -25,11 +25,11 @@ from tokenlake.core.errors import TokenLakeError
 from tokenlake.dataplane import credentials as credentials_file
 from tokenlake.dataplane import pool_state
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.service.config import DEFAULT_HTTP_PORT, ServeConfig
 from tokenlake.service.frontend import HttpFrontend
 from tokenlake.service.http import ModelInfo
 from tokenlake.service.limits import HttpLimits
 from tokenlake.service.server import DEFAULT_CONTROL_PORT, ControlServer
-from tokenlake.service.settings import DEFAULT_HTTP_PORT, ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -170,16 +170,16 @@ def reference_service(model, *, host: str = "127.0.0.1", http_port: int = DEFAUL
 
 
 def serve_local(
-    settings: ServeSettings,
+    config: ServeConfig,
     *,
     stop: threading.Event | None = None,
     on_ready: Callable[[Served], None] = lambda served: None,
     progress: Callable[[str], None] = log.info,
 ) -> None:
-    """Serves ``settings`` (:class:`~tokenlake.service.settings.ServeSettings`) on this
+    """Serves ``config`` (:class:`~tokenlake.service.config.ServeConfig`) on this
     machine until ``stop`` is set or Ctrl-C (``KeyboardInterrupt``); then stops the HTTP
     server, the control server and the engines and unlinks every shared buffer (also
-    when starting fails). ``engine="pool"``: a ``LocalCluster`` of ``settings.cluster``,
+    when starting fails). ``engine="pool"``: a ``LocalCluster`` of ``config.cluster``,
     its control plane on ``host:control_port`` and, for :data:`SERVED_MODEL`, the HTTP
     API on ``host:http_port``; ``engine="reference"``: the baseline
     (:func:`reference_service`). A ``kv_layout`` of vLLM's (``"vllm-cpu"``, ``"hf"``) is a
@@ -195,7 +195,7 @@ def serve_local(
         EngineUnavailable: an engine did not start.
     """
     stop = stop if stop is not None else threading.Event()
-    s, pool = settings, settings.cluster
+    s, pool = config, config.cluster
     with contextlib.ExitStack() as stack:
         cluster = state = None
         if s.engine == "pool":  # a pool waiting on this port is checked before anything loads
@@ -214,14 +214,14 @@ def serve_local(
         _wait(stop)
 
 
-def _pool_for(settings: ServeSettings) -> tuple[LocalCluster, dict | None]:
-    """The ``LocalCluster`` to serve ``settings`` with, and the state of a pool a dead
+def _pool_for(config: ServeConfig) -> tuple[LocalCluster, dict | None]:
+    """The ``LocalCluster`` to serve ``config`` with, and the state of a pool a dead
     process left waiting on its control port, whose settings are checked at once
     (``AdoptionRefused``: the waiting engines are left alone). On port 0 no restart
     could find the engines: they stop with this process."""
-    port = settings.control_port
+    port = config.control_port
     state_file = pool_state.path_for(port) if port else None
-    cluster = LocalCluster(settings.cluster, orphan_grace_s=settings.orphan_grace_s if state_file else 0.0,
+    cluster = LocalCluster(config.cluster, orphan_grace_s=config.orphan_grace_s if state_file else 0.0,
                            state_file=state_file)
     state = pool_state.read(state_file) if state_file else None
     if cluster.waiting(state):

@@ -2,7 +2,7 @@
 over it, command-line flags over both (docs/design.md §4 "Configuration").
 
 :class:`ServeSettings` is the command's one typed, frozen settings object (the serve
-command turns it into the service's :class:`tokenlake.service.settings.ServeSettings` and
+command turns it into the service's :class:`tokenlake.service.config.ServeConfig` and
 its :class:`~tokenlake.deploy.config.ClusterConfig`); :func:`load_settings` merges the
 four sources (default < file < env < flag) and remembers where each value came from. Each setting has one name and three spellings:
 

@@ -174,20 +174,20 @@ def _ray_service(cfg, json_lines: bool):
     return attach
 
 
-def serve_settings(cfg):
-    """The :class:`~tokenlake.service.settings.ServeSettings` that ``serve`` (without
+def serve_config(cfg):
+    """The :class:`~tokenlake.service.config.ServeConfig` that ``serve`` (without
     ``--ray``) serves, from the loaded settings ``cfg``
     (:class:`tokenlake.tools.config.ServeSettings`, what ``tokenlake config show``
     prints): the pool's part a :class:`~tokenlake.deploy.config.ClusterConfig` (``bind``
     is what its engines bind), the rest the service's. ``ConfigError`` for values that
     only the two together refuse (a pool too small for one segment, say)."""
     from tokenlake.deploy.config import ClusterConfig
-    from tokenlake.service.settings import ServeSettings
+    from tokenlake.service.config import ServeConfig
 
     cluster = ClusterConfig(cfg.instances, load_model(cfg.model), cfg.pool_mb << 20, cfg.segment_tokens,
                             cfg.max_rows, host=cfg.bind, insecure=cfg.insecure, kv_layout=cfg.kv_layout,
                             page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype)
-    return ServeSettings(cluster, host=cfg.host, control_port=cfg.control_port, http_port=cfg.http_port,
+    return ServeConfig(cluster, host=cfg.host, control_port=cfg.control_port, http_port=cfg.http_port,
                          engine=cfg.engine, compute=cfg.compute, credentials=cfg.credentials,
                          limits=cfg.http_limits(), orphan_grace_s=cfg.orphan_grace_s)
 
@@ -221,7 +221,7 @@ def _serve_local(cfg, json_lines: bool) -> int:
 
     emit("starting", f"starting ({cfg.engine}) ...", instances=cfg.instances, engine=cfg.engine)
     try:
-        serve_local(serve_settings(cfg), stop=stop, on_ready=ready,
+        serve_local(serve_config(cfg), stop=stop, on_ready=ready,
                     progress=lambda line: emit("progress", line, message=line))
     except (TokenLakeError, ValueError) as exc:  # sizes, a port in use, an engine that fails
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

@@ -1,4 +1,4 @@
-""":class:`ServeSettings`: what :func:`~tokenlake.service.serve.serve_local` serves, as one
+""":class:`ServeConfig`: what :func:`~tokenlake.service.serve.serve_local` serves, as one
 frozen, validated object.
 
 It holds the pool's :class:`~tokenlake.deploy.config.ClusterConfig` (the launcher's
@@ -31,7 +31,7 @@ COMPUTE = ("one", "per-instance")
 
 
 @dataclass(frozen=True)
-class ServeSettings:
+class ServeConfig:
     """What a local service serves.
 
     Attributes:

@@ -1,4 +1,4 @@
-"""``tokenlake bench gpu``: its arguments and printing (the work: ``bench_gpu.py``)."""
+"""``tokenlake bench gpu``: its arguments and printing (the work: ``tokenlake/tools/bench/gpu.py``)."""
 
 from __future__ import annotations
 

@@ -63,19 +63,19 @@ class PoolConfig:
     shared_memory: bool = False
 
     def __post_init__(self) -> None:
-        _positive_int("segment_tokens", self.segment_tokens)
-        _positive_int("eviction_choices", self.eviction_choices)
+        positive_int("segment_tokens", self.segment_tokens)
+        positive_int("eviction_choices", self.eviction_choices)
         if self.page_tokens is None:
             page = DEFAULT_PAGE_TOKENS if self.segment_tokens % DEFAULT_PAGE_TOKENS == 0 \
                 else self.segment_tokens
             object.__setattr__(self, "page_tokens", page)
-        _positive_int("page_tokens", self.page_tokens)
+        positive_int("page_tokens", self.page_tokens)
         if self.segment_tokens % self.page_tokens:
             raise ConfigError(f"page_tokens={self.page_tokens} must divide "
                               f"segment_tokens={self.segment_tokens}")
-        _positive_int("slots_per_instance", self.slots_per_instance)
-        _positive_int("vnodes", self.vnodes)
-        _positive_int("max_replications", self.max_replications)
+        positive_int("slots_per_instance", self.slots_per_instance)
+        positive_int("vnodes", self.vnodes)
+        positive_int("max_replications", self.max_replications)
         if not self.namespace:
             raise ConfigError("namespace must be non-empty (model id + KV layout)")
         if not 0 < self.bucket_s <= self.window_s:
@@ -86,6 +86,12 @@ class PoolConfig:
             raise ConfigError("need 0 <= replicate_low <= replicate_high (hysteresis)")
 
 
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python, not to a setting)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: object) -> None:
+    """:class:`ConfigError` naming ``name`` unless ``value`` is an int of at least 1."""
+    if not is_int(value) or value < 1:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tokenlake.core.config import is_int, positive_int
 from tokenlake.core.control import KV_DTYPES, KV_LAYOUTS, check_kv_dtype
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import ModelSpec
@@ -92,21 +93,21 @@ class ClusterConfig:
     share_slabs: bool = True
 
     def __post_init__(self) -> None:
-        if not _is_int(self.instances) or self.instances < 1:
+        if not is_int(self.instances) or self.instances < 1:
             raise ConfigError(f"need at least one instance (instances={self.instances!r})")
         if not isinstance(self.model, ModelSpec):
             raise ConfigError(f"model must be a ModelSpec, got {type(self.model).__name__}")
         for name in ("segment_tokens", "max_rows"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.page_tokens is not None:
-            _positive_int("page_tokens", self.page_tokens)
+            positive_int("page_tokens", self.page_tokens)
             if self.segment_tokens % self.page_tokens:
                 raise ConfigError(f"page_tokens={self.page_tokens} must divide "
                                   f"segment_tokens={self.segment_tokens}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         check_kv_dtype(self.kv_dtype)
-        if not _is_int(self.pool_bytes) or self.pool_bytes < self.segment_bytes:
+        if not is_int(self.pool_bytes) or self.pool_bytes < self.segment_bytes:
             raise ConfigError(f"pool_bytes={self.pool_bytes} holds no {self.segment_bytes}-byte segment")
         self._check_times()
         if not isinstance(self.host, str) or not self.host or any(c.isspace() or c == "/" for c in self.host):
@@ -161,10 +162,3 @@ class ClusterConfig:
         return cls(config, *args, **fields)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")

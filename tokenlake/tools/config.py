@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 
+from tokenlake.core.config import is_int
 from tokenlake.core.control import KV_DTYPES, KV_LAYOUTS
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import list_models
@@ -187,7 +188,7 @@ class ServeSettings:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.metadata["kind"] == "float" and _is_int(value):  # 2 CPUs: 2.0
+            if f.metadata["kind"] == "float" and is_int(value):  # 2 CPUs: 2.0
                 value = float(value)
                 object.__setattr__(self, f.name, value)
             _check_type(f.name, f.metadata["kind"], value, f.default is None)
@@ -218,16 +219,12 @@ class ServeSettings:
         return out
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 _IS_KIND: dict[str, Callable[[object], bool]] = {
-    "int": _is_int,
+    "int": is_int,
     "float": lambda v: isinstance(v, float),
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
-    "ports": lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(_is_int, v)),
+    "ports": lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(is_int, v)),
 }
 
 
@@ -283,7 +280,7 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False,
 
 def _from_toml(kind: str, value):
     """A value of ``kind`` from the file; TOML's own types must match (``ValueError``)."""
-    if kind == "float" and _is_int(value):
+    if kind == "float" and is_int(value):
         return float(value)
     if kind == "ports":
         if isinstance(value, str):

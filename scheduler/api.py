@@ -37,6 +37,9 @@ class RequestView:
         remaining_prefill: prompt tokens still to compute (0 in decode).
         arrival_s: arrival time, seconds on the snapshot's clock.
         tbt_slo_s: time-between-tokens SLO in seconds, or None for no SLO.
+        decode_instance: the instance whose decode batch it ran in at the last
+            iteration, or None (not decoding yet, or that batch ended); a policy may keep
+            the batch together there (:mod:`scheduler.keep`).
     """
 
     request_id: str
@@ -45,10 +48,13 @@ class RequestView:
     remaining_prefill: int
     arrival_s: float
     tbt_slo_s: float | None = None
+    decode_instance: int | None = None
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise DecisionError(f"request {self.request_id!r}: unknown phase {self.phase!r}")
+        if self.decode_instance is not None and self.phase != "decode":
+            raise DecisionError(f"request {self.request_id!r}: a decode_instance outside decode")
         if self.context_tokens < 0 or self.remaining_prefill < 0:
             raise DecisionError(f"request {self.request_id!r}: token counts must be >= 0")
         if self.phase == "prefill" and self.remaining_prefill < 1:
@@ -94,12 +100,15 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class BatchDecision:
-    """One batch: its requests, phase, degree of parallelism and new tokens per request."""
+    """One batch: its requests, phase, degree of parallelism and new tokens per request.
+    ``instance``: where a decode batch continues (its members ran there at the last
+    iteration); None leaves the placement to the dispatch."""
 
     request_ids: tuple[str, ...]
     phase: Phase
     dop: int
     new_tokens: tuple[int, ...]
+    instance: int | None = None
 
     def __post_init__(self) -> None:
         if not self.request_ids:
@@ -116,6 +125,8 @@ class BatchDecision:
             raise DecisionError(f"new token counts must be ints >= 1, got {self.new_tokens}")
         if self.phase == "decode" and any(n != 1 for n in self.new_tokens):
             raise DecisionError("a decode request computes exactly one new token")
+        if self.instance is not None and (self.phase != "decode" or type(self.instance) is not int):
+            raise DecisionError(f"only a decode batch names its instance, got {self.instance!r}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,11 @@ class Decision:
         if sum(self.dops) > snap.free_instances:
             raise DecisionError(
                 f"decision uses {sum(self.dops)} instances, {snap.free_instances} are free")
+        named = [b.instance for b in self.batches if b.instance is not None]
+        free = {i.instance for i in snap.instances if not i.busy}
+        if len(set(named)) != len(named) or not free.issuperset(named):
+            raise DecisionError(f"batches name instances {named}; free are {sorted(free)}, "
+                                "each for one batch")
         views = {r.request_id: r for r in snap.requests}
         for b in self.batches:
             for rid, n in zip(b.request_ids, b.new_tokens):

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.api import BatchDecision, Decision, RequestView, Snapshot
+from scheduler.keep import KeptDecode, placed
 from scheduler.latency import slowdown, work_terms
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -307,12 +308,20 @@ class GoodputScheduler:
         max_prefill_dop: cap on a prefill batch's DoP (default: all free instances).
         prefill_dops: ``"all"`` (every DoP 1..N, the exact DP) or ``"pow2"`` (1, 2, 4,
             ...: the DP is exact over that restricted set and ~N/log2(N) times faster).
+        decode_batches: ``"keep"`` (a running decode batch stays together on its
+            instance unless the SLO asks for a change or re-forming costs less, moves
+            counted: :mod:`scheduler.keep`) or ``"reform"`` (every decision batches
+            every decode request afresh, the stateless DP of the paper).
     """
 
     name = "goodput-dp"
 
     def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 max_prefill_dop: int | None = None, prefill_dops: str = "all") -> None:
+                 max_prefill_dop: int | None = None, prefill_dops: str = "all",
+                 decode_batches: str = "keep") -> None:
+        if decode_batches not in ("keep", "reform"):
+            raise ValueError(f"decode_batches must be 'keep' or 'reform', got {decode_batches!r}")
+        self.decode_batches = decode_batches
         if prefill_dops not in ("all", "pow2"):
             raise ValueError(f"prefill_dops must be 'all' or 'pow2', got {prefill_dops!r}")
         self.prefill_dops = prefill_dops
@@ -356,15 +365,34 @@ class GoodputScheduler:
                use_slo: bool) -> tuple[list[BatchDecision], float] | None:
         dp_p = _PhaseDP(snap, prefill, self.chunk_tokens, n, dops, use_slo)
         dp_d = _PhaseDP(snap, decode, self.chunk_tokens, n, (1,), use_slo)
-        fp, fd = dp_p.final(), dp_d.final()
-        # The split k_p + k_d <= n with the least total; ties go to the smallest k_p,
-        # then the smallest k_d.
-        best, kp, kd = math.inf, 0, 0
-        for p in range(n + 1):
-            for d in range(n + 1 - p):
-                t = fp[p] + fd[d]
-                if t < best:
-                    best, kp, kd = t, p, d
-        if best == math.inf:
+        fp = dp_p.final()
+        best, kp, kd = _split(fp, dp_d.final(), n)
+        reform = None if best == math.inf else (dp_p.backtrack(kp) + dp_d.backtrack(kd), best)
+        if self.decode_batches == "reform" or not any(r.decode_instance is not None for r in decode):
+            return reform
+        kept = KeptDecode.of(snap, decode, use_slo)
+        dp_f = _PhaseDP(snap, kept.free, self.chunk_tokens, n, (1,), use_slo)
+        held = len(kept.groups)
+        fk = [math.inf] * held + [kept.cost + f for f in dp_f.final()[: n + 1 - held]]
+        best_k, kp, kd = _split(fp, fk, n)
+        views = {r.request_id: r for r in decode}
+        if reform is not None:
+            batches, penalty = placed(snap, reform[0], views)
+            if reform[1] + penalty < best_k:
+                return batches, reform[1]
+        if best_k == math.inf:
             return None
-        return dp_p.backtrack(kp) + dp_d.backtrack(kd), best
+        rest, _ = placed(snap, dp_f.backtrack(kd - held), views, frozenset(kept.groups))
+        return dp_p.backtrack(kp) + kept.batches() + rest, best_k
+
+
+def _split(fp: list[float], fd: list[float], n: int) -> tuple[float, int, int]:
+    """The split ``k_p + k_d <= n`` of the instances between the phases with the least
+    total ``fp[k_p] + fd[k_d]``; ties go to the smallest ``k_p``, then the smallest ``k_d``."""
+    best, kp, kd = math.inf, 0, 0
+    for p in range(n + 1):
+        for d in range(n + 1 - p):
+            t = fp[p] + fd[d]
+            if t < best:
+                best, kp, kd = t, p, d
+    return best, kp, kd

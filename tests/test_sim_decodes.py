@@ -101,8 +101,11 @@ def test_decode_batches_take_an_instance_free_when_their_requests_are(monkeypatc
 
 
 def test_decode_first_keeps_tbt_where_matching_by_bytes_misses_it():
+    """Decode batches re-formed at every decision (placed by the dispatch each time;
+    kept batches stay on their instance and need no placement, tests/test_keep_decode.py)."""
     reqs = _loogle(rate=24.0, scale=0.5)
-    first = simulate(reqs, "tokenlake", CONFIG)
-    by_bytes = simulate(reqs, "tokenlake", replace(CONFIG, decode_first=False))
+    reform = replace(CONFIG, decode_batches="reform")
+    first = simulate(reqs, "tokenlake", reform)
+    by_bytes = simulate(reqs, "tokenlake", replace(reform, decode_first=False))
     assert by_bytes.tbt_slo_attainment < first.tbt_slo_attainment
     assert by_bytes.tbt_miss_waited > 0.5  # its misses are waits between batches

@@ -39,13 +39,14 @@ class SimRequest(TrackedRequest):
     """A request's progress: the tracked part (phase, hit, prefilled, generated, see
     :mod:`tokenlake.generation.tracker`; changed only through the backend's
     :attr:`Backend.tracker`) plus what the simulator keeps. ``worker`` is where it last
-    ran (or is routed); ``ready_s`` when its last iteration ends; ``blocked`` why it may
+    ran (or is routed), ``decode_at`` the instance of the decode batch it ran in last
+    (None before its first decode step); ``ready_s`` when its last iteration ends; ``blocked`` why it may
     not be scheduled now (None: it may); ``aux`` is the backend's (TokenLake: its plan;
     xPyD: KV bytes)."""
 
     __slots__ = ("idx", "source", "output_len", "first_token_s", "last_token_s", "tbt_sum",
                  "tbt_count", "tbt_max", "tbt_max_waited", "run", "blocked", "ttft_slo_s", "tokens", "keys",
-                 "worker", "aux", "ready_s")
+                 "worker", "decode_at", "aux", "ready_s")
 
     def __init__(self, idx: int, source: Request) -> None:
         super().__init__(source.request_id, source.input_length, source.arrival_s)
@@ -54,6 +55,7 @@ class SimRequest(TrackedRequest):
         self.tbt_sum, self.tbt_count, self.tbt_max = 0.0, 0, 0.0
         self.tbt_max_waited = False  # the longest TBT spans a wait between two batches
         self.run = self.blocked = self.tokens = self.keys = self.worker = self.aux = None
+        self.decode_at = None
         self.ttft_slo_s = self.tbt_slo_s = 0.0
         self.ready_s = self.arrival_s  # when its last iteration ends (it may run again)
 

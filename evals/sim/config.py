@@ -75,6 +75,11 @@ class SimConfig:
             one round by bytes alone (the rule before, kept to compare: decode batches
             then often wait for a prefill iteration to end, docs/evaluation.md "What sets
             TokenLake's knee").
+        decode_batches: TokenLake's decode batches across decisions
+            (:mod:`scheduler.keep`): ``keep`` (the default: a running decode batch stays
+            together on its instance unless its SLO breaks or re-forming costs less with
+            the moves counted) or ``reform`` (every decision batches every decode request
+            afresh, the stateless DP; the rule before, kept to compare).
         seed: seed of every random choice (replica selection, Poisson arrivals).
     """
 
@@ -101,6 +106,7 @@ class SimConfig:
     admission: str = "cache-first"
     admission_patience: float = 2.0
     decode_first: bool = True
+    decode_batches: str = "keep"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -116,6 +122,8 @@ class SimConfig:
             raise ConfigError(f"segment_tokens must be a positive int, got {self.segment_tokens!r}")
         if self.cache_gb is not None and not self.cache_gb > 0:
             raise ConfigError(f"cache_gb must be > 0, got {self.cache_gb!r}")
+        if self.decode_batches not in ("keep", "reform"):
+            raise ConfigError(f"decode_batches must be 'keep' or 'reform', got {self.decode_batches!r}")
         if self.admission not in ADMISSION_RULES:
             raise ConfigError(f"admission must be one of {ADMISSION_RULES}, got {self.admission!r}")
         for name in ("slo_scale", "cv_window_s", "rebalance_s", "router_evict_s",

@@ -30,12 +30,13 @@ import math
 import random
 from dataclasses import replace
 
+from evals.sim import placement
 from evals.sim.backend import Backend, Run, SimRequest, SimulationError
 from evals.sim.pool_plans import PoolPlanner
 from evals.sim.run_timing import RunTiming
 from evals.sim.trace import prompt_array
 from scheduler.admission import admission_order, waits_for_flight
-from scheduler.api import BatchDecision, InstanceView, Snapshot
+from scheduler.api import BatchDecision, InstanceView, RequestView, Snapshot
 from scheduler.latency import slowdown
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.control import ControlPlane
@@ -75,6 +76,7 @@ class PooledBackend(Backend):
         self._decide_at, self._version = None, 0
         self._last: tuple = (None, ())  # the last decision's requests and batches
         self.reused_decisions = 0
+        self.decode_moves = 0  # decode steps on another instance than the step before
         import scipy.optimize  # noqa: F401  (dispatch imports it lazily; keep it out of the timing)
 
     # -------------------------------------------------------------- events
@@ -164,10 +166,17 @@ class PooledBackend(Backend):
 
     def snapshot(self, vis: list[SimRequest], load: float) -> Snapshot:
         """What the policy decides on: ``vis`` (waiting ones first), all instances."""
-        view = self.tracker.view
-        return Snapshot(self.now, tuple(view(r) for r in vis if not r.admitted),
-                        tuple(view(r) for r in vis if r.admitted),
+        return Snapshot(self.now, tuple(self._view(r) for r in vis if not r.admitted),
+                        tuple(self._view(r) for r in vis if r.admitted),
                         tuple(InstanceView(i) for i in self.instance_ids), load, self.lat)
+
+    def _view(self, r: SimRequest) -> RequestView:
+        """The tracker's view of ``r`` and, in decode, the instance of its decode batch."""
+        view = self.tracker.view(r)
+        if view.phase != "decode":
+            return view
+        at = r.run.group[0] if r.run is not None and r.run.phase == "decode" else r.decode_at
+        return view if at is None else replace(view, decode_instance=at)
 
     def _stop(self, run: Run) -> None:
         """Ends ``run`` after its current iteration (at once if it has not started)."""
@@ -186,6 +195,9 @@ class PooledBackend(Backend):
         end = run.sched.end(k)
         for r in run.reqs:
             r.ready_s, r.worker = end, run.group[0]
+            if run.phase == "decode":
+                self.decode_moves += r.decode_at is not None and r.decode_at != run.group[0]
+                r.decode_at = run.group[0]
         for inst in run.group:
             self.free_at[inst] = end
         self.planner.finish_prefills(run)
@@ -325,8 +337,8 @@ class PooledBackend(Backend):
                 self._block(r)
             return False
         # The plans exist now: where each request's prefix is read is known.
-        groups = (self._assign(batches, taken) if self.fixed else
-                  self.timing.place(runs, [i for i in self.instance_ids if i not in taken]))
+        groups = (placement.fixed_split(self, batches, taken) if self.fixed
+                  else placement.kept_or_dispatched(self, batches, runs, taken))
         starts = []
         for run, group in zip(runs, groups):
             run.group = group
@@ -361,27 +373,6 @@ class PooledBackend(Backend):
             b, request_ids=tuple(b.request_ids[n] for n in k), new_tokens=tuple(b.new_tokens[n] for n in k))
             for b, k in zip(batches, keeps) if k)
 
-    def _assign(self, batches: tuple[BatchDecision, ...], taken: set[int]) -> list[tuple[int, ...]]:
-        """Instances per batch of a fixed PD split (``taken`` are busy): a decode batch
-        keeps its first request's last instance when it can; the rest take the instances
-        of their role free earliest. (Plain TokenLake uses the dispatch:
-        :meth:`~evals.sim.run_timing.RunTiming.place`.)"""
-        out: list[tuple[int, ...] | None] = [None] * len(batches)
-        allowed = [tuple(self.fixed.allowed_instances(b)) if self.fixed else self.instance_ids
-                   for b in batches]
-        for n, b in enumerate(batches):
-            w = self.tracker[b.request_ids[0]].worker
-            if b.phase == "decode" and w is not None and w not in taken and w in allowed[n]:
-                out[n] = (w,)
-                taken.add(w)
-        for n in sorted(range(len(batches)), key=lambda n: -batches[n].dop):
-            if out[n] is None:
-                free = sorted((i for i in allowed[n] if i not in taken),
-                              key=lambda i: (self.free_at[i], i))[: batches[n].dop]
-                out[n] = tuple(free)
-                taken.update(free)
-        return out
-
     def _decode_run(self, reqs) -> Run:
         """Steps until the first request of the batch is done (placed and timed by
         :meth:`_launch` once the plans exist)."""
@@ -405,5 +396,6 @@ class PooledBackend(Backend):
                 "replications": st.pool.replications, "segments": st.pool.segments,
                 "dedup_segments": st.pool.dedup_segments, "segment_tokens": self.c,
                 "plan_settles": self.planner.settles, "reused_decisions": self.reused_decisions,
+                "decode_moves": self.decode_moves,
                 "slots_per_instance": self.setup.slots_per_instance, "chunk_tokens": self.chunk,
                 "query_busy_s": [busy[i] for i in self.instance_ids]}

@@ -37,7 +37,8 @@ def make_backend(system: str, config: SimConfig):
     if system in ("tokenlake", "tokenlake-1p3d", "tokenlake-3p1d"):
 
         policy = GoodputScheduler(chunk_tokens=config.chunk_tokens,
-                                  max_prefill_dop=config.max_prefill_dop)
+                                  max_prefill_dop=config.max_prefill_dop,
+                                  decode_batches=config.decode_batches)
         if system != "tokenlake":
 
             n = config.instances

@@ -88,6 +88,10 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-choices", type=positive(int), default=2,
                    help="TokenLake: a full pool evicts the LRU victim of the home and the next "
                         "N-1 instances on the ring (1: the home only)")
+    p.add_argument("--reform-decode-batches", action="store_true",
+                   help="TokenLake: batch every decode request afresh at each decision (the "
+                        "stateless DP; default: running decode batches stay together unless "
+                        "the SLO asks; to compare)")
     p.add_argument("--no-decode-first", action="store_true",
                    help="TokenLake: match every batch to instances by bytes alone (default: "
                         "decode batches first, where they need not wait; to compare)")
@@ -177,7 +181,8 @@ def run_eval(args: argparse.Namespace) -> int:
     config = SimConfig(instances=16 if args.experiment == "multi-node" else 8,
                        page_tokens=args.page_tokens, admission=args.admission,
                        eviction_choices=args.eviction_choices,
-                       decode_first=not args.no_decode_first)
+                       decode_first=not args.no_decode_first,
+                       decode_batches="reform" if args.reform_decode_batches else "keep")
     if args.instances:
         config = replace(config, instances=args.instances)
     bar = _progress_bar(None, args.experiment, "run", args.quiet)
@@ -265,6 +270,10 @@ def add_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=ADMISSION_RULES, default="cache-first",
                    help="TokenLake's admission order in a full pool (scheduler/admission.py; "
                         "fcfs: arrival order, to compare)")
+    p.add_argument("--reform-decode-batches", action="store_true",
+                   help="TokenLake: batch every decode request afresh at each decision (the "
+                        "stateless DP; default: running decode batches stay together unless "
+                        "the SLO asks; to compare)")
     p.add_argument("--no-decode-first", action="store_true",
                    help="TokenLake: match every batch to instances by bytes alone (default: "
                         "decode batches first, where they need not wait; to compare)")
@@ -292,7 +301,8 @@ def _load_requests(args: argparse.Namespace):
                            slo_scale=args.slo_scale, seed=args.seed,
                            page_tokens=args.page_tokens, home_eviction=not args.global_lru,
                            admission=args.admission, eviction_choices=args.eviction_choices,
-                           decode_first=not args.no_decode_first)
+                           decode_first=not args.no_decode_first,
+                       decode_batches="reform" if args.reform_decode_batches else "keep")
         config.resolve()
         reqs = arrange(load_trace(args.trace, args.limit), args.rate, args.speedup,
                        args.repeat, args.seed)

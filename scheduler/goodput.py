@@ -370,20 +370,34 @@ class GoodputScheduler:
         reform = None if best == math.inf else (dp_p.backtrack(kp) + dp_d.backtrack(kd), best)
         if self.decode_batches == "reform" or not any(r.decode_instance is not None for r in decode):
             return reform
-        kept = KeptDecode.of(snap, decode, use_slo)
-        dp_f = _PhaseDP(snap, kept.free, self.chunk_tokens, n, (1,), use_slo)
-        held = len(kept.groups)
-        fk = [math.inf] * held + [kept.cost + f for f in dp_f.final()[: n + 1 - held]]
-        best_k, kp, kd = _split(fp, fk, n)
         views = {r.request_id: r for r in decode}
-        if reform is not None:
-            batches, penalty = placed(snap, reform[0], views)
-            if reform[1] + penalty < best_k:
-                return batches, reform[1]
-        if best_k == math.inf:
-            return None
-        rest, _ = placed(snap, dp_f.backtrack(kd - held), views, frozenset(kept.groups))
-        return dp_p.backtrack(kp) + kept.batches() + rest, best_k
+        given_up: frozenset[int] = frozenset()
+        best: tuple | None = None  # (objective with moves, plan)
+        while True:
+            kept = KeptDecode.of(snap, decode, use_slo, given_up)
+            if not kept.groups:  # nothing kept: the stateless DP, on the old instances
+                if reform is not None and (best is None or reform[1] + _moves(decode) < best[0]):
+                    return placed(snap, reform[0], views), reform[1]
+                break
+            dp_f = _PhaseDP(snap, kept.free, self.chunk_tokens, n, (1,), use_slo)
+            held = len(kept.groups)
+            fk = [math.inf] * held + [kept.cost + f for f in dp_f.final()[: n + 1 - held]]
+            total, kp, kd = _split(fp, fk, n)
+            moved = [views[rid] for rid in views if views[rid].decode_instance in given_up]
+            if total < math.inf and (best is None or total + _moves(moved) < best[0]):
+                rest = placed(snap, dp_f.backtrack(kd - held), views, frozenset(kept.groups))
+                best = (total + _moves(moved), (dp_p.backtrack(kp) + kept.batches() + rest, total))
+            elif best is not None:
+                break  # giving up one more kept batch does not pay for its moves
+            # the smallest kept batch given up too (fewest moves)
+            given_up |= {min(kept.groups, key=lambda i: (len(kept.groups[i]), i))}
+        return None if best is None else best[1]
+
+
+def _moves(moved: list[RequestView]) -> float:
+    """What moving ``moved`` to other decode batches costs, in the DP objective's units:
+    each waits for its new batch's instance, about one TBT SLO (1 s without one)."""
+    return sum(1.0 if r.tbt_slo_s is None else r.tbt_slo_s for r in moved if r.decode_instance is not None)
 
 
 def _split(fp: list[float], fd: list[float], n: int) -> tuple[float, int, int]:

@@ -10,14 +10,18 @@ Here a running decode batch is a unit the DP keeps unless there is a reason not 
 
 * A decode request that ran on instance ``x`` in the last iteration
   (``RequestView.decode_instance``) stays in ``x``'s batch while that batch meets the
-  smallest TBT SLO of its members (grown contexts can break it: the batch is then
-  dissolved and its members batched afresh).
+  smallest TBT SLO of its members. When grown contexts (or the pool's load) break it,
+  members leave, longest context first, until the rest meet it; those leaving are
+  batched afresh.
 * A request new to decode joins the kept batch where it adds the least latency and the
   SLO still holds (as continuous batching adds a request to the running batch); what
   fits nowhere is batched by the DP over the remaining instances.
-* Re-forming everything (the stateless DP's answer) stays a candidate, with its cost
-  counted: each request it moves waits about one iteration of its new batch. The
-  scheduler takes whichever total is lower (:func:`placed`).
+* When the kept batches leave no instance for the waiting prompts, the smallest kept
+  batch is given up (its members join the others as new requests do, or are batched
+  afresh), and so on until the plan fits; only with no kept batch left does the DP
+  re-form everything, each batch then on the instance most of its members decoded on
+  (:func:`placed`). A move costs more than an iteration: the moved request waits for
+  its new instance, often past its TBT SLO.
 """
 
 from __future__ import annotations
@@ -61,9 +65,12 @@ class KeptDecode:
     cost: float
 
     @classmethod
-    def of(cls, snap: Snapshot, decode: list[RequestView], use_slo: bool) -> KeptDecode:
-        """Keeps what may be kept of ``decode`` (ordered as the DP orders a phase)."""
-        usable = {i.instance for i in snap.instances if not i.busy}
+    def of(cls, snap: Snapshot, decode: list[RequestView], use_slo: bool,
+           given_up: frozenset[int] = frozenset()) -> KeptDecode:
+        """Keeps what may be kept of ``decode`` (ordered as the DP orders a phase); the
+        batches of the ``given_up`` instances are not kept: their members join the kept
+        ones as new requests do."""
+        usable = {i.instance for i in snap.instances if not i.busy} - given_up
         groups: dict[int, list[RequestView]] = {}
         free: list[RequestView] = []
         for r in decode:
@@ -73,12 +80,16 @@ class KeptDecode:
                 free.append(r)
         times: dict[int, float] = {}
         for inst in list(groups):
-            ok, t = _meets(snap, groups[inst], use_slo)
-            if ok:
+            members = groups[inst]
+            ok, t = _meets(snap, members, use_slo)
+            while not ok:  # the SLO asks for a change: the longest contexts leave first
+                free.append(members.pop(max(range(len(members)), key=lambda n: members[n].context_tokens)))
+                ok, t = _meets(snap, members, use_slo) if members else (True, 0.0)
+            if members:
                 times[inst] = t
-            else:  # the SLO asks for a change: batched afresh
-                free.extend(groups.pop(inst))
-        fresh = [r for r in free if r.decode_instance is None]
+            else:
+                del groups[inst]
+        fresh = [r for r in free if r.decode_instance is None or r.decode_instance in given_up]
         for r in fresh:  # new to decode: into the kept batch where it adds the least
             best, where = float("inf"), None
             for inst, members in groups.items():
@@ -105,11 +116,11 @@ class KeptDecode:
 
 
 def placed(snap: Snapshot, batches: Sequence[BatchDecision], views: dict[str, RequestView],
-           taken: frozenset[int] = frozenset()) -> tuple[list[BatchDecision], float]:
-    """Re-formed decode ``batches`` each on the instance most of its members decoded on
-    (largest share first; each instance, ``taken`` ones excepted, for one batch), and
-    what re-forming costs beyond the DP objective: each member that decoded elsewhere
-    waits about one iteration of its new batch before its next token."""
+           taken: frozenset[int] = frozenset()) -> list[BatchDecision]:
+    """Decode ``batches`` formed afresh, each on the instance most of its members decoded
+    on (largest share first; each free instance, ``taken`` ones excepted, for one batch),
+    so that as few requests as possible move; a batch none of whose members decoded on a
+    free instance is left to the dispatch."""
     free = {i.instance for i in snap.instances if not i.busy} - taken
     claims = []  # (members that stay, batch index, instance)
     for n, b in enumerate(batches):
@@ -121,13 +132,4 @@ def placed(snap: Snapshot, batches: Sequence[BatchDecision], views: dict[str, Re
     for _, n, inst in sorted(claims, key=lambda c: (-c[0], c[1], c[2])):
         if n not in where and inst not in where.values():
             where[n] = inst
-    out, penalty = [], 0.0
-    for n, b in enumerate(batches):
-        if b.phase != "decode":
-            out.append(b)
-            continue
-        members = [views[rid] for rid in b.request_ids]
-        moved = sum(1 for r in members if r.decode_instance is not None and r.decode_instance != where.get(n))
-        penalty += moved * batch_time(snap, members)
-        out.append(replace(b, instance=where.get(n)))
-    return out, penalty
+    return [replace(b, instance=where[n]) if n in where else b for n, b in enumerate(batches)]

@@ -58,24 +58,25 @@ def test_running_batches_keep_their_members_and_instances_and_the_new_one_joins(
         "the stateless DP keeps these batches too: the test shows nothing"
 
 
-def test_a_batch_over_its_slo_is_formed_again_and_every_batch_meets_it():
+def test_a_batch_over_its_slo_sheds_its_longest_contexts_and_every_batch_meets_it():
     reqs = [decode(f"r{i}", 60_000 + 1000 * i, 0) for i in range(4)]
     s = snap(reqs)
     slo = 0.9 * batch_time(s, reqs)  # the contexts grew: the batch no longer meets it
     reqs = [decode(r.request_id, r.context_tokens, 0, slo) for r in reqs]
-    assert KeptDecode.of(snap(reqs), reqs, use_slo=True).groups == {}
+    kept = KeptDecode.of(snap(reqs), reqs, use_slo=True)
+    assert [r.request_id for r in kept.free] == ["r3"]  # the longest leaves; the rest stay
     got = GoodputScheduler(decode_batches="keep").solve(snap(reqs))
     assert not got.fell_back and len(got.decision.batches) == 2
+    assert members(got.decision)[0] == {"r0", "r1", "r2"}
     views = {r.request_id: r for r in reqs}
     for b in got.decision.batches:
         assert batch_time(s, [views[rid] for rid in b.request_ids]) <= slo
-    assert sum(b.instance == 0 for b in got.decision.batches) == 1  # one of them stays
 
 
-def test_re_forming_wins_when_it_frees_an_instance_the_prompt_needs():
+def test_a_kept_batch_is_given_up_when_the_prompt_needs_its_instance():
     """Kept apart, the two decode batches would take both instances and the waiting
-    prompt none: the DP merges them on one of their instances (moves counted) and gives
-    the other to the prompt."""
+    prompt none: the smaller one is given up, its member joins the other, and the prompt
+    gets the instance."""
     reqs = [decode("x", 1_000, 0), decode("y", 1_200, 1),
             RequestView("p", "prefill", 0, 4_000, 0.0, None)]
     got = GoodputScheduler(decode_batches="keep").solve(snap(reqs))

@@ -282,3 +282,38 @@ def test_a_full_pool_offers_admission_to_the_cached_prefix_first(model):
         server.admit_limit = None
         server.run()
         cluster.control.check()
+
+
+@pytest.mark.parametrize("rule", ["keep", "reform"])
+def test_decode_batches_on_engines_per_instance_stay_where_they_ran(model, rule):
+    """An engine per instance (batches computed in parallel): the goodput DP keeps each
+    decode batch on the instance it ran on (the loop passes where each request decoded
+    and pins kept batches there); requests arrive one by one, so the stateless DP
+    (``reform``) batches them afresh and moves some. The answers are exact either way."""
+    from scheduler.goodput import GoodputScheduler
+    from tokenlake.engines.compute import ParallelComputeEngine
+
+    weights, tok, ref = model
+    spec = model_spec(weights)
+    prompts = [tok.encode(f"Item {i}: " + "a blue lantern " * (3 + 5 * i)) for i in range(4)]
+    with LocalCluster(2, spec, pool_bytes(weights, C, SLOTS_48M), segment_tokens=C, max_rows=512) as cluster:
+        engine = ParallelComputeEngine(weights, cluster)
+        try:
+            server = GenerationLoop(cluster, weights, chunk_tokens=64, engine=engine,
+                                    policy=GoodputScheduler(chunk_tokens=64, decode_batches=rule))
+            results, moves, last = [], 0, {}
+            for i, p in enumerate(prompts):
+                results.append(server.submit(GenerationRequest(f"r{i}", p, 12, ())))
+                for _ in range(3):
+                    server.step()
+                    moves += sum(1 for rid, at in server._decode_at.items() if last.get(rid, at) != at)
+                    last.update(server._decode_at)
+            while server.busy:
+                server.step()
+                moves += sum(1 for rid, at in server._decode_at.items() if last.get(rid, at) != at)
+                last.update(server._decode_at)
+        finally:
+            engine.close()
+    for p, res in zip(prompts, results):
+        _same(res, ref.generate(list(p), 12, stop_ids=()))
+    assert (moves == 0) if rule == "keep" else (moves > 0), moves

@@ -48,8 +48,9 @@ class Live(TrackedRequest):
 
 
 def plan_without_waiting(control, batches: list[Batch], dops: list[int],
-                         defer: Callable[[set[str]], None]) -> Plans | None:
-    """``control.gen_plans(batches, dops)``; a request whose new tokens complete a segment
+                         defer: Callable[[set[str]], None],
+                         homes: list[int | None] | None = None) -> Plans | None:
+    """``control.gen_plans(batches, dops, homes)``; a request whose new tokens complete a segment
     another client is still storing (``SegmentInFlight``) waits: ``defer`` takes it out of
     this iteration (its admission, if new, back) and the rest is planned without it
     (``batches`` and ``dops`` are changed in place). The next iteration matches it
@@ -57,15 +58,18 @@ def plan_without_waiting(control, batches: list[Batch], dops: list[int],
     iteration was aborted (its session ended). None when every request waits."""
     while True:
         try:
-            return control.gen_plans(batches, dops)
+            return control.gen_plans(batches, dops, homes)
         except SegmentInFlight as e:
             waiting = set(e.request_ids)
             if not waiting & {r.request_id for b in batches for r in b.requests}:
                 raise  # names none of this iteration's requests: nothing to take out
             defer(waiting)
-            kept = [(Batch(tuple(r for r in b.requests if r.request_id not in waiting), b.phase), d)
-                    for b, d in zip(batches, dops)]
-            kept = [(b, d) for b, d in kept if b.requests]
+            pinned = homes if homes is not None else [None] * len(batches)
+            kept = [(Batch(tuple(r for r in b.requests if r.request_id not in waiting), b.phase), d, h)
+                    for b, d, h in zip(batches, dops, pinned)]
+            kept = [(b, d, h) for b, d, h in kept if b.requests]
             if not kept:
                 return None
-            batches[:], dops[:] = [b for b, _ in kept], [d for _, d in kept]
+            batches[:], dops[:] = [b for b, _, _ in kept], [d for _, d, _ in kept]
+            if homes is not None:
+                homes[:] = [h for _, _, h in kept]

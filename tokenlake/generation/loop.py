@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +36,7 @@ from tokenlake.core.specs import load_hardware
 from tokenlake.engines.compute import ComputeEngine
 from tokenlake.generation.live import Live as _Live
 from tokenlake.generation.live import one_per_phase, plan_without_waiting
+from tokenlake.generation.recovery import Recovery
 from tokenlake.generation.requests import GenerationRequest, RequestResult, check_request
 from tokenlake.generation.sampling import next_token
 from tokenlake.generation.tracker import DECODE, WAITING, RequestTracker
@@ -45,7 +47,7 @@ __all__ = ["GenerationLoop", "one_per_phase"]
 DEFAULT_LATENCY = "cpu_smollm2-135m"
 
 
-class GenerationLoop:
+class GenerationLoop(Recovery):
     """Generation through the pool, scheduled every iteration (continuous batching).
 
     Args:
@@ -124,6 +126,7 @@ class GenerationLoop:
         self.keep_logits = keep_logits
         self.on_token = on_token
         self.tracker = RequestTracker(chunk_tokens)
+        self._decode_at: dict[str, int] = {}  # request -> instance of its last decode batch
         self.results: dict[str, RequestResult] = {}
         self.iterations = 0
         self.rebalance_every = rebalance_every
@@ -169,12 +172,12 @@ class GenerationLoop:
         for room) once a single one does not fit beside the running requests; a request
         that finishes lifts the limit."""
         self._admitted_now = []
-        batches, dops, prefilling = self._ask_policy()
+        batches, dops, prefilling, homes = self._ask_policy()
         if not batches:
             return
         cp = self.control
         try:
-            plans = self._plan(batches, dops, prefilling)
+            plans = self._plan(batches, dops, prefilling, homes)
             if plans is None:  # every request waits for segments another client stores:
                 time.sleep(self.in_flight_poll_s)  # no signal tells when it is done; poll
                 return
@@ -197,6 +200,8 @@ class GenerationLoop:
             self._take_back_admissions()
             raise
         cp.complete(plans)
+        self._decode_at = {r.request_id: group[0] for b, group in zip(batches, plans.groups)
+                           if b.phase == DECODE for r in b.requests}
         self.iterations += 1
         if self.rebalance_every and self.iterations % self.rebalance_every == 0:
             reps = cp.rebalance()  # between iterations: no plan is in flight
@@ -213,15 +218,17 @@ class GenerationLoop:
                 continue  # a prefill chunk that is not the prompt's last
             self._emit(live, logits)
 
-    def _plan(self, batches: list[Batch], dops: list[int], prefilling: dict[str, int]):
-        """``gen_plans`` of the policy's batches, the requests that must wait for a
-        segment another client is storing taken out (:func:`plan_without_waiting`)."""
+    def _plan(self, batches: list[Batch], dops: list[int], prefilling: dict[str, int],
+              homes: list[int | None] | None):
+        """``gen_plans`` of the policy's batches (a decode batch the policy keeps on its
+        instance pinned there, ``homes``), the requests that must wait for a segment
+        another client is storing taken out (:func:`plan_without_waiting`)."""
 
         def defer(waiting: set[str]) -> None:
             self.waits_in_flight += len(waiting)
             self._defer(waiting, prefilling)
 
-        return plan_without_waiting(self.control, batches, dops, defer)
+        return plan_without_waiting(self.control, batches, dops, defer, homes)
 
     def _defer(self, request_ids: set[str], prefilling: dict[str, int]) -> None:
         """Takes ``request_ids`` out of this iteration (before its plans exist)."""
@@ -240,35 +247,6 @@ class GenerationLoop:
             if not live.preemptions:
                 live.result.hit_tokens = live.result.prefill_tokens = 0
         self._admitted_now = []
-
-    # ------------------------------------------------------------ failures
-    def preempt(self, request_id: str) -> bool:
-        """Computes an admitted request again from the start (its KV was lost: an
-        instance that held part of it failed). Between iterations only. Its leases and
-        tail go back to the pool; it waits again, in its place, with its prompt plus the
-        tokens it already generated as the prompt to prefill, whose last position gives
-        the next token: greedy outputs stay those of an uninterrupted run, and a sampled
-        request keeps its generator. Returns False if it is not admitted."""
-        live = self.tracker.get(request_id)
-        if live is None or not live.admitted or live.result.done:
-            return False
-        if request_id in self.control.live_requests:
-            self.control.finish_request(request_id)
-        live.prompt = live.req.prompt_ids + tuple(live.result.output_ids)
-        live.preemptions += 1
-        self.tracker.preempt(live, len(live.prompt))
-        return True
-
-    def recover(self) -> tuple[str, ...]:
-        """Replaces the cluster's failed instances (``cluster.replace_failed``: out of
-        the ring and the tree, started again empty) and preempts the requests that lost
-        KV on them; returns those. Call it between iterations (no plans in flight): the
-        serving service does when an engine dies and after a failed iteration."""
-        replace = getattr(self.cluster, "replace_failed", None)
-        if replace is None:
-            return ()
-        lost = replace()
-        return tuple(rid for rid in lost if self.preempt(rid))
 
     # ------------------------------------------------------------ policies
     def _match(self, prompt: tuple[int, ...], salt: str | None = None) -> int:
@@ -289,6 +267,11 @@ class GenerationLoop:
         for live in tracker.waiting():
             tracker.set_hit(live, self._match(live.prompt, live.req.cache_salt))
         waiting, running = tracker.views()
+        if self.parallel and self._decode_at:  # where each decode batch ran last (scheduler/keep.py)
+            at = self._decode_at
+            running = tuple(replace(v, decode_instance=at[v.request_id])
+                            if v.request_id in at and at[v.request_id] < self.compute_slots else v
+                            for v in running)
         if self.admit_limit is not None:  # the pool was full: admit fewer, cache-first
             late = self.clock() - self.admission_patience_s
             waiting = tuple(admission_order(waiting, lambda v: v.context_tokens,
@@ -298,19 +281,21 @@ class GenerationLoop:
         instances = tuple(InstanceView(i) for i in range(self.compute_slots))
         return Snapshot(self.clock(), waiting, running, instances, min(load, 0.99), self.latency)
 
-    def _ask_policy(self) -> tuple[list[Batch], list[int], dict[str, int]]:
-        """The policy's batches for this iteration, trimmed to the buffers, and the
-        prompt tokens each prefilling request computes in them."""
+    def _ask_policy(self) -> tuple[list[Batch], list[int], dict[str, int], list[int | None] | None]:
+        """The policy's batches for this iteration, trimmed to the buffers, the prompt
+        tokens each prefilling request computes in them, and the instance each batch is
+        pinned to (when the engine computes batches in parallel, a decode batch the
+        policy keeps where it ran; else None)."""
         snap = self.snapshot()
         if not snap.requests:
-            return [], [], {}
+            return [], [], {}, None
         decision = self.policy.schedule(snap)
         decision.check(snap)
         if not decision.batches:
             raise RuntimeError(f"policy {self.policy.name!r} scheduled nothing for "
                                f"{len(snap.requests)} requests on free instances ({decision.note})")
         self.decisions.append(decision)
-        batches, dops, prefilling = [], [], {}
+        batches, dops, prefilling, homes = [], [], {}, []
         for b in decision.batches if self.parallel else one_per_phase(decision.batches):
             reqs: list[BatchRequest] = []
             rows = 0  # a sub-batch's rows must fit the instance buffers: keep the batch within
@@ -328,7 +313,8 @@ class GenerationLoop:
             if reqs:
                 batches.append(Batch(tuple(reqs), b.phase))
                 dops.append(b.dop)
-        return batches, dops, prefilling
+                homes.append(b.instance if self.parallel else None)
+        return batches, dops, prefilling, homes if any(h is not None for h in homes) else None
 
     def _chunk(self, live: _Live, tokens: int) -> BatchRequest:
         """The next ``tokens`` prompt tokens of ``live``, admitting it (with the hit kept

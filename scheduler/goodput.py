@@ -51,10 +51,9 @@ import numpy as np
 
 from scheduler.api import BatchDecision, Decision, RequestView, Snapshot
 from scheduler.keep import KeptDecode, placed
-from scheduler.latency import slowdown, work_terms
+from scheduler.latency import SLO_RTOL, slowdown, work_terms
 
 DEFAULT_CHUNK_TOKENS = 512
-SLO_RTOL = 1 + 1e-9  # a batch meets an SLO it equals up to rounding
 MAX_TENSOR_BYTES = 256 << 20  # above this the exact prefill DP switches to pow2 DoPs
 
 

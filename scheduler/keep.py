@@ -16,12 +16,13 @@ Here a running decode batch is a unit the DP keeps unless there is a reason not 
 * A request new to decode joins the kept batch where it adds the least latency and the
   SLO still holds (as continuous batching adds a request to the running batch); what
   fits nowhere is batched by the DP over the remaining instances.
-* When the kept batches leave no instance for the waiting prompts, the smallest kept
+* When the kept batches leave the waiting prompts too few instances, the smallest kept
   batch is given up (its members join the others as new requests do, or are batched
-  afresh), and so on until the plan fits; only with no kept batch left does the DP
-  re-form everything, each batch then on the instance most of its members decoded on
-  (:func:`placed`). A move costs more than an iteration: the moved request waits for
-  its new instance, often past its TBT SLO.
+  afresh), one at a time while the plan's total pays for the moves
+  (``scheduler.goodput``: a move is charged about one TBT SLO, since the moved request
+  waits for its new instance, often past its SLO); only with no kept batch left does
+  the DP re-form everything, each batch then on the instance most of its members
+  decoded on (:func:`placed`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from scheduler.api import BatchDecision, RequestView, Snapshot
-from scheduler.latency import slowdown
-
-SLO_RTOL = 1 + 1e-9  # as in scheduler.goodput: a batch meets an SLO it equals up to rounding
+from scheduler.latency import SLO_RTOL, slowdown
 
 
 def batch_time(snap: Snapshot, reqs: Sequence[RequestView]) -> float:

@@ -16,6 +16,7 @@ import numpy as np
 from tokenlake.core.cost_model import LatencyModel
 
 MAX_LOAD = 0.95
+SLO_RTOL = 1 + 1e-9  # a batch meets an SLO it equals up to rounding
 
 
 def slowdown(cache_load: float) -> float:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.api import BatchDecision, Decision, RequestView, Snapshot
-from scheduler.keep import KeptDecode, placed
+from scheduler.keep import DECODE_BATCH_RULES, KeptDecode, placed
 from scheduler.latency import SLO_RTOL, slowdown, work_terms
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -318,8 +318,8 @@ class GoodputScheduler:
     def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  max_prefill_dop: int | None = None, prefill_dops: str = "all",
                  decode_batches: str = "keep") -> None:
-        if decode_batches not in ("keep", "reform"):
-            raise ValueError(f"decode_batches must be 'keep' or 'reform', got {decode_batches!r}")
+        if decode_batches not in DECODE_BATCH_RULES:
+            raise ValueError(f"decode_batches must be one of {DECODE_BATCH_RULES}, got {decode_batches!r}")
         self.decode_batches = decode_batches
         if prefill_dops not in ("all", "pow2"):
             raise ValueError(f"prefill_dops must be 'all' or 'pow2', got {prefill_dops!r}")
@@ -365,8 +365,8 @@ class GoodputScheduler:
         dp_p = _PhaseDP(snap, prefill, self.chunk_tokens, n, dops, use_slo)
         dp_d = _PhaseDP(snap, decode, self.chunk_tokens, n, (1,), use_slo)
         fp = dp_p.final()
-        best, kp, kd = _split(fp, dp_d.final(), n)
-        reform = None if best == math.inf else (dp_p.backtrack(kp) + dp_d.backtrack(kd), best)
+        total, kp, kd = _split(fp, dp_d.final(), n)
+        reform = None if total == math.inf else (dp_p.backtrack(kp) + dp_d.backtrack(kd), total)
         if self.decode_batches == "reform" or not any(r.decode_instance is not None for r in decode):
             return reform
         views = {r.request_id: r for r in decode}

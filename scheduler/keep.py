@@ -33,6 +33,9 @@ from dataclasses import dataclass, replace
 from scheduler.api import BatchDecision, RequestView, Snapshot
 from scheduler.latency import SLO_RTOL, slowdown
 
+#: ``keep`` (this module's rule) or ``reform`` (the stateless DP, every decision afresh)
+DECODE_BATCH_RULES = ("keep", "reform")
+
 
 def batch_time(snap: Snapshot, reqs: Sequence[RequestView]) -> float:
     """Seconds one decode iteration of ``reqs`` takes on one instance (the DP's model)."""

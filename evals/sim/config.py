@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.admission import ADMISSION_RULES
+from scheduler.keep import DECODE_BATCH_RULES
 from tokenlake.core.cost_model import LatencyModel, default_segment_tokens
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import HardwareProfile, ModelSpec, load_hardware, load_model
@@ -122,8 +123,8 @@ class SimConfig:
             raise ConfigError(f"segment_tokens must be a positive int, got {self.segment_tokens!r}")
         if self.cache_gb is not None and not self.cache_gb > 0:
             raise ConfigError(f"cache_gb must be > 0, got {self.cache_gb!r}")
-        if self.decode_batches not in ("keep", "reform"):
-            raise ConfigError(f"decode_batches must be 'keep' or 'reform', got {self.decode_batches!r}")
+        if self.decode_batches not in DECODE_BATCH_RULES:
+            raise ConfigError(f"decode_batches must be one of {DECODE_BATCH_RULES}, got {self.decode_batches!r}")
         if self.admission not in ADMISSION_RULES:
             raise ConfigError(f"admission must be one of {ADMISSION_RULES}, got {self.admission!r}")
         for name in ("slo_scale", "cv_window_s", "rebalance_s", "router_evict_s",

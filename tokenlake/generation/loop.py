@@ -200,8 +200,9 @@ class GenerationLoop(Recovery):
             self._take_back_admissions()
             raise
         cp.complete(plans)
-        self._decode_at = {r.request_id: group[0] for b, group in zip(batches, plans.groups)
-                           if b.phase == DECODE for r in b.requests}
+        if self.parallel:  # where each decode batch ran (one engine: nothing to keep)
+            self._decode_at = {r.request_id: group[0] for b, group in zip(batches, plans.groups)
+                               if b.phase == DECODE for r in b.requests}
         self.iterations += 1
         if self.rebalance_every and self.iterations % self.rebalance_every == 0:
             reps = cp.rebalance()  # between iterations: no plan is in flight
@@ -267,7 +268,7 @@ class GenerationLoop(Recovery):
         for live in tracker.waiting():
             tracker.set_hit(live, self._match(live.prompt, live.req.cache_salt))
         waiting, running = tracker.views()
-        if self.parallel and self._decode_at:  # where each decode batch ran last (scheduler/keep.py)
+        if self._decode_at:  # where each decode batch ran last (scheduler/keep.py)
             at = self._decode_at
             running = tuple(replace(v, decode_instance=at[v.request_id])
                             if v.request_id in at and at[v.request_id] < self.compute_slots else v

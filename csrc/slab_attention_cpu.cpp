@@ -14,7 +14,9 @@
 // threads and are merged exactly by log-sum-exp. The inner loops are compiled three
 // times (AVX-512, AVX2, baseline) and picked at run time from what the CPU supports.
 // K/V blocks a few blocks ahead (across slot ends) are prefetched into L2. On CPUs with
-// AMX, bfloat16 calls of many grouped rows take a tile path instead (see "The tile path").
+// AMX, bfloat16 calls of many grouped rows take a tile path instead (see "The tile path");
+// elsewhere, and for other dtypes, calls of many grouped rows take the panel path
+// (slab_panel.h): rows in the lanes, K/V broadcast, no reduction across lanes.
 
 #include <torch/extension.h>
 
@@ -459,6 +461,9 @@ inline __attribute__((always_inline)) void run_task_v(const Task& t) {
 }
 
 // ---------------------------------------------------------------------------------
+#include "slab_panel.h"  // the panel path: many grouped rows without tiles
+
+// ---------------------------------------------------------------------------------
 // The tile path (bfloat16 K/V, kAmxRows or more grouped rows, CPUs with AMX): the two matrix
 // products of attention on the tile unit, the softmax on 16-lane vectors.
 //
@@ -814,27 +819,29 @@ __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t
 
 #endif  // __x86_64__
 
-template <typename T, int kE>
+// kL: the panel path's lanes in this variant (its registers' width).
+template <typename T, int kE, int kL>
 inline __attribute__((always_inline)) void dispatch_task(const Task& t) {
   if constexpr (kE > 0 && kE % 32 == 0) {
-    run_task_v<T, kE>(t);
+    if (t.rows >= panel_rows()) run_task_panel<T, kE, kL>(t);
+    else run_task_v<T, kE>(t);
   } else {
     run_task<T, kE>(t);
   }
 }
 
-#define TL_VARIANT(NAME, TARGET)                                          \
+#define TL_VARIANT(NAME, TARGET, LANES)                                   \
   template <typename T, int kE>                                           \
   __attribute__((target(TARGET), noinline)) void NAME(const Task& t) {    \
-    dispatch_task<T, kE>(t);                                              \
+    dispatch_task<T, kE, LANES>(t);                                       \
   }
 
-TL_VARIANT(task_avx512, TL_TARGET_AVX512)
-TL_VARIANT(task_avx2, TL_TARGET_AVX2)
+TL_VARIANT(task_avx512, TL_TARGET_AVX512, 16)
+TL_VARIANT(task_avx2, TL_TARGET_AVX2, 8)
 
 template <typename T, int kE>
 __attribute__((noinline)) void task_base(const Task& t) {
-  dispatch_task<T, kE>(t);
+  dispatch_task<T, kE, 4>(t);
 }
 
 template <typename T, int kE>
@@ -861,15 +868,28 @@ bool uses_tiles(Isa isa, at::ScalarType dtype, int64_t grouped_rows, int64_t hea
 #endif
 }
 
+// Whether a call not on the tile path takes the panel path.
+bool uses_panel(int64_t grouped_rows, int64_t head_dim) {
+  return grouped_rows >= panel_rows() && (head_dim == 64 || head_dim == 128);
+}
+
 }  // namespace
 
-// The path slab_attention takes (see the file comment): "tile", "vector" or "scalar".
+// The path slab_attention takes (see the file comment): "tile", "panel", "vector" or "scalar".
 std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64_t head_dim) {
   const at::ScalarType t = dtype == "bfloat16" ? torch::kBFloat16 : dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
   TORCH_CHECK(dtype == "bfloat16" || dtype == "float16" || dtype == "float32", "unknown dtype ", dtype);
   if (uses_tiles(forced_isa(), t, grouped_rows, head_dim)) return "tile";
+  if (uses_panel(grouped_rows, head_dim)) return "panel";
   return (head_dim == 64 || head_dim == 128) ? "vector" : "scalar";
 }
+
+void set_panel_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "the panel path's fewest rows must be at least 1 (0: the instruction set's)");
+  panel_rows_forced() = rows;
+}
+
+int64_t get_panel_rows() { return panel_rows(); }
 
 // Returns (o, lse); see the file comment. Slot i lives in slabs[sources[i]] (slabs of one
 // shape and dtype: an instance's own and the co-located peers' it maps). tokens[i] == 0
@@ -937,6 +957,7 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
   if (dtype == torch::kFloat32) fn = pick<float>(isa, E);
   else if (dtype == torch::kBFloat16) fn = pick<c10::BFloat16>(isa, E);
   else fn = pick<c10::Half>(isa, E);
+  if (uses_panel(R, E)) scratch = std::max(scratch, panel_floats(R, E));
 #if defined(__x86_64__)
   if (uses_tiles(isa, dtype, R, E)) {
     fn = E == 128 ? &run_task_amx<128> : &run_task_amx<64>;

@@ -106,6 +106,17 @@ def isas(kernel):
     kernel.set_isa(supported[-1])
 
 
+@pytest.fixture
+def paths(kernel):
+    """The many-row paths of the attention kernel, for a test to run each in turn: the
+    fewest grouped rows the panel path takes (``kernel.set_panel_rows``) as the
+    instruction set chooses (0), 1 (every call of head dim 64 or 128 on the panel path)
+    and none (every one on the vector path); the default is back afterwards, also when
+    the test fails."""
+    yield [0, 1, 1 << 30]
+    kernel.set_panel_rows(0)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     """``(weights, tokenizer, reference engine)`` of the shipped model."""

@@ -1,8 +1,10 @@
-"""The csrc CPU kernel of slab partial attention against the float64 reference (issue
-#21): shapes, GQA, dtypes (float32, bfloat16, float16 K/V), empty and partial slots,
-large logits, every instruction set this CPU has, and its refusals."""
+"""The csrc CPU kernel of slab partial attention against the float64 reference: shapes,
+GQA, dtypes (float32, bfloat16, float16 K/V), empty and partial slots, large logits, every
+instruction set this CPU has and every path (vector, panel, tile), and its refusals."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -38,15 +40,16 @@ TOL = {torch.float32: 4e-6, torch.bfloat16: 4e-6, torch.float16: 4e-6}  # the ex
     (2, 8, 1, 64),     # 16 grouped rows: the fewest the tile path takes, one full row tile
     (100, 9, 3, 64),   # 300 grouped rows: a prefill chunk's query, 19 row tiles
 ])
-def test_kernel_equals_the_reference(kernel, isas, dtype, rows, q_heads, kv_heads, head_dim):
-    capacity = 80  # not a multiple of the kernel's block: partial blocks at every slot end
+def test_kernel_equals_the_reference(kernel, isas, paths, dtype, rows, q_heads, kv_heads, head_dim):
+    capacity = 80  # not a multiple of the kernel's blocks: partial blocks at every slot end
     slab = _slab(6, 2, kv_heads, capacity, head_dim, dtype)
     q = torch.randn(rows, q_heads, head_dim, generator=torch.Generator().manual_seed(1))
     slots, tokens = [4, 0, 2, 5], [80, 17, 0, 33]  # full, partial, empty, partial
     scale = head_dim ** -0.5
     want = _reference(q, slab, 1, slots, tokens, scale)
-    for isa in isas:
+    for isa, panel_rows in itertools.product(isas, paths):
         kernel.set_isa(isa)
+        kernel.set_panel_rows(panel_rows)
         got = native.slab_attention(q, slab, 1, slots, tokens, scale)
         assert got.o.dtype == torch.float32 and got.o.shape == (rows, q_heads, head_dim)
         assert got.lse.shape == (rows, q_heads)
@@ -57,7 +60,7 @@ def test_kernel_equals_the_reference(kernel, isas, dtype, rows, q_heads, kv_head
 @pytest.mark.parametrize("dtype", native.DTYPES)
 @pytest.mark.parametrize("head_dim", [128, 64, 32])  # the vector path (two widths) and the scalar one
 @pytest.mark.parametrize("rows", [2, 16])  # 4 grouped rows per kv head, 32 (eight row groups)
-def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, dtype, head_dim, rows):
+def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, paths, dtype, head_dim, rows):
     """A slot's rows past its valid tokens hold whatever an earlier segment or an
     uninitialised page left there: NaN and infinities there must not reach the result
     (the vector path reads whole 16-token blocks, so a partial block is copied and
@@ -70,16 +73,17 @@ def test_what_lies_past_a_slots_valid_tokens_is_never_read(kernel, isas, dtype, 
         slab[s, :, :, :, n + 1::2] = float("inf")
     q = torch.randn(rows, 4, head_dim, generator=torch.Generator().manual_seed(8))
     want = _reference(q, slab, 0, slots, tokens, head_dim ** -0.5)
-    for isa in isas:
+    for isa, panel_rows in itertools.product(isas, paths):
         kernel.set_isa(isa)
+        kernel.set_panel_rows(panel_rows)
         got = native.slab_attention(q, slab, 0, slots, tokens, head_dim ** -0.5)
-        assert torch.isfinite(got.o).all() and torch.isfinite(got.lse).all(), isa
+        assert torch.isfinite(got.o).all() and torch.isfinite(got.lse).all(), (isa, panel_rows)
         torch.testing.assert_close(got.o.double(), want.o, rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [2, 12])  # 4 grouped rows per kv head, 24 (six row groups)
-def test_many_slots_split_over_threads_and_large_logits(kernel, isas, rows, dtype):
+def test_many_slots_split_over_threads_and_large_logits(kernel, isas, paths, rows, dtype):
     """64 slots (tasks split a kv head's slots, merged by LSE) and logits near 1e3:
     the online softmax neither overflows nor loses the small terms (the tile path raises
     its running max lazily: here it must, many times)."""
@@ -88,8 +92,9 @@ def test_many_slots_split_over_threads_and_large_logits(kernel, isas, rows, dtyp
     slots = list(range(63, -1, -1))
     tokens = [64 if s % 3 else 5 for s in slots]
     want = _reference(q, slab, 0, slots, tokens, 1.0)
-    for isa in isas:
+    for isa, panel_rows in itertools.product(isas, paths):
         kernel.set_isa(isa)
+        kernel.set_panel_rows(panel_rows)
         got = native.slab_attention(q, slab, 0, slots, tokens, 1.0)
         assert torch.isfinite(got.o).all() and got.lse.max() > 500
         torch.testing.assert_close(got.o.double(), want.o, rtol=1e-4, atol=1e-4)
@@ -105,12 +110,33 @@ def test_the_tile_path_takes_many_bfloat16_rows(kernel, isas):
     path = kernel.attention_path
     assert path("bfloat16", 32, 128) == "tile" and path("bfloat16", 16, 64) == "tile"
     assert path("bfloat16", 15, 128) == "vector"  # fewer rows than a tile pays for
-    assert path("float32", 32, 128) == "vector" and path("float16", 32, 128) == "vector"
+    assert path("float32", 32, 128) == "panel" and path("float16", 32, 128) == "panel"
     assert path("bfloat16", 32, 96) == "scalar"
     kernel.set_isa("avx512")
-    assert path("bfloat16", 32, 128) == "vector"
+    assert path("bfloat16", 32, 128) == "panel"
     with pytest.raises(RuntimeError, match="dtype"):
         path("int8", 32, 128)
+
+
+def test_many_rows_take_the_panel_path(kernel, isas, paths):
+    """Without tiles, calls of many grouped rows and head dim 64 or 128 take the panel
+    path: from 6 rows with AVX2 and the baseline (where it was measured faster), from 16
+    with AVX-512; a forced threshold moves it, 0 gives the instruction set's back, and a
+    negative one is refused."""
+    path = kernel.attention_path
+    for isa in isas:
+        kernel.set_isa(isa)
+        fewest = 16 if isa in ("avx512", "amx") else 6
+        for dtype in ("float32", "float16") + (() if isa == "amx" else ("bfloat16",)):
+            assert path(dtype, fewest, 64) == "panel" and path(dtype, 300, 128) == "panel"
+            assert path(dtype, fewest - 1, 128) == "vector"
+            assert path(dtype, 300, 96) == "scalar"  # the vector width only
+        kernel.set_panel_rows(1)
+        assert path("float32", 1, 128) == "panel" and kernel.panel_rows() == 1
+        kernel.set_panel_rows(0)
+        assert kernel.panel_rows() == fewest
+    with pytest.raises(RuntimeError, match="at least 1"):
+        kernel.set_panel_rows(-1)
 
 
 def test_no_tokens_gives_the_empty_partial(kernel):
@@ -147,8 +173,8 @@ def test_an_instruction_set_above_the_cpus_is_refused(kernel):
 
 
 def test_bench_kernel_runs_as_a_cpu_without_tiles_would(kernel):
-    """``--isa avx512`` on a CPU with AMX: every row takes the vector path, and the CPU's
-    own instruction set is back afterwards."""
+    """``--isa avx512`` on a CPU with AMX: 16 grouped rows take the panel path, not the
+    tiles, and the CPU's own instruction set is back afterwards."""
     from tokenlake.tools.bench.kernel import bench_kernel
 
     best = kernel.isa()
@@ -156,7 +182,7 @@ def test_bench_kernel_runs_as_a_cpu_without_tiles_would(kernel):
         pytest.skip("needs AVX-512")
     out = bench_kernel(tokens=(1024,), rows=(4,), dtypes=("bfloat16",), repeats=1, buffer_gib=0.05,
                        linear_rows=(1,), linear_layers=1, isa="avx512")
-    assert out["isa"] == "avx512" and [r["path"] for r in out["results"]] == ["vector"]
+    assert out["isa"] == "avx512" and [r["path"] for r in out["results"]] == ["panel"]
     assert kernel.isa() == best
 
 
@@ -177,10 +203,15 @@ def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
         per_byte = 2 * 4 * r["rows"] / (4 if r["dtype"] == "float32" else 2)  # 32 / 8 heads
         assert r["flops_per_byte"] == per_byte
         # rows=4 is 16 grouped rows: bfloat16 takes the tile path where the CPU has tiles,
-        # whose roof is the bandwidth (the compute peak measured is the vector units')
+        # whose roof is the bandwidth (the compute peak measured is the vector units'),
+        # the rest the panel path
         assert r["path"] == kernel.attention_path(r["dtype"], 4 * r["rows"], 128)
-        assert r["path"] == ("tile" if kernel.isa() == "amx" and r["dtype"] == "bfloat16" and r["rows"] == 4
-                             else "vector")
+        tiles = kernel.isa() == "amx" and r["dtype"] == "bfloat16"
+        assert r["path"] == ("vector" if r["rows"] == 1 else "tile" if tiles else "panel")
+        # a panel row also times the vector path on the same call
+        assert ("kernel_vs_vector" in r) == (r["path"] == "panel")
+        if r["path"] == "panel":
+            assert r["vector_gbps"] > 0 and r["kernel_vs_vector"] == pytest.approx(r["kernel_gbps"] / r["vector_gbps"])
         vector_roof = min(out["memory_read_gbps"], out["compute_gflops"] / per_byte)
         assert r["roof_gbps"] == pytest.approx(out["memory_read_gbps"] if r["path"] == "tile" else vector_roof)
         assert r["bound"] == ("memory" if r["roof_gbps"] == out["memory_read_gbps"] else "compute")
@@ -228,9 +259,10 @@ def test_the_stream_loop_refuses_what_it_does_not_take(kernel, buf, fmas, needle
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch, dtype):
     """``slab_partial_attention`` (what a query engine calls) hands few-row calls to the
-    kernel when it is built, and many-row calls (prefill chunks) to torch, except bfloat16
-    ones where the kernel has its tile path (AMX CPUs), which take it up to TILE_ROWS;
-    all give the reference's answer, and switching the kernel off gives torch's path."""
+    kernel when it is built, many-row calls (prefill chunks) on its panel path up to
+    PANEL_ELEMENTS and on its tile path (bfloat16 on AMX CPUs) up to TILE_ROWS, larger
+    ones to torch; all give the reference's answer, and switching the kernel off gives
+    torch's path."""
     from tokenlake.kernels import slab as attention_slab
 
     calls = []
@@ -246,7 +278,9 @@ def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch, dty
     monkeypatch.setattr(attention_slab, "_native_kernel", lambda: Spy() if attention_slab._native["on"] else None)
     slab = _slab(6, 2, 3, 64, 64, dtype)
     slots, tokens = [1, 3, 4], [64, 40, 0]
-    for rows in (1, 8, 64):  # 64 rows x 3 heads per group: beyond SMALL_ROWS
+    # 64 rows x 3 heads per group: beyond SMALL_ROWS; 300 x 3 x 64: beyond PANEL_ELEMENTS
+    assert 64 * 3 > attention_slab.SMALL_ROWS and 300 * 3 * 64 > attention_slab.PANEL_ELEMENTS
+    for rows in (1, 8, 64, 300):
         q = torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(rows))
         want = _reference(q, slab, 1, slots, tokens, 0.125)
         got = attention_slab.slab_partial_attention(q, slab, 1, slots, tokens, 0.125)
@@ -259,7 +293,7 @@ def test_the_query_engines_few_row_path_runs_the_kernel(kernel, monkeypatch, dty
             attention_slab.use_native(True)
         torch.testing.assert_close(off.o.double(), want.o, rtol=2e-5, atol=2e-5)
     tiles = kernel.isa() == "amx" and dtype == torch.bfloat16
-    assert calls == ([1, 8, 64] if tiles else [1, 8])
+    assert calls == ([1, 8, 64, 300] if tiles else [1, 8, 64])
 
 
 @pytest.mark.parametrize("head_dim", [64, 16])  # the vector path and the scalar one

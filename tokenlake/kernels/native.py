@@ -157,7 +157,8 @@ def slab_attention(q: Tensor, slab: Tensor | Sequence[Tensor], layer: int, slots
 def attention_path(dtype: torch.dtype, grouped_rows: int, head_dim: int, module=None) -> str:
     """The path :func:`slab_attention` takes for K/V of ``dtype`` with ``grouped_rows``
     query rows per kv head (rows x query heads per kv head) and ``head_dim``, with the
-    instruction set in use: "tile" (AMX), "vector" or "scalar" (csrc/slab_attention_cpu.cpp).
+    instruction set in use: "tile" (AMX), "panel" (many rows otherwise), "vector" or
+    "scalar" (csrc/slab_attention_cpu.cpp, csrc/slab_panel.h).
     Raises RuntimeError when the kernel is not available."""
     mod = load() if module is None else module
     if mod is None:

@@ -43,20 +43,30 @@ SMALL_ROWS = 64
 #: grouped) 1.69x-1.40x; 32/8 x 128, 64-512 rows (256-2048 grouped) 1.74x-1.05x, falling
 #: with the rows (the per-task scratch outgrows L2), hence the bound.
 TILE_ROWS = 2048
+#: Grouped rows x head dim up to which a call on the kernel's panel path (many rows
+#: without tiles; ``native.attention_path``) goes to the kernel, past SMALL_ROWS. Against
+#: the torch path, alternately in one process (2 threads, AVX2, 4K cached tokens):
+#: SmolLM2's 9/3 heads x 64, 192-768 grouped rows 1.9x-1.25x, 1536 0.91-1.07x; 32/8 x 128,
+#: 256 grouped rows 1.2-1.3x, 1024 0.64-0.88x (q and the output, kept transposed per
+#: task, outgrow L2).
+PANEL_ELEMENTS = 768 * 64
 #: Whether few-row CPU calls go to the csrc kernel when it is built (:func:`use_native`).
 _native = {"on": True}
 
 
 def _kernel_for(slab: Tensor, grouped_rows: int, contiguous: bool):
-    """The csrc module if it takes this CPU call: few grouped rows in any pool dtype, or up
-    to TILE_ROWS where it runs them on the tile path; else None (the torch path)."""
+    """The csrc module if it takes this CPU call: few grouped rows in any pool dtype, up
+    to TILE_ROWS where it runs them on the tile path, or up to PANEL_ELEMENTS (grouped
+    rows x head dim) on its panel path; else None (the torch path)."""
     kernel = _native_kernel()
     if kernel is None or not contiguous or slab.dtype not in native.DTYPES:
         return None
     if grouped_rows <= SMALL_ROWS:
         return kernel
-    if grouped_rows <= TILE_ROWS and native.attention_path(slab.dtype, grouped_rows, slab.shape[5],
-                                                           module=kernel) == "tile":
+    if grouped_rows > TILE_ROWS:
+        return None
+    path = native.attention_path(slab.dtype, grouped_rows, slab.shape[5], module=kernel)
+    if path == "tile" or (path == "panel" and grouped_rows * slab.shape[5] <= PANEL_ELEMENTS):
         return kernel
     return None
 

@@ -25,7 +25,10 @@ else: ``stream_gbps`` is the read rate a kernel doing that arithmetic reaches he
 ``kernel_vs_stream`` the kernel's share of it.
 
 ``path``: the kernel's path for the row (``native.attention_path``): "tile" (the AMX
-matrix unit; bfloat16 with 16 or more grouped rows on CPUs that have it) or "vector".
+matrix unit; bfloat16 with 16 or more grouped rows on CPUs that have it), "panel" (many
+grouped rows otherwise: from 6 with AVX2, 16 with AVX-512) or "vector". A row on the panel
+path also times the same call on the vector path, alternately with the others
+(``vector_gbps``, and ``kernel_vs_vector``: how much faster the panel path is).
 
 ``linear``: the projections of one decode step of SmolLM2-135M (30 layers of q, k, v, o,
 gate, up and down; random float32 weights, 425 MB) on ``linear_rows`` rows, by the csrc kernel
@@ -148,15 +151,21 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
     scale = HEAD_DIM ** -0.5
     sdpa = torch.nn.functional.scaled_dot_product_attention
     fmas = _stream_fmas(rows, slab.element_size())
-    times = interleaved_times({
+    path = native.attention_path(slab.dtype, rows * (Q_HEADS // KV_HEADS), HEAD_DIM)
+    calls = {
         "kernel": lambda: native.slab_attention(q, slab, 0, ids, counts, scale),
         "stream": lambda: native.roof_stream(slab, fmas),
         "torch": lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True),
         "torch_slab": lambda: _torch_slab(slab_partial_attention, q, slab, ids, counts, scale),
-    }, repeats)
+    }
+    if path == "panel":
+        calls["vector"] = lambda: _vector_path(native, q, slab, ids, counts, scale)
+    times = interleaved_times(calls, repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    return {"rows": rows, "tokens": slots * CAPACITY,
-            "path": native.attention_path(slab.dtype, rows * (Q_HEADS // KV_HEADS), HEAD_DIM),
+    extra = {}
+    if path == "panel":
+        extra = {"vector_gbps": kv_bytes / med["vector"] / 1e9, "kernel_vs_vector": med["vector"] / med["kernel"]}
+    return {"rows": rows, "tokens": slots * CAPACITY, "path": path, **extra,
             "kernel_gbps": kv_bytes / med["kernel"] / 1e9,
             "torch_gbps": kv_bytes / med["torch"] / 1e9,
             "torch_slab_gbps": kv_bytes / med["torch_slab"] / 1e9,
@@ -198,6 +207,17 @@ def _measure_linear(native, rows: int, repeats: int, layers: int = LINEAR_LAYERS
             "kernel_ms_range": [min(times["kernel"]) * 1e3, max(times["kernel"]) * 1e3],
             "blas_ms_range": [min(times["blas"]) * 1e3, max(times["blas"]) * 1e3],
             "kernel_vs_blas": med["blas"] / med["kernel"]}
+
+
+def _vector_path(native, q, slab, ids, counts, scale):
+    """The kernel's call with every row count on its vector path (the panel path's
+    threshold moved out of reach, then back to the instruction set's own)."""
+    mod = native.load()
+    mod.set_panel_rows(1 << 30)
+    try:
+        return native.slab_attention(q, slab, 0, ids, counts, scale)
+    finally:
+        mod.set_panel_rows(0)
 
 
 def _torch_slab(slab_partial_attention, q, slab, ids, counts, scale):
@@ -244,7 +264,11 @@ def run_kernel(args: argparse.Namespace) -> int:
     print(f"memory read bandwidth {result['memory_read_gbps']:.1f} GB/s, float32 BLAS "
           f"{result['compute_gflops']:.0f} GFLOP/s ({result['threads']} threads, kernel isa {result['isa']})")
     for row in result["results"]:
-        print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: kernel "
+        if "kernel_vs_vector" in row:
+            print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: panel path "
+                  f"{row['kernel_gbps']:5.1f} GB/s, vector path {row['vector_gbps']:5.1f} GB/s: "
+                  f"{row['kernel_vs_vector']:.2f}x")
+        print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: kernel ({row['path']}) "
               f"{row['kernel_gbps']:5.1f} GB/s ({row['kernel_vs_bandwidth']:.0%} of bandwidth, "
               f"{row['kernel_vs_roof']:.0%} of the {row['bound']} roof {row['roof_gbps']:.1f}, "
               f"{row['kernel_vs_stream']:.0%} of the stream loop's {row['stream_gbps']:.1f}), "

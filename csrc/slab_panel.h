@@ -111,7 +111,7 @@ inline __attribute__((always_inline)) typename Panel<kL>::F exp_negv(typename Pa
 struct PanelState {
   float* qt;  // [E, Rp] pre-scaled q, transposed (rows in lanes)
   float* ot;  // [E, Rp] unnormalised output, transposed
-  float* st;  // [kPB, Rp] a block's scores, then its probabilities (0 past its tokens)
+  float* st;  // [kPB, Rp] a block's scores, then its probabilities
   float* m;   // [Rp] running max
   float* l;   // [Rp] running sum
   float* kw;  // [kPB, E] the block's K as floats, zero past its tokens
@@ -188,8 +188,9 @@ inline __attribute__((always_inline)) void panel_scores(const PanelState& ps, co
 }
 
 // The online softmax of the kL rows from r0 over a block of nb tokens: probabilities in
-// place of the scores (0 past nb), m and l updated; returns the factor the output is
-// rescaled by.
+// place of the scores, m and l updated; returns the factor the output is rescaled by.
+// Past nb the scores are left as they are: 0 (K's rows there are zero), against V rows
+// of zeros, so they add nothing.
 template <int kL>
 inline __attribute__((always_inline)) typename Panel<kL>::F panel_softmax(const PanelState& ps, int64_t Rp,
                                                                           int64_t r0, int64_t nb) {
@@ -209,14 +210,13 @@ inline __attribute__((always_inline)) typename Panel<kL>::F panel_softmax(const 
     sum += p;
     storev<F>(s + j * Rp, p);
   }
-  for (int64_t j = nb; j < kPB; ++j) storev<F>(s + j * Rp, F{});
   storev<F>(ps.l + r0, loadv<F>(ps.l + r0) * corr + sum);
   storev<F>(ps.m + r0, mb);
   return corr;
 }
 
 // ot = ot * corr + p v for dims e0 .. e0 + kC of the kW x kL rows from r0 (the block's kPB
-// tokens; past its valid ones p and v are 0).
+// tokens; past its valid ones v is 0).
 template <int kE, int kL, int kW, int kC>
 inline __attribute__((always_inline)) void panel_output(const PanelState& ps, const float* v, int64_t Rp,
                                                         int64_t r0, int64_t e0,

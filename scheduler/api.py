@@ -148,6 +148,15 @@ class Decision:
     def dops(self) -> tuple[int, ...]:
         return tuple(b.dop for b in self.batches)
 
+    @property
+    def instances_per_phase(self) -> dict[str, int]:
+        """How many instances this decision gives each phase: the DoPs of its prefill
+        batches, one per decode batch (the split the DP chose, docs/scheduling.md)."""
+        out = dict.fromkeys(PHASES, 0)
+        for b in self.batches:
+            out[b.phase] += b.dop
+        return out
+
     def check(self, snap: Snapshot) -> None:
         """Raise :class:`DecisionError` unless this decision fits ``snap``.
 

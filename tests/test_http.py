@@ -98,6 +98,13 @@ def test_chat_greedy_equals_reference_and_reuses_the_document(model, served, cli
     assert after[gen] - before[gen] == sum(a.usage.completion_tokens for a in answers)
     assert after[("tokenlake_ttft_seconds_count", ())] - before[("tokenlake_ttft_seconds_count", ())] == 2
     assert after[("tokenlake_query_latency_seconds_count", ())] > 0
+    # the scheduler's split: every iteration gave its phases instances (one request at a
+    # time: a prefill iteration or more each, a decode iteration per token after the first)
+    runs = {phase: after[("tokenlake_phase_instance_iterations_total", (("phase", phase),))]
+            - before[("tokenlake_phase_instance_iterations_total", (("phase", phase),))]
+            for phase in ("prefill", "decode")}
+    assert runs["prefill"] >= 2 and runs["decode"] >= sum(a.usage.completion_tokens - 1 for a in answers)
+    assert ("tokenlake_phase_instances", (("phase", "decode"),)) in after
     assert after[("tokenlake_instance_up", (("instance", "0"),))] == 1
     assert after[("tokenlake_slots_used", (("instance", "0"),))] + \
         after[("tokenlake_slots_used", (("instance", "1"),))] > 0, "the document is stored"

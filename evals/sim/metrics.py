@@ -67,10 +67,12 @@ class SimResult:
     cv_over_time: tuple[float, ...] = ()
 
     def to_dict(self, series: bool = False) -> dict:
-        """JSON-ready dict; ``series`` keeps the per-window CVs."""
+        """JSON-ready dict; ``series`` keeps the per-window CVs and the timeline of the
+        instances per phase (``extra["phase_timeline"]``, pooled systems)."""
         d = asdict(self)
         if not series:
             d.pop("cv_over_time")
+            d["extra"].pop("phase_timeline", None)
         return d
 
 

@@ -32,6 +32,7 @@ from dataclasses import replace
 
 from evals.sim import placement
 from evals.sim.backend import Backend, Run, SimRequest, SimulationError
+from evals.sim.phases import PhaseLog
 from evals.sim.pool_plans import PoolPlanner
 from evals.sim.run_timing import RunTiming
 from evals.sim.trace import prompt_array
@@ -77,6 +78,7 @@ class PooledBackend(Backend):
         self._last: tuple = (None, ())  # the last decision's requests and batches
         self.reused_decisions = 0
         self.decode_moves = 0  # decode steps on another instance than the step before
+        self.phases = PhaseLog()  # the instances each decision gave each phase
         import scipy.optimize  # noqa: F401  (dispatch imports it lazily; keep it out of the timing)
 
     # -------------------------------------------------------------- events
@@ -156,6 +158,7 @@ class PooledBackend(Backend):
                 decision.check(snap)
                 batches = decision.batches
                 self._last = (sig, batches)
+                self.phases.record(self.now, decision.instances_per_phase)
             if self._launch(batches, slowdown(load) if self.config.pool_slowdown else 1.0):
                 return
 
@@ -397,5 +400,7 @@ class PooledBackend(Backend):
                 "dedup_segments": st.pool.dedup_segments, "segment_tokens": self.c,
                 "plan_settles": self.planner.settles, "reused_decisions": self.reused_decisions,
                 "decode_moves": self.decode_moves,
+                "instances_per_phase": self.phases.summary(self.now, self.setup.instances),
+                "phase_timeline": self.phases.series(),
                 "slots_per_instance": self.setup.slots_per_instance, "chunk_tokens": self.chunk,
                 "query_busy_s": [busy[i] for i in self.instance_ids]}

@@ -104,6 +104,8 @@ class GenerationLoop(Recovery):
         self.tbt_slo_s = tbt_slo_s
         self.clock = clock
         self.decisions: deque = deque(maxlen=keep_decisions)  # policy decisions, in order
+        #: instances the last iteration gave each phase (``Decision.instances_per_phase``)
+        self.phase_instances: dict[str, int] = {"prefill": 0, "decode": 0}
         self.cluster = cluster
         self.control = control if control is not None else cluster.control
         if engine is None and hasattr(cluster, "compute_engine"):
@@ -289,9 +291,11 @@ class GenerationLoop(Recovery):
         policy keeps where it ran; else None)."""
         snap = self.snapshot()
         if not snap.requests:
+            self.phase_instances = {"prefill": 0, "decode": 0}
             return [], [], {}, None
         decision = self.policy.schedule(snap)
         decision.check(snap)
+        self.phase_instances = decision.instances_per_phase
         if not decision.batches:
             raise RuntimeError(f"policy {self.policy.name!r} scheduled nothing for "
                                f"{len(snap.requests)} requests on free instances ({decision.note})")

@@ -48,7 +48,8 @@ class HttpFrontend:
                                       lambda: (self.loop.queue_length, self.loop.running), sessions)
         self.loop.observer = LoopObserver(
             first_token=self.metrics.ttft.observe, between_tokens=self.metrics.tbt.observe,
-            iteration=self.metrics.iteration.observe, finished=self.metrics.finished)
+            iteration=self.metrics.iteration.observe, finished=self.metrics.finished,
+            phases=self.metrics.phases)
         engine = getattr(backend, "engine", None)
         if hasattr(engine, "on_query"):
             engine.on_query = self.metrics.query.observe

@@ -95,6 +95,8 @@ class LoopObserver:
     between_tokens: Callable[[float], None] = lambda s: None
     iteration: Callable[[float], None] = lambda s: None
     finished: Callable[[RequestResult], None] = lambda r: None
+    #: after each iteration, the instances it gave each phase (backends that say so)
+    phases: Callable[[dict[str, int]], None] = lambda p: None
 
 
 class RequestStream:
@@ -330,6 +332,9 @@ class GenerationThread:
             return
         self._failed_in_a_row = 0
         self.observer.iteration(time.perf_counter() - start)
+        phases = getattr(self.server, "phase_instances", None)
+        if phases is not None:
+            self.observer.phases(phases)
 
     def _heal(self) -> bool:
         if self.heal is None:

@@ -3,8 +3,10 @@
 Two kinds, in one registry per service:
 
 * what the serving loop observes as it runs: requests by outcome, prompt, hit and
-  generated tokens, the generation requests being answered, and histograms of time to
-  first token, time between tokens, the iteration time and the pool's query latency
+  generated tokens, the generation requests being answered, histograms of time to
+  first token, time between tokens, the iteration time and the pool's query latency, and
+  the instances the scheduler gives each phase (the last iteration's, and their running
+  sum over iterations, whose rate is the mean instances per phase over a window)
   (:class:`ServiceMetrics` methods, called from the engine thread and the HTTP handlers);
 * what the pool holds, read from the control plane when scraped
   (:class:`_PoolCollector`): slots used and their capacity, cumulative segment reads
@@ -115,6 +117,14 @@ class ServiceMetrics:
                                registry=r, buckets=_QUERY_BUCKETS)
         self.in_flight = Gauge("tokenlake_http_in_flight", "POST requests being answered "
                                "(a stream: until it ends)", registry=r)
+        self.phase_instances = Gauge("tokenlake_phase_instances", "Instances the last iteration's "
+                                     "decision gave each phase", ["phase"], registry=r)
+        self.phase_iterations = Counter("tokenlake_phase_instance_iterations",
+                                        "Instances given each phase, summed over iterations",
+                                        ["phase"], registry=r)
+        for phase in ("prefill", "decode"):
+            self.phase_instances.labels(phase)
+            self.phase_iterations.labels(phase)
         for outcome in ("stop", "length", "abort", "error", "rejected"):
             self.requests.labels(outcome)  # every outcome shows, at 0 until it happens
         r.register(_PoolCollector(stats, instances, loop_counts, sessions))
@@ -125,6 +135,12 @@ class ServiceMetrics:
         self.prompt_tokens.inc(len(result.prompt_ids))
         self.hit_tokens.inc(result.hit_tokens)
         self.generated.inc(len(result.output_ids))
+
+    def phases(self, instances: dict[str, int]) -> None:
+        """An iteration ran: the instances its decision gave each phase."""
+        for phase, n in instances.items():
+            self.phase_instances.labels(phase).set(n)
+            self.phase_iterations.labels(phase).inc(n)
 
     def rejected(self) -> None:
         """A request refused before it ran (bad input)."""

@@ -280,7 +280,9 @@ def add_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=positive(int), default=2, help="baselines' tensor parallelism")
     p.add_argument("--slo-scale", type=positive(float), default=10.0,
                    help="SLO as a multiple of the unloaded latency")
-    p.add_argument("--series", action="store_true", help="include the per-window CVs")
+    p.add_argument("--series", action="store_true",
+                   help="include the per-window CVs and, pooled, the timeline of instances per "
+                        "phase ([time, prefill, decode] at each change)")
     p.add_argument("--json", action="store_true", help="print JSON only (no progress bar)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run_sim)
@@ -347,4 +349,9 @@ def run_sim(args: argparse.Namespace) -> int:
     for key in SUMMARY:
         value = out[key]
         print(f"{key:24s} {value:.4g}" if isinstance(value, float) else f"{key:24s} {value}")
+    split = out["extra"].get("instances_per_phase")
+    if split is not None:  # pooled systems: what the scheduler gave each phase
+        print(f"{'instances_per_phase':24s} prefill {split['prefill']:.2f}, decode "
+              f"{split['decode']:.2f}, idle {split['idle']:.2f} (mean over time; "
+              f"{split['changes']} changes of the split)")
     return 0

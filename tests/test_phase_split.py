@@ -1,0 +1,92 @@
+"""The instances the scheduler gives each phase, said in its decision and shown by the
+simulator (``extra["instances_per_phase"]``, the timeline with ``--series``) and the
+service (``tokenlake_phase_instances``, ``tokenlake_phase_instance_iterations_total``;
+tests/test_http.py): the split follows the mix of waiting prompts and running decodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from evals.sim.phases import PhaseLog
+from scheduler.api import BatchDecision, Decision, InstanceView, RequestView, Snapshot
+from scheduler.goodput import GoodputScheduler
+from tokenlake.core.cost_model import LatencyModel
+
+LAT = LatencyModel.load("a100-80gb_llama-2-7b")
+
+
+def _snap(reqs, n=8):
+    return Snapshot(0.0, (), tuple(reqs), tuple(InstanceView(i) for i in range(n)), 0.1, LAT)
+
+
+def _prefill(rid, prompt):
+    return RequestView(rid, "prefill", 0, prompt, 0.0, None)
+
+
+def _decode(rid, ctx, slo):
+    return RequestView(rid, "decode", ctx, 0, 0.0, slo)
+
+
+def test_the_decision_says_the_split_and_it_follows_the_mix():
+    """Long prompts waiting beside two decodes: most instances prefill. Many long decodes
+    under a tight TBT SLO beside one short prompt: several decode batches, few prefill
+    instances. The split is the DoPs of the prefill batches and one per decode batch."""
+    slo = 0.06
+    prompts = [*(_prefill(f"p{i}", 30_000) for i in range(3)), _decode("d0", 2_000, slo),
+               _decode("d1", 3_000, slo)]
+    chats = [_prefill("p", 500), *(_decode(f"d{i}", 20_000 + 500 * i, slo) for i in range(40))]
+    splits = []
+    for reqs in (prompts, chats):
+        decision = GoodputScheduler().schedule(_snap(reqs))
+        split = decision.instances_per_phase
+        assert split["prefill"] == sum(b.dop for b in decision.batches if b.phase == "prefill")
+        assert split["decode"] == sum(b.phase == "decode" for b in decision.batches)
+        assert 0 < split["prefill"] + split["decode"] <= 8
+        splits.append(split)
+    prompt_heavy, decode_heavy = splits
+    assert prompt_heavy["prefill"] > prompt_heavy["decode"]
+    assert decode_heavy["decode"] > decode_heavy["prefill"] >= 1
+    assert decode_heavy["decode"] > prompt_heavy["decode"]
+
+
+def test_an_empty_decision_gives_no_phase_an_instance():
+    assert Decision(()).instances_per_phase == {"prefill": 0, "decode": 0}
+    d = Decision((BatchDecision(("a",), "prefill", 3, (10,)), BatchDecision(("b",), "decode", 1, (1,))))
+    assert d.instances_per_phase == {"prefill": 3, "decode": 1}
+
+
+def test_the_phase_log_keeps_changes_and_weighs_them_by_time():
+    log = PhaseLog()
+    log.record(1.0, {"prefill": 6, "decode": 2})
+    log.record(2.0, {"prefill": 6, "decode": 2})  # no change: no point
+    log.record(3.0, {"prefill": 3, "decode": 4})
+    log.record(3.0, {"prefill": 2, "decode": 5})  # decided again at once: the last one holds
+    assert log.series() == [[1.0, 6, 2], [3.0, 2, 5]]
+    got = log.summary(end_s=5.0, instances=8)  # 2 s at 6/2, 2 s at 2/5
+    assert got["prefill"] == pytest.approx(4.0) and got["decode"] == pytest.approx(3.5)
+    assert got["idle"] == pytest.approx(0.5) and got["changes"] == 1
+    assert got["changes_per_s"] == pytest.approx(0.25)
+    assert PhaseLog().summary(5.0, 8)["idle"] == 8.0
+
+
+def test_the_simulator_reports_the_split_over_time():
+    """A small ShareGPT load on 8 simulated A100s: the mean instances per phase are the
+    time-weighted timeline, within the cluster, and the timeline is in the JSON only with
+    ``series``."""
+    from evals.experiments import at_rate, build_workload
+    from evals.sim.config import SimConfig
+    from evals.sim.systems import simulate
+
+    res = simulate(at_rate(build_workload("sharegpt", 0.05), 16.0, 0), "tokenlake", SimConfig(instances=8))
+    split, timeline = res.extra["instances_per_phase"], res.extra["phase_timeline"]
+    assert split["prefill"] > 0 and split["decode"] > 0 and split["idle"] >= -1e-9
+    assert split["changes"] == len(timeline) - 1 > 0
+    assert all(0 <= p + d <= 8 for _, p, d in timeline)
+    times = [t for t, _, _ in timeline]
+    assert times == sorted(times)
+    log = PhaseLog()
+    log.points = [tuple(p) for p in timeline]
+    end = timeline[0][0] + split["changes"] / split["changes_per_s"]
+    assert log.summary(end, 8)["decode"] == pytest.approx(split["decode"])
+    assert "phase_timeline" not in res.to_dict()["extra"]
+    assert res.to_dict(series=True)["extra"]["phase_timeline"] == timeline

@@ -81,6 +81,12 @@ class SimConfig:
             together on its instance unless its SLO breaks or re-forming costs less with
             the moves counted) or ``reform`` (every decision batches every decode request
             afresh, the stateless DP; the rule before, kept to compare).
+        grouped_reads: a decode batch reads shared prefix KV once for all its rows
+            (cascade attention): TokenLake's query engines a segment several rows attend
+            (as its CPU engines do, ``AttendLayout``), the baselines' workers the batch's
+            common prefix (as vLLM's cascade kernel does); its ``c_prefix`` is charged
+            once per batch, not per row. False (the default) charges every row, as
+            TokenLake's GPU path (one item per request) runs today.
         seed: seed of every random choice (replica selection, Poisson arrivals).
     """
 
@@ -108,6 +114,7 @@ class SimConfig:
     admission_patience: float = 2.0
     decode_first: bool = True
     decode_batches: str = "keep"
+    grouped_reads: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

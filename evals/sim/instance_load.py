@@ -100,6 +100,20 @@ class InstanceLoad:
                 out[inst] = out.get(inst, 0.0) + per_token * tok
         return out
 
+    def grouped_saving(self, slots: Sequence[Sequence[tuple[int, int, int]]]) -> dict[int, float]:
+        """Seconds of query work per instance that one iteration of a decode batch saves
+        when the rows reading one segment read it once (``slots``: each request's
+        ``(instance, slot, tokens)``): ``c_prefix`` per token for every read but the first."""
+        seen: dict[tuple[int, int], int] = {}
+        out: dict[int, float] = {}
+        for reads in slots:
+            for inst, slot, tokens in reads:
+                if (inst, slot) in seen:
+                    out[inst] = out.get(inst, 0.0) + self.lat.c_prefix * tokens
+                else:
+                    seen[inst, slot] = tokens
+        return out
+
     def message_work(self, helds: Sequence[Held], group: Sequence[int]) -> dict[int, float]:
         """Seconds of query-engine message handling per instance for one iteration
         (``lat.query_message_s`` per message, measured): per layer and sub-batch, its home

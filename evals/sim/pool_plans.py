@@ -38,6 +38,18 @@ def plan_reads(plans: Plans) -> dict[str, dict[int, int]]:
     return out
 
 
+def plan_slots(plans: Plans) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    """Per request: ``(instance, slot, tokens)`` of every sealed segment it reads in
+    ``plans`` (open tails are its own, never read by another request)."""
+    out: dict[str, list] = {}
+    for qp in plans.query_plans:
+        for task in qp.tasks:
+            for it in task.items:
+                out.setdefault(it.request_id, []).extend(
+                    (task.instance, s, n) for s, n in zip(it.slots, it.tokens))
+    return {rid: tuple(v) for rid, v in out.items()}
+
+
 class PrefillPlan:
     """An in-flight ``gen_plans`` of the rest of some prompts (one flight)."""
 
@@ -55,6 +67,7 @@ class PoolPlanner:
         self.c = backend.setup.segment_tokens
         self.pending: dict[bytes, PrefillPlan] = {}  # segment being stored -> its plan
         self.reads: dict[str, dict[int, int]] = {}  # per request, one iteration's reads
+        self.slots: dict[str, tuple] = {}  # per decoding request, its sealed segments' slots
         self.grown: dict[str, dict[int, int]] = {}  # stored since its plan, per instance
         self.settles = 0
 
@@ -84,9 +97,11 @@ class PoolPlanner:
         self.b.plan_calls += 1
         self.cp.complete(plans)
         reads = plan_reads(plans)
+        slots = plan_slots(plans) if self.b.config.grouped_reads else {}
         for r in reqs:
             r.aux = "decoding"
             self.reads[r.request_id] = reads.get(r.request_id, {})
+            self.slots[r.request_id] = slots.get(r.request_id, ())
             self.grown.pop(r.request_id, None)
 
     # ----------------------------------------------------------- prefill
@@ -292,3 +307,4 @@ class PoolPlanner:
     def forget(self, r: SimRequest) -> None:
         self.reads.pop(r.request_id, None)
         self.grown.pop(r.request_id, None)
+        self.slots.pop(r.request_id, None)

@@ -178,6 +178,10 @@ class RunTiming:
         n = len(reqs)
         helds = [self.held(r) for r in reqs]
         work = self.load.query_work([1] * n, helds)
+        if self.b.config.grouped_reads:  # a segment several rows read, read once for all
+            slots = self.b.planner.slots
+            for inst, saved in self.load.grouped_saving([slots.get(r.request_id, ()) for r in reqs]).items():
+                work[inst] = max(0.0, work[inst] - saved)
         comm = self.load.comm_s([1] * n, helds, [self._put_remote(r, run.group, 0, 0) for r in reqs],
                                 run.group, 1)
         compute = compute_s(lat, [(1, 0)] * n, 1)

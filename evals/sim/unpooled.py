@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 from evals.sim.backend import Backend, Run, SimRequest, SimulationError
 from evals.sim.timing import ChunkSchedule, DecodeSchedule, decode_coefficients, iteration_s
 from evals.sim.trace import decode_tokens, prompt_array
@@ -136,8 +138,25 @@ def local_prefill_run(b: Backend, reqs: list[SimRequest], tp: int, first_extra_s
 def local_decode_run(b: Backend, reqs: list[SimRequest], tp: int) -> Run:
     ctx = [r.context for r in reqs]
     a, slope = decode_coefficients(b.lat, ctx, tp, 1.0, 0.0)
+    if b.config.grouped_reads and len(reqs) > 1:  # the batch's common prefix read once (cascade)
+        a -= b.lat.c_prefix * common_prefix([r.tokens for r in reqs]) * (len(reqs) - 1) / b.lat.speedup(tp)
     k = min(r.output_len - r.generated for r in reqs)
     return Run(reqs, "decode", (reqs[0].worker,), 1, DecodeSchedule(b.now, a, slope, k), k)
+
+
+def common_prefix(prompts) -> int:
+    """Tokens every one of ``prompts`` starts with (what a cascade kernel, as vLLM's,
+    reads once for a whole decode batch)."""
+    first = np.frombuffer(prompts[0], dtype=np.int32)
+    n = len(first)
+    for p in prompts[1:]:
+        other = np.frombuffer(p, dtype=np.int32)
+        m = min(n, len(other))
+        diff = np.flatnonzero(first[:m] != other[:m])
+        n = int(diff[0]) if len(diff) else m
+        if n == 0:
+            break
+    return n
 
 
 def local_reads(b: Backend, run: Run, j0: int, j1: int) -> None:

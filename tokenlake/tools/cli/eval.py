@@ -95,6 +95,10 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode-first", action="store_true",
                    help="TokenLake: match every batch to instances by bytes alone (default: "
                         "decode batches first, where they need not wait; to compare)")
+    p.add_argument("--grouped-reads", action="store_true",
+                   help="TokenLake: a segment that several rows of a decode batch attend is "
+                        "read once for all of them (as the CPU engines do; default: once per "
+                        "row, as the GPU path does)")
     p.add_argument("--trace", default=None,
                    help="hit-rate, e2e: a Mooncake-format JSONL trace instead of --workload. "
                         "hit-rate: at its own arrival times (or --rates), the summary adds the "
@@ -182,7 +186,8 @@ def run_eval(args: argparse.Namespace) -> int:
                        page_tokens=args.page_tokens, admission=args.admission,
                        eviction_choices=args.eviction_choices,
                        decode_first=not args.no_decode_first,
-                       decode_batches="reform" if args.reform_decode_batches else "keep")
+                       decode_batches="reform" if args.reform_decode_batches else "keep",
+                       grouped_reads=args.grouped_reads)
     if args.instances:
         config = replace(config, instances=args.instances)
     bar = _progress_bar(None, args.experiment, "run", args.quiet)
@@ -277,6 +282,10 @@ def add_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode-first", action="store_true",
                    help="TokenLake: match every batch to instances by bytes alone (default: "
                         "decode batches first, where they need not wait; to compare)")
+    p.add_argument("--grouped-reads", action="store_true",
+                   help="TokenLake: a segment that several rows of a decode batch attend is "
+                        "read once for all of them (as the CPU engines do; default: once per "
+                        "row, as the GPU path does)")
     p.add_argument("--tp", type=positive(int), default=2, help="baselines' tensor parallelism")
     p.add_argument("--slo-scale", type=positive(float), default=10.0,
                    help="SLO as a multiple of the unloaded latency")
@@ -304,7 +313,8 @@ def _load_requests(args: argparse.Namespace):
                            page_tokens=args.page_tokens, home_eviction=not args.global_lru,
                            admission=args.admission, eviction_choices=args.eviction_choices,
                            decode_first=not args.no_decode_first,
-                       decode_batches="reform" if args.reform_decode_batches else "keep")
+                       decode_batches="reform" if args.reform_decode_batches else "keep",
+                       grouped_reads=args.grouped_reads)
         config.resolve()
         reqs = arrange(load_trace(args.trace, args.limit), args.rate, args.speedup,
                        args.repeat, args.seed)

@@ -193,25 +193,30 @@ inline __attribute__((always_inline)) void run_task(const Task& t) {
 
 constexpr int64_t kAhead = 4;  // blocks between the one computed and the one prefetched
 
-// exp_neg on 16 lanes (the same polynomial as the scalar one).
-inline __attribute__((always_inline)) v16f exp_neg16(v16f x) {
-  x = x < -87.f ? splat(-87.f) : x;
-  const v16f t = x * 1.44269504088896341f;
-  v16i ti = __builtin_convertvector(t, v16i);  // toward zero
-  ti += (__builtin_convertvector(ti, v16f) > t);  // -1 where that rounded up: floor
-  const v16f f = t - __builtin_convertvector(ti, v16f);
-  v16f p = splat(2.1690609e-4f);
+// exp_neg on the lanes of a float vector F (I: the int vector of as many lanes): the same
+// polynomial as the scalar one. The constants are broadcast as `F{} + c`, exact.
+template <typename F, typename I>
+inline __attribute__((always_inline)) F exp_neg_lanes(F x) {
+  const F lowest = F{} - 87.f;
+  x = x < lowest ? lowest : x;
+  const F t = x * 1.44269504088896341f;
+  I ti = __builtin_convertvector(t, I);  // toward zero
+  ti += (__builtin_convertvector(ti, F) > t);  // -1 where that rounded up: floor
+  const F f = t - __builtin_convertvector(ti, F);
+  F p = F{} + 2.1690609e-4f;
   p = p * f + 1.2443082e-3f;
   p = p * f + 9.6784726e-3f;
   p = p * f + 5.5483525e-2f;
   p = p * f + 2.4022980e-1f;
   p = p * f + 6.9314699e-1f;
   p = p * f + 1.f;
-  const v16i bits = (ti + 127) << 23;
-  v16f scale;
+  const I bits = (ti + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+inline __attribute__((always_inline)) v16f exp_neg16(v16f x) { return exp_neg_lanes<v16f, v16i>(x); }
 
 // Max or sum within each aligned segment of kSeg lanes, broadcast to the segment (log2
 // kSeg halving steps).

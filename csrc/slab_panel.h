@@ -78,34 +78,10 @@ inline __attribute__((always_inline)) void storev(float* p, F v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-template <typename F>
-inline __attribute__((always_inline)) F splatv(float x) {
-  F v;
-  for (unsigned i = 0; i < sizeof(F) / sizeof(float); ++i) v[i] = x;
-  return v;
-}
-
 // exp_neg16's polynomial on kL lanes.
 template <int kL>
 inline __attribute__((always_inline)) typename Panel<kL>::F exp_negv(typename Panel<kL>::F x) {
-  using F = typename Panel<kL>::F;
-  using I = typename Panel<kL>::I;
-  x = x < -87.f ? splatv<F>(-87.f) : x;
-  const F t = x * 1.44269504088896341f;
-  I ti = __builtin_convertvector(t, I);
-  ti += (__builtin_convertvector(ti, F) > t);
-  const F f = t - __builtin_convertvector(ti, F);
-  F p = splatv<F>(2.1690609e-4f);
-  p = p * f + 1.2443082e-3f;
-  p = p * f + 9.6784726e-3f;
-  p = p * f + 5.5483525e-2f;
-  p = p * f + 2.4022980e-1f;
-  p = p * f + 6.9314699e-1f;
-  p = p * f + 1.f;
-  const I bits = (ti + 127) << 23;
-  F scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return exp_neg_lanes<typename Panel<kL>::F, typename Panel<kL>::I>(x);
 }
 
 struct PanelState {

@@ -92,18 +92,31 @@ def test_the_simulator_reports_the_split_over_time():
     assert res.to_dict(series=True)["extra"]["phase_timeline"] == timeline
 
 
+def _per_row_and_grouped(system: str):
+    """``system`` on 8 simulated A100s, 90 chats behind the full 3,000-token system prompt
+    (whole shared segments) at 32 req/s: with a read per row, then with grouped reads."""
+    from dataclasses import replace
+
+    from evals.experiments import at_rate
+    from evals.sim.config import SimConfig
+    from evals.sim.systems import simulate
+    from evals.workloads.sharegpt import load_sharegpt
+
+    chats = load_sharegpt(n=90, seed=0, tokenizer="whitespace", system_prompt_tokens=3000,
+                          max_conversations=200).requests()
+    reqs = at_rate(list(chats), 32.0, 0)
+    per_row = simulate(reqs, system, SimConfig(instances=8))
+    grouped = simulate(reqs, system, replace(SimConfig(instances=8), grouped_reads=True))
+    assert grouped.requests == per_row.requests == 90
+    return per_row, grouped
+
+
 def test_grouped_reads_charge_a_shared_segment_once_per_decode_batch():
     """``grouped_reads``: the rows of a decode batch that read one segment read it once
     (the CPU engines' cascade); a second request reading the same slot adds no read, other
     slots and other instances do. On a small ShareGPT load (every chat behind one system
     prompt) decode steps get shorter than with a read per row."""
-    from dataclasses import replace
-
-    from evals.experiments import at_rate
-    from evals.sim.config import SimConfig
     from evals.sim.instance_load import InstanceLoad
-    from evals.sim.systems import simulate
-    from evals.workloads.sharegpt import load_sharegpt
     from tokenlake.core.specs import load_hardware, load_model
 
     load = InstanceLoad([0, 1], LAT, load_model("llama-2-7b"), load_hardware("a100-80gb"))
@@ -114,13 +127,7 @@ def test_grouped_reads_charge_a_shared_segment_once_per_decode_batch():
     assert load.grouped_saving([a, b]) == {0: pytest.approx(LAT.c_prefix * 256)}
     assert load.grouped_saving([a, b, c]) == {0: pytest.approx(LAT.c_prefix * (256 + 256 + 256))}
 
-    # 90 chats behind the full 3,000-token system prompt (whole shared segments)
-    chats = load_sharegpt(n=90, seed=0, tokenizer="whitespace", system_prompt_tokens=3000,
-                          max_conversations=200).requests()
-    reqs = at_rate(list(chats), 32.0, 0)
-    per_row = simulate(reqs, "tokenlake", SimConfig(instances=8))
-    grouped = simulate(reqs, "tokenlake", replace(SimConfig(instances=8), grouped_reads=True))
-    assert grouped.requests == per_row.requests == 90
+    per_row, grouped = _per_row_and_grouped("tokenlake")
     assert grouped.mean_tbt_s < 0.8 * per_row.mean_tbt_s
 
 
@@ -129,21 +136,11 @@ def test_grouped_reads_give_the_baselines_a_cascade_over_the_common_prefix():
     requests share once (vLLM's cascade kernel), so a MoonCake-style decode worker's steps
     get shorter behind a shared system prompt too."""
     from array import array
-    from dataclasses import replace
 
-    from evals.experiments import at_rate
-    from evals.sim.config import SimConfig
-    from evals.sim.systems import simulate
     from evals.sim.unpooled import common_prefix
-    from evals.workloads.sharegpt import load_sharegpt
 
     assert common_prefix([array("i", [1, 2, 3, 4]), array("i", [1, 2, 9]), array("i", [1, 2, 3])]) == 2
     assert common_prefix([array("i", [5, 6]), array("i", [1, 6])]) == 0
     assert common_prefix([array("i", [1, 2])]) == 2
-    chats = load_sharegpt(n=90, seed=0, tokenizer="whitespace", system_prompt_tokens=3000,
-                          max_conversations=200).requests()
-    reqs = at_rate(list(chats), 32.0, 0)
-    per_row = simulate(reqs, "mooncake-1p3d", SimConfig(instances=8))
-    grouped = simulate(reqs, "mooncake-1p3d", replace(SimConfig(instances=8), grouped_reads=True))
-    assert grouped.requests == per_row.requests == 90
+    per_row, grouped = _per_row_and_grouped("mooncake-1p3d")
     assert grouped.mean_tbt_s < 0.9 * per_row.mean_tbt_s  # 18% shorter here

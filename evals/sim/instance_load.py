@@ -104,14 +104,14 @@ class InstanceLoad:
         """Seconds of query work per instance that one iteration of a decode batch saves
         when the rows reading one segment read it once (``slots``: each request's
         ``(instance, slot, tokens)``): ``c_prefix`` per token for every read but the first."""
-        seen: dict[tuple[int, int], int] = {}
+        seen: set[tuple[int, int]] = set()
         out: dict[int, float] = {}
         for reads in slots:
             for inst, slot, tokens in reads:
                 if (inst, slot) in seen:
                     out[inst] = out.get(inst, 0.0) + self.lat.c_prefix * tokens
                 else:
-                    seen[inst, slot] = tokens
+                    seen.add((inst, slot))
         return out
 
     def message_work(self, helds: Sequence[Held], group: Sequence[int]) -> dict[int, float]:

@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from scheduler.admission import admission_order
-from scheduler.api import InstanceView, Snapshot
+from scheduler.api import PHASES, InstanceView, Snapshot
 from scheduler.goodput import GoodputScheduler
 from tokenlake.core.cost_model import LatencyModel
 from tokenlake.core.errors import CapacityError
@@ -105,7 +105,7 @@ class GenerationLoop(Recovery):
         self.clock = clock
         self.decisions: deque = deque(maxlen=keep_decisions)  # policy decisions, in order
         #: instances the last iteration gave each phase (``Decision.instances_per_phase``)
-        self.phase_instances: dict[str, int] = {"prefill": 0, "decode": 0}
+        self.phase_instances: dict[str, int] = dict.fromkeys(PHASES, 0)
         self.cluster = cluster
         self.control = control if control is not None else cluster.control
         if engine is None and hasattr(cluster, "compute_engine"):
@@ -291,7 +291,7 @@ class GenerationLoop(Recovery):
         policy keeps where it ran; else None)."""
         snap = self.snapshot()
         if not snap.requests:
-            self.phase_instances = {"prefill": 0, "decode": 0}
+            self.phase_instances = dict.fromkeys(PHASES, 0)
             return [], [], {}, None
         decision = self.policy.schedule(snap)
         decision.check(snap)

@@ -159,7 +159,8 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
         "torch_slab": lambda: _torch_slab(slab_partial_attention, q, slab, ids, counts, scale),
     }
     if path == "panel":
-        calls["vector"] = lambda: _vector_path(native, q, slab, ids, counts, scale)
+        mod = native.load()
+        calls["vector"] = lambda: _vector_path(native, mod, q, slab, ids, counts, scale)
     times = interleaved_times(calls, repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     extra = {}
@@ -209,10 +210,10 @@ def _measure_linear(native, rows: int, repeats: int, layers: int = LINEAR_LAYERS
             "kernel_vs_blas": med["blas"] / med["kernel"]}
 
 
-def _vector_path(native, q, slab, ids, counts, scale):
+def _vector_path(native, mod, q, slab, ids, counts, scale):
     """The kernel's call with every row count on its vector path (the panel path's
-    threshold moved out of reach, then back to the instruction set's own)."""
-    mod = native.load()
+    threshold, in the built module ``mod``, moved out of reach, then back to the
+    instruction set's own)."""
     mod.set_panel_rows(1 << 30)
     try:
         return native.slab_attention(q, slab, 0, ids, counts, scale)

@@ -80,9 +80,9 @@ BASE_REQUESTS = {"loogle": 1000, "scbench": 600, "sharegpt": 3000}
 #: 16-24, 1P3D 24-32, the store 32-48; the mix on 16 instances: router 8-12, both
 #: MoonCakes and the store 12-16, TokenLake 24-32.
 DEFAULT_RATES = {
-    "loogle": (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12),
-    "scbench": (0.5, 1, 2, 3, 4, 6, 8, 10, 12),
-    "sharegpt": (4, 8, 16, 24, 32, 48, 64, 96, 128),
+    "loogle": (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16),
+    "scbench": (0.5, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16),
+    "sharegpt": (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384),
     "mixed": (1, 2, 4, 6, 8, 12, 16, 24, 32),
 }
 

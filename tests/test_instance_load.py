@@ -135,7 +135,7 @@ def test_the_runs_of_one_decision_are_timed_to_their_fixed_point():
     backend = SimpleNamespace(
         setup=SimpleNamespace(latency=lat, model=model, hardware=hw, segment_tokens=64),
         instance_ids=[0, 1], planner=SimpleNamespace(reads=reads, grown={}),
-        cp=SimpleNamespace(requests={}, home=lambda key: 0), chunk=512, config=SimConfig())
+        cp=SimpleNamespace(requests={}, home=lambda key: 0), chunk=512, config=SimConfig(grouped_reads=False))
     timing = RunTiming(backend)
     runs = [Run([SimpleNamespace(request_id=rid)], "decode", (g,), 1, None, 4) for rid, g in (("a", 0), ("b", 1))]
     timing.time(runs, [0.0, 0.0])

@@ -89,6 +89,30 @@ def test_random_groups(seed):
     _check(q, slab, rng.randrange(2), groups)
 
 
+def test_a_layouts_shared_slots_are_one_entry_over_their_rows():
+    """The query engine's GPU groups (``AttendLayout.paged_groups``): six decode rows, five
+    of them behind the same three-slot system prompt (row 4 is not, so the five are two
+    runs), each with its own tail. The prompt is one entry per run of rows, so its pages
+    are read twice, not five times; merged back, every row equals attending its slots
+    one row at a time."""
+    from tokenlake.dataplane.messages import AttendItem
+    from tokenlake.engines.query import AttendLayout
+
+    prompt = ((0, 1, 2), (C, C, C))
+    items = [AttendItem(r, r + 1, (3 + r,), (1 + r,)) for r in range(6)]
+    items += [AttendItem(r, r + 1, *prompt) for r in (0, 1, 2, 3, 5)]
+    cascade, flat = AttendLayout.of({0: items}), AttendLayout.of({0: items}, cascade=False)
+    slab, q = _slab(), torch.randn(6, 4, 8)
+    batch, per_row = paged_batch(cascade.paged_groups(), C), paged_batch(flat.paged_groups(), C)
+    assert len(batch.kv_indices) == 2 * 3 + 6 and len(per_row.kv_indices) == 5 * 3 + 6
+    assert sorted(batch.rows) == [(0, 1), (0, 4), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (5, 6)]
+    q_packed = q[torch.tensor(batch.q_index(), dtype=torch.long)]
+    got = unpack(batch, *paged_reference(q_packed, slab[:, 1, 0], slab[:, 1, 1], batch, 0.3), 6)
+    want_o, want_lse = _want(q, slab, 1, flat.paged_groups())  # one group per row: all its slots
+    torch.testing.assert_close(got.o.double(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_groups_are_refused():
     with pytest.raises(ValueError, match="token counts"):
         paged_batch([(0, 1, [0], [C + 1])], C)

@@ -105,8 +105,8 @@ def _per_row_and_grouped(system: str):
     chats = load_sharegpt(n=90, seed=0, tokenizer="whitespace", system_prompt_tokens=3000,
                           max_conversations=200).requests()
     reqs = at_rate(list(chats), 32.0, 0)
-    per_row = simulate(reqs, system, SimConfig(instances=8))
-    grouped = simulate(reqs, system, replace(SimConfig(instances=8), grouped_reads=True))
+    per_row = simulate(reqs, system, replace(SimConfig(instances=8), grouped_reads=False))
+    grouped = simulate(reqs, system, SimConfig(instances=8))  # the default
     assert grouped.requests == per_row.requests == 90
     return per_row, grouped
 

@@ -85,8 +85,9 @@ class SimConfig:
             (cascade attention): TokenLake's query engines a segment several rows attend
             (as its CPU engines do, ``AttendLayout``), the baselines' workers the batch's
             common prefix (as vLLM's cascade kernel does); its ``c_prefix`` is charged
-            once per batch, not per row. False (the default) charges every row, as
-            TokenLake's GPU path (one item per request) runs today.
+            once per batch, not per row. True by default (TokenLake's CPU and GPU query
+            engines group the rows, ``AttendLayout``); False charges every row (to
+            compare).
         seed: seed of every random choice (replica selection, Poisson arrivals).
     """
 
@@ -114,7 +115,7 @@ class SimConfig:
     admission_patience: float = 2.0
     decode_first: bool = True
     decode_batches: str = "keep"
-    grouped_reads: bool = False
+    grouped_reads: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -52,7 +52,7 @@ from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
 from tokenlake.kernels.attention import empty_partial, merge, merge_many
-from tokenlake.kernels.paged import flashinfer_slab_attention, warm_up
+from tokenlake.kernels.paged import Group, flashinfer_slab_attention, warm_up
 from tokenlake.kernels.slab import prepare_slabs_attention
 
 #: Plans one home may have registered on this engine at once (the oldest is dropped).
@@ -80,7 +80,8 @@ class AttendLayout:
     counts: a document's segments shared by the requests of a batch) are attended once
     for all those rows together, cascade style (``shared``), so their K/V is read once;
     the rest of each row range (its own segments and open tail, in any of the slabs) in
-    one call per range (``own``). On a GPU every item is in ``own``.
+    one call per range (``own``). On a GPU both kinds go into one batched launch
+    (:meth:`paged_groups`): a shared part is one entry over all its rows.
     """
 
     insts: tuple[int, ...]  # the slabs, by instance (this one's, or co-located peers')
@@ -90,6 +91,18 @@ class AttendLayout:
     stop: int  # rows the items need
     # the calls that attend each part, set up at first use for every layer (CPU)
     calls: list = field(default_factory=list, compare=False, repr=False)
+
+    def paged_groups(self) -> list[Group]:
+        """The GPU path's groups (one FlashInfer launch, ``kernels.paged``): each own
+        range, then each shared part as one group over its rows, so the batched prefill
+        kernel reads its pages once per tile of query rows rather than once per row
+        (FlashInfer's cascade does the same for a shared prefix). Rows of a shared part
+        that are not contiguous give one group per run of consecutive rows."""
+        groups: list[Group] = [(a, z, w[1], w[2]) for a, z, w in self.own]
+        for rows, w in self.shared:
+            for a, z in _runs(rows):
+                groups.append((a, z, w[1], w[2]))
+        return groups
 
     @classmethod
     def of(cls, by_slab: dict[int, Sequence[AttendItem]], cascade: bool = True) -> AttendLayout:
@@ -112,6 +125,19 @@ class AttendLayout:
                    tuple((_rows(rs), tuple(zip(*w))) for rs, w in shared.items()),
                    all(a2 >= z1 for (_, z1), (a2, _) in zip(spans, spans[1:])),
                    max((z for rs in ranges_of.values() for _, z in rs), default=0))
+
+
+def _runs(rows: slice | torch.Tensor) -> list[tuple[int, int]]:
+    """Row indices (a slice or ascending indices) as runs of consecutive rows."""
+    if isinstance(rows, slice):
+        return [(rows.start, rows.stop)]
+    runs: list[tuple[int, int]] = []
+    for r in rows.tolist():
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
 
 
 def _rows(ranges: tuple[tuple[int, int], ...]) -> slice | torch.Tensor:
@@ -205,7 +231,7 @@ class QueryEngine(EngineLoop):
         oldest going first (a home releases each plan when it registers the next, so
         only a lost release or a hostile peer ever reaches the bound)."""
         self.peer_plans.pop(key, None)
-        self.peer_plans[key] = AttendLayout.of({self.spec.instance: items}, not self.slab.is_cuda)
+        self.peer_plans[key] = AttendLayout.of({self.spec.instance: items})
         mine = [k for k in self.peer_plans if k[0] == key[0]]
         for old in mine[: max(0, len(mine) - MAX_PEER_PLANS)]:
             del self.peer_plans[old]
@@ -235,7 +261,7 @@ class QueryEngine(EngineLoop):
             shifted = tuple(it.shifted(-lo) for it in task.items)
             self.tell(task.instance, PeerRegisterPlan(self.spec.instance, peer_id, shifted))
             remote[task.instance] = (lo, hi)
-        self.home_plans[key] = HomePlan(rows, AttendLayout.of(local, not self.slab.is_cuda), remote,
+        self.home_plans[key] = HomePlan(rows, AttendLayout.of(local), remote,
                                         peer_id, session, grant, expiry, bufs["q"], bufs["out_o"],
                                         bufs["out_lse"])
         mine = [k for k in self.home_plans if k[0] == session]
@@ -271,8 +297,7 @@ class QueryEngine(EngineLoop):
         a single one over all rows is returned as it is."""
         slabs = [self.slabs[inst] for inst in layout.insts]
         if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
-            return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer,
-                                             [(a, z, list(w[1]), list(w[2])) for a, z, w in layout.own])
+            return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer, layout.paged_groups())
         if not layout.calls:  # the slot tables, once for every layer; own parts first
             for rows, w, own in [(slice(a, z), w, True) for a, z, w in layout.own] + \
                     [(rows, w, False) for rows, w in layout.shared]:

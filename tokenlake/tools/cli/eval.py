@@ -95,10 +95,10 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode-first", action="store_true",
                    help="TokenLake: match every batch to instances by bytes alone (default: "
                         "decode batches first, where they need not wait; to compare)")
-    p.add_argument("--grouped-reads", action="store_true",
-                   help="TokenLake: a segment that several rows of a decode batch attend is "
-                        "read once for all of them (as the CPU engines do; default: once per "
-                        "row, as the GPU path does)")
+    p.add_argument("--per-row-reads", action="store_true",
+                   help="every decode row reads its whole prefix, also what other rows of its "
+                        "batch read (default: shared prefix KV read once per batch, as "
+                        "TokenLake's query engines and vLLM's cascade attention do; to compare)")
     p.add_argument("--trace", default=None,
                    help="hit-rate, e2e: a Mooncake-format JSONL trace instead of --workload. "
                         "hit-rate: at its own arrival times (or --rates), the summary adds the "
@@ -187,7 +187,7 @@ def run_eval(args: argparse.Namespace) -> int:
                        eviction_choices=args.eviction_choices,
                        decode_first=not args.no_decode_first,
                        decode_batches="reform" if args.reform_decode_batches else "keep",
-                       grouped_reads=args.grouped_reads)
+                       grouped_reads=not args.per_row_reads)
     if args.instances:
         config = replace(config, instances=args.instances)
     bar = _progress_bar(None, args.experiment, "run", args.quiet)
@@ -282,10 +282,10 @@ def add_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode-first", action="store_true",
                    help="TokenLake: match every batch to instances by bytes alone (default: "
                         "decode batches first, where they need not wait; to compare)")
-    p.add_argument("--grouped-reads", action="store_true",
-                   help="TokenLake: a segment that several rows of a decode batch attend is "
-                        "read once for all of them (as the CPU engines do; default: once per "
-                        "row, as the GPU path does)")
+    p.add_argument("--per-row-reads", action="store_true",
+                   help="every decode row reads its whole prefix, also what other rows of its "
+                        "batch read (default: shared prefix KV read once per batch, as "
+                        "TokenLake's query engines and vLLM's cascade attention do; to compare)")
     p.add_argument("--tp", type=positive(int), default=2, help="baselines' tensor parallelism")
     p.add_argument("--slo-scale", type=positive(float), default=10.0,
                    help="SLO as a multiple of the unloaded latency")
@@ -314,7 +314,7 @@ def _load_requests(args: argparse.Namespace):
                            admission=args.admission, eviction_choices=args.eviction_choices,
                            decode_first=not args.no_decode_first,
                        decode_batches="reform" if args.reform_decode_batches else "keep",
-                       grouped_reads=args.grouped_reads)
+                       grouped_reads=not args.per_row_reads)
         config.resolve()
         reqs = arrange(load_trace(args.trace, args.limit), args.rate, args.speedup,
                        args.repeat, args.seed)

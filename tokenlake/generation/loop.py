@@ -129,6 +129,7 @@ class GenerationLoop(Recovery):
         self.on_token = on_token
         self.tracker = RequestTracker(chunk_tokens)
         self._decode_at: dict[str, int] = {}  # request -> instance of its last decode batch
+        self.decode_moves = 0  # decode steps on another instance than in the iteration before
         self.results: dict[str, RequestResult] = {}
         self.iterations = 0
         self.rebalance_every = rebalance_every
@@ -203,8 +204,10 @@ class GenerationLoop(Recovery):
             raise
         cp.complete(plans)
         if self.parallel:  # where each decode batch ran (one engine: nothing to keep)
-            self._decode_at = {r.request_id: group[0] for b, group in zip(batches, plans.groups)
-                               if b.phase == DECODE for r in b.requests}
+            last, self._decode_at = self._decode_at, {
+                r.request_id: group[0] for b, group in zip(batches, plans.groups)
+                if b.phase == DECODE for r in b.requests}
+            self.decode_moves += sum(1 for rid, i in self._decode_at.items() if last.get(rid, i) != i)
         self.iterations += 1
         if self.rebalance_every and self.iterations % self.rebalance_every == 0:
             reps = cp.rebalance()  # between iterations: no plan is in flight

@@ -25,6 +25,8 @@ SYSTEM_NAMES = ("tokenlake", "tokenlake-1p3d", "tokenlake-3p1d", "sglang-router"
                 "round-robin", "flowkv", "mooncake-1p3d", "mooncake-3p1d", "banaserve")
 #: ``evals.experiments.EXPERIMENTS``: the §7 experiments (``validate`` is added to them).
 EXPERIMENT_NAMES = ("e2e", "load-balance", "hit-rate", "elasticity", "multi-node")
+#: What runs the real engines instead of the simulator.
+REAL_ENGINE_RUNS = ("validate", "decode-batches")
 #: ``evals.experiments.DEFAULT_RATES``: the workloads; ``e2e`` takes the first three
 #: (``evals.experiments.WORKLOADS``), the one-workload experiments any of them.
 WORKLOAD_NAMES = ("loogle", "scbench", "sharegpt", "mixed")
@@ -65,8 +67,10 @@ def _progress_bar(total: int | None, desc: str, unit: str, disabled: bool):
 
 
 def add_eval(p: argparse.ArgumentParser) -> None:
-    p.add_argument("experiment", choices=(*EXPERIMENT_NAMES, "validate"),
-                   help="the experiment; validate: the simulator against the real engines")
+    p.add_argument("experiment", choices=(*EXPERIMENT_NAMES, *REAL_ENGINE_RUNS),
+                   help="the experiment; validate: the simulator against the real engines; "
+                        "decode-batches: the real engines serving chats with kept decode "
+                        "batches against re-formed ones (one rate of --rates, default 4)")
     p.add_argument("--workload", nargs="+", default=None, choices=WORKLOAD_NAMES,
                    help=f"e2e: any of {', '.join(E2E_WORKLOADS)} (default: all); the others: "
                         "one (default loogle; multi-node runs mixed)")
@@ -116,7 +120,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="no PNG figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true",
-                   help="validate: print only the comparison as JSON (it is also written to --out)")
+                   help="validate, decode-batches: print only the comparison as JSON (it is also "
+                        "written to --out)")
     p.set_defaults(run=run_eval)
 
 
@@ -176,6 +181,8 @@ def run_eval(args: argparse.Namespace) -> int:
     ``validate``: 1 when the simulator and the engines disagree."""
     if args.experiment == "validate":
         return _run_validate(args)
+    if args.experiment == "decode-batches":
+        return _run_decode_batches(args)
     kw = _experiment_kwargs(args)
     # numpy, the simulator and matplotlib: only when an experiment runs
     from evals.experiments import EXPERIMENTS
@@ -234,6 +241,34 @@ def _run_validate(args: argparse.Namespace) -> int:
               f"{result['hit_rate']['equal']} (by construction); written to {out / 'validate.json'}")
     ok = result["mean_iteration_s"]["within_20pct"] and result["query_busy_s"]["within_20pct"]
     return 0 if result["hit_rate"]["equal"] and ok else 1
+
+
+def _run_decode_batches(args: argparse.Namespace) -> int:
+    if args.rates and len(args.rates) != 1:
+        raise UsageError("eval decode-batches runs at one rate")
+    # torch and the real engines: only when it runs
+    from evals.decode_batches import compare
+
+    kw = {"instances": args.instances} if args.instances else {}
+    if args.rates:
+        kw["rate"] = args.rates[0]
+    say = (lambda _: None) if args.quiet or args.json else (lambda m: print(m, file=sys.stderr))
+    result = compare(seed=args.seed, progress=say, **kw)
+    out = Path(args.out or "results/decode-batches")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_batches.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        rules = result["rules"]
+        for rule, m in rules.items():
+            print(f"{rule:>6}: {m['tbt_misses']['median']:.0f} of {m['tbt_gaps']['median']:.0f} "
+                  f"token gaps over the {result['tbt_slo_s'] * 1e3:.0f} ms SLO (range "
+                  f"{m['tbt_misses']['min']:.0f}-{m['tbt_misses']['max']:.0f}), "
+                  f"{m['requests_within_slo']['median']:.0%} of requests within it, "
+                  f"{m['decode_moves']['median']:.0f} decode moves")
+        print(f"answers equal: {result['answers_equal']}; written to {out / 'decode_batches.json'}")
+    return 0
 
 
 # --------------------------------------------------------------------------- sim

@@ -222,23 +222,31 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_result(args: argparse.Namespace, result: dict, name: str) -> Path:
+    """Writes a real-engine run's ``result`` to ``--out`` (default ``results/NAME``) as
+    ``NAME.json`` (dashes as underscores), and prints it with ``--json``."""
+    out = Path(args.out or f"results/{name}")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name.replace('-', '_')}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return path
+
+
 def _run_validate(args: argparse.Namespace) -> int:
     # torch and the real engines: only when the validation runs
     from evals.validate import validate
 
     kw = {"instances": args.instances} if args.instances else {}
     result = validate(seed=args.seed, **kw)
-    out = Path(args.out or "results/validate")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "validate.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
+    path = _write_result(args, result, "validate")
+    if not args.json:
         print(f"{result['instances']} instances, DoP up to {result['max_dop']}: mean iteration "
               f"{result['mean_iteration_s']['sim']:.3f} s simulated vs {result['mean_iteration_s']['real']:.3f} s "
               f"measured ({result['iteration_latency_error']:.0%} off); query-engine busy time per "
               f"instance at most {result['per_instance_busy_error']:.0%} off; hit rates equal: "
-              f"{result['hit_rate']['equal']} (by construction); written to {out / 'validate.json'}")
+              f"{result['hit_rate']['equal']} (by construction); written to {path}")
     ok = result["mean_iteration_s"]["within_20pct"] and result["query_busy_s"]["within_20pct"]
     return 0 if result["hit_rate"]["equal"] and ok else 1
 
@@ -254,12 +262,8 @@ def _run_decode_batches(args: argparse.Namespace) -> int:
         kw["rate"] = args.rates[0]
     say = (lambda _: None) if args.quiet or args.json else (lambda m: print(m, file=sys.stderr))
     result = compare(seed=args.seed, progress=say, **kw)
-    out = Path(args.out or "results/decode-batches")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_batches.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
+    path = _write_result(args, result, "decode-batches")
+    if not args.json:
         rules = result["rules"]
         for rule, m in rules.items():
             print(f"{rule:>6}: {m['tbt_misses']['median']:.0f} of {m['tbt_gaps']['median']:.0f} "
@@ -267,7 +271,7 @@ def _run_decode_batches(args: argparse.Namespace) -> int:
                   f"{m['tbt_misses']['min']:.0f}-{m['tbt_misses']['max']:.0f}), "
                   f"{m['requests_within_slo']['median']:.0%} of requests within it, "
                   f"{m['decode_moves']['median']:.0f} decode moves")
-        print(f"answers equal: {result['answers_equal']}; written to {out / 'decode_batches.json'}")
+        print(f"answers equal: {result['answers_equal']}; written to {path}")
     return 0
 
 

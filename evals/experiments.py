@@ -75,10 +75,10 @@ BASE_REQUESTS = {"loogle": 1000, "scbench": 600, "sharegpt": 3000}
 #: calibrated on the simulator (see docs/evaluation.md) so that each sweep brackets the
 #: SLO-attainment knee of every main system that has one: LooGLE's 1P3D falls below 90%
 #: between 1 and 2 req/s, the store between 3 and 4, 3P1D between 6 and 7, TokenLake
-#: between 10 and 12 (the router never reaches it); SCBench's 1P3D at 1-2, router and
-#: store 3-4, 3P1D 6-8, TokenLake 10-12; ShareGPT's router 4-8, 3P1D 8-16, TokenLake
-#: 16-24, 1P3D 24-32, the store 32-48; the mix on 16 instances: router 8-12, both
-#: MoonCakes and the store 12-16, TokenLake 24-32.
+#: between 14 and 16 (the router never reaches it); SCBench's 1P3D at 1-2, router and
+#: store 3-4, 3P1D 6-8, TokenLake 10-12; ShareGPT's 3P1D 16-24, 1P3D 64-96, router
+#: 96-128, the store 192-256, TokenLake above 384; the mix on 16 instances: 1P3D and the
+#: store 12-16, router and 3P1D 16-24, TokenLake above 32 (the last `make eval`).
 DEFAULT_RATES = {
     "loogle": (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16),
     "scbench": (0.5, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16),

@@ -103,12 +103,12 @@ def test_a_layouts_shared_slots_are_one_entry_over_their_rows():
     items += [AttendItem(r, r + 1, *prompt) for r in (0, 1, 2, 3, 5)]
     cascade, flat = AttendLayout.of({0: items}), AttendLayout.of({0: items}, cascade=False)
     slab, q = _slab(), torch.randn(6, 4, 8)
-    batch, per_row = paged_batch(cascade.paged_groups(), C), paged_batch(flat.paged_groups(), C)
+    batch, per_row = paged_batch(cascade.paged_groups, C), paged_batch(flat.paged_groups, C)
     assert len(batch.kv_indices) == 2 * 3 + 6 and len(per_row.kv_indices) == 5 * 3 + 6
     assert sorted(batch.rows) == [(0, 1), (0, 4), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (5, 6)]
     q_packed = q[torch.tensor(batch.q_index(), dtype=torch.long)]
     got = unpack(batch, *paged_reference(q_packed, slab[:, 1, 0], slab[:, 1, 1], batch, 0.3), 6)
-    want_o, want_lse = _want(q, slab, 1, flat.paged_groups())  # one group per row: all its slots
+    want_o, want_lse = _want(q, slab, 1, flat.paged_groups)  # one group per row: all its slots
     torch.testing.assert_close(got.o.double(), want_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 

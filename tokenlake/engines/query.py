@@ -29,6 +29,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -81,7 +82,7 @@ class AttendLayout:
     for all those rows together, cascade style (``shared``), so their K/V is read once;
     the rest of each row range (its own segments and open tail, in any of the slabs) in
     one call per range (``own``). On a GPU both kinds go into one batched launch
-    (:meth:`paged_groups`): a shared part is one entry over all its rows.
+    (:attr:`paged_groups`): a shared part is one entry over all its rows.
     """
 
     insts: tuple[int, ...]  # the slabs, by instance (this one's, or co-located peers')
@@ -92,8 +93,10 @@ class AttendLayout:
     # the calls that attend each part, set up at first use for every layer (CPU)
     calls: list = field(default_factory=list, compare=False, repr=False)
 
-    def paged_groups(self) -> list[Group]:
-        """The GPU path's groups (one FlashInfer launch, ``kernels.paged``): each own
+    @cached_property
+    def paged_groups(self) -> tuple[Group, ...]:
+        """The GPU path's groups (one FlashInfer launch, ``kernels.paged``), worked out at
+        the first layer and kept for the others: each own
         range, then each shared part as one group over its rows, so the batched prefill
         kernel reads its pages once per tile of query rows rather than once per row
         (FlashInfer's cascade does the same for a shared prefix). Rows of a shared part
@@ -102,7 +105,7 @@ class AttendLayout:
         for rows, w in self.shared:
             for a, z in _runs(rows):
                 groups.append((a, z, w[1], w[2]))
-        return groups
+        return tuple(groups)
 
     @classmethod
     def of(cls, by_slab: dict[int, Sequence[AttendItem]], cascade: bool = True) -> AttendLayout:
@@ -297,7 +300,7 @@ class QueryEngine(EngineLoop):
         a single one over all rows is returned as it is."""
         slabs = [self.slabs[inst] for inst in layout.insts]
         if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
-            return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer, layout.paged_groups())
+            return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer, layout.paged_groups)
         if not layout.calls:  # the slot tables, once for every layer; own parts first
             for rows, w, own in [(slice(a, z), w, True) for a, z, w in layout.own] + \
                     [(rows, w, False) for rows, w in layout.shared]:

@@ -30,7 +30,8 @@ Tensor = torch.Tensor
 
 #: Rows up to which the projections go to the csrc kernel (:func:`linear`) where it is
 #: built: on SmolLM2's shapes it reads the weights 2.3x faster than BLAS sgemm at 1 and 8
-#: rows, 1.4x at 32 (the ``linear`` rows of ``tokenlake bench kernel``); at 64 the two were even.
+#: rows, 1.3-1.4x at 32 (the ``linear`` rows of ``tokenlake bench kernel``, on AVX-512 and on
+#: AVX2 alike); at 64 the two were even.
 NATIVE_LINEAR_ROWS = 32
 #: Whether :func:`linear` uses the kernel when it is built (:func:`use_native_linear`).
 _native_linear = {"on": True}

@@ -38,6 +38,12 @@ from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_hardware
 
 NAME = "cpu_smollm2-135m"
+#: Every profile runs with each query engine attending its own slab only, as the simulator
+#: models an instance (its query engine serves the segments it holds; a query reaches
+#: every holder) and as ``tokenlake eval validate`` runs the real engines. With shared
+#: slabs (``tokenlake serve``'s default on one host) the home's engine reads its peers'
+#: slots itself, no remote holder is asked, and a decode step costs less.
+SHARE_SLABS = False
 
 
 def _grid(rng: random.Random, n_samples: int, max_prefix: int, segment: int, instances: int,
@@ -114,7 +120,7 @@ def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
     slots = max_prefix // C + 2 * 16 + 8  # the document plus every sample's open tails
     samples: list[LatencySample] = []
     with LocalCluster(instances, spec, (slots // instances + 8) * st.seg_bytes, segment_tokens=C,
-                      max_rows=max_rows) as cluster:
+                      max_rows=max_rows, share_slabs=SHARE_SLABS) as cluster:
         cp, engine = cluster.control, ComputeEngine(weights, cluster)
         st.seed_document(cluster, engine, max_rows)
         for idx, (reqs, k) in enumerate(grid):
@@ -163,7 +169,7 @@ def measure_dop_speedup(instances: int = 4, rows: tuple[int, ...] = (512, 1024),
     max_rows = max(rows)
     best: dict[tuple[int, int], float] = {}
     with LocalCluster(instances, spec, (prefix // C // instances + 2 * instances + 8) * st.seg_bytes,
-                      segment_tokens=C, max_rows=max_rows) as cluster:
+                      segment_tokens=C, max_rows=max_rows, share_slabs=SHARE_SLABS) as cluster:
         cp, engine = cluster.control, ParallelComputeEngine(st.weights, cluster)
         try:
             st.seed_document(cluster, engine, max_rows)
@@ -213,7 +219,7 @@ def measure_query_engine(coefficients: dict[str, float], instances: int = 4, pre
     shapes = [(1, 1), (4, 1), (8, 1), (1, 128), (1, 256)]  # (requests, new tokens each)
     rows: list[tuple[float, float, int]] = []  # (busy, attention work, messages)
     with LocalCluster(instances, spec, (prefix // C // instances + 4 * instances + 8) * st.seg_bytes,
-                      segment_tokens=C, max_rows=512) as cluster:
+                      segment_tokens=C, max_rows=512, share_slabs=SHARE_SLABS) as cluster:
         cp, engine = cluster.control, ComputeEngine(st.weights, cluster)
         st.seed_document(cluster, engine, 512)
         for rep in range(repeats):

@@ -37,6 +37,11 @@ class PrefixNotCached(TokenLakeError):
     """A batch declares a prefix that the pool does not hold for that request."""
 
 
+class TierCorrupt(TokenLakeError):
+    """A segment's file in the disk tier is not what was written (truncated, altered, or
+    unreadable): it is refused and removed, never read as the segment."""
+
+
 class LeaseError(TokenLakeError):
     """A lease was released twice, or an unknown lease was named."""
 

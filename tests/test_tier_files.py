@@ -1,0 +1,160 @@
+"""The disk tier's files (``tokenlake/engines/tier_files.py``): bytes kept exactly and
+across a reopen, least recently used segments evicted when full, and every file that is
+not what was written refused -- truncated, altered, of another layout, or left half
+written by a writer killed mid-put (a real process, killed)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tokenlake.core.errors import ConfigError, TierCorrupt
+from tokenlake.engines.tier_files import LOCK_NAME, MAGIC, SUFFIX, TierFiles
+
+LAYOUT = {"model": "test", "segment_tokens": 64, "shape": [2, 2, 4, 64, 8], "dtype": "float32"}
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+def payload(i: int, n: int = 4096) -> bytes:
+    return hashlib.shake_128(f"segment {i}".encode()).digest(n)
+
+
+OPEN: list[TierFiles] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_tiers():
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
+def tier(path, capacity=1 << 20, layout=LAYOUT) -> TierFiles:
+    """A tier on ``path``; the one opened before on it is closed first (a stop)."""
+    for t in [t for t in OPEN if t.path == path]:
+        t.close()
+        OPEN.remove(t)
+    OPEN.append(TierFiles(path, capacity, layout, fsync=False))
+    return OPEN[-1]
+
+
+def test_bytes_come_back_exactly_and_outlive_the_process_that_wrote_them(tmp_path):
+    t = tier(tmp_path)
+    for i in range(5):
+        assert t.put(key(i), payload(i)) == []
+    assert all(t.get(key(i)) == payload(i) for i in range(5))
+    assert t.put(key(2), payload(20)) == []  # a new copy replaces the old one
+    assert t.get(key(2)) == payload(20) and len(t) == 5
+    used = t.used_bytes
+    again = tier(tmp_path)  # a stop and a start: the files are adopted
+    assert len(again) == 5 and again.used_bytes == used and again.refused == []
+    assert again.get(key(2)) == payload(20) and again.get(key(4)) == payload(4)
+    with pytest.raises(KeyError):
+        again.get(key(99))
+
+
+def test_a_full_tier_evicts_the_least_recently_used(tmp_path):
+    one = len(MAGIC) + 200 + 4096  # a file: its header is under 200 bytes
+    t = tier(tmp_path, capacity=3 * one)
+    for i in range(3):
+        t.put(key(i), payload(i))
+    t.get(key(0))  # 0 used again: 1 is now the least recently used
+    assert t.put(key(3), payload(3)) == [key(1)]
+    assert key(1) not in t and not (tmp_path / (key(1).hex() + SUFFIX)).exists()
+    assert list(t.keys()) == [key(2), key(0), key(3)] and t.evictions == 1
+    assert t.used_bytes <= t.capacity_bytes
+    assert tier(tmp_path, capacity=3 * one).get(key(0)) == payload(0)
+    smaller = tier(tmp_path, capacity=one)  # reopened smaller: the oldest files go
+    assert len(smaller) == 1 and smaller.used_bytes <= one
+    with pytest.raises(ConfigError, match="does not fit"):
+        smaller.put(key(9), payload(9, 2 * one))
+
+
+def test_a_truncated_file_is_refused_on_opening(tmp_path):
+    t = tier(tmp_path)
+    t.put(key(0), payload(0))
+    t.put(key(1), payload(1))
+    path = tmp_path / (key(1).hex() + SUFFIX)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1)
+    again = tier(tmp_path)
+    assert key(1) not in again and not path.exists()
+    assert any("truncated" in why for why in again.refused)
+    assert again.get(key(0)) == payload(0)
+
+
+def test_an_altered_file_is_refused_when_read_and_never_returned(tmp_path):
+    t = tier(tmp_path)
+    t.put(key(0), payload(0))
+    path = tmp_path / (key(0).hex() + SUFFIX)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x01  # one bit of the segment's bytes, the length unchanged
+    path.write_bytes(bytes(raw))
+    again = tier(tmp_path)
+    assert key(0) in again  # its header and length are right
+    with pytest.raises(TierCorrupt, match="digest"):
+        again.get(key(0))
+    assert key(0) not in again and not path.exists() and again.used_bytes == 0
+
+
+def test_garbage_and_foreign_layouts_are_not_adopted(tmp_path):
+    tier(tmp_path).put(key(0), payload(0))
+    (tmp_path / (key(5).hex() + SUFFIX)).write_bytes(b"not a tier file at all")
+    (tmp_path / "notes.txt").write_text("left alone")
+    other = tier(tmp_path, layout={**LAYOUT, "dtype": "bfloat16"})
+    assert len(other) == 0 and (tmp_path / (key(0).hex() + SUFFIX)).exists()  # kept for its own layout
+    assert not (tmp_path / (key(5).hex() + SUFFIX)).exists()
+    assert (tmp_path / "notes.txt").exists()
+    assert tier(tmp_path).get(key(0)) == payload(0)
+
+
+WRITER = textwrap.dedent("""
+    import hashlib, os, sys, time
+    from tokenlake.engines.tier_files import TierFiles
+    t = TierFiles(sys.argv[1], 1 << 30, {"w": 1}, fsync=False)
+    big = hashlib.shake_128(b"big").digest(8 << 20)
+    for i in range(3):
+        t.put(hashlib.blake2b(str(i).encode(), digest_size=16).digest(), big[i:])
+    def stalled(src, dst):  # the fourth put is killed between writing its file and the rename
+        print("writing", flush=True)
+        time.sleep(60)
+    os.replace = stalled
+    t.put(hashlib.blake2b(b"3", digest_size=16).digest(), big[3:])
+""")
+
+
+def test_a_writer_killed_mid_put_leaves_nothing_that_is_read_as_a_segment(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    big = hashlib.shake_128(b"big").digest(8 << 20)
+    t = TierFiles(tmp_path, 1 << 30, {"w": 1}, fsync=False)
+    assert len(t) == 3 and any("partial write" in why for why in t.refused)  # the finished puts
+    for i in range(3):
+        assert t.get(hashlib.blake2b(str(i).encode(), digest_size=16).digest()) == big[i:]
+    assert not [p for p in tmp_path.iterdir() if p.suffix != SUFFIX and p.name != LOCK_NAME]  # no partial file
+    t.close()
+
+
+def test_one_process_owns_a_tier_directory_at_a_time(tmp_path):
+    first = tier(tmp_path)
+    first.put(key(0), payload(0))
+    code = f"from tokenlake.engines.tier_files import TierFiles; TierFiles({str(tmp_path)!r}, 1 << 20, {{}})"
+    busy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert busy.returncode != 0 and "in use by another process" in busy.stderr
+    first.close()
+    free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert free.returncode == 0, free.stderr

@@ -1,0 +1,249 @@
+"""The disk tier under an instance's slab: segments kept as one file each in a directory.
+
+A segment that leaves the fast tier (the slab) can be kept here instead of dropped, and
+brought back on a hit; with the directory on local disk the segments also outlive the
+process. This module is the store itself: what a file holds, how it is written so that a
+crash never leaves a file that would be read as a segment, how it is checked before its
+bytes are used, and which files go when the tier is full. It knows nothing of slabs or
+plans; the engines give it a segment's bytes (all its layers, as the slab holds them
+slot-major) and its key.
+
+A file is ``<key hex>.seg``: a magic line, the length of a msgpack header, the header
+(the key, the pool layout the bytes are in, their length and their blake2b digest) and
+the bytes. It is written to a temporary name in the same directory, flushed to the
+disk and renamed, so a reader sees the whole file or none; a temporary file left by a
+killed writer is removed when the directory is opened, never adopted. On opening, every
+file's header is read and its length checked against the header (a truncated file is
+refused and removed); the digest is checked when the bytes are read, and a file that
+fails it is removed and reported as :class:`~tokenlake.core.errors.TierCorrupt`, never
+returned. A file of another pool layout is left alone and not adopted.
+
+The tier holds at most ``capacity_bytes`` of files (headers included) and evicts the
+least recently used segments to make room: reading a segment or writing it counts as a
+use; on opening, the files' modification times give the order.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from tokenlake.core.errors import ConfigError, TierCorrupt
+
+MAGIC = b"TLTIER1\n"
+_LEN = struct.Struct("<I")
+SUFFIX = ".seg"
+TMP_SUFFIX = ".tmp"
+LOCK_NAME = ".lock"
+#: Header fields every file has.
+_FIELDS = ("key", "layout", "nbytes", "digest")
+
+
+def _digest(data) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class TierFiles:
+    """The files of one instance's disk tier (see the module docstring).
+
+    ``layout``: what identifies the bytes' format (for example the slab's shape per
+    segment and its dtype, the model and the segment size); files written with another
+    layout are not adopted. ``fsync``: flush each file to the disk before it is renamed
+    into place (off only where durability does not matter, as in tests). One process owns
+    a directory at a time (a lock, released by :meth:`close` or the process's end);
+    another that opens it meanwhile gets ConfigError.
+    """
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, layout: Mapping[str, Any],
+                 fsync: bool = True) -> None:
+        if capacity_bytes <= 0:
+            raise ConfigError(f"the tier's capacity must be > 0 bytes, got {capacity_bytes}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.path / LOCK_NAME, "a+b")  # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ConfigError(f"the tier directory {self.path} is in use by another process") from None
+        self.capacity_bytes = int(capacity_bytes)
+        self.layout = msgpack.unpackb(msgpack.packb(dict(layout)))  # as a header reads it back
+        self.fsync = fsync
+        self._sizes: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self.used_bytes = 0
+        self.refused: list[str] = []  # files not adopted on opening, and why
+        self.evictions = 0
+        self._adopt()
+
+    def close(self) -> None:
+        """Releases the directory (the files stay)."""
+        if not self._lock.closed:
+            self._lock.close()  # closing the file releases the lock
+
+    def __enter__(self) -> TierFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ opening
+    def _adopt(self) -> None:
+        found = []
+        for entry in os.scandir(self.path):
+            name = entry.name
+            if name.endswith(TMP_SUFFIX):  # a writer died before its rename
+                self._remove(Path(entry.path), f"{name}: partial write")
+                continue
+            if not name.endswith(SUFFIX) or not entry.is_file():
+                continue
+            try:
+                key, size, layout = self._check_file(Path(entry.path))
+            except (OSError, ValueError) as exc:
+                self._remove(Path(entry.path), f"{name}: {exc}")
+                continue
+            if layout != self.layout:
+                self.refused.append(f"{name}: another pool layout (kept on disk)")
+                continue
+            found.append((entry.stat().st_mtime_ns, key, size))
+        for _, key, size in sorted(found):
+            self._sizes[key] = size
+            self.used_bytes += size
+        while self.used_bytes > self.capacity_bytes:  # a smaller tier than the files
+            self._evict_one()
+
+    def _check_file(self, path: Path) -> tuple[bytes, int, dict]:
+        """The key, size and layout of a complete file; ValueError for anything else."""
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header, body_at = _read_header(f)
+        if path.name != header["key"] + SUFFIX:
+            raise ValueError("its name is not its key")
+        key = bytes.fromhex(header["key"])
+        if size != body_at + header["nbytes"]:
+            raise ValueError(f"truncated or padded: {size} bytes, the header says {body_at + header['nbytes']}")
+        return key, size, header["layout"]
+
+    def _remove(self, path: Path, why: str) -> None:
+        self.refused.append(why)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ use
+    def _file(self, key: bytes) -> Path:
+        return self.path / (key.hex() + SUFFIX)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def keys(self) -> Iterator[bytes]:
+        """The segments held, least recently used first."""
+        return iter(list(self._sizes))
+
+    def put(self, key: bytes, data) -> list[bytes]:
+        """Keeps ``data`` (bytes-like: the segment's bytes) under ``key``, replacing an
+        earlier copy; evicts least recently used segments to make room and returns their
+        keys. Raises ConfigError if the segment alone exceeds the tier."""
+        view = memoryview(data).cast("B")
+        header = msgpack.packb({"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes,
+                                "digest": _digest(view)})
+        size = len(MAGIC) + _LEN.size + len(header) + view.nbytes
+        if size > self.capacity_bytes:
+            raise ConfigError(f"a segment of {size} bytes does not fit a tier of {self.capacity_bytes}")
+        self.remove(key)
+        evicted = []
+        while self.used_bytes + size > self.capacity_bytes:
+            evicted.append(self._evict_one())
+        final = self._file(key)
+        tmp = final.with_name(final.name + f".{os.getpid()}{TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC)
+                f.write(_LEN.pack(len(header)))
+                f.write(header)
+                f.write(view)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._sizes[key] = size
+        self.used_bytes += size
+        return evicted
+
+    def get(self, key: bytes) -> bytes:
+        """The bytes kept under ``key``, checked against their digest. Raises KeyError if
+        the tier does not hold it, and TierCorrupt (removing the file) if the file is not
+        what was written."""
+        if key not in self._sizes:
+            raise KeyError(key.hex())
+        path = self._file(key)
+        try:
+            with open(path, "rb") as f:
+                header, _ = _read_header(f)
+                data = f.read()
+            if header["key"] != key.hex() or len(data) != header["nbytes"]:
+                raise ValueError("truncated or not this segment")
+            if _digest(data) != header["digest"]:
+                raise ValueError("its bytes do not match their digest")
+        except (OSError, ValueError) as exc:
+            self._forget(key)
+            path.unlink(missing_ok=True)
+            raise TierCorrupt(f"tier file {path.name} refused: {exc}") from None
+        self._sizes.move_to_end(key)
+        return data
+
+    def remove(self, key: bytes) -> bool:
+        """Drops the segment (its file too); False if the tier did not hold it."""
+        if key not in self._sizes:
+            return False
+        self._forget(key)
+        self._file(key).unlink(missing_ok=True)
+        return True
+
+    def _forget(self, key: bytes) -> None:
+        self.used_bytes -= self._sizes.pop(key)
+
+    def _evict_one(self) -> bytes:
+        key = next(iter(self._sizes))
+        self.remove(key)
+        self.evictions += 1
+        return key
+
+
+def _read_header(f) -> tuple[dict, int]:
+    """The header of an open tier file and the offset of its bytes; ValueError if the
+    file does not start like one."""
+    if f.read(len(MAGIC)) != MAGIC:
+        raise ValueError("not a tier file")
+    raw = f.read(_LEN.size)
+    if len(raw) != _LEN.size:
+        raise ValueError("truncated header")
+    (n,) = _LEN.unpack(raw)
+    packed = f.read(n)
+    if len(packed) != n:
+        raise ValueError("truncated header")
+    try:
+        header = msgpack.unpackb(packed)
+    except Exception as exc:  # noqa: BLE001 - any malformed header is a refusal
+        raise ValueError(f"unreadable header ({type(exc).__name__})") from None
+    if not isinstance(header, dict) or any(k not in header for k in _FIELDS):
+        raise ValueError("header without its fields")
+    if not (isinstance(header["key"], str) and isinstance(header["digest"], str)
+            and isinstance(header["nbytes"], int) and header["nbytes"] >= 0):
+        raise ValueError("header with fields of the wrong type")
+    return header, len(MAGIC) + _LEN.size + n

@@ -27,10 +27,12 @@ requests -- so that equality is a consistency check, not a validation of the mod
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 from evals.sim.config import SimConfig
@@ -40,9 +42,12 @@ from scheduler.baselines.fcfs import FCFS
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.engines.compute import ParallelComputeEngine
 from tokenlake.generation import GenerationLoop, GenerationRequest
+from tokenlake.kernels.native import machine_info, same_machine
 from tokenlake.model.llama.weights import load_weights
 
 VOCAB = 49152
+#: The latency model the simulated side uses (tokenlake/data/latency/).
+LATENCY = "cpu_smollm2-135m"
 
 
 def validation_trace(documents: int = 3, questions: int = 4, doc_tokens: int = 600,
@@ -106,6 +111,17 @@ def run_real(trace: list[Request], instances: int, segment_tokens: int, chunk_to
     return RealRun(sum(hits.values()) / total, hits, times, busy, top, time.perf_counter() - t0)
 
 
+def latency_machine(name: str = LATENCY) -> dict[str, Any]:
+    """The machine the latency model ``name`` was measured on, this one, and whether they
+    are the same: on another CPU the simulated side describes that machine, not the
+    engines measured here (re-measure with ``tokenlake profile-latency``)."""
+    doc = json.loads(resources.files("tokenlake").joinpath("data", "latency", f"{name}.json")
+                     .read_text(encoding="utf-8"))
+    here = machine_info()
+    return {"name": name, "measured_on": doc.get("machine"), "this_machine": here,
+            "same_machine": same_machine(doc.get("machine"), here)}
+
+
 def _query_busy(cluster) -> dict[int, float]:
     return {i: pong.busy_s for (role, i), pong in cluster.engine_stats().items() if role == "query"}
 
@@ -119,7 +135,7 @@ def validate(documents: int = 3, questions: int = 3, doc_tokens: int = 600, inst
     pool_bytes = 64 << 20  # per instance: room for every segment of the trace
     real = run_real(trace, instances, segment_tokens, chunk_tokens, pool_bytes, dop)
     config = SimConfig(instances=instances, hardware="cpu", model="smollm2-135m",
-                       latency="cpu_smollm2-135m", cache_gb=pool_bytes / 1e9,
+                       latency=LATENCY, cache_gb=pool_bytes / 1e9,
                        segment_tokens=segment_tokens, chunk_tokens=chunk_tokens, tp=1,
                        max_prefill_dop=dop, rebalance_s=statistics.fmean(real.iteration_s), seed=seed)
     backend = PooledBackend(config.resolve(), "tokenlake", FCFS(chunk_tokens, prefill_dop=dop))
@@ -150,6 +166,7 @@ def validate(documents: int = 3, questions: int = 3, doc_tokens: int = 600, inst
         "replications": sim.extra["replications"],
         "iterations": {"real": len(real.iteration_s), "sim": sim.iterations},
         "real_wall_s": real.wall_s,
+        "latency_model": latency_machine(),
         "setup": {"instances": instances, "segment_tokens": segment_tokens, "dop": dop,
                   "chunk_tokens": chunk_tokens, "documents": documents, "questions": questions,
                   "hot_questions": hot, "doc_tokens": doc_tokens},

@@ -113,6 +113,9 @@ def test_simulator_hit_rate_equals_the_real_engines_on_the_same_trace():
     assert out["iteration_latency_error"] >= 0 and out["per_instance_busy_error"] >= 0
     assert len(out["query_busy_s"]["real"]) == len(out["query_busy_s"]["sim"]) == 2
     assert all(b > 0 for b in out["query_busy_s"]["real"] + out["query_busy_s"]["sim"])
+    lat = out["latency_model"]  # the model's machine against this one, never silently
+    assert lat["this_machine"]["cores"] >= 1 and lat["measured_on"] is not None
+    assert lat["same_machine"] == (lat["measured_on"] == lat["this_machine"])
 
 
 def test_parallel_workers_give_the_same_rows_as_one_process():

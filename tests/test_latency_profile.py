@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from tokenlake.core.cost_model import LatencyModel
+from tokenlake.kernels import native
 from tokenlake.tools import cli
 from tokenlake.tools.latency_profile import measure_dop_speedup, measure_query_engine
 
@@ -47,3 +50,16 @@ def test_a_small_profile_measures_every_sampled_batch_and_fits_the_model():
     assert doc["setup"]["segment_tokens"] == 64 and doc["setup"]["max_prefix"] == 128
     LatencyModel.from_dict(doc["coefficients"])  # a valid model
     assert doc["fit"]["n_samples"] == 6
+    assert doc["machine"] == native.machine_info()  # what the figures hold for
+    assert doc["setup"]["share_slabs"] is False  # each query engine on its own slab, as simulated
+
+
+def test_machines_are_the_same_only_when_cpu_cores_and_isa_agree():
+    here = native.machine_info()
+    assert set(here) == {"cpu", "cores", "isa"} and here["cores"] >= 1
+    assert native.same_machine(here, dict(here))
+    assert not native.same_machine(here, {**here, "cores": here["cores"] + 1})
+    assert not native.same_machine(here, {**here, "isa": "base" if here["isa"] != "base" else "avx2"})
+    assert not native.same_machine(None, here) and not native.same_machine(here, None)
+    shipped = json.loads((Path(__file__).parents[1] / "tokenlake/data/latency/cpu_smollm2-135m.json").read_text())
+    assert set(shipped["machine"]) == {"cpu", "cores", "isa"}  # the shipped model says where it was measured

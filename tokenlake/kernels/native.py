@@ -21,6 +21,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -200,3 +201,28 @@ if __name__ == "__main__":  # `make` builds the kernels when it sets the virtual
     built = load()
     print("native kernels: " + (f"built ({built.isa()})" if built is not None
                                 else "not built (the torch path serves)"))
+
+
+def machine_info() -> dict[str, object]:
+    """What a measurement on this machine depends on: the CPU's model name, the cores
+    this process may use, and the instruction set the kernels run with (``"none"``
+    where they are not built; never compiles them)."""
+    cpu = "?"
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        cpu = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                    if line.startswith("model name")), "?")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    try:
+        mod = load_prebuilt()
+        isa = "none" if mod is None else mod.isa()
+    except Exception as exc:  # noqa: BLE001 - describing the machine never fails
+        isa = f"? ({type(exc).__name__})"
+    return {"cpu": cpu, "cores": cores, "isa": isa}
+
+
+def same_machine(a: dict | None, b: dict | None) -> bool:
+    """Whether two :func:`machine_info` records name the same CPU model, cores and
+    instruction set (None, an unrecorded machine, is never the same)."""
+    keys = ("cpu", "cores", "isa")
+    return a is not None and b is not None and all(a.get(k) == b.get(k) for k in keys)

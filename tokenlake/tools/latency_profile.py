@@ -112,6 +112,7 @@ def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
     # torch to print its help.
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.engines.compute import ComputeEngine
+    from tokenlake.kernels.native import machine_info
 
     st = _Setup(segment_tokens, max_prefix, seed)
     weights, spec, C, max_prefix, rng, doc = st.weights, st.spec, st.C, st.prefix, st.rng, st.doc
@@ -142,8 +143,9 @@ def profile(n_samples: int = 60, instances: int = 2, max_prefix: int = 4096,
         "hardware": "cpu",
         "model": "smollm2-135m",
         "source": "measured: tokenlake.tools.latency_profile (real compute engine through the pool)",
+        "machine": machine_info(),  # what the figures hold for (tokenlake eval validate compares)
         "setup": {"instances": instances, "segment_tokens": C, "max_prefix": max_prefix,
-                  "repeats": repeats, "seed": seed},
+                  "repeats": repeats, "seed": seed, "share_slabs": SHARE_SLABS},
         "coefficients": model.to_dict(),
         "fit": fit_report(model, samples),
         "samples": [{"requests": [list(r) for r in s.requests], "k": s.k, "seconds": s.seconds}

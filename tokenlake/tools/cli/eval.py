@@ -247,6 +247,11 @@ def _run_validate(args: argparse.Namespace) -> int:
               f"measured ({result['iteration_latency_error']:.0%} off); query-engine busy time per "
               f"instance at most {result['per_instance_busy_error']:.0%} off; hit rates equal: "
               f"{result['hit_rate']['equal']} (by construction); written to {path}")
+    lat = result["latency_model"]
+    if not lat["same_machine"]:
+        print(f"note: the latency model {lat['name']} was measured on {lat['measured_on'] or 'an unrecorded machine'}, "
+              f"not on this one ({lat['this_machine']}); re-measure it here (tokenlake profile-latency, "
+              "docs/scheduling.md) for the comparison to mean anything", file=sys.stderr)
     ok = result["mean_iteration_s"]["within_20pct"] and result["query_busy_s"]["within_20pct"]
     return 0 if result["hit_rate"]["equal"] and ok else 1
 

@@ -11,8 +11,8 @@ buffer (created here, unlinked in :meth:`LocalCluster.close`, also when an engin
 crashed). A watcher thread waits on every engine's process sentinel: an engine that dies
 is known within milliseconds (:meth:`LocalCluster.add_failure_listener`,
 :meth:`LocalCluster.replace_failed`), without waiting for a request to time out.
-Engines are started with the ``forkserver`` method, which imports torch once,
-and stop when told to or when this process dies: each engine watches the launcher's pid
+Engines are started with the ``forkserver`` method, which imports torch once (with the
+engines' OpenMP settings, ``OPENMP_ENV``, where the caller set none), and stop when told to or when this process dies: each engine watches the launcher's pid
 (``EngineSpec.owner_pid``) and, once it is gone (even by ``kill -9``), stops within
 0.1 s and unlinks the cluster's buffers; a new cluster also sweeps the buffers of
 launchers that are gone (``sweep_stale``).
@@ -55,6 +55,7 @@ from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
 from tokenlake.deploy.watcher import EngineWatcher
 from tokenlake.engines.loop import EngineSpec
+from tokenlake.engines.openmp import OPENMP_ENV
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         endpoints of its role's engines."""
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "tokenlake.engines.query", "tokenlake.engines.transfer"])
+        _start_forkserver()
         self._specs = specs
         conns = {}
         for inst in range(self.n_instances) if instances is None else instances:
@@ -373,3 +375,19 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
 
     def _live_engines(self) -> list[tuple[str, int]]:
         return [key for key in self._endpoints if self._procs[key].is_alive()]
+
+
+def _start_forkserver() -> None:
+    """Starts the forkserver (if it is not running) with the engines' OpenMP settings
+    added to the environment it inherits where the caller's has none, so that every
+    engine it forks sleeps its idle OpenMP workers, as under ``tokenlake``; the caller's
+    environment is left as it was. A forkserver started before keeps its settings."""
+    from multiprocessing import forkserver
+
+    added = [name for name in OPENMP_ENV if name not in os.environ]
+    os.environ.update({name: OPENMP_ENV[name] for name in added})
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name in added:
+            os.environ.pop(name, None)

@@ -33,6 +33,7 @@ from tokenlake.deploy.ray.client import open_client
 from tokenlake.deploy.ray.liveness import ProcessRef
 from tokenlake.deploy.ray.orphans import Grace
 from tokenlake.deploy.roles import engine_class
+from tokenlake.engines.openmp import OPENMP_ENV  # no torch
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,8 @@ class ComputeActor:
         # Idle OpenMP workers that spin starve the engines on small machines (the CLI
         # sets the same, and the short spin that bridges a decode step's kernel calls); it
         # only takes effect before torch loads OpenMP.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+        for name, value in OPENMP_ENV.items():
+            os.environ.setdefault(name, value)
         import torch  # after the line above, which must come first
 
         if weights_loader is None:  # the model layer: torch and the weights package

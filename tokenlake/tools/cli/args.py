@@ -22,12 +22,13 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+# The OpenMP settings the command line gives itself and the engines it starts unless set
+# already (:func:`tokenlake.tools.cli.main` says why); a vLLM server a benchmark starts
+# runs with vLLM's own instead.
+from tokenlake.engines.openmp import OPENMP_ENV  # noqa: F401 - the command line's name for them
+
 PROG = "tokenlake"
 USAGE_EXIT = 2  # a mistake of the user's, whatever the subcommand
-#: The OpenMP settings the command line gives itself and the engines it starts unless
-#: set already (:func:`tokenlake.tools.cli.main` says why); a vLLM server a benchmark
-#: starts runs with vLLM's own instead.
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "2000"}
 
 
 class UsageError(Exception):

@@ -158,3 +158,38 @@ def test_one_process_owns_a_tier_directory_at_a_time(tmp_path):
     first.close()
     free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert free.returncode == 0, free.stderr
+
+
+def test_a_file_whose_name_is_not_its_key_in_canonical_form_is_not_adopted(tmp_path):
+    t = tier(tmp_path)
+    t.put(key(0), payload(0))
+    good = tmp_path / (key(0).hex() + SUFFIX)
+    (tmp_path / (key(0).hex().upper() + SUFFIX)).write_bytes(good.read_bytes())  # the same key, twice
+    again = tier(tmp_path)
+    assert list(again.keys()) == [key(0)] and again.used_bytes == good.stat().st_size
+    assert any("not its key" in why for why in again.refused)
+
+
+def test_a_put_that_fails_keeps_the_old_copy_and_its_accounting(tmp_path, monkeypatch):
+    t = tier(tmp_path)
+    t.put(key(0), payload(0))
+    used = t.used_bytes
+
+    def broken(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken)
+    with pytest.raises(OSError, match="No space"):
+        t.put(key(0), payload(1))
+    monkeypatch.undo()
+    assert t.get(key(0)) == payload(0) and t.used_bytes == used
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key(0).hex() + SUFFIX, LOCK_NAME])
+
+
+def test_a_closed_tier_refuses_its_use(tmp_path):
+    t = tier(tmp_path)
+    t.put(key(0), payload(0))
+    t.close()
+    for use in (lambda: t.put(key(1), payload(1)), lambda: t.get(key(0)), lambda: t.remove(key(0))):
+        with pytest.raises(ConfigError, match="closed"):
+            use()

@@ -24,6 +24,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -381,13 +382,27 @@ def _start_forkserver() -> None:
     """Starts the forkserver (if it is not running) with the engines' OpenMP settings
     added to the environment it inherits where the caller's has none, so that every
     engine it forks sleeps its idle OpenMP workers, as under ``tokenlake``; the caller's
-    environment is left as it was. A forkserver started before keeps its settings."""
+    environment is as it was afterwards (other threads may see the two settings while the
+    forkserver starts). A forkserver started elsewhere keeps the settings it started with
+    (said once in the log)."""
     from multiprocessing import forkserver
 
-    added = [name for name in OPENMP_ENV if name not in os.environ]
-    os.environ.update({name: OPENMP_ENV[name] for name in added})
-    try:
-        forkserver.ensure_running()
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
+    with _FORKSERVER_ENV:
+        before = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        added = [name for name in OPENMP_ENV if name not in os.environ]
+        try:
+            os.environ.update({name: OPENMP_ENV[name] for name in added})
+            forkserver.ensure_running()  # starts it, or again if it died; else nothing
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
+        now = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if now != before:
+            _FORKSERVER["ours"] = now
+        elif now not in (_FORKSERVER["ours"], _FORKSERVER["said"]):
+            _FORKSERVER["said"] = now
+            log.info("the forkserver was started elsewhere: engines keep its OpenMP settings")
+
+
+_FORKSERVER_ENV = threading.Lock()
+_FORKSERVER: dict[str, int | None] = {"ours": None, "said": None}  # pids: the one started here, the one logged

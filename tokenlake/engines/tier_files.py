@@ -29,6 +29,7 @@ import fcntl
 import hashlib
 import os
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -59,7 +60,10 @@ class TierFiles:
     layout are not adopted. ``fsync``: flush each file to the disk before it is renamed
     into place (off only where durability does not matter, as in tests). One process owns
     a directory at a time (a lock, released by :meth:`close` or the process's end);
-    another that opens it meanwhile gets ConfigError.
+    another that opens it meanwhile gets ConfigError. Its methods may be called from
+    several threads (one lock). A caller that keeps its own index of the tier treats a
+    KeyError from :meth:`get` as a miss: a :meth:`put` that fails may have evicted segments
+    it could not report.
     """
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, layout: Mapping[str, Any],
@@ -81,7 +85,12 @@ class TierFiles:
         self.used_bytes = 0
         self.refused: list[str] = []  # files not adopted on opening, and why
         self.evictions = 0
-        self._adopt()
+        self._mutex = threading.Lock()
+        try:
+            self._adopt()
+        except BaseException:
+            self._lock.close()
+            raise
 
     def close(self) -> None:
         """Releases the directory (the files stay)."""
@@ -106,8 +115,13 @@ class TierFiles:
                 continue
             try:
                 key, size, layout = self._check_file(Path(entry.path))
-            except (OSError, ValueError) as exc:
+            except FileNotFoundError:
+                continue
+            except ValueError as exc:  # not a whole tier file
                 self._remove(Path(entry.path), f"{name}: {exc}")
+                continue
+            except OSError as exc:  # cannot be read now: left on disk, not adopted
+                self.refused.append(f"{name}: unreadable ({exc.strerror or exc})")
                 continue
             if layout != self.layout:
                 self.refused.append(f"{name}: another pool layout (kept on disk)")
@@ -124,9 +138,12 @@ class TierFiles:
         size = path.stat().st_size
         with open(path, "rb") as f:
             header, body_at = _read_header(f)
-        if path.name != header["key"] + SUFFIX:
+        try:
+            key = bytes.fromhex(header["key"])
+        except ValueError:
+            raise ValueError("its key is not hexadecimal") from None
+        if path.name != key.hex() + SUFFIX or header["key"] != key.hex():
             raise ValueError("its name is not its key")
-        key = bytes.fromhex(header["key"])
         if size != body_at + header["nbytes"]:
             raise ValueError(f"truncated or padded: {size} bytes, the header says {body_at + header['nbytes']}")
         return key, size, header["layout"]
@@ -155,60 +172,81 @@ class TierFiles:
     def put(self, key: bytes, data) -> list[bytes]:
         """Keeps ``data`` (bytes-like: the segment's bytes) under ``key``, replacing an
         earlier copy; evicts least recently used segments to make room and returns their
-        keys. Raises ConfigError if the segment alone exceeds the tier."""
+        keys. Raises ConfigError if the segment alone exceeds the tier. The new file is
+        complete on disk before anything is evicted or replaced."""
         view = memoryview(data).cast("B")
         header = msgpack.packb({"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes,
                                 "digest": _digest(view)})
         size = len(MAGIC) + _LEN.size + len(header) + view.nbytes
         if size > self.capacity_bytes:
             raise ConfigError(f"a segment of {size} bytes does not fit a tier of {self.capacity_bytes}")
-        self.remove(key)
-        evicted = []
-        while self.used_bytes + size > self.capacity_bytes:
-            evicted.append(self._evict_one())
         final = self._file(key)
-        tmp = final.with_name(final.name + f".{os.getpid()}{TMP_SUFFIX}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(MAGIC)
-                f.write(_LEN.pack(len(header)))
-                f.write(header)
-                f.write(view)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        self._sizes[key] = size
-        self.used_bytes += size
-        return evicted
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+        with self._mutex:
+            self._check_open()
+            old = None
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(MAGIC)
+                    f.write(_LEN.pack(len(header)))
+                    f.write(header)
+                    f.write(view)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                old = self._sizes.pop(key, None)  # its file is replaced below, atomically
+                if old is not None:
+                    self.used_bytes -= old
+                evicted = []
+                while self.used_bytes + size > self.capacity_bytes:
+                    evicted.append(self._evict_one())
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                if key not in self._sizes and final.exists() and old is not None:  # the old copy stays
+                    self._sizes[key] = old
+                    self.used_bytes += old
+                raise
+            self._sizes[key] = size
+            self.used_bytes += size
+            return evicted
 
     def get(self, key: bytes) -> bytes:
         """The bytes kept under ``key``, checked against their digest. Raises KeyError if
         the tier does not hold it, and TierCorrupt (removing the file) if the file is not
-        what was written."""
-        if key not in self._sizes:
-            raise KeyError(key.hex())
-        path = self._file(key)
-        try:
-            with open(path, "rb") as f:
-                header, _ = _read_header(f)
-                data = f.read()
-            if header["key"] != key.hex() or len(data) != header["nbytes"]:
-                raise ValueError("truncated or not this segment")
-            if _digest(data) != header["digest"]:
-                raise ValueError("its bytes do not match their digest")
-        except (OSError, ValueError) as exc:
-            self._forget(key)
-            path.unlink(missing_ok=True)
-            raise TierCorrupt(f"tier file {path.name} refused: {exc}") from None
-        self._sizes.move_to_end(key)
-        return data
+        what was written; another OSError (the disk, the descriptors) is raised as it is
+        and the file kept."""
+        with self._mutex:
+            self._check_open()
+            if key not in self._sizes:
+                raise KeyError(key.hex())
+            path = self._file(key)
+            try:
+                with open(path, "rb") as f:
+                    header, _ = _read_header(f)
+                    data = f.read()
+                if header["key"] != key.hex() or len(data) != header["nbytes"]:
+                    raise ValueError("truncated or not this segment")
+                if _digest(data) != header["digest"]:
+                    raise ValueError("its bytes do not match their digest")
+            except (FileNotFoundError, ValueError) as exc:
+                self._forget(key)
+                path.unlink(missing_ok=True)
+                raise TierCorrupt(f"tier file {path.name} refused: {exc}") from None
+            self._sizes.move_to_end(key)
+            return data
 
     def remove(self, key: bytes) -> bool:
         """Drops the segment (its file too); False if the tier did not hold it."""
+        with self._mutex:
+            self._check_open()
+            return self._remove_key(key)
+
+    def _check_open(self) -> None:
+        if self._lock.closed:
+            raise ConfigError(f"the tier on {self.path} is closed")
+
+    def _remove_key(self, key: bytes) -> bool:
         if key not in self._sizes:
             return False
         self._forget(key)
@@ -220,7 +258,7 @@ class TierFiles:
 
     def _evict_one(self) -> bytes:
         key = next(iter(self._sizes))
-        self.remove(key)
+        self._remove_key(key)
         self.evictions += 1
         return key
 

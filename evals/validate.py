@@ -27,18 +27,17 @@ requests -- so that equality is a consistency check, not a validation of the mod
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from evals.sim.config import SimConfig
 from evals.sim.pooled import PooledBackend
 from evals.workloads.base import Request
 from scheduler.baselines.fcfs import FCFS
+from tokenlake.core.cost_model import LatencyModel
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.engines.compute import ParallelComputeEngine
 from tokenlake.generation import GenerationLoop, GenerationRequest
@@ -115,8 +114,7 @@ def latency_machine(name: str = LATENCY) -> dict[str, Any]:
     """The machine the latency model ``name`` was measured on, this one, and whether they
     are the same: on another CPU the simulated side describes that machine, not the
     engines measured here (re-measure with ``tokenlake profile-latency``)."""
-    doc = json.loads(resources.files("tokenlake").joinpath("data", "latency", f"{name}.json")
-                     .read_text(encoding="utf-8"))
+    doc = LatencyModel.document(name)
     here = machine_info()
     return {"name": name, "measured_on": doc.get("machine"), "this_machine": here,
             "same_machine": same_machine(doc.get("machine"), here)}

@@ -66,8 +66,8 @@ def test_version_is_the_installed_package_version(capsys):
 def test_the_command_line_sets_its_openmp_defaults_and_keeps_the_users(monkeypatch, capsys):
     """``tokenlake`` gives itself (and the engines it starts) passive OpenMP waits with a
     short spin unless the user set them; a vLLM server it starts gets neither of ours."""
+    from tokenlake.engines.openmp import OPENMP_ENV
     from tokenlake.tools.bench.vllm import vllm_env
-    from tokenlake.tools.cli.args import OPENMP_ENV
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "")  # recorded, so teardown undoes what main sets
     monkeypatch.delenv("OMP_WAIT_POLICY")

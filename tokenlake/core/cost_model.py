@@ -228,14 +228,20 @@ class LatencyModel:
         return cls(**{k: float(v) for k, v in data.items()}, dop_speedup=tuple(dop_speedup),
                    query_message_s=float(query_message_s), query_work_scale=float(query_work_scale))
 
-    @classmethod
-    def load(cls, name: str) -> LatencyModel:
-        """The shipped model ``tokenlake/data/latency/<name>.json`` (its "coefficients")."""
+    @staticmethod
+    def document(name: str) -> dict[str, Any]:
+        """The whole shipped file ``tokenlake/data/latency/<name>.json`` (coefficients, fit,
+        samples, the machine it was measured on)."""
         folder = resources.files("tokenlake").joinpath("data", "latency")
         valid = sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
         if name not in valid:
             raise ConfigError(f"unknown latency model {name!r}; valid names: {', '.join(valid)}")
-        data = json.loads(folder.joinpath(f"{name}.json").read_text(encoding="utf-8"))
+        return json.loads(folder.joinpath(f"{name}.json").read_text(encoding="utf-8"))
+
+    @classmethod
+    def load(cls, name: str) -> LatencyModel:
+        """The shipped model ``tokenlake/data/latency/<name>.json`` (its "coefficients")."""
+        data = cls.document(name)
         qe = data.get("query_engine", {})
         return cls.from_dict(data["coefficients"], data.get("dop_speedup", ()),
                              qe.get("message_s", 0.0), qe.get("work_scale", 1.0))

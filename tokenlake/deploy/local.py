@@ -12,7 +12,8 @@ crashed). A watcher thread waits on every engine's process sentinel: an engine t
 is known within milliseconds (:meth:`LocalCluster.add_failure_listener`,
 :meth:`LocalCluster.replace_failed`), without waiting for a request to time out.
 Engines are started with the ``forkserver`` method, which imports torch once (with the
-engines' OpenMP settings, ``OPENMP_ENV``, where the caller set none), and stop when told to or when this process dies: each engine watches the launcher's pid
+engines' OpenMP settings, ``OPENMP_ENV``, where the caller set none), and stop when told
+to or when this process dies: each engine watches the launcher's pid
 (``EngineSpec.owner_pid``) and, once it is gone (even by ``kill -9``), stops within
 0.1 s and unlinks the cluster's buffers; a new cluster also sweeps the buffers of
 launchers that are gone (``sweep_stale``).

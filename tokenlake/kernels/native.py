@@ -197,12 +197,6 @@ def roof_stream(buf: Tensor, fmas: int, c: float = 1.0, module=None) -> float:
         raise ValueError(str(exc).splitlines()[0]) from None
 
 
-if __name__ == "__main__":  # `make` builds the kernels when it sets the virtualenv up
-    built = load()
-    print("native kernels: " + (f"built ({built.isa()})" if built is not None
-                                else "not built (the torch path serves)"))
-
-
 def machine_info() -> dict[str, object]:
     """What a measurement on this machine depends on: the CPU's model name, the cores
     this process may use, and the instruction set the kernels run with (``"none"``
@@ -226,3 +220,10 @@ def same_machine(a: dict | None, b: dict | None) -> bool:
     instruction set (None, an unrecorded machine, is never the same)."""
     keys = ("cpu", "cores", "isa")
     return a is not None and b is not None and all(a.get(k) == b.get(k) for k in keys)
+
+
+if __name__ == "__main__":  # `make` builds the kernels when it sets the virtualenv up
+    built = load()
+    print("native kernels: " + (f"built ({built.isa()})" if built is not None
+                                else "not built (the torch path serves)"))
+

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenlake.tools.cli.args import OPENMP_ENV
+from tokenlake.engines.openmp import OPENMP_ENV
 
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "8192", "--enforce-eager",
              "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(512 << 20)]

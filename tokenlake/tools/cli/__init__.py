@@ -32,13 +32,14 @@ from collections.abc import Sequence
 
 import tokenlake
 from tokenlake.core.errors import ConfigError
+from tokenlake.engines.openmp import OPENMP_ENV
 from tokenlake.tools.cli import bench as cli_bench
 from tokenlake.tools.cli import config as cli_config
 from tokenlake.tools.cli import eval as cli_eval
 from tokenlake.tools.cli import model as cli_model
 from tokenlake.tools.cli import pool as cli_pool
 from tokenlake.tools.cli import status as cli_status
-from tokenlake.tools.cli.args import OPENMP_ENV, PROG, Parser, UsageError, report
+from tokenlake.tools.cli.args import PROG, Parser, UsageError, report
 
 
 def build_parser() -> Parser:

@@ -22,11 +22,6 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-# The OpenMP settings the command line gives itself and the engines it starts unless set
-# already (:func:`tokenlake.tools.cli.main` says why); a vLLM server a benchmark starts
-# runs with vLLM's own instead.
-from tokenlake.engines.openmp import OPENMP_ENV  # noqa: F401 - the command line's name for them
-
 PROG = "tokenlake"
 USAGE_EXIT = 2  # a mistake of the user's, whatever the subcommand
 

@@ -109,7 +109,7 @@ class TierFiles:
         for entry in os.scandir(self.path):
             name = entry.name
             if name.endswith(TMP_SUFFIX):  # a writer died before its rename
-                self._remove(Path(entry.path), f"{name}: partial write")
+                self._refuse(Path(entry.path), f"{name}: partial write")
                 continue
             if not name.endswith(SUFFIX) or not entry.is_file():
                 continue
@@ -118,7 +118,7 @@ class TierFiles:
             except FileNotFoundError:
                 continue
             except ValueError as exc:  # not a whole tier file
-                self._remove(Path(entry.path), f"{name}: {exc}")
+                self._refuse(Path(entry.path), f"{name}: {exc}")
                 continue
             except OSError as exc:  # cannot be read now: left on disk, not adopted
                 self.refused.append(f"{name}: unreadable ({exc.strerror or exc})")
@@ -148,12 +148,10 @@ class TierFiles:
             raise ValueError(f"truncated or padded: {size} bytes, the header says {body_at + header['nbytes']}")
         return key, size, header["layout"]
 
-    def _remove(self, path: Path, why: str) -> None:
+    def _refuse(self, path: Path, why: str) -> None:
+        """A file found on opening that is not a whole tier file: noted and deleted."""
         self.refused.append(why)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ use
     def _file(self, key: bytes) -> Path:

@@ -44,6 +44,8 @@ class PoolConfig:
             sharing segments share slots (attended once for all of them), and
             :meth:`~tokenlake.core.pool.CachePool.rebalance` starts no copy (a replica
             would move no work: the home's query engine attends them all).
+        tier_slots: segments each instance's disk tier holds (0: no tier; segments
+            evicted from the slabs are dropped). See :mod:`tokenlake.core.tier`.
     """
 
     segment_tokens: int
@@ -61,6 +63,7 @@ class PoolConfig:
     home_eviction: bool = True
     eviction_choices: int = 2
     shared_memory: bool = False
+    tier_slots: int = 0
 
     def __post_init__(self) -> None:
         positive_int("segment_tokens", self.segment_tokens)
@@ -76,6 +79,8 @@ class PoolConfig:
         positive_int("slots_per_instance", self.slots_per_instance)
         positive_int("vnodes", self.vnodes)
         positive_int("max_replications", self.max_replications)
+        if not is_int(self.tier_slots) or self.tier_slots < 0:
+            raise ConfigError(f"tier_slots must be an int >= 0, got {self.tier_slots!r}")
         if not self.namespace:
             raise ConfigError("namespace must be non-empty (model id + KV layout)")
         if not 0 < self.bucket_s <= self.window_s:

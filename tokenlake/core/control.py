@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenlake.core.assembly import PartAssembler
@@ -38,6 +38,7 @@ from tokenlake.core.replication import Replication
 from tokenlake.core.request_table import RequestTable
 from tokenlake.core.specs import HardwareProfile, ModelSpec
 from tokenlake.core.store_plan import StorePlanner
+from tokenlake.core.tier import Promotion, TierDataPlane
 from tokenlake.core.transaction import PlanCounts, Transaction
 
 
@@ -91,6 +92,8 @@ class ControlPlane:
         self._inflight: dict[int, Transaction] = {}
         self._iteration = 0
         self._counts = PlanCounts()
+        #: who moves the disk tiers' data (a launcher's driver); None: count it as done
+        self.tier_data_plane: TierDataPlane | None = None
 
     # ----------------------------------------------------------- paper's API
     def get_prefix_tree(self) -> PrefixTree:
@@ -148,6 +151,41 @@ class ControlPlane:
     def complete(self, plans: Plans) -> None:
         """Every put of ``plans`` is stored in all layers: new segments become visible."""
         self._take_flight(plans).commit(self.pool, self._requests)
+        self.flush_tier()
+
+    def flush_tier(self) -> None:
+        """Hands the disk tiers' queued work (files to drop, new segments to write
+        through) to :attr:`tier_data_plane`, and records what it staged."""
+        tier = self.pool.tier
+        ops = tier.take_ops() if tier is not None else None
+        if not ops:
+            return
+        if self.tier_data_plane is None:
+            tier.staged(w.key for op in ops.values() for w in op.writes)
+        else:
+            tier.staged(*self.tier_data_plane.tier_ops(ops))
+
+    def promote(self, prompts: Iterable[tuple[Sequence[int], str | None]]) -> int:
+        """Brings the segments of each ``(token ids, cache salt)`` prompt's prefix that
+        are held only in a disk tier back into slots, parent first, so that the next
+        match reads them; returns how many came back. A segment whose file is missing or
+        corrupt goes, with what follows it (they are computed again)."""
+        tier = self.pool.tier
+        if tier is None:
+            return 0
+        promos: list[Promotion] = []
+        for tokens, salt in prompts:
+            m = self.pool.match(tokens, max_tokens=max(len(tokens) - 1, 0), salt=salt)
+            if m.tier_keys:
+                promos += tier.promote(m.tier_keys)
+        if not promos:
+            return 0
+        data_plane = self.tier_data_plane
+        failed = data_plane.tier_read(promos) if data_plane is not None else set()
+        for p in promos:  # parent first: a failed parent takes its children along
+            (tier.promotion_failed if p.key in failed else tier.promoted)(p)
+        self.flush_tier()  # the failed ones' files
+        return len(promos) - len(failed)
 
     def abort(self, plans: Plans) -> None:
         """The data plane failed to run ``plans``: undo them; requests keep their old state."""
@@ -314,13 +352,14 @@ def check_kv_dtype(kv_dtype: str) -> str:
 def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_tokens: int,
                  kv_dtype: str, clock: Callable[[], float], seed: int = 0,
                  kv_layout: str = "tokenlake", page_tokens: int | None = None,
-                 shared_memory: bool = False) -> ControlPlane:
+                 shared_memory: bool = False, tier_bytes: int = 0) -> ControlPlane:
     """The control plane of a cluster of ``n_instances`` slabs of ``pool_bytes`` each,
     holding as many whole segments of ``kv_dtype`` (:data:`KV_DTYPES`) elements as fit
     (the launchers' shared sizing), in the namespace of ``model``, ``kv_dtype``,
     ``segment_tokens`` and ``kv_layout`` (:data:`KV_LAYOUTS`), with page hits of
     ``page_tokens`` (``None``: the default) and ``shared_memory``
-    (:class:`~tokenlake.core.config.PoolConfig`); ``ConfigError`` without instances, for an
+    (:class:`~tokenlake.core.config.PoolConfig`), and a disk tier of ``tier_bytes`` per
+    instance (0: none; whole segments); ``ConfigError`` without instances, for an
     unknown dtype or layout, or when no segment fits."""
     if n_instances < 1:
         raise ConfigError("need at least one instance")
@@ -335,7 +374,7 @@ def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_to
     if kv_layout != "tokenlake":
         namespace += f"/{kv_layout}"
     config = PoolConfig(segment_tokens, namespace, slots, seed=seed, page_tokens=page_tokens,
-                        shared_memory=shared_memory)
+                        shared_memory=shared_memory, tier_slots=tier_bytes // seg_bytes)
     if model.dtype_bytes != dtype_bytes:  # the byte counts (puts, dedup, dispatch) of this pool's K/V
         model = dataclasses.replace(model, dtype_bytes=dtype_bytes)
     return ControlPlane(config, model, list(range(n_instances)), clock=clock)

@@ -36,11 +36,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.errors import CapacityError, ConfigError, PrefixNotCached, SegmentNotFound
 from tokenlake.core.placement import AccessWindow, HashRing, choose_replica
-from tokenlake.core.pool_records import Eviction, InstanceRemoval, Placement, PoolStats
+from tokenlake.core.pool_records import (
+    Eviction,
+    InstanceRemoval,
+    Placement,
+    PoolStats,
+    collect_stats,
+)
 from tokenlake.core.prefix_tree import MatchResult, PrefixTree, SegmentLocation
 from tokenlake.core.replication import Replication, Replicator
 from tokenlake.core.segments import SegmentHasher, SegmentKey
 from tokenlake.core.slots import SlotPool
+from tokenlake.core.tier import TierManager
 
 __all__ = ["CachePool", "Eviction", "InstanceRemoval", "Placement", "PoolStats"]
 
@@ -66,6 +73,7 @@ class CachePool:
         self.window = AccessWindow(config.window_s, config.bucket_s)
         self.slots = SlotPool()
         self.replicator = Replicator(self)
+        self.tier = TierManager(self, config.tier_slots) if config.tier_slots else None
         self._private: dict[tuple[int, int], str] = {}  # (instance, slot) -> owner
         self._dedup = self._evictions = 0
         self._placed = self._at_home = 0
@@ -89,6 +97,8 @@ class CachePool:
         if instance not in self.slots.instances:
             raise ConfigError(f"unknown instance {instance}")
         self.replicator.abort_touching(instance)
+        if self.tier is not None:
+            self.tier.forget_instance(instance)
         gone: list[SegmentKey] = []
         for key in list(self.tree.keys()):
             if key not in self.tree:
@@ -138,12 +148,12 @@ class CachePool:
         A first segment's ``parent`` is a root: ``None``, or its salt's root key
         (:meth:`PrefixTree.root_key`).
         """
-        if key in self.tree:
+        known = key in self.tree
+        if known and (locs := self.tree.replicas(key, ready_only=False)):
             self._dedup += 1
-            locs = self.tree.replicas(key, ready_only=False)
-            ready = self.tree.replicas(key)
-            return Placement((ready or locs)[0], False)
-        self.tree.check_parent(parent, index)  # ValueError, SegmentNotFound
+            return Placement((self.tree.replicas(key) or locs)[0], False)
+        if not known:  # else held only in the tier: computed again into a slot
+            self.tree.check_parent(parent, index)  # ValueError, SegmentNotFound
         # On a full pool the parent may be the LRU victim: keep it while a slot is taken
         # for its child, or eviction could pull it from under the insert (and leak the slot).
         guard = index > 0 and not self.slots.total_free()
@@ -154,13 +164,16 @@ class CachePool:
         finally:
             if guard:
                 self.tree.unlease([parent])
-        self.tree.insert(key, parent, index, tokens)
+        if not known:
+            self.tree.insert(key, parent, index, tokens)
         self.tree.add_replica(key, loc.instance, loc.slot, self.clock())
         return Placement(loc, True, evicted)
 
     def commit(self, key: SegmentKey, instance: int) -> None:
         """All layers of the replica on ``instance`` are stored: the segment is visible."""
         self.tree.set_ready(key, instance, self.clock())
+        if self.tier is not None:
+            self.tier.committed(key, instance)
 
     def abort(self, key: SegmentKey, instance: int) -> None:
         """A put failed: drops the pending replica (and the node if it was the only one)."""
@@ -303,6 +316,8 @@ class CachePool:
         slot = tree.remove_replica(key, inst)
         self.slots.free(inst, slot)
         self._evictions += 1
+        if self.tier is not None and key in tree and tree.node(key).tier_only:
+            self.tier.demoted(key, last)
         return Eviction(key, parent, index, inst, slot, last, tokens)
 
     def restore_evicted(self, evictions: Sequence[Eviction]) -> None:
@@ -384,25 +399,7 @@ class CachePool:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> PoolStats:
-        replicas = pinned = 0
-        reads = self.window.total_instance_accesses(self.clock())
-        for key in self.tree.keys():
-            replicas += len(self.tree.replicas(key, ready_only=False))
-            pinned += self.tree.is_pinned(key)
-        return PoolStats(
-            segments=len(self.tree),
-            replicas=replicas,
-            pinned=pinned,
-            slots_used={i: self.slots.used(i) for i in self.instances},
-            slots_capacity={i: self.slots.capacity(i) for i in self.instances},
-            private_slots=len(self._private),
-            dedup_segments=self._dedup,
-            evictions=self._evictions,
-            placed=self._placed,
-            placed_at_home=self._at_home,
-            replications=self.replicator.finished,
-            reads={i: reads.get(i, 0) for i in self.instances},
-        )
+        return collect_stats(self)
 
     def check(self) -> None:
         """Asserts the invariants of the module docstring, the tree's and the
@@ -410,6 +407,8 @@ class CachePool:
         self.tree.check()
         self.slots.check()
         self.replicator.check()
+        if self.tier is not None:
+            self.tier.check()
         held = [(loc.instance, loc.slot) for key in self.tree.keys()
                 for loc in self.tree.replicas(key, ready_only=False)] + list(self._private)
         assert len(held) == len(set(held)), "a slot holds two things"

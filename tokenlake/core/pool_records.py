@@ -1,5 +1,5 @@
 """The records :class:`~tokenlake.core.pool.CachePool` returns (re-exported there):
-evictions, placements, instance removals and the pool's counters."""
+evictions, placements, instance removals and the pool's counters (:func:`collect_stats`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenlake.core.prefix_tree import SegmentLocation
 from tokenlake.core.segments import SegmentKey
+from tokenlake.core.tier import TierStats
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,30 @@ class PoolStats:
     placed_at_home: int = 0  # ... of which on their hash home
     replications: int = 0  # replicas created by rebalancing
     reads: Mapping[int, int] = field(default_factory=dict)  # cumulative segment reads per instance
+    tier: TierStats | None = None  # the disk tiers' counters (None: no tier)
+
+
+def collect_stats(pool) -> PoolStats:
+    """The counters of ``pool`` now (:meth:`CachePool.stats <tokenlake.core.pool.CachePool.stats>`)."""
+    tree = pool.tree
+    replicas = pinned = 0
+    reads = pool.window.total_instance_accesses(pool.clock())
+    for key in tree.keys():
+        replicas += len(tree.replicas(key, ready_only=False))
+        pinned += tree.is_pinned(key)
+    instances = pool.instances
+    return PoolStats(
+        segments=len(tree),
+        replicas=replicas,
+        pinned=pinned,
+        slots_used={i: pool.slots.used(i) for i in instances},
+        slots_capacity={i: pool.slots.capacity(i) for i in instances},
+        private_slots=len(pool._private),
+        dedup_segments=pool._dedup,
+        evictions=pool._evictions,
+        placed=pool._placed,
+        placed_at_home=pool._at_home,
+        replications=pool.replicator.finished,
+        reads={i: reads.get(i, 0) for i in instances},
+        tier=None if pool.tier is None else pool.tier.stats(),
+    )

@@ -14,17 +14,9 @@ child whose leading pages equal the prompt's next tokens. Sequences under a *cac
 parent; an unsalted one's is ``None``), and every match walks from the root of its
 salt, so none crosses salts. Node structures: :mod:`tokenlake.core.tree_nodes`.
 
-Invariants kept here (and checked by :meth:`PrefixTree.check`):
-
-* every non-root node's parent is in the tree (no orphaned suffix), and every node is
-  reachable from one virtual root: the unsalted one, or the root of one salt, which
-  exists exactly while it has children;
-* a node with children, a pin or a lease is never removed;
-* the LRU index holds exactly the replicas that may be evicted now: ready replicas of
-  unpinned, unleased nodes that are either a leaf or have another ready replica; it is
-  kept per instance (eviction at a segment's home picks that instance's oldest);
-* a node with two or more children holds their token bytes sorted (children inserted
-  without tokens take no part in page hits).
+With a disk tier (:mod:`tokenlake.core.tier`) a node whose last replica leaves the slabs
+stays while a tier holds a copy: *held only in the tier*, a match does not read it but
+reports it (``MatchResult.tier_keys``) for promotion. Invariants: :mod:`tokenlake.core.tree_check`.
 
 The tree is pure bookkeeping: which slot to take and what to evict is decided by
 :class:`tokenlake.core.pool.CachePool`; the LRU index is :mod:`tokenlake.core.tree_lru`;
@@ -34,7 +26,7 @@ a :attr:`PrefixTree.journal` hears of every ready replica, for a restart
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tokenlake.core.errors import SegmentNotFound
 from tokenlake.core.segments import SegmentHasher, SegmentKey, check_salt, token_bytes
@@ -47,9 +39,9 @@ from tokenlake.core.tree_nodes import (
     SegmentLocation,
     TokenCodec,
     TreeNode,
-    best_partial,
+    match_from,
+    partial_child,
     relocate,
-    walk,
 )
 
 __all__ = ["MatchResult", "PrefixTree", "SegmentLocation"]
@@ -79,6 +71,9 @@ class PrefixTree:
         self._roots: dict[SegmentKey, TreeNode] = {}
         self._lru = EvictionIndex()  # the evictable replicas, per instance (tree_lru.py)
         self.journal: SlotJournal | None = None  # told of every ready replica (slot_records.py)
+        # With a disk tier (core/tier.py): told of every node dropped with a tier copy;
+        # set, a match also reports the segments after its hit held only in the tier.
+        self.tier_dropped: Callable[[TreeNode], None] | None = None
 
     # ------------------------------------------------------------------ lookup
     @property
@@ -162,29 +157,8 @@ class PrefixTree:
         root = self._root if salt is None else self._salt_root(salt)
         if root is None:  # nothing stored under this salt
             return MatchResult((), (), 0)
-        c = self.hasher.segment_tokens
-        # Raw int32 bytes are a Sequence too: count (and cut) them in tokens of 4 bytes.
-        width = 4 if isinstance(token_ids, (bytes, bytearray, memoryview)) else 1
-        limit = len(token_ids) // width
-        if max_tokens is not None:
-            limit = min(limit, max_tokens)
-        max_segments = limit // c
-        keys: list[SegmentKey] = []
-        where: list[tuple[SegmentLocation, ...]] = []
-        if max_segments:
-            # Walk the children by their token bytes (exact, no hashing); only children
-            # inserted without tokens are looked up by their chained key.
-            raw = token_bytes(token_ids[: max_segments * c * width])
-            codec = self._codec
-            walk(root, codec.encode_prefix(raw), raw, c, codec.width, self.hasher, keys, where)
-        whole = len(keys) * c
-        if self.page_tokens < c and limit - whole >= self.page_tokens:
-            nxt = token_ids[whole * width : min(limit, whole + c) * width]
-            hit = self._partial(self._nodes[keys[-1]] if keys else root, nxt)
-            if hit is not None:
-                pkey, ptok, plocs = hit
-                return MatchResult(tuple(keys), tuple(where), whole + ptok, pkey, ptok, plocs)
-        return MatchResult(tuple(keys), tuple(where), whole)
+        return match_from(root, token_ids, max_tokens, self.hasher, self._codec,
+                          self.page_tokens, self._nodes, self.tier_dropped is not None)
 
     def partial(
         self, parent: SegmentKey | None, token_ids: Sequence[int] | bytes
@@ -194,16 +168,7 @@ class PrefixTree:
         of ``token_ids`` (at most ``C - 1`` of them count), as ``(key, tokens, ready
         replicas)``; ``None`` if no child shares a page. Tokens are compared exactly."""
         pnode = self._root if parent is None else self._roots.get(parent) or self._nodes.get(parent)
-        return self._partial(pnode, token_ids)
-
-    def _partial(self, pnode: TreeNode | None, token_ids: Sequence[int] | bytes
-                 ) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
-        if pnode is None or pnode.kids is None:
-            return None
-        width = self._codec.width
-        seg = self._codec.encode_prefix(token_bytes(token_ids))
-        max_pages = min(len(seg) // width, self.hasher.segment_tokens - 1) // self.page_tokens
-        return best_partial(pnode, seg, self.page_tokens, width, max_pages) if max_pages else None
+        return partial_child(pnode, token_ids, self._codec, self.page_tokens, self.segment_tokens)
 
     def tokens(self, key: SegmentKey) -> bytes | None:
         """The token ids of segment ``key`` as int32 bytes (``None`` if not recorded)."""
@@ -279,6 +244,8 @@ class PrefixTree:
         if node.replica(instance) is not None:
             raise ValueError(f"segment {key.hex()} already has a replica on instance {instance}")
         node.replicas.append(Replica(instance, slot, ready, now))
+        if len(node.replicas) == 1:
+            self._fast_changed(node, +1)
         self._lru.sync(node)
         if ready:
             relocate(node)
@@ -303,10 +270,12 @@ class PrefixTree:
             self.journal.touched(instance, rep.slot, rep.last_access)
 
     def remove_replica(self, key: SegmentKey, instance: int) -> int:
-        """Drops one replica and returns its slot; the node goes with its last replica,
-        which a node with children, a pin or a lease keeps (``ValueError``)."""
+        """Drops one replica and returns its slot. A node keeps its last replica while
+        it is pinned, leased or has a child in a slab (``ValueError``); without it, a
+        node with a tier copy stays, held only in the tier, and any other goes, with its
+        children held only in the tier."""
         node, rep = self._replica(key, instance)
-        if len(node.replicas) == 1 and (node.has_children or node.pins or node.leases):
+        if len(node.replicas) == 1 and (node.fast_kids or node.pins or node.leases):
             raise ValueError(f"segment {key.hex()} is pinned, leased or has children")
         self._lru.drop(rep)
         node.replicas.remove(rep)
@@ -314,8 +283,12 @@ class PrefixTree:
             self.journal.cleared(instance, rep.slot)
         if node.replicas:
             self._lru.sync(node)
-            relocate(node)
         else:
+            self._fast_changed(node, -1)
+        relocate(node)
+        if not node.replicas and node.tier is None:
+            for child in node.child_nodes():  # held only in the tier: they go with it
+                self.remove_subtree(child.key)
             self._drop_node(node)
         return rep.slot
 
@@ -329,6 +302,8 @@ class PrefixTree:
             node = self._nodes[stack.pop()]
             order.append(node)
             stack.extend(n.key for n in node.child_nodes())
+        if order[0].replicas:
+            self._fast_changed(order[0], -1)
         for node in reversed(order):  # leaves first
             for rep in node.replicas:
                 self._lru.drop(rep)
@@ -383,6 +358,10 @@ class PrefixTree:
         except KeyError:
             raise SegmentNotFound(f"segment {bytes(key).hex()} is not in the tree") from None
 
+    def node(self, key: SegmentKey) -> TreeNode:
+        """The node of ``key`` (for :mod:`tokenlake.core.tier`, which keeps its tier)."""
+        return self._node(key)
+
     def _replica(self, key: SegmentKey, instance: int) -> tuple[TreeNode, Replica]:
         node = self._node(key)
         rep = node.replica(instance)
@@ -399,11 +378,26 @@ class PrefixTree:
         nodes = [self._node(k) for k in keys]  # validate all before changing any
         self._lru.adjust(nodes, field, delta)
 
+    def _parent_node_of(self, node: TreeNode) -> TreeNode | None:
+        parent = node.parent
+        return self._root if parent is None else self._nodes.get(parent) or self._roots.get(parent)
+
+    def _fast_changed(self, node: TreeNode, delta: int) -> None:
+        """``node`` got its first replica (``+1``) or lost its last (``-1``): its
+        parent's count of children in a slab, and whether the parent may be evicted."""
+        pnode = self._parent_node_of(node)
+        if pnode is not None:
+            pnode.fast_kids += delta
+            if pnode.index >= 0 and pnode.fast_kids == (delta > 0):
+                self._lru.sync(pnode)
+
     def _drop_node(self, node: TreeNode) -> None:
         del self._nodes[node.key]
         node.locs = ()
+        if node.tier is not None and self.tier_dropped is not None:
+            self.tier_dropped(node)
         parent = node.parent
-        pnode = self._root if parent is None else self._nodes.get(parent) or self._roots.get(parent)
+        pnode = self._parent_node_of(node)
         if pnode is None:
             return
         pnode.drop_child(node)

@@ -1,7 +1,19 @@
 """The structural invariants of the prefix tree, asserted (for tests): what
 :meth:`tokenlake.core.prefix_tree.PrefixTree.check` runs besides the eviction index's own
-check (:meth:`tokenlake.core.tree_lru.EvictionIndex.check`). The invariants are listed
-in :mod:`tokenlake.core.prefix_tree`'s header.
+check (:meth:`tokenlake.core.tree_lru.EvictionIndex.check`). The tree keeps:
+
+* every non-root node's parent is in the tree (no orphaned suffix), and every node is
+  reachable from one virtual root: the unsalted one, or the root of one salt, which
+  exists exactly while it has children;
+* a node with a child in a slab, a pin or a lease is never removed; a node without a
+  replica is held only in the disk tier, and so are its children;
+* every node counts its children with a replica (``fast_kids``);
+* the LRU index holds exactly the replicas that may be evicted now: ready replicas of
+  unpinned, unleased nodes that either have no child in a slab or have another ready
+  replica; it is kept per instance (eviction at a segment's home picks that
+  instance's oldest);
+* a node with two or more children holds their token bytes sorted (children inserted
+  without tokens take no part in page hits).
 """
 
 from __future__ import annotations
@@ -24,6 +36,10 @@ def check_tree(nodes: Mapping[SegmentKey, TreeNode], root: TreeNode,
                 or (node.index == 0 and parent in roots)), "orphaned suffix"
         node.check_links(root if parent is None else nodes.get(parent) or roots[parent], nodes)
         assert len({r.instance for r in node.replicas}) == len(node.replicas)
+        kids = node.child_nodes()
+        assert node.fast_kids == sum(bool(k.replicas) for k in kids), "fast_kids out of date"
+        assert node.replicas or (node.tier is not None and not node.fast_kids), \
+            "a node without a replica is not held only in the tier"
     assert all(nodes.get(n.key) is n for n in root.child_nodes())
     root.check_links(None, nodes)
     for rkey, salted in roots.items():

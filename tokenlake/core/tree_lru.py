@@ -29,13 +29,20 @@ from tokenlake.core.tree_nodes import Replica, TreeNode
 
 def evictable(node: TreeNode) -> bool:
     """True when ``node``'s ready replicas may be evicted: unpinned, unleased, and a
-    leaf or with another ready replica (evicting it orphans no suffix)."""
+    leaf or with another ready replica (evicting it orphans no suffix). With a disk tier
+    (:mod:`tokenlake.core.tier`) a node whose children are all held only in the tier
+    counts as a leaf when it has a tier copy itself: evicting its last replica leaves it
+    in the tier above them."""
     if node.pins or node.leases:
         return False
     ready = 0
     for r in node.replicas:
         ready += r.ready
-    return ready > 1 or (ready == 1 and not node.has_children)
+    if ready != 1:
+        return ready > 1
+    if not node.has_children:
+        return True
+    return node.tier is not None and not node.fast_kids
 
 
 class EvictionIndex:

@@ -11,7 +11,7 @@ import bisect
 import sys
 from dataclasses import dataclass
 
-from tokenlake.core.segments import SegmentHasher, SegmentKey
+from tokenlake.core.segments import SegmentHasher, SegmentKey, token_bytes
 
 _LITTLE = sys.byteorder == "little"
 
@@ -29,7 +29,7 @@ class Replica:
 
 class TreeNode:
     __slots__ = ("key", "parent", "index", "tokens", "kids", "bare", "order", "replicas",
-                 "locs", "leases", "pins")
+                 "locs", "leases", "pins", "fast_kids", "tier", "tier_entry")
 
     def __init__(self, key: SegmentKey, parent: SegmentKey | None, index: int,
                  tokens: bytes | None = None) -> None:
@@ -48,10 +48,23 @@ class TreeNode:
         self.locs: tuple[SegmentLocation, ...] = ()  # ready replicas, as match returns them
         self.leases = 0
         self.pins = 0
+        self.fast_kids = 0  # children with a replica (ready or pending): not only in the tier
+        self.tier = None  # the instance whose disk tier holds a copy (core/tier.py), or None
+        self.tier_entry: tuple | None = None  # its entry in the tier's LRU index
 
     @property
     def has_children(self) -> bool:
         return self.kids is not None or bool(self.bare)
+
+    @property
+    def tier_only(self) -> bool:
+        """Held only in the disk tier: no replica in a slab, a copy in a tier."""
+        return not self.replicas and self.tier is not None
+
+    def n_children(self) -> int:
+        kids = self.kids
+        n = 0 if kids is None else 1 if type(kids) is TreeNode else len(kids)
+        return n + (len(self.bare) if self.bare else 0)
 
     def token_children(self) -> list[TreeNode]:
         kids = self.kids
@@ -154,6 +167,8 @@ class MatchResult:
             tokens (whole pages) equal the sequence's next tokens, or ``None``.
         partial_tokens: tokens of ``partial_key`` that match (0 without one).
         partial_replicas: the ready replicas of ``partial_key``.
+        tier_keys: with a disk tier, the whole segments after ``keys`` held only in the
+            tier (to promote before they are read; no partial hit is looked for then).
     """
 
     keys: tuple[SegmentKey, ...]
@@ -162,6 +177,7 @@ class MatchResult:
     partial_key: SegmentKey | None = None
     partial_tokens: int = 0
     partial_replicas: tuple[SegmentLocation, ...] = ()
+    tier_keys: tuple[SegmentKey, ...] = ()
 
     @property
     def num_segments(self) -> int:
@@ -213,13 +229,63 @@ def best_partial(pnode: TreeNode, seg: bytes, page_tokens: int, width: int, max_
     return best
 
 
+def match_from(root: TreeNode, token_ids, max_tokens: int | None, hasher: SegmentHasher,
+               codec: TokenCodec, page_tokens: int, nodes: dict[SegmentKey, TreeNode],
+               tiered: bool) -> MatchResult:
+    """:meth:`PrefixTree.match <tokenlake.core.prefix_tree.PrefixTree.match>` below
+    ``root`` (``tiered``: the tree has a disk tier, report what follows in it)."""
+    c = hasher.segment_tokens
+    # Raw int32 bytes are a Sequence too: count (and cut) them in tokens of 4 bytes.
+    width = 4 if isinstance(token_ids, (bytes, bytearray, memoryview)) else 1
+    limit = len(token_ids) // width
+    if max_tokens is not None:
+        limit = min(limit, max_tokens)
+    max_segments = limit // c
+    keys: list[SegmentKey] = []
+    where: list[tuple[SegmentLocation, ...]] = []
+    if max_segments:
+        # Walk the children by their token bytes (exact, no hashing); only children
+        # inserted without tokens are looked up by their chained key.
+        raw = token_bytes(token_ids[: max_segments * c * width])
+        enc = codec.encode_prefix(raw)
+        walk(root, enc, raw, c, codec.width, hasher, keys, where)
+        if tiered and len(keys) < max_segments:
+            tier: list[SegmentKey] = []  # then held only in the tier: to promote
+            off, start = len(keys) * c, nodes[keys[-1]] if keys else root
+            walk(start, enc[off * codec.width :], raw[off * 4 :], c, codec.width, hasher,
+                 tier, [], tiered=True)
+            if tier:
+                return MatchResult(tuple(keys), tuple(where), off, tier_keys=tuple(tier))
+    whole = len(keys) * c
+    if page_tokens < c and limit - whole >= page_tokens:
+        nxt = token_ids[whole * width : min(limit, whole + c) * width]
+        hit = partial_child(nodes[keys[-1]] if keys else root, nxt, codec, page_tokens, c)
+        if hit is not None:
+            pkey, ptok, plocs = hit
+            return MatchResult(tuple(keys), tuple(where), whole + ptok, pkey, ptok, plocs)
+    return MatchResult(tuple(keys), tuple(where), whole)
+
+
+def partial_child(pnode: TreeNode | None, token_ids, codec: TokenCodec, page_tokens: int,
+                  c: int) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
+    """:meth:`PrefixTree.partial <tokenlake.core.prefix_tree.PrefixTree.partial>` of
+    the node ``pnode`` (``c``: tokens per segment)."""
+    if pnode is None or pnode.kids is None:
+        return None
+    width = codec.width
+    seg = codec.encode_prefix(token_bytes(token_ids))
+    max_pages = min(len(seg) // width, c - 1) // page_tokens
+    return best_partial(pnode, seg, page_tokens, width, max_pages) if max_pages else None
+
+
 def walk(root: TreeNode, enc: bytes, raw: bytes, c: int, width: int, hasher: SegmentHasher,
-         keys: list[SegmentKey], where: list[tuple[SegmentLocation, ...]]) -> None:
+         keys: list[SegmentKey], where: list[tuple[SegmentLocation, ...]],
+         tiered: bool = False) -> None:
     """Follows the whole ``c``-token segments of ``enc`` (tokens encoded ``width`` bytes
     each; ``raw``: the same as int32 bytes) down from ``root`` while each next segment is
-    a ready child, appending its key and ready replicas. Children are found by their
-    token bytes (exact); only children inserted without tokens are looked up by their
-    chained key."""
+    a ready child (``tiered``: a child held only in the disk tier), appending its key and
+    ready replicas. Children are found by their token bytes (exact); only children
+    inserted without tokens are looked up by their chained key."""
     node, step = root, width * c
     for off in range(0, len(enc) - step + 1, step):  # whole segments only
         seg = enc[off : off + step]
@@ -236,7 +302,7 @@ def walk(root: TreeNode, enc: bytes, raw: bytes, c: int, width: int, hasher: Seg
             if child is None:
                 return
         locs = child.locs
-        if not locs:
+        if not (child.tier_only if tiered else locs):
             return
         keys.append(child.key)
         where.append(locs)

@@ -83,6 +83,9 @@ class Kind(enum.IntEnum):
     COPY_DONE = 24
     READ_SEGMENT = 25
     SEGMENT_DATA = 26
+    TIER_OPS = 27
+    TIER_READ = 28
+    TIER_DONE = 29
     SHUTDOWN = 30
     PEERS = 31
     OPEN_SESSION = 32

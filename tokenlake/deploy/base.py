@@ -164,7 +164,11 @@ class ClusterBase(abc.ABC):
         self.share_slabs = config.share_slabs and self.shares_slabs and config.device == "cpu"
         self.control = pool_control(config.instances, config.model, config.pool_bytes, config.segment_tokens,
                                     config.kv_dtype, clock, config.seed, config.kv_layout, config.page_tokens,
-                                    self.share_slabs)
+                                    self.share_slabs, config.tier_bytes)
+        if config.tier_path is not None:
+            from tokenlake.deploy.tier import TierDriver
+
+            self.control.tier_data_plane = TierDriver(self)
         self.n_instances, self.model, self.max_rows = config.instances, config.model, config.max_rows
         self.segment_tokens, self.kv_dtype, self.kv_layout = config.segment_tokens, config.kv_dtype, config.kv_layout
         self.pool_bytes = config.pool_bytes

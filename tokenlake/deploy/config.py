@@ -73,6 +73,12 @@ class ClusterConfig:
             runs them all on one machine and the pool is on the CPU (``LocalCluster``:
             on by default; ``RayCluster`` never does, its instances may be on several
             nodes). The control plane then plans for it (``PoolConfig.shared_memory``).
+        tier_path: a directory for the instances' disk tiers (one subdirectory each,
+            ``instance-<i>``), on a local disk; ``None``: no tier. Segments are written
+            through to it and, evicted from the slabs, stay there until read back
+            (docs/design.md "Disk tier"). ``LocalCluster`` only.
+        tier_bytes: what each instance's tier may hold (whole segments; needs
+            ``tier_path``).
     """
 
     instances: int
@@ -91,6 +97,8 @@ class ClusterConfig:
     kv_dtype: str = "float32"
     device: str = "cpu"
     share_slabs: bool = True
+    tier_path: str | None = None
+    tier_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not is_int(self.instances) or self.instances < 1:
@@ -110,6 +118,7 @@ class ClusterConfig:
         if not is_int(self.pool_bytes) or self.pool_bytes < self.segment_bytes:
             raise ConfigError(f"pool_bytes={self.pool_bytes} holds no {self.segment_bytes}-byte segment")
         self._check_times()
+        self._check_tier()
         if not isinstance(self.host, str) or not self.host or any(c.isspace() or c == "/" for c in self.host):
             raise ConfigError(f"host must be an address, an interface name or 'node', got {self.host!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
@@ -122,6 +131,18 @@ class ClusterConfig:
             if not isinstance(value, int) or value not in (0, 1):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
             object.__setattr__(self, name, bool(value))
+
+    def _check_tier(self) -> None:
+        if not is_int(self.tier_bytes) or self.tier_bytes < 0:
+            raise ConfigError(f"tier_bytes must be an int >= 0, got {self.tier_bytes!r}")
+        if self.tier_path is None:
+            if self.tier_bytes:
+                raise ConfigError("tier_bytes needs a tier_path (the tier's directory)")
+            return
+        if not isinstance(self.tier_path, str) or not self.tier_path:
+            raise ConfigError(f"tier_path must be a directory path, got {self.tier_path!r}")
+        if self.tier_bytes < self.segment_bytes:
+            raise ConfigError(f"tier_bytes={self.tier_bytes} holds no {self.segment_bytes}-byte segment")
 
     def _check_times(self) -> None:
         for name in ("timeout_s", "peer_timeout_s", "start_timeout_s"):

@@ -36,6 +36,8 @@ from tokenlake.dataplane.messages import (
     PeerSegment,
     Retire,
     Shutdown,
+    TierOps,
+    TierRead,
     WireMessage,
 )
 from tokenlake.dataplane.messages.session import session_of
@@ -43,7 +45,7 @@ from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec
 
 #: The kinds only the cluster's owner may send.
-OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment, Retire, Adopt)
+OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment, Retire, Adopt, TierOps, TierRead)
 #: The kinds only another engine of the cluster may send.
 PEER_KINDS = (PeerRegisterPlan, PeerReleasePlan, PeerQuery, PeerPut, PeerSegment)
 #: Client sessions one engine serves at once (the control server bounds them lower).

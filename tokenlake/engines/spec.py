@@ -51,6 +51,9 @@ class EngineSpec:
         grant_key: the key the control server signs client sessions' plans and leases
             with (:mod:`tokenlake.dataplane.grants`); ``None``: a client session's plans
             are taken without a grant (a launcher that makes no key).
+        tier_path: a transfer engine's disk tier directory (this instance's own);
+            ``None``: no tier. ``tier_bytes``: what its files may take; ``tier_fsync``:
+            flush each file to the disk before it counts (off only in tests).
     """
 
     role: str
@@ -67,6 +70,9 @@ class EngineSpec:
     grant_key: bytes | None = None
     orphan_grace_s: float = 0.0
     state_file: str | None = None
+    tier_path: str | None = None
+    tier_bytes: int = 0
+    tier_fsync: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -79,6 +85,8 @@ class EngineSpec:
             raise ConfigError("peer_timeout_s must be > 0")
         if not self.orphan_grace_s >= 0:
             raise ConfigError(f"orphan_grace_s must be >= 0, got {self.orphan_grace_s}")
+        if self.tier_path is not None and (self.role != "transfer" or self.tier_bytes <= 0):
+            raise ConfigError("a disk tier is a transfer engine's, with tier_bytes > 0")
         if self.port_range is not None:
             lo, hi = self.port_range  # msgpack gives a list
             object.__setattr__(self, "port_range", (int(lo), int(hi)))

@@ -16,7 +16,10 @@ and executes:
   to a peer (``PEER_SEGMENT``), for replication or migration; into a co-located peer's
   slab (``EngineSpec.shared_slabs``) it is one copy, without a message;
 * ``READ_SEGMENT``: one layer of some slots, returned as frames (``SEGMENT_DATA``);
-* from peers: ``PEER_PUT`` and ``PEER_SEGMENT`` written into the local slab.
+* from peers: ``PEER_PUT`` and ``PEER_SEGMENT`` written into the local slab;
+* with a disk tier (``EngineSpec.tier_path``): ``TIER_OPS`` (drop files, stage slots to
+  write through) and ``TIER_READ`` (files read back into slots), both from the owner
+  (:mod:`tokenlake.engines.tier_store`).
 
 A transfer plan belongs to the session that registered it
 (:class:`~tokenlake.engines.loop.Caller`): its rows come from that session's ``kv``
@@ -47,12 +50,16 @@ from tokenlake.dataplane.messages import (
     SegmentData,
     SlotCopy,
     SlotWrite,
+    TierDone,
+    TierOps,
+    TierRead,
     WireMessage,
 )
 from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
+from tokenlake.engines.tier_store import TierStore, slot_bytes
 
 #: Transfer plans one session may have registered at once (the oldest is dropped: a
 #: client releases each plan when it registers the next).
@@ -83,6 +90,10 @@ class TransferEngine(EngineLoop):
         self.kv = bufs["kv"]  # [layers, max_rows, 2, kv_heads, head_dim]
         self.shared = self.map_shared_slabs(self.slab)  # co-located peers' slabs: copies go straight in
         self.plans: dict[tuple[bytes, int], TransferPlanState] = {}  # (session, its plan id) -> plan
+        self.tier: TierStore | None = None
+        if spec.tier_path is not None:
+            layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
+            self.tier = TierStore(spec.tier_path, spec.tier_bytes, layout, fsync=spec.tier_fsync)
 
     def handle(self, identity, msg_id: int, message: WireMessage, caller: Caller) -> None:
         match message:
@@ -105,6 +116,8 @@ class TransferEngine(EngineLoop):
             case PeerSegment():
                 self._store_segment(message)
                 self.reply(identity, CopyDone(message.slot).encode(msg_id))
+            case TierOps() | TierRead():
+                self.reply(identity, self._tier(message).encode(msg_id))
             case _:
                 raise WireError(f"transfer engine cannot handle {message.KIND.name}")
 
@@ -303,6 +316,29 @@ class TransferEngine(EngineLoop):
             raise PlanError(f"READ_SEGMENT names a slot twice ({len(message.slots)} slots)")
         blocks = tuple(self.slab[s, layer] for s in message.slots)
         self.reply(identity, SegmentData(layer, message.slots, blocks).encode(msg_id))
+
+    def _tier(self, message: TierOps | TierRead) -> TierDone:
+        tier = self.tier
+        if tier is None:
+            raise PlanError(f"instance {self.spec.instance} has no disk tier")
+        items = message.items if isinstance(message, TierRead) else message.writes
+        if any(not 0 <= slot < self.num_slots for _key, slot in items):
+            raise PlanError(f"slot out of range [0, {self.num_slots})")
+        done, failed = [], []
+        if isinstance(message, TierRead):
+            for key, slot in items:
+                (done if tier.read_into(key, slot_bytes(self.slab, slot)) else failed).append(key)
+        else:
+            for key in message.drops:
+                tier.drop(key)
+            for key, slot in items:
+                (done if tier.stage(key, slot_bytes(self.slab, slot)) else failed).append(key)
+        return TierDone(tuple(done), tuple(failed))
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()  # what was staged is written first
+        super().close()
 
     def _store_segment(self, message: PeerSegment) -> None:
         slot, data = message.slot, message.data

@@ -134,6 +134,7 @@ class GenerationLoop(Recovery):
         self.iterations = 0
         self.rebalance_every = rebalance_every
         self.replications = 0
+        self.promotions = 0  # segments read back from a disk tier for waiting requests
         self.admit_limit: int | None = None  # most new admissions per iteration (see step)
         self.admission_patience_s = 30.0  # then a waiting request goes first (scheduler/admission.py)
         self.admission_holds = 0  # iterations skipped because the pool was full
@@ -270,7 +271,10 @@ class GenerationLoop(Recovery):
         changes the tree until the plans of this iteration are made).
         """
         tracker = self.tracker
-        for live in tracker.waiting():
+        waiting = tracker.waiting()
+        if waiting and self.control.pool.tier is not None:  # held only in a disk tier: back first
+            self.promotions += self.control.promote((v.prompt, v.req.cache_salt) for v in waiting)
+        for live in waiting:
             tracker.set_hit(live, self._match(live.prompt, live.req.cache_salt))
         waiting, running = tracker.views()
         if self._decode_at:  # where each decode batch ran last (scheduler/keep.py)

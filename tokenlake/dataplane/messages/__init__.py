@@ -70,6 +70,7 @@ from tokenlake.dataplane.messages.session import (
     OpenSession,
     Retire,
 )
+from tokenlake.dataplane.messages.tier import TierDone, TierOps, TierRead
 from tokenlake.dataplane.messages.transfer import (
     CopyDone,
     CopySegment,
@@ -96,7 +97,7 @@ __all__ = [
     "PeerReleasePlan", "PeerSegment", "Peers", "Ping", "PlanAck", "Pong", "Put", "PutDone",
     "PutTarget", "Query", "QueryDone", "ReadSegment", "RegisterQueryPlan",
     "RegisterTransferPlan", "ReleasePlan", "SegmentData", "Shutdown", "SlotCopy", "SlotWrite",
-    "WireMessage", "decode", "expect", "parse",
+    "TierDone", "TierOps", "TierRead", "WireMessage", "decode", "expect", "parse",
 ]
 
 M = TypeVar("M", bound=WireMessage)

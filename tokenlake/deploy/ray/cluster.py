@@ -105,6 +105,8 @@ class RayCluster(RayAdoptable, ClusterBase):
         **fields: Any,
     ) -> None:
         config, options = with_options(config, args, fields, options)
+        if config.tier_path is not None:  # its engines may be on other nodes' disks
+            raise ConfigError("a disk tier (tier_path) is LocalCluster's only, for now")
         super().__init__(config, clock=clock)
         self.options = options
         self._owns_ray = False

@@ -1,0 +1,114 @@
+"""The disk tier end to end: a LocalCluster whose transfer engines write every segment
+through to a tier directory, a document pushed out of the slab by another, then asked
+about again: its segments come back from the tier files, and the answer equals the
+reference engine's. A corrupt file is refused, never read: its segments are computed
+again, with the same answer.
+
+The control plane's side (write-through, the tier's LRU, promotion order, failures)
+is tested on its own in tests/test_tier_pool.py, the file store in
+tests/test_tier_files.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_serving import NEW, C, _prompts
+from tiny_model import model_spec, pool_bytes, reference
+
+from tokenlake.core.errors import ConfigError
+from tokenlake.deploy.config import ClusterConfig
+from tokenlake.deploy.local import LocalCluster
+from tokenlake.engines.tier_files import SUFFIX
+from tokenlake.generation import GenerationLoop, GenerationRequest
+
+SLOTS = 5  # a request here ends with 4 segments and an open tail: the next one evicts it
+
+
+def _other(tok):
+    return tuple(tok.apply_chat_template([{"role": "user", "content": (
+        "Kestrel Bay is a wide harbour of grey stone where boats from the north islands land "
+        "their catch each morning before the markets open. What do the boats bring?")}]))
+
+
+def _ask(server, rid, prompt, tok):
+    server.run([GenerationRequest(rid, prompt, NEW, (tok.eos_id,))])
+    return server.results[rid]
+
+
+@pytest.fixture
+def tiered(tiny_llama, tmp_path):
+    weights, tok, _ = tiny_llama
+    config = ClusterConfig(1, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C,
+                           max_rows=512, tier_path=str(tmp_path / "tier"),
+                           tier_bytes=pool_bytes(weights, C, 64))
+    with LocalCluster(config) as cluster:
+        yield cluster, GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True)
+
+
+def _same(got, want):
+    assert got.output_ids == list(want.output_ids)
+
+
+def test_a_document_pushed_out_of_the_slab_comes_back_from_the_tier(tiny_llama, tiered):
+    weights, tok, _ = tiny_llama
+    cluster, server = tiered
+    ref = reference(weights)
+    doc, other = _prompts(tok)[0], _other(tok)
+    first = _ask(server, "a", doc, tok)
+    _ask(server, "b", other, tok)  # its segments take the slab: the document's are demoted
+    tier = cluster.control.stats().pool.tier
+    assert tier.demotions > 0 and tier.written >= len(doc) // C
+    m = cluster.control.get_prefix_tree().match(doc, max_tokens=len(doc) - 1)
+    assert m.tier_keys, "the document is held only in the tier"
+    again = _ask(server, "a2", doc, tok)
+    assert server.promotions >= len(m.tier_keys)
+    assert again.hit_tokens >= len(m.tier_keys) * C  # read from the pool, not computed
+    want = ref.generate(list(doc), NEW, stop_ids=(tok.eos_id,))
+    _same(first, want)
+    _same(again, want)
+    assert cluster.control.stats().pool.tier.promotions >= len(m.tier_keys)
+    cluster.control.check()
+
+
+def test_a_corrupt_tier_file_is_refused_and_the_segment_computed_again(tiny_llama, tiered, tmp_path):
+    weights, tok, _ = tiny_llama
+    cluster, server = tiered
+    doc, other = _prompts(tok)[0], _other(tok)
+    _ask(server, "a", doc, tok)
+    _ask(server, "b", other, tok)
+    m = cluster.control.get_prefix_tree().match(doc, max_tokens=len(doc) - 1)
+    assert m.tier_keys
+    first = tmp_path / "tier" / "instance-0" / f"{m.tier_keys[0].hex()}{SUFFIX}"
+    _wait_for(first)
+    raw = bytearray(first.read_bytes())
+    raw[-1] ^= 0xFF  # one flipped bit of K/V: the digest no longer matches
+    first.write_bytes(bytes(raw))
+    again = _ask(server, "a2", doc, tok)
+    tier = cluster.control.stats().pool.tier
+    assert tier.failed_promotions >= 1
+    assert again.hit_tokens < len(m.tier_keys) * C  # computed, not read
+    _same(again, reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
+    assert not first.exists() or first.read_bytes() != bytes(raw), "the corrupt file was kept"
+    cluster.control.check()
+
+
+def _wait_for(path: Path) -> None:
+    """The tier writes in the background: a file may land after the segment left the
+    slab (a read would find it staged). Corrupting a file needs it on disk."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} was never written"
+        time.sleep(0.05)
+
+
+def test_a_tier_needs_a_directory_and_room_for_a_segment(tiny_llama, tmp_path):
+    weights, _, _ = tiny_llama
+    spec = model_spec(weights)
+    with pytest.raises(ConfigError, match="tier_path"):
+        ClusterConfig(1, spec, pool_bytes(weights, C, 4), segment_tokens=C, tier_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="holds no"):
+        ClusterConfig(1, spec, pool_bytes(weights, C, 4), segment_tokens=C,
+                      tier_path=str(tmp_path), tier_bytes=10)

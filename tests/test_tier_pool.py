@@ -1,0 +1,252 @@
+"""The control plane's disk tier (:mod:`tokenlake.core.tier`): write-through, segments
+held only in the tier, promotion, the tier's LRU, failures.
+
+Examples first, then a stateful property test that runs random stores, matches,
+promotions (some of whose files are lost), late data-plane answers, instance removals
+and forced evictions on a tiny pool with a simulated data plane that records what each
+slot and each tier file holds. After every step the pool's invariants hold
+(``pool.check()``, with the tier's), and every ready replica's slot holds its own
+segment: no step, however interleaved, lets a read see another segment's bytes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from tokenlake.core.config import PoolConfig
+from tokenlake.core.errors import CapacityError, ConfigError
+from tokenlake.core.pool import CachePool
+
+C = 2
+
+
+def make_pool(slots=3, tier=4, instances=(0, 1)):
+    clock = [0.0]
+    cfg = PoolConfig(segment_tokens=C, namespace="tier", slots_per_instance=slots, vnodes=8,
+                     page_tokens=C, tier_slots=tier)
+    return CachePool(cfg, list(instances), lambda: clock[0], random.Random(0)), clock
+
+
+def store(pool, tokens, clock=None, settle=True):
+    """Places and commits every whole segment of ``tokens``, then (``settle``) counts
+    their write-throughs as staged; returns their keys."""
+    parent, keys = None, pool.hasher.keys(tokens)
+    for i, key in enumerate(keys):
+        placed = pool.place(key, parent, i, tokens[i * C:(i + 1) * C])
+        if placed.created:
+            pool.commit(key, placed.location.instance)
+        parent = key
+        if clock is not None:
+            clock[0] += 1
+    if settle and pool.tier is not None:
+        pool.tier.settle()
+    return keys
+
+
+def test_evicted_segments_stay_in_the_tier_and_come_back():
+    pool, clock = make_pool(slots=2, instances=(0,))
+    doc = [1, 2, 3, 4]
+    keys = store(pool, doc, clock)
+    pool.tier.settle()
+    assert all(pool.tree.node(k).tier == 0 for k in keys)
+    store(pool, [7, 7, 8, 8], clock)  # fills the instance: the document leaves the slab
+    pool.tier.settle()
+    pool.check()
+    m = pool.match(doc)
+    assert m.keys == () and m.tier_keys == tuple(keys)
+    assert all(pool.tree.node(k).tier_only for k in keys)
+    assert pool.tier.stats().demotions == 2
+    promos = pool.tier.promote(m.tier_keys)
+    assert [p.key for p in promos] == list(keys)
+    assert pool.match(doc).keys == ()  # pending: nothing reads them yet
+    for p in promos:
+        pool.tier.promoted(p)
+    pool.check()
+    assert pool.match(doc).keys == tuple(keys)
+    assert pool.tier.stats().promotions == 2
+
+
+def test_without_a_tier_evicted_segments_go():
+    cfg = PoolConfig(segment_tokens=C, namespace="tier", slots_per_instance=2, vnodes=8)
+    pool = CachePool(cfg, [0], lambda: 0.0)
+    keys = store(pool, [1, 2, 3, 4])
+    store(pool, [7, 7, 8, 8])
+    assert keys[0] not in pool.tree and pool.match([1, 2, 3, 4]).tier_keys == ()
+    assert pool.stats().tier is None
+
+
+def test_the_tier_evicts_its_least_recently_used_copy():
+    pool, clock = make_pool(slots=1, tier=2, instances=(0,))
+    a = store(pool, [1, 1], clock)[0]
+    b = store(pool, [2, 2], clock)[0]  # a is demoted
+    c = store(pool, [3, 3], clock, settle=False)[0]  # b demoted; c's copy evicts a's (the oldest)
+    ops = pool.tier.take_ops()
+    assert ops[0].drops == [a]
+    assert [w.key for w in ops[0].writes] == [c]
+    pool.tier.staged([c])
+    assert a not in pool.tree  # held only in the tier, its copy gone: it went
+    assert pool.tree.node(b).tier_only and pool.tree.node(c).tier == 0
+    assert pool.tier.stats().held == {0: 2}
+    pool.check()
+
+
+def test_a_parent_copy_that_a_tier_only_child_needs_is_kept():
+    pool, clock = make_pool(slots=2, tier=4, instances=(0,))
+    keys = store(pool, [1, 1, 2, 2], clock)  # a chain of two, both demoted next
+    store(pool, [5, 5, 6, 6], clock)
+    pool.tier.settle()
+    assert all(pool.tree.node(k).tier_only for k in keys)
+    # The tier is full: a new copy evicts the oldest copy that no child needs, the
+    # chain's child (a leaf); the parent, older, stays for it.
+    store(pool, [9, 9], clock)
+    pool.tier.settle()
+    assert keys[1] not in pool.tree and pool.tree.node(keys[0]).tier_only
+    pool.check()
+
+
+def test_a_failed_promotion_drops_the_segment_and_what_follows():
+    pool, clock = make_pool(slots=2, instances=(0,))
+    keys = store(pool, [1, 2, 3, 4], clock)
+    store(pool, [7, 7, 8, 8], clock)
+    pool.tier.settle()
+    promos = pool.tier.promote(pool.match([1, 2, 3, 4]).tier_keys)
+    used = pool.slots.used(0)
+    pool.tier.promotion_failed(promos[0])
+    pool.tier.promoted(promos[1])  # it went with its parent: nothing to do
+    assert keys[0] not in pool.tree and keys[1] not in pool.tree
+    assert pool.slots.used(0) == used - 2
+    assert set(pool.tier.take_ops()[0].drops) == set(keys)
+    pool.check()
+
+
+def test_a_segment_held_only_in_the_tier_computed_again_gets_a_slot():
+    pool, clock = make_pool(slots=2, instances=(0,))
+    keys = store(pool, [1, 2, 3, 4], clock)
+    store(pool, [7, 7, 8, 8], clock)
+    pool.tier.settle()
+    placed = pool.place(keys[0], None, 0, [1, 2])
+    assert placed.created and pool.tree.node(keys[0]).tier == 0
+    pool.abort(keys[0], placed.location.instance)  # a failed put: back in the tier only
+    assert pool.tree.node(keys[0]).tier_only
+    pool.check()
+
+
+def test_an_instance_leaving_takes_its_tier_with_it():
+    pool, clock = make_pool(slots=2, instances=(0, 1))
+    for i in range(8):
+        store(pool, [i, i, i + 1, i + 1], clock)
+    pool.tier.settle()
+    tiered = [k for k in pool.tree.keys() if pool.tree.node(k).tier == 1]
+    assert tiered
+    pool.remove_instance(1)
+    assert all(pool.tree.node(k).tier != 1 for k in pool.tree.keys())
+    pool.check()
+
+
+def test_a_write_through_keeps_its_slot_until_staged():
+    pool, clock = make_pool(slots=1, instances=(0,))
+    store(pool, [1, 1], clock, settle=False)  # its write-through is queued, not staged
+    with pytest.raises(CapacityError):
+        store(pool, [2, 2], clock, settle=False)  # the only slot is leased by it
+    pool.tier.settle()
+    store(pool, [2, 2], clock)
+    pool.check()
+
+
+def test_tier_slots_is_checked():
+    with pytest.raises(ConfigError):
+        PoolConfig(segment_tokens=C, namespace="t", slots_per_instance=1, tier_slots=-1)
+
+
+# ------------------------------------------------------------ the stateful test
+DOCS = ([1, 1, 2, 2, 3, 3], [1, 1, 2, 2, 4, 4], [5, 5, 6, 6], [7, 7], [1, 1, 8, 8, 9, 9])
+
+
+class TierMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool, self.clock = make_pool(slots=3, tier=3, instances=(0, 1))
+        self.slab: dict[tuple[int, int], bytes] = {}  # what each slot holds
+        self.files: dict[tuple[int, bytes], bytes] = {}  # what each tier file holds
+        self.late: list = []  # data-plane work taken, not yet answered
+
+    def _run_ops(self, ops) -> None:
+        written = []
+        for inst, op in ops.items():
+            for key in op.drops:
+                self.files.pop((inst, key), None)
+            for w in op.writes:
+                held = self.slab.get((inst, w.slot))
+                assert held == w.key, "a write-through staged another segment's slot"
+                self.files[(inst, w.key)] = held
+                written.append(w.key)
+        self.pool.tier.staged(written)
+
+    @rule(doc=st.sampled_from(DOCS), dt=st.sampled_from([0.0, 1.0]))
+    def store(self, doc, dt):
+        self.clock[0] += dt
+        parent = None
+        for i, key in enumerate(self.pool.hasher.keys(doc)):
+            try:
+                placed = self.pool.place(key, parent, i, doc[i * C:(i + 1) * C])
+            except CapacityError:
+                return
+            if placed.created:
+                self.slab[(placed.location.instance, placed.location.slot)] = key
+                self.pool.commit(key, placed.location.instance)
+            parent = key
+
+    @rule(now=st.booleans())
+    def data_plane(self, now):
+        ops = self.pool.tier.take_ops()
+        if now:
+            self._run_ops(ops)
+        else:
+            self.late.append(ops)
+
+    @rule()
+    def late_answers(self):
+        while self.late:
+            self._run_ops(self.late.pop(0))
+
+    @rule(doc=st.sampled_from(DOCS), lose=st.booleans())
+    def promote(self, doc, lose):
+        m = self.pool.match(doc)
+        for p in self.pool.tier.promote(m.tier_keys):
+            src = self.files.get((p.instance, p.key))
+            if lose and src is not None:
+                del self.files[(p.instance, p.key)]
+                src = None
+            if src is None:
+                self.pool.tier.promotion_failed(p)
+            else:
+                self.slab[(p.instance, p.slot)] = src
+                self.pool.tier.promoted(p)
+
+    @rule(inst=st.sampled_from([0, 1]))
+    def evict(self, inst):
+        self.pool.evict_one(inst)
+
+    @rule()
+    def remove_and_add(self):
+        self.pool.remove_instance(1)
+        self.slab = {k: v for k, v in self.slab.items() if k[0] != 1}
+        self.files = {k: v for k, v in self.files.items() if k[0] != 1}
+        self.pool.add_instance(1)
+
+    @invariant()
+    def consistent(self):
+        self.pool.check()
+        tree = self.pool.tree
+        for key in tree.keys():
+            for loc in tree.replicas(key):
+                assert self.slab.get((loc.instance, loc.slot)) == key, "a ready slot holds another segment"
+
+
+TierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_tier_machine = TierMachine.TestCase

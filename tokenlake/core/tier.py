@@ -1,0 +1,293 @@
+"""The tier below the pool: what the control plane knows of each instance's disk tier.
+
+With a tier (``PoolConfig.tier_slots``: segments each instance's tier holds) every
+segment is *written through*: once all its layers are stored in a slot
+(:meth:`~tokenlake.core.pool.CachePool.commit`), the instance that holds it also keeps a
+copy in its tier (the transfer engine stages the slot's bytes and writes the file in
+the background: :mod:`tokenlake.engines.tier_files`). A segment evicted from the slabs
+then stays in the prefix tree, *held only in the tier*, instead of leaving it: a match
+stops before it, as before, but reports it (``MatchResult.tier_keys``), and the caller
+promotes it first: a slot on the instance that holds the copy, the file read into it,
+the replica ready again. So a tier is an inclusive second level: a segment in a slab
+usually has a copy below as well, and evicting it from the slab moves no data.
+
+This module is bookkeeping only, like the rest of :mod:`tokenlake.core`: the data moves
+are handed to whoever runs the data plane as :class:`TierOps` (per instance: files to
+drop, slots to write through) and :class:`Promotion` records; without one (the
+simulator, the core's tests) they count as done at once.
+
+Rules, checked by :meth:`TierManager.check`:
+
+* a node's ``tier`` names the one instance whose tier holds its copy, and every such
+  copy is in the tier's LRU index under that instance; an instance's tier holds at most
+  ``tier_slots`` copies;
+* a node held only in the tier has only children held only in the tier (promotion goes
+  parent first, and a segment computed again is placed in a slot again);
+* a write-through in flight holds a lease on its node, so the slot it reads is not
+  reused before the transfer engine has staged its bytes.
+
+The tier evicts its least recently used copy that no child held only in the tier needs
+(a copy is stamped when written, when its segment leaves the slabs and when it is
+promoted); dropping a copy whose segment is still in a slab loses nothing now.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sortedcontainers import SortedList
+
+from tokenlake.core.segments import SegmentKey
+from tokenlake.core.tree_nodes import TreeNode
+
+
+@dataclass(frozen=True)
+class TierWrite:
+    """Copy ``slot`` of ``instance`` (segment ``key``, all layers) into its tier."""
+
+    key: SegmentKey
+    slot: int
+
+
+@dataclass
+class TierOps:
+    """What one instance's transfer engine does next, in this order: delete the files
+    of ``drops``, then stage and write ``writes``."""
+
+    drops: list[SegmentKey] = field(default_factory=list)
+    writes: list[TierWrite] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """Read segment ``key``'s file from ``instance``'s tier into ``slot`` there (a
+    pending replica until :meth:`TierManager.promoted`)."""
+
+    key: SegmentKey
+    instance: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """The tiers' counters: copies held per instance, and what moved."""
+
+    held: dict[int, int]  # copies in each instance's tier
+    capacity: int  # copies one instance's tier holds (tier_slots)
+    written: int  # copies written through
+    demotions: int  # segments that left the slabs and stayed in a tier
+    promotions: int  # segments read back into a slot
+    failed_promotions: int  # ... whose file was missing or corrupt (the segment went)
+    dropped: int  # copies the tiers evicted or lost
+
+
+class TierDataPlane(Protocol):
+    """What moves the tiers' data (a launcher's driver, through the transfer engines)."""
+
+    def tier_ops(self, ops: dict[int, TierOps]) -> tuple[list[SegmentKey], list[SegmentKey]]:
+        """Runs each instance's ops; returns the write-throughs staged and refused."""
+
+    def tier_read(self, promotions: Sequence[Promotion]) -> set[SegmentKey]:
+        """Reads each promotion's file into its slot; returns the keys that failed."""
+
+
+class TierManager:
+    """The tiers of a :class:`~tokenlake.core.pool.CachePool` (see the module docstring).
+
+    ``slots``: copies one instance's tier holds. The pool calls :meth:`committed`,
+    :meth:`demoted` and :meth:`forget_instance`; the data plane's driver takes
+    :meth:`take_ops`, answers with :meth:`staged`, and runs :meth:`promote` /
+    :meth:`promoted` / :meth:`promotion_failed`."""
+
+    def __init__(self, pool, slots: int) -> None:  # pool: a CachePool (which imports this)
+        if slots < 1:
+            raise ValueError(f"a tier holds at least one segment, got {slots}")
+        self.pool = pool
+        self.tree = pool.tree
+        self.slots = slots
+        self._lru: dict[int, SortedList] = {}  # per instance: (stamp, -index, seq, key)
+        self._seq = itertools.count()
+        self._ops: dict[int, TierOps] = {}
+        self._staging: dict[SegmentKey, int] = {}  # write-throughs in flight -> instance
+        self.written = self.demotions = self.promotions = 0
+        self.failed_promotions = self.dropped = 0
+        self.tree.tier_dropped = self._node_dropped
+
+    # -------------------------------------------------------------- writes
+    def committed(self, key: SegmentKey, instance: int) -> None:
+        """Segment ``key`` is stored in all layers on ``instance``: write it through,
+        unless a tier holds it already or ``instance``'s tier has no room (every copy
+        there needed by a child held only in the tier)."""
+        node = self.tree.node(key)
+        if node.tier is not None or key in self._staging or not self._make_room(instance):
+            return
+        rep = node.replica(instance)
+        self._set(node, instance, rep.last_access)
+        self._staging[key] = instance
+        self.tree.lease([key])  # the slot stays as it is until it is staged
+        self._ops_of(instance).writes.append(TierWrite(key, rep.slot))
+
+    def take_ops(self) -> dict[int, TierOps]:
+        """The data moves queued since the last call, per instance (drops first)."""
+        ops, self._ops = self._ops, {}
+        return ops
+
+    def staged(self, writes: Iterable[SegmentKey], refused: Iterable[SegmentKey] = ()) -> None:
+        """The transfer engines took copies of ``writes`` (they are written in the
+        background) and refused ``refused`` (no room to stage: the copy is forgotten).
+        Either way the slot is free to change again. Segments that went meanwhile (an
+        instance failed) are skipped."""
+        for key, ok in itertools.chain(((k, True) for k in writes), ((k, False) for k in refused)):
+            if self._staging.pop(key, None) is None or key not in self.tree:
+                continue
+            self.tree.unlease([key])
+            if ok:
+                self.written += 1
+            else:
+                self._clear(self.tree.node(key))
+
+    def settle(self) -> None:
+        """Counts every queued write-through as staged (no data plane: the simulator)."""
+        ops = self.take_ops()
+        self.staged(w.key for op in ops.values() for w in op.writes)
+
+    # ---------------------------------------------------------- eviction
+    def demoted(self, key: SegmentKey, last_access: float) -> None:
+        """``key``'s last replica left the slabs and it stayed, held only in the tier;
+        its copy is stamped with the replica's last access."""
+        node = self.tree.node(key)
+        self._set(node, node.tier, last_access)
+        self.demotions += 1
+
+    def _make_room(self, instance: int) -> bool:
+        lru = self._lru.get(instance)
+        while lru is not None and len(lru) >= self.slots:
+            victim = next((self.tree.node(e[3]) for e in lru
+                           if not self._needed(self.tree.node(e[3]))), None)
+            if victim is None:
+                return False
+            self._evict_copy(victim)
+        return True
+
+    def _needed(self, node: TreeNode) -> bool:
+        """A copy the tier keeps: a write in flight, or a child held only in the tier."""
+        return node.key in self._staging or node.n_children() > node.fast_kids
+
+    def _evict_copy(self, node: TreeNode) -> None:
+        if node.tier_only:  # a leaf of the tree: it goes with its copy
+            self.tree.remove_subtree(node.key)
+        else:
+            self._queue_drop(node.tier, node.key)
+            self._clear(node)
+            self.dropped += 1
+
+    # ---------------------------------------------------------- promotion
+    def promote(self, keys: Sequence[SegmentKey]) -> list[Promotion]:
+        """Slots for segments held only in the tier (``keys`` parent first, as
+        ``MatchResult.tier_keys`` gives them), on the instance that holds each copy:
+        pending replicas, to be read in and then :meth:`promoted`. Stops at the first
+        that is no longer held only in the tier or finds no slot there (nothing
+        evictable): what follows it could not be read anyway."""
+        out: list[Promotion] = []
+        pool = self.pool
+        for key in keys:
+            node = self.tree.node(key) if key in self.tree else None
+            if node is None or not node.tier_only:
+                break
+            inst = node.tier
+            slot = pool.slots.allocate(inst)
+            if slot is None and pool.evict_one(inst) is not None:
+                slot = pool.slots.allocate(inst)
+            if slot is None:
+                break
+            self.tree.add_replica(key, inst, slot, pool.clock())
+            out.append(Promotion(key, inst, slot))
+        return out
+
+    def promoted(self, p: Promotion) -> None:
+        """``p``'s file is in its slot: the replica is ready."""
+        if p.key in self.tree:  # not gone with an ancestor whose file failed
+            now = self.pool.clock()
+            self.tree.set_ready(p.key, p.instance, now)
+            node = self.tree.node(p.key)
+            if node.tier is not None:
+                self._set(node, node.tier, now)
+            self.promotions += 1
+
+    def promotion_failed(self, p: Promotion) -> None:
+        """``p``'s file was missing or corrupt: the segment goes, with what follows it
+        (held only in the tier, or being promoted after it); their slots are freed."""
+        if p.key in self.tree:
+            for _key, inst, slot in self.tree.remove_subtree(p.key):
+                self.pool.slots.free(inst, slot)
+            self.failed_promotions += 1
+
+    # ------------------------------------------------------------ instances
+    def forget_instance(self, instance: int) -> None:
+        """``instance`` leaves the pool: the copies in its tier are forgotten, and the
+        segments held only there go (with their subtrees)."""
+        for entry in list(self._lru.get(instance, ())):
+            key = entry[3]
+            if key not in self.tree:
+                continue
+            node = self.tree.node(key)
+            if node.tier_only:
+                self.tree.remove_subtree(key)
+            else:
+                self._clear(node)
+        self._lru.pop(instance, None)
+        self._ops.pop(instance, None)
+        for key in [k for k, i in self._staging.items() if i == instance]:
+            self.staged((), (key,))
+
+    # -------------------------------------------------------------- stats
+    def stats(self) -> TierStats:
+        return TierStats({i: len(lru) for i, lru in self._lru.items()}, self.slots, self.written,
+                         self.demotions, self.promotions, self.failed_promotions, self.dropped)
+
+    def check(self) -> None:
+        """Asserts the rules of the module docstring (for tests)."""
+        indexed = {e[3]: i for i, lru in self._lru.items() for e in lru}
+        assert sum(len(lru) for lru in self._lru.values()) == len(indexed), "a copy indexed twice"
+        assert all(len(lru) <= self.slots for lru in self._lru.values()), "a tier over capacity"
+        for key in self.tree.keys():
+            node = self.tree.node(key)
+            assert indexed.pop(key, None) == node.tier, "tier index out of date"
+            if node.tier_only:
+                assert all(k.tier_only for k in node.child_nodes()), "a slab segment under the tier"
+            if key in self._staging:
+                assert node.leases and node.tier == self._staging[key], "a write-through unleased"
+        assert not indexed, "the tier index names a segment not in the tree"
+
+    # ------------------------------------------------------------ internals
+    def _ops_of(self, instance: int) -> TierOps:
+        return self._ops.setdefault(instance, TierOps())
+
+    def _queue_drop(self, instance: int, key: SegmentKey) -> None:
+        # A write of the same key queued before stays: the file it makes holds this
+        # key's segment (keys name their content), at worst a copy no node names.
+        self._ops_of(instance).drops.append(key)
+
+    def _set(self, node: TreeNode, instance: int, stamp: float) -> None:
+        """Indexes ``node``'s copy on ``instance`` at ``stamp`` (again, if indexed)."""
+        if node.tier_entry is not None:
+            self._lru[node.tier].remove(node.tier_entry)
+        node.tier = instance
+        node.tier_entry = (stamp, -node.index, next(self._seq), node.key)
+        self._lru.setdefault(instance, SortedList()).add(node.tier_entry)
+
+    def _clear(self, node: TreeNode) -> None:
+        if node.tier_entry is not None:
+            self._lru[node.tier].remove(node.tier_entry)
+        node.tier = node.tier_entry = None
+
+    def _node_dropped(self, node: TreeNode) -> None:
+        """The tree dropped ``node`` with a copy in a tier: the file goes too."""
+        self._staging.pop(node.key, None)  # its lease went with it
+        if node.tier in self._lru:  # not an instance being forgotten
+            self._queue_drop(node.tier, node.key)
+            self.dropped += 1
+        self._clear(node)

@@ -1,0 +1,144 @@
+"""A transfer engine's disk tier at work: slots staged, written in the background, read
+back on a promotion (``TIER_OPS``, ``TIER_READ``: :mod:`tokenlake.dataplane.messages.tier`).
+
+Staging copies a slot's bytes (all its layers, one contiguous block of the slab) into
+memory before the engine answers, so the control plane may reuse the slot at once; a
+writer thread then writes them to the tier's file (:class:`~tokenlake.engines.tier_files.TierFiles`:
+a temporary file, flushed, renamed). A read finds a segment still waiting to be written
+in memory, else reads its file, whose digest is checked. Drops and writes run in the
+order they came: a drop of a key removes whatever was staged for it before, and a later
+write of the same key stands. Staged bytes are bounded (``staging_bytes``): a write
+that does not fit is refused, and the control plane forgets that copy.
+
+Closing waits for the staged writes (a clean stop keeps what was written through),
+then releases the directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenlake.core.errors import TierCorrupt
+from tokenlake.engines.tier_files import TierFiles
+
+log = logging.getLogger(__name__)
+
+#: Bytes of segments staged and not yet written, at most (then writes are refused).
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+def slot_bytes(slab: torch.Tensor, slot: int) -> torch.Tensor:
+    """Slot ``slot`` of ``slab`` (all layers) as a flat uint8 view of the same memory."""
+    return slab[slot].reshape(-1).view(torch.uint8)
+
+
+class TierStore:
+    """One instance's disk tier as its transfer engine uses it (see the module docstring).
+
+    ``path``: this instance's tier directory; ``capacity_bytes``: what its files may
+    take; ``layout``: what identifies the slab's format (files of another are not
+    adopted)."""
+
+    def __init__(self, path: str | Path, capacity_bytes: int, layout: dict[str, Any],
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, fsync: bool = True) -> None:
+        self.files = TierFiles(path, capacity_bytes, layout, fsync=fsync)
+        self.staging_bytes = staging_bytes
+        self._staged: dict[bytes, bytes] = {}  # key -> its bytes, until written
+        self._staged_bytes = 0
+        self._jobs: deque[tuple[str, bytes, bytes | None]] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self.written = self.write_errors = self.reads = self.read_failures = 0
+        self._thread = threading.Thread(target=self._run, name="tier-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ requests
+    def drop(self, key: bytes) -> None:
+        with self._cond:
+            data = self._staged.pop(key, None)
+            if data is not None:
+                self._staged_bytes -= len(data)
+            self._jobs.append(("drop", key, None))
+            self._cond.notify()
+
+    def stage(self, key: bytes, view: torch.Tensor) -> bool:
+        """Copies ``view`` (a slot's bytes: :func:`slot_bytes`) to be written as
+        ``key``; False (nothing copied) when the staging memory is full."""
+        n = view.numel()
+        with self._cond:
+            if self._staged_bytes + n > self.staging_bytes:
+                return False
+        data = view.cpu().numpy().tobytes()  # only this thread stages: the room is still there
+        with self._cond:
+            old = self._staged.pop(key, None)
+            if old is not None:
+                self._staged_bytes -= len(old)
+            self._staged[key] = data
+            self._staged_bytes += n
+            self._jobs.append(("write", key, data))
+            self._cond.notify()
+        return True
+
+    def read_into(self, key: bytes, out: torch.Tensor) -> bool:
+        """Writes segment ``key``'s bytes into ``out`` (:func:`slot_bytes`); False if the
+        tier does not hold it whole and intact (``out`` is left as it was)."""
+        with self._cond:
+            data = self._staged.get(key)
+        if data is None:
+            try:
+                data = self.files.get(key)
+            except (KeyError, TierCorrupt) as exc:
+                log.warning("tier read of %s failed: %s", key.hex(), exc)
+                self.read_failures += 1
+                return False
+        if len(data) != out.numel():
+            log.warning("tier file of %s has %d bytes, a slot %d", key.hex(), len(data), out.numel())
+            self.read_failures += 1
+            return False
+        out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.reads += 1
+        return True
+
+    def close(self) -> None:
+        """Writes what is staged, stops the writer and releases the directory."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        self.files.close()
+
+    @property
+    def staged_bytes(self) -> int:
+        return self._staged_bytes
+
+    # -------------------------------------------------------------- writer
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closing:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                op, key, data = self._jobs.popleft()
+                if op == "write" and self._staged.get(key) is not data:
+                    continue  # dropped, or staged again since: that write stands
+            try:
+                if op == "drop":
+                    self.files.remove(key)
+                else:
+                    self.files.put(key, data)
+                    self.written += 1
+            except Exception as exc:  # noqa: BLE001 - a failed write is a miss later, not a crash
+                self.write_errors += 1
+                log.warning("tier %s of %s failed: %s", op, key.hex(), exc)
+            if op == "write":
+                with self._cond:
+                    if self._staged.get(key) is data:
+                        del self._staged[key]
+                        self._staged_bytes -= len(data)

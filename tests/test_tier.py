@@ -104,6 +104,27 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.05)
 
 
+def test_the_tier_outlives_the_pool(tiny_llama, tmp_path):
+    """A pool stopped and started again on its tier directory finds the segments
+    written through before: held only in the tier, read back for the same question."""
+    weights, tok, _ = tiny_llama
+    doc = _prompts(tok)[0]
+    config = ClusterConfig(1, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C,
+                           max_rows=512, tier_path=str(tmp_path / "tier"),
+                           tier_bytes=pool_bytes(weights, C, 64))
+    with LocalCluster(config) as cluster:
+        _ask(GenerationLoop(cluster, weights, chunk_tokens=64), "a", doc, tok)
+        written = cluster.control.stats().pool.tier.written
+    with LocalCluster(config) as cluster:
+        m = cluster.control.get_prefix_tree().match(doc, max_tokens=len(doc) - 1)
+        assert m.keys == () and len(m.tier_keys) == written  # all of it, only in the tier
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
+        again = _ask(server, "a", doc, tok)
+        assert server.promotions == len(m.tier_keys) and again.hit_tokens >= len(m.tier_keys) * C
+        cluster.control.check()
+    _same(again, reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
+
+
 def test_a_tier_needs_a_directory_and_room_for_a_segment(tiny_llama, tmp_path):
     weights, _, _ = tiny_llama
     spec = model_spec(weights)

@@ -165,6 +165,15 @@ class ControlPlane:
         else:
             tier.staged(*self.tier_data_plane.tier_ops(ops))
 
+    def adopt_tier(self, instance: int, entries: Sequence[tuple]) -> int:
+        """Puts the segments ``instance``'s disk tier already holds into the tree (see
+        :meth:`~tokenlake.core.tier.TierManager.adopt`); returns how many."""
+        if self.pool.tier is None:
+            return 0
+        n = self.pool.tier.adopt(instance, entries)
+        self.flush_tier()
+        return n
+
     def promote(self, prompts: Iterable[tuple[Sequence[int], str | None]]) -> int:
         """Brings the segments of each ``(token ids, cache salt)`` prompt's prefix that
         are held only in a disk tier back into slots, parent first, so that the next

@@ -24,7 +24,10 @@ Rules, checked by :meth:`TierManager.check`:
 * a node held only in the tier has only children held only in the tier (promotion goes
   parent first, and a segment computed again is placed in a slot again);
 * a write-through in flight holds a lease on its node, so the slot it reads is not
-  reused before the transfer engine has staged its bytes.
+  reused before the transfer engine has staged its bytes; a node that goes anyway (its
+  instance failed) takes its queued write along. The data plane runs the queued work
+  it takes before the pool changes again (the driver does it inside the call that
+  queued it, under the control plane's lock).
 
 The tier evicts its least recently used copy that no child held only in the tier needs
 (a copy is stamped when written, when its segment leaves the slabs and when it is
@@ -46,10 +49,15 @@ from tokenlake.core.tree_nodes import TreeNode
 
 @dataclass(frozen=True)
 class TierWrite:
-    """Copy ``slot`` of ``instance`` (segment ``key``, all layers) into its tier."""
+    """Copy ``slot`` (segment ``key``, all layers) into the instance's tier, with where
+    the segment goes in the tree: ``parent`` (``None``: the unsalted root), ``index``,
+    ``tokens`` (int32 bytes), for a restart to put it back (:meth:`TierManager.adopt`)."""
 
     key: SegmentKey
     slot: int
+    parent: SegmentKey | None = None
+    index: int = 0
+    tokens: bytes | None = None
 
 
 @dataclass
@@ -128,7 +136,8 @@ class TierManager:
         self._set(node, instance, rep.last_access)
         self._staging[key] = instance
         self.tree.lease([key])  # the slot stays as it is until it is staged
-        self._ops_of(instance).writes.append(TierWrite(key, rep.slot))
+        write = TierWrite(key, rep.slot, node.parent, node.index, self.tree.tokens(key))
+        self._ops_of(instance).writes.append(write)
 
     def take_ops(self) -> dict[int, TierOps]:
         """The data moves queued since the last call, per instance (drops first)."""
@@ -225,6 +234,34 @@ class TierManager:
                 self.pool.slots.free(inst, slot)
             self.failed_promotions += 1
 
+    def adopt(self, instance: int, entries: Sequence[tuple]) -> int:
+        """Copies ``instance``'s tier held before this control plane began (the pool
+        started again on the same directory, or a new control process): ``(key, parent,
+        index, tokens)`` each, least recently used first. Each goes into the tree held
+        only in the tier (a segment already there gains the copy), parent first, while
+        it has its place (its parent in the tree, or a root) and the tier has room; the
+        others' files are dropped. Returns how many were adopted; they count as older
+        than anything written from now on."""
+        tree, lru = self.tree, self._lru.setdefault(instance, SortedList())
+        now, n = self.pool.clock(), len(entries)
+        adopted = 0
+        for order, (key, parent, index, tokens) in sorted(enumerate(entries), key=lambda e: e[1][2]):
+            stamp = now - (n - order) * 1e-6
+            ok = len(lru) < self.slots
+            if ok and key in tree:
+                ok = tree.node(key).tier is None  # else a copy elsewhere: this one goes
+            elif ok:
+                try:
+                    tree.insert(key, parent, index, tokens)
+                except (ValueError, KeyError):  # no place for it (its parent is gone)
+                    ok = False
+            if ok:
+                self._set(tree.node(key), instance, stamp)
+                adopted += 1
+            else:
+                self._queue_drop(instance, key)
+        return adopted
+
     # ------------------------------------------------------------ instances
     def forget_instance(self, instance: int) -> None:
         """``instance`` leaves the pool: the copies in its tier are forgotten, and the
@@ -285,8 +322,13 @@ class TierManager:
         node.tier = node.tier_entry = None
 
     def _node_dropped(self, node: TreeNode) -> None:
-        """The tree dropped ``node`` with a copy in a tier: the file goes too."""
+        """The tree dropped ``node`` with a copy in a tier: the file goes too, and a
+        write-through not yet handed out is forgotten (its slot is freed now, and may
+        hold another segment by the time the write would run)."""
         self._staging.pop(node.key, None)  # its lease went with it
+        ops = self._ops.get(node.tier)
+        if ops is not None and ops.writes:
+            ops.writes = [w for w in ops.writes if w.key != node.key]
         if node.tier in self._lru:  # not an instance being forgotten
             self._queue_drop(node.tier, node.key)
             self.dropped += 1

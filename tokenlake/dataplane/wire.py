@@ -92,6 +92,8 @@ class Kind(enum.IntEnum):
     CLOSE_SESSION = 33
     RETIRE = 34
     ADOPT = 35
+    TIER_LIST = 36
+    TIER_LISTING = 37
     PEER_REGISTER_PLAN = 40
     PEER_RELEASE_PLAN = 41
     PEER_QUERY = 42

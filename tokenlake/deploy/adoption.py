@@ -169,6 +169,7 @@ class Adoptable:
         try:
             self._take_over(state)
             report = rebuild(self, range(self.n_instances))
+            self.adopt_tiers()
         except BaseException:
             self._release_adopted()
             raise

@@ -218,6 +218,17 @@ class ClusterBase(abc.ABC):
     def close(self) -> None:
         """Stops every engine and unlinks every shared buffer (idempotent)."""
 
+    def adopt_tiers(self) -> int:
+        """Gives the control plane what the instances' disk tiers already hold (a pool
+        started again on its tier directory); returns the segments adopted."""
+        driver = self.control.tier_data_plane
+        if driver is None:
+            return 0
+        n = driver.adopt(range(self.n_instances))
+        if n:
+            log.info("adopted %d segments from the disk tiers", n)
+        return n
+
     # ------------------------------------------------------------ engines
     @abc.abstractmethod
     def client(self, instance: int) -> Any:

@@ -55,6 +55,7 @@ from tokenlake.deploy.driver import DriverSockets
 from tokenlake.deploy.local_lifecycle import InstanceLifecycle
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
+from tokenlake.deploy.tier import tier_spec
 from tokenlake.deploy.watcher import EngineWatcher
 from tokenlake.engines.loop import EngineSpec
 from tokenlake.engines.openmp import OPENMP_ENV
@@ -151,6 +152,11 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         self._ctx = zmq.Context()
         self._watcher.start()
         self.write_state()
+        try:
+            self.adopt_tiers()
+        except BaseException:
+            self.close()
+            raise
 
     def _create_buffers(self) -> dict[int, dict[str, dict]]:
         """Creates every instance's buffers (``self.layout``); their spec dicts per instance."""
@@ -164,16 +170,6 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
             if (inst, "records") in self._buffers:
                 self.records.attach(inst, self._buffers[(inst, "records")])
         return out
-
-    def _tier_spec(self, role: str, inst: int) -> dict:
-        """A transfer engine's disk tier settings (none without ``tier_path``)."""
-        path = self.config.tier_path
-        if role != "transfer" or path is None:
-            return {}
-        # Room for a header per file: the control plane counts whole segments.
-        files = self.config.tier_bytes // self.config.segment_bytes + 1
-        return {"tier_path": os.path.join(path, f"instance-{inst}"),
-                "tier_bytes": self.config.tier_bytes + files * 4096}
 
     def _spawn(self, specs: dict[int, dict[str, dict]], instances=None) -> None:
         """Starts the engines of ``instances`` (default: all) and hands each the
@@ -193,7 +189,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
                                   keys=None if self.keys is None else self.keys.engine_view().to_dict(),
                                   shared_slabs=self._shared_slabs(specs, role, inst),
                                   grant_key=self.grant_key, orphan_grace_s=self.orphan_grace_s,
-                                  state_file=self.state_file, **self._tier_spec(role, inst))
+                                  state_file=self.state_file, **tier_spec(self.config, role, inst))
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
                                    name=f"tokenlake-{role}-{inst}", daemon=True)

@@ -1,6 +1,6 @@
 """The driver's side of the disk tiers: the control plane's tier work
 (:mod:`tokenlake.core.tier`) sent to each instance's transfer engine (``TIER_OPS``,
-``TIER_READ``: :mod:`tokenlake.dataplane.messages.tier`).
+``TIER_READ``, and ``TIER_LIST`` at start-up: :mod:`tokenlake.dataplane.messages.tier`).
 
 Importing this module loads no torch (the wire messages are imported where sent).
 """
@@ -8,9 +8,20 @@ Importing this module loads no torch (the wire messages are imported where sent)
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
+    """An engine's disk-tier fields of its ``EngineSpec`` under ``config`` (a
+    ``ClusterConfig``): a transfer engine's directory and size, nothing without a tier."""
+    if role != "transfer" or config.tier_path is None:
+        return {}
+    files = config.tier_bytes // config.segment_bytes + 1  # room for a header each:
+    return {"tier_path": os.path.join(config.tier_path, f"instance-{inst}"),  # the control plane
+            "tier_bytes": config.tier_bytes + files * 4096}  # counts whole segments
 
 
 class TierDriver:
@@ -24,12 +35,13 @@ class TierDriver:
         """Runs the disk tiers' queued work (``{instance: TierOps}`` of
         :mod:`tokenlake.core.tier`) on each instance's transfer engine; returns the
         write-throughs staged and refused (an engine that fails refuses them all)."""
-        from tokenlake.dataplane.messages import TierDone, TierOps  # imports torch (see above)
+        from tokenlake.dataplane.messages import TierDone, TierEntry, TierOps  # imports torch
 
         staged: list[bytes] = []
         refused: list[bytes] = []
         for inst, op in ops.items():
-            msg = TierOps(tuple(op.drops), tuple((w.key, w.slot) for w in op.writes))
+            writes = tuple((w.slot, TierEntry(w.key, w.parent, w.index, w.tokens)) for w in op.writes)
+            msg = TierOps(tuple(op.drops), writes)
             try:
                 done = self.cluster._request(("transfer", inst), msg, TierDone)
             except Exception as exc:  # noqa: BLE001 - a dead engine writes nothing
@@ -43,7 +55,7 @@ class TierDriver:
     def tier_read(self, promotions) -> set[bytes]:
         """Reads each promotion's tier file into its slot (one ``TIER_READ`` per
         instance); returns the keys that failed (an engine that fails fails them all)."""
-        from tokenlake.dataplane.messages import TierDone, TierRead  # imports torch (see above)
+        from tokenlake.dataplane.messages import TierDone, TierRead  # imports torch
 
         failed: set[bytes] = set()
         by_inst: dict[int, list] = {}
@@ -56,3 +68,17 @@ class TierDriver:
                 log.warning("disk tier of instance %d: %s", inst, exc)
                 failed.update(k for k, _ in items)
         return failed
+
+    def adopt(self, instances) -> int:
+        """Asks each of ``instances``' transfer engines what its tier holds and gives it
+        to the control plane (:meth:`~tokenlake.core.control.ControlPlane.adopt_tier`):
+        what a pool started on a tier directory written before finds there. Returns the
+        segments adopted."""
+        from tokenlake.dataplane.messages import TierList, TierListing  # imports torch
+
+        n = 0
+        for inst in instances:
+            listing = self.cluster._request(("transfer", inst), TierList(), TierListing)
+            n += self.cluster.control.adopt_tier(
+                inst, [(e.key, e.parent, e.index, e.tokens) for e in listing.entries])
+        return n

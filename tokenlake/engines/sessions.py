@@ -36,6 +36,7 @@ from tokenlake.dataplane.messages import (
     PeerSegment,
     Retire,
     Shutdown,
+    TierList,
     TierOps,
     TierRead,
     WireMessage,
@@ -45,7 +46,8 @@ from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec
 
 #: The kinds only the cluster's owner may send.
-OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment, Retire, Adopt, TierOps, TierRead)
+OWNER_KINDS = (Shutdown, Peers, OpenSession, CloseSession, CopySegment, Retire, Adopt, TierOps, TierRead,
+               TierList)
 #: The kinds only another engine of the cluster may send.
 PEER_KINDS = (PeerRegisterPlan, PeerReleasePlan, PeerQuery, PeerPut, PeerSegment)
 #: Client sessions one engine serves at once (the control server bounds them lower).

@@ -9,7 +9,8 @@ plans; the engines give it a segment's bytes (all its layers, as the slab holds 
 slot-major) and its key.
 
 A file is ``<key hex>.seg``: a magic line, the length of a msgpack header, the header
-(the key, the pool layout the bytes are in, their length and their blake2b digest) and
+(the key, the pool layout the bytes are in, their length and their blake2b digest, and
+the caller's ``meta``: what a restart needs to put the segment back in its place) and
 the bytes. It is written to a temporary name in the same directory, flushed to the
 disk and renamed, so a reader sees the whole file or none; a temporary file left by a
 killed writer is removed when the directory is opened, never adopted. On opening, every
@@ -82,6 +83,7 @@ class TierFiles:
         self.layout = msgpack.unpackb(msgpack.packb(dict(layout)))  # as a header reads it back
         self.fsync = fsync
         self._sizes: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._meta: dict[bytes, Any] = {}  # what each put was given as meta
         self.used_bytes = 0
         self.refused: list[str] = []  # files not adopted on opening, and why
         self.evictions = 0
@@ -114,7 +116,7 @@ class TierFiles:
             if not name.endswith(SUFFIX) or not entry.is_file():
                 continue
             try:
-                key, size, layout = self._check_file(Path(entry.path))
+                key, size, layout, meta = self._check_file(Path(entry.path))
             except FileNotFoundError:
                 continue
             except ValueError as exc:  # not a whole tier file
@@ -126,15 +128,16 @@ class TierFiles:
             if layout != self.layout:
                 self.refused.append(f"{name}: another pool layout (kept on disk)")
                 continue
-            found.append((entry.stat().st_mtime_ns, key, size))
-        for _, key, size in sorted(found):
+            found.append((entry.stat().st_mtime_ns, key, size, meta))
+        for _, key, size, meta in sorted(found, key=lambda f: f[:2]):
             self._sizes[key] = size
+            self._meta[key] = meta
             self.used_bytes += size
         while self.used_bytes > self.capacity_bytes:  # a smaller tier than the files
             self._evict_one()
 
-    def _check_file(self, path: Path) -> tuple[bytes, int, dict]:
-        """The key, size and layout of a complete file; ValueError for anything else."""
+    def _check_file(self, path: Path) -> tuple[bytes, int, dict, Any]:
+        """The key, size, layout and meta of a complete file; ValueError for anything else."""
         size = path.stat().st_size
         with open(path, "rb") as f:
             header, body_at = _read_header(f)
@@ -146,7 +149,7 @@ class TierFiles:
             raise ValueError("its name is not its key")
         if size != body_at + header["nbytes"]:
             raise ValueError(f"truncated or padded: {size} bytes, the header says {body_at + header['nbytes']}")
-        return key, size, header["layout"]
+        return key, size, header["layout"], header.get("meta")
 
     def _refuse(self, path: Path, why: str) -> None:
         """A file found on opening that is not a whole tier file: noted and deleted."""
@@ -167,14 +170,21 @@ class TierFiles:
         """The segments held, least recently used first."""
         return iter(list(self._sizes))
 
-    def put(self, key: bytes, data) -> list[bytes]:
-        """Keeps ``data`` (bytes-like: the segment's bytes) under ``key``, replacing an
-        earlier copy; evicts least recently used segments to make room and returns their
-        keys. Raises ConfigError if the segment alone exceeds the tier. The new file is
-        complete on disk before anything is evicted or replaced."""
+    def meta(self, key: bytes) -> Any:
+        """What :meth:`put` was given as ``meta`` for ``key`` (``None``: nothing)."""
+        return self._meta.get(key)
+
+    def put(self, key: bytes, data, meta: Any = None) -> list[bytes]:
+        """Keeps ``data`` (bytes-like: the segment's bytes) under ``key``, with ``meta``
+        (any msgpack value) in its header, replacing an earlier copy; evicts least
+        recently used segments to make room and returns their keys. Raises ConfigError
+        if the segment alone exceeds the tier. The new file is complete on disk before
+        anything is evicted or replaced."""
         view = memoryview(data).cast("B")
-        header = msgpack.packb({"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes,
-                                "digest": _digest(view)})
+        head = {"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes, "digest": _digest(view)}
+        if meta is not None:
+            head["meta"] = meta
+        header = msgpack.packb(head)
         size = len(MAGIC) + _LEN.size + len(header) + view.nbytes
         if size > self.capacity_bytes:
             raise ConfigError(f"a segment of {size} bytes does not fit a tier of {self.capacity_bytes}")
@@ -206,6 +216,7 @@ class TierFiles:
                     self.used_bytes += old
                 raise
             self._sizes[key] = size
+            self._meta[key] = meta
             self.used_bytes += size
             return evicted
 
@@ -253,6 +264,7 @@ class TierFiles:
 
     def _forget(self, key: bytes) -> None:
         self.used_bytes -= self._sizes.pop(key)
+        self._meta.pop(key, None)
 
     def _evict_one(self) -> bytes:
         key = next(iter(self._sizes))

@@ -51,7 +51,8 @@ class TierStore:
         self.staging_bytes = staging_bytes
         self._staged: dict[bytes, bytes] = {}  # key -> its bytes, until written
         self._staged_bytes = 0
-        self._jobs: deque[tuple[str, bytes, bytes | None]] = deque()
+        self._meta: dict[bytes, Any] = {}  # key -> the meta it was staged with, until written
+        self._jobs: deque[tuple[str, bytes, bytes | None, Any]] = deque()
         self._cond = threading.Condition()
         self._closing = False
         self.written = self.write_errors = self.reads = self.read_failures = 0
@@ -62,14 +63,16 @@ class TierStore:
     def drop(self, key: bytes) -> None:
         with self._cond:
             data = self._staged.pop(key, None)
+            self._meta.pop(key, None)
             if data is not None:
                 self._staged_bytes -= len(data)
-            self._jobs.append(("drop", key, None))
+            self._jobs.append(("drop", key, None, None))
             self._cond.notify()
 
-    def stage(self, key: bytes, view: torch.Tensor) -> bool:
+    def stage(self, key: bytes, view: torch.Tensor, meta: Any = None) -> bool:
         """Copies ``view`` (a slot's bytes: :func:`slot_bytes`) to be written as
-        ``key``; False (nothing copied) when the staging memory is full."""
+        ``key``, with ``meta`` in its file's header (:meth:`listing` gives it back);
+        False (nothing copied) when the staging memory is full."""
         n = view.numel()
         with self._cond:
             if self._staged_bytes + n > self.staging_bytes:
@@ -77,11 +80,13 @@ class TierStore:
         data = view.cpu().numpy().tobytes()  # only this thread stages: the room is still there
         with self._cond:
             old = self._staged.pop(key, None)
+            self._meta.pop(key, None)
             if old is not None:
                 self._staged_bytes -= len(old)
             self._staged[key] = data
+            self._meta[key] = meta
             self._staged_bytes += n
-            self._jobs.append(("write", key, data))
+            self._jobs.append(("write", key, data, meta))
             self._cond.notify()
         return True
 
@@ -105,6 +110,14 @@ class TierStore:
         self.reads += 1
         return True
 
+    def listing(self) -> list[tuple[bytes, Any]]:
+        """``(key, meta)`` of every segment held, least recently used first (the staged
+        ones last)."""
+        with self._cond:
+            staged = list(self._meta.items())
+        held = [(k, self.files.meta(k)) for k in self.files.keys() if k not in self._meta]
+        return held + staged
+
     def close(self) -> None:
         """Writes what is staged, stops the writer and releases the directory."""
         with self._cond:
@@ -125,14 +138,14 @@ class TierStore:
                     self._cond.wait()
                 if not self._jobs:
                     return
-                op, key, data = self._jobs.popleft()
+                op, key, data, meta = self._jobs.popleft()
                 if op == "write" and self._staged.get(key) is not data:
                     continue  # dropped, or staged again since: that write stands
             try:
                 if op == "drop":
                     self.files.remove(key)
                 else:
-                    self.files.put(key, data)
+                    self.files.put(key, data, meta)
                     self.written += 1
             except Exception as exc:  # noqa: BLE001 - a failed write is a miss later, not a crash
                 self.write_errors += 1
@@ -141,4 +154,5 @@ class TierStore:
                 with self._cond:
                     if self._staged.get(key) is data:
                         del self._staged[key]
+                        self._meta.pop(key, None)
                         self._staged_bytes -= len(data)

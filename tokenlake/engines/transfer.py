@@ -51,6 +51,9 @@ from tokenlake.dataplane.messages import (
     SlotCopy,
     SlotWrite,
     TierDone,
+    TierEntry,
+    TierList,
+    TierListing,
     TierOps,
     TierRead,
     WireMessage,
@@ -116,7 +119,7 @@ class TransferEngine(EngineLoop):
             case PeerSegment():
                 self._store_segment(message)
                 self.reply(identity, CopyDone(message.slot).encode(msg_id))
-            case TierOps() | TierRead():
+            case TierOps() | TierRead() | TierList():
                 self.reply(identity, self._tier(message).encode(msg_id))
             case _:
                 raise WireError(f"transfer engine cannot handle {message.KIND.name}")
@@ -317,22 +320,27 @@ class TransferEngine(EngineLoop):
         blocks = tuple(self.slab[s, layer] for s in message.slots)
         self.reply(identity, SegmentData(layer, message.slots, blocks).encode(msg_id))
 
-    def _tier(self, message: TierOps | TierRead) -> TierDone:
+    def _tier(self, message: TierOps | TierRead | TierList) -> TierDone | TierListing:
         tier = self.tier
         if tier is None:
             raise PlanError(f"instance {self.spec.instance} has no disk tier")
-        items = message.items if isinstance(message, TierRead) else message.writes
-        if any(not 0 <= slot < self.num_slots for _key, slot in items):
+        if isinstance(message, TierList):
+            return TierListing(tuple(TierEntry(k, *meta) for k, meta in tier.listing()
+                                     if isinstance(meta, list) and len(meta) == 3))
+        reading = isinstance(message, TierRead)
+        slots = [s for _k, s in message.items] if reading else [s for s, _e in message.writes]
+        if any(not 0 <= slot < self.num_slots for slot in slots):
             raise PlanError(f"slot out of range [0, {self.num_slots})")
         done, failed = [], []
-        if isinstance(message, TierRead):
-            for key, slot in items:
+        if reading:
+            for key, slot in message.items:
                 (done if tier.read_into(key, slot_bytes(self.slab, slot)) else failed).append(key)
         else:
             for key in message.drops:
                 tier.drop(key)
-            for key, slot in items:
-                (done if tier.stage(key, slot_bytes(self.slab, slot)) else failed).append(key)
+            for slot, e in message.writes:
+                staged = tier.stage(e.key, slot_bytes(self.slab, slot), [e.parent, e.index, e.tokens])
+                (done if staged else failed).append(e.key)
         return TierDone(tuple(done), tuple(failed))
 
     def close(self) -> None:

@@ -70,7 +70,14 @@ from tokenlake.dataplane.messages.session import (
     OpenSession,
     Retire,
 )
-from tokenlake.dataplane.messages.tier import TierDone, TierOps, TierRead
+from tokenlake.dataplane.messages.tier import (
+    TierDone,
+    TierEntry,
+    TierList,
+    TierListing,
+    TierOps,
+    TierRead,
+)
 from tokenlake.dataplane.messages.transfer import (
     CopyDone,
     CopySegment,
@@ -97,7 +104,7 @@ __all__ = [
     "PeerReleasePlan", "PeerSegment", "Peers", "Ping", "PlanAck", "Pong", "Put", "PutDone",
     "PutTarget", "Query", "QueryDone", "ReadSegment", "RegisterQueryPlan",
     "RegisterTransferPlan", "ReleasePlan", "SegmentData", "Shutdown", "SlotCopy", "SlotWrite",
-    "TierDone", "TierOps", "TierRead", "WireMessage", "decode", "expect", "parse",
+    "TierDone", "TierEntry", "TierList", "TierListing", "TierOps", "TierRead", "WireMessage", "decode", "expect", "parse",
 ]
 
 M = TypeVar("M", bound=WireMessage)

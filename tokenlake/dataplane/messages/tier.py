@@ -3,9 +3,15 @@
 The control plane's tier bookkeeping (:mod:`tokenlake.core.tier`) hands its data moves
 to the driver, which sends each instance's transfer engine :class:`TierOps` (delete
 some files, then stage some slots to be written through) and :class:`TierRead` (read
-some files into slots: a promotion); both are answered with :class:`TierDone`. Keys
-are the segments' 16-byte keys; the engine stages a slot's bytes before it answers,
-so the slot may change right after.
+some files into slots: a promotion); both are answered with :class:`TierDone`. On
+start-up the driver asks each engine what its tier holds (:class:`TierList`, answered
+with :class:`TierListing`), so a pool started again on the same directory finds the
+segments written before. Keys are the segments' 16-byte keys; the engine stages a
+slot's bytes before it answers, so the slot may change right after.
+
+A written segment carries where it goes in the prefix tree (:class:`TierEntry`): its
+parent's key (``None`` under the unsalted root, a salt's root key for a salted first
+segment), its index and its token ids.
 """
 
 from __future__ import annotations
@@ -25,6 +31,30 @@ def _keys(f: Fields, name: str) -> tuple[bytes, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class TierEntry:
+    """A segment in a tier, as the tree holds it: ``key``, ``parent`` (``None``: under
+    the unsalted root), ``index``, ``tokens`` (int32 bytes; ``None``: not recorded).
+    Wire form ``[key, parent, index, tokens]``; in ``TIER_OPS`` ``[key, slot, parent,
+    index, tokens]``."""
+
+    key: bytes
+    parent: bytes | None
+    index: int
+    tokens: bytes | None
+
+    def to_wire(self) -> list:
+        return [self.key, self.parent, self.index, self.tokens]
+
+    @classmethod
+    def from_wire(cls, f: Fields, raw, path: str) -> TierEntry:
+        key, parent, index, tokens = f.as_list(raw, path, 4)
+        for what, v, optional in (("0", key, False), ("1", parent, True), ("3", tokens, True)):
+            if not (isinstance(v, bytes) or (optional and v is None)):
+                raise f.error(f"{path}[{what}]", "must be bytes" + (" or nil" if optional else ""))
+        return cls(key, parent, f.as_int(index, f"{path}[2]"), tokens)
+
+
 def _items(f: Fields, name: str) -> tuple[tuple[bytes, int], ...]:
     out = []
     for i, raw in enumerate(f.list(name, default=[])):
@@ -37,22 +67,29 @@ def _items(f: Fields, name: str) -> tuple[tuple[bytes, int], ...]:
 
 @dataclass(frozen=True)
 class TierOps(WireMessage):
-    """``TIER_OPS`` ``{"drops": [key, ...], "writes": [[key, slot], ...]}``: delete the
-    tier files of ``drops``, then stage each write's slot (all layers) to be written to
-    the tier as ``key`` in the background. Answered with :class:`TierDone` once staged:
-    ``done`` the writes staged, ``failed`` those refused (the staging memory is full)."""
+    """``TIER_OPS`` ``{"drops": [key, ...], "writes": [[key, slot, parent, index,
+    tokens], ...]}``: delete the tier files of ``drops``, then stage each write's slot
+    (all layers) to be written to the tier as its :class:`TierEntry` in the background.
+    Answered with :class:`TierDone` once staged: ``done`` the writes staged, ``failed``
+    those refused (the staging memory is full)."""
 
     KIND = Kind.TIER_OPS
     drops: tuple[bytes, ...] = ()
-    writes: tuple[tuple[bytes, int], ...] = ()
+    writes: tuple[tuple[int, TierEntry], ...] = ()  # (slot, what it holds)
 
     def body(self) -> dict:
-        return {"drops": list(self.drops), "writes": [[k, s] for k, s in self.writes]}
+        return {"drops": list(self.drops),
+                "writes": [[e.key, slot, e.parent, e.index, e.tokens] for slot, e in self.writes]}
 
     @classmethod
     def from_wire(cls, f: Fields) -> TierOps:
         f.tensors(0)
-        return cls(_keys(f, "drops"), _items(f, "writes"))
+        writes = []
+        for i, raw in enumerate(f.list("writes", default=[])):
+            item = f.as_list(raw, f"writes[{i}]", 5)
+            entry = TierEntry.from_wire(f, [item[0], *item[2:]], f"writes[{i}]")
+            writes.append((f.as_int(item[1], f"writes[{i}][1]"), entry))
+        return cls(_keys(f, "drops"), tuple(writes))
 
 
 @dataclass(frozen=True)
@@ -90,3 +127,35 @@ class TierDone(WireMessage):
     def from_wire(cls, f: Fields) -> TierDone:
         f.tensors(0)
         return cls(_keys(f, "done"), _keys(f, "failed"))
+
+
+@dataclass(frozen=True)
+class TierList(WireMessage):
+    """``TIER_LIST`` ``{}``: what does this engine's tier hold? Answered with
+    :class:`TierListing`."""
+
+    KIND = Kind.TIER_LIST
+
+    @classmethod
+    def from_wire(cls, f: Fields) -> TierList:
+        f.tensors(0)
+        return cls()
+
+
+@dataclass(frozen=True)
+class TierListing(WireMessage):
+    """``TIER_LISTING`` ``{"entries": [[key, parent, index, tokens], ...]}``: the
+    segments the tier holds, least recently used first (files written without an entry
+    are not listed)."""
+
+    KIND = Kind.TIER_LISTING
+    entries: tuple[TierEntry, ...] = ()
+
+    def body(self) -> dict:
+        return {"entries": [e.to_wire() for e in self.entries]}
+
+    @classmethod
+    def from_wire(cls, f: Fields) -> TierListing:
+        f.tensors(0)
+        return cls(tuple(TierEntry.from_wire(f, raw, f"entries[{i}]")
+                         for i, raw in enumerate(f.list("entries", default=[]))))

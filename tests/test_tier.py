@@ -133,3 +133,47 @@ def test_a_tier_needs_a_directory_and_room_for_a_segment(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="holds no"):
         ClusterConfig(1, spec, pool_bytes(weights, C, 4), segment_tokens=C,
                       tier_path=str(tmp_path), tier_bytes=10)
+
+
+def test_serve_settings_give_the_pool_its_tier(tmp_path):
+    from tokenlake.tools.cli.pool import serve_config
+    from tokenlake.tools.config import ServeSettings
+
+    cfg = ServeSettings(tier_path=str(tmp_path), tier_mb=64)
+    cluster = serve_config(cfg).cluster
+    assert cluster.tier_path == str(tmp_path) and cluster.tier_bytes == 64 << 20
+    assert serve_config(ServeSettings()).cluster.tier_path is None
+    with pytest.raises(ConfigError, match="go together"):
+        ServeSettings(tier_path=str(tmp_path))
+
+
+def test_metrics_status_and_the_wire_report_both_tiers(capsys):
+    """The tier's counters, from a control plane that demoted and promoted, reach
+    /metrics, `tokenlake status` and the control port's stats message intact."""
+    import random
+
+    from dataplane_util import TINY
+    from test_tier_pool import store
+
+    from tokenlake.core.config import PoolConfig
+    from tokenlake.core.control import ControlPlane
+    from tokenlake.dataplane.messages import CpStatsResult, decode
+    from tokenlake.service.metrics import ServiceMetrics
+    from tokenlake.tools.cli.status import print_status, status_summary
+
+    cp = ControlPlane(PoolConfig(2, "t", 2, vnodes=8, page_tokens=2, tier_slots=6), TINY, [0],
+                      clock=lambda: 0.0, rng=random.Random(0))
+    store(cp.pool, [1, 2, 3, 4])
+    store(cp.pool, [5, 6, 7, 8])  # the first document is demoted
+    assert cp.promote([([1, 2, 3, 4, 9], None)]) == 2  # back in, the second one demoted
+    stats = cp.stats()
+    text = ServiceMetrics(lambda: stats, [0]).render().decode()
+    for line in ('tokenlake_tier_segments{instance="0"} 4.0', "tokenlake_tier_demotions_total 4.0",
+                 "tokenlake_tier_promotions_total 2.0", "tokenlake_tier_capacity_segments 6.0"):
+        assert line in text
+    _, back = decode(CpStatsResult(stats, (0,), "t", 2).encode(1))
+    assert back.stats.pool.tier == stats.pool.tier
+    summary = status_summary(back.stats)
+    assert summary["tier"]["promotions"] == 2 and summary["tier"]["held"] == {"0": 4}
+    print_status(summary, "tcp://x")
+    assert "disk tier: 6 segments per instance, held {0: 4}" in capsys.readouterr().out

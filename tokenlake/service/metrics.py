@@ -75,12 +75,33 @@ class _PoolCollector(Collector):
                                   value=pool.evictions)
         yield GaugeMetricFamily("tokenlake_segments", "Segments in the global prefix tree",
                                 value=pool.segments)
+        if pool.tier is not None:
+            yield from _tier_metrics(pool.tier)
         if self.sessions is not None:
             open_now, ended = self.sessions()
             yield GaugeMetricFamily("tokenlake_sessions", "Client sessions open on the pool "
                                     "(tokenlake.connect callers, vLLM connectors)", value=open_now)
             yield CounterMetricFamily("tokenlake_sessions_ended", "Client sessions the server "
                                       "ended (no heartbeat, or an iteration overdue)", value=ended)
+
+
+def _tier_metrics(tier) -> Iterable:
+    """The disk tiers' families (``PoolStats.tier``: :class:`tokenlake.core.tier.TierStats`)."""
+    held = GaugeMetricFamily("tokenlake_tier_segments", "Segments in each instance's disk tier",
+                             labels=["instance"])
+    for i, n in sorted(tier.held.items()):
+        held.add_metric([str(i)], n)
+    yield held
+    yield GaugeMetricFamily("tokenlake_tier_capacity_segments",
+                            "Segments one instance's disk tier holds", value=tier.capacity)
+    for name, value, text in (
+            ("writes", tier.written, "Segments written through to a disk tier"),
+            ("demotions", tier.demotions, "Segments evicted from the slabs kept in a disk tier"),
+            ("promotions", tier.promotions, "Hits in a disk tier: segments read back into a slot"),
+            ("failed_promotions", tier.failed_promotions,
+             "Tier files found missing or corrupt on a hit (their segments computed again)"),
+            ("dropped", tier.dropped, "Copies a disk tier evicted or lost")):
+        yield CounterMetricFamily(f"tokenlake_tier_{name}", text, value=value)
 
 
 class ServiceMetrics:

@@ -114,6 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"serve --ray: --engine {cfg.engine} serves without --ray only")
     if cfg.kv_layout != "tokenlake":
         raise UsageError(f"serve --ray: --kv-layout {cfg.kv_layout} serves without --ray only")
+    if cfg.tier_path is not None:
+        raise UsageError("serve --ray: a disk tier (--tier-path) serves without --ray only, for now")
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -186,7 +188,8 @@ def serve_config(cfg):
 
     cluster = ClusterConfig(cfg.instances, load_model(cfg.model), cfg.pool_mb << 20, cfg.segment_tokens,
                             cfg.max_rows, host=cfg.bind, insecure=cfg.insecure, kv_layout=cfg.kv_layout,
-                            page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype)
+                            page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype,
+                            tier_path=cfg.tier_path, tier_bytes=cfg.tier_mb << 20)
     return ServeConfig(cluster, host=cfg.host, control_port=cfg.control_port, http_port=cfg.http_port,
                          engine=cfg.engine, compute=cfg.compute, credentials=cfg.credentials,
                          limits=cfg.http_limits(), orphan_grace_s=cfg.orphan_grace_s)

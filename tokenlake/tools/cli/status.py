@@ -82,6 +82,11 @@ def status_summary(stats: ControlStats, sessions: tuple = (),
         "access_cv": coefficient_of_variation([pool.reads[i] for i in sorted(pool.reads)]),
         "evictions": pool.evictions,
         "replications": pool.replications,
+        "tier": None if pool.tier is None else {
+            "capacity": pool.tier.capacity, "held": {str(i): n for i, n in pool.tier.held.items()},
+            "written": pool.tier.written, "demotions": pool.tier.demotions,
+            "promotions": pool.tier.promotions, "failed_promotions": pool.tier.failed_promotions,
+            "dropped": pool.tier.dropped},
         "sessions": [
             {"session": x.session, "pid": x.pid, "label": x.label, "age_s": round(x.age_s, 1),
              "idle_s": round(x.idle_s, 1), "iterations": x.iterations, "requests": x.requests,
@@ -102,6 +107,14 @@ def print_status(s: dict[str, Any], address: str) -> None:
     print(f"hit rate {s['hit_rate']:.1%} ({s['hit_tokens']} tokens, {s['admitted_requests']} "
           f"requests)   access CV {s['access_cv']:.1%}   evictions {s['evictions']}   "
           f"replications {s['replications']}")
+    tier = s.get("tier")
+    if tier is None:
+        print("disk tier: none (segments evicted from the slabs are dropped)")
+    else:
+        held = ", ".join(f"{i}: {n}" for i, n in sorted(tier["held"].items(), key=lambda x: int(x[0])))
+        print(f"disk tier: {tier['capacity']} segments per instance, held {{{held}}}   written "
+              f"{tier['written']}   demoted {tier['demotions']}   promoted {tier['promotions']} "
+              f"(failed {tier['failed_promotions']})   dropped {tier['dropped']}")
     print(f"{len(s['sessions'])} client sessions (besides the serving process's own)")
     if s["sessions"]:
         print("session      pid     age    idle  iterations  requests  instances  label")

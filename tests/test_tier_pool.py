@@ -291,3 +291,36 @@ def test_a_queued_write_through_goes_with_its_segment():
     m.store(DOCS[2], 0.0)
     m.data_plane(True)
     m.consistent()
+
+
+def test_a_request_computes_again_what_it_did_not_promote():
+    """A plan over segments held only in the tier (not promoted: no slot could be had,
+    or a client that does not promote) stores them again instead of waiting for them
+    as if another iteration stored them; undone, they are back in the tier only."""
+    from dataplane_util import TINY
+
+    from tokenlake.core.control import ControlPlane
+    from tokenlake.core.plans import Batch, BatchRequest
+
+    cp = ControlPlane(PoolConfig(C, "t", 4, vnodes=8, page_tokens=C, tier_slots=8), TINY, [0],
+                      clock=lambda: 0.0, rng=random.Random(0))
+    doc = (1, 2, 3, 4, 5, 6)
+
+    def run(rid, tokens, complete=True):
+        plans = cp.gen_plans([Batch((BatchRequest(rid, tokens),), "prefill")], [1])
+        if complete:
+            cp.complete(plans)
+            cp.finish_request(rid)
+        else:
+            cp.abort(plans)  # a new request's first plan: the request goes with it
+
+    run("a", doc + (9,))
+    run("b", (7, 7, 8, 8, 6, 6, 9))  # pushes the document out of the slab
+    keys = cp.pool.hasher.keys(doc)
+    assert all(cp.pool.tree.node(k).tier_only for k in keys)
+    run("c", doc + (5,), complete=False)  # planned (stored again), then aborted
+    assert all(cp.pool.tree.node(k).tier_only for k in keys)
+    cp.check()
+    run("d", doc + (5,))
+    assert cp.pool.match(doc).keys == tuple(keys)
+    cp.check()

@@ -244,18 +244,18 @@ class CachePool:
         """The owner of private slot ``loc``, or ``None`` if it is not a private slot."""
         return self._private.get((loc.instance, loc.slot))
 
-    def seal_private(
-        self, loc: SegmentLocation, key: SegmentKey, parent: SegmentKey | None, index: int,
-        tokens: Sequence[int] | bytes | None = None,
-    ) -> None:
+    def seal_private(self, loc: SegmentLocation, key: SegmentKey, parent: SegmentKey | None,
+                     index: int, tokens: Sequence[int] | bytes | None = None) -> None:
         """A private tail filled up and became the new segment ``key``: its slot becomes
         the segment's first (pending) replica. The caller handles an already cached
         ``key`` itself (dedup) and keeps the private slot until its plan completes."""
-        if key in self.tree:
+        known = key in self.tree  # held only in the disk tier: stored again here
+        if known and self.tree.replicas(key, ready_only=False):
             raise ValueError(f"segment {key.hex()} is already cached; dedup instead of sealing")
         if (loc.instance, loc.slot) not in self._private:
             raise SegmentNotFound(f"no private slot {loc.slot} on instance {loc.instance}")
-        self.tree.insert(key, parent, index, tokens)
+        if not known:
+            self.tree.insert(key, parent, index, tokens)
         del self._private[(loc.instance, loc.slot)]
         self.tree.add_replica(key, loc.instance, loc.slot, self.clock())
 

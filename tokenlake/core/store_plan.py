@@ -162,7 +162,9 @@ class StorePlanner:
         """
         pool, tree, owner = self._pool, self._pool.tree, state.request_id
         parent = state.tip  # a root for the first segment: None, or its salt's root key
-        if key in tree and not tree.is_ready(key) and not tx.stores(key):
+        # Held only in the disk tier (not promoted): stored again, as a new segment is.
+        cached = key in tree and not tree.node(key).tier_only
+        if cached and not tree.is_ready(key) and not tx.stores(key):
             # Being stored by another iteration in flight: its abort would pull the
             # segment from under this request (and it is not visible to plans yet). The
             # request waits: planned again once that iteration completed (it then reuses
@@ -171,7 +173,7 @@ class StorePlanner:
                 f"segment {key.hex()} of request {owner!r} is still being stored by another "
                 "iteration in flight: plan the request again once it completed or aborted",
                 (owner,))
-        if key in tree:  # dedup: the pool already has (or this iteration stores) it
+        if cached:  # dedup: the pool already has (or this iteration stores) it
             tx.counts.dedup_segments += 1
             if tail is not None:
                 tx.release_after_commit(tail, owner)

@@ -419,3 +419,19 @@ def test_tokenlake_sim_cli_rejects_bad_arguments(tmp_path, capsys):
         assert exc.value.code == 2
     assert main(["sim", "--trace", str(path), "--cache-gb", "0.0001", "--json"]) == 2
     assert "segment" in capsys.readouterr().err
+
+
+def test_a_disk_tier_keeps_what_the_pool_evicts():
+    """A pool too small for the documents: without a tier, evicted segments are
+    computed again; with one, they come back (promoted, their read charged), so the
+    pool hits at least every whole segment an unbounded cache would (a pool this size
+    has room for a request's promotions; a tinier one may not, and computes the rest)."""
+    reqs = make_trace(30, seed=4, gap_s=30.0, docs=8, doc_blocks=(4, 6))
+    small = SimConfig(instances=4, cache_gb=2.4, segment_tokens=256, chunk_tokens=512, tp=2)
+    bare = simulate(reqs, "tokenlake", small)
+    tiered = simulate(reqs, "tokenlake", replace(small, tier_gb=10.0))
+    tier = tiered.extra["tier"]
+    assert bare.extra["tier"] is None and tier["slots_per_instance"] > 0
+    assert tier["promoted"] > 0 and tier["promote_s"] > 0 and tier["demotions"] > 0
+    assert tiered.hit_tokens >= direct_hit_tokens(reqs, 256) > bare.hit_tokens
+    assert tiered.extra["control_plane_hit_rate"] == pytest.approx(tiered.hit_rate, abs=1e-12)

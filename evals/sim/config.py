@@ -57,6 +57,9 @@ class SimConfig:
             own arrival time and that finish; its TTFT counts from then. False replays
             every arrival time as given (open loop), so a turn may arrive while the
             previous one still computes, before its KV can be reused.
+        tier_gb: TokenLake's disk tier per GPU, 1e9 bytes (0: none): segments evicted
+            from the pool stay there and are promoted on a hit, at the hardware profile's
+            ``tier_read_bw`` (:mod:`tokenlake.core.tier`; docs/simulator.md "Disk tier").
         page_tokens: granularity of TokenLake's prefix hits inside a segment (None: the
             pool's default, 16; ``segment_tokens``: whole segments only).
         home_eviction: TokenLake's placement in a full pool: a new segment evicts at its
@@ -96,6 +99,7 @@ class SimConfig:
     model: str = "llama-2-7b"
     latency: str | None = None
     cache_gb: float | None = None
+    tier_gb: float = 0.0
     segment_tokens: int | None = None
     chunk_tokens: int = 512
     tp: int = 2
@@ -131,6 +135,8 @@ class SimConfig:
             raise ConfigError(f"segment_tokens must be a positive int, got {self.segment_tokens!r}")
         if self.cache_gb is not None and not self.cache_gb > 0:
             raise ConfigError(f"cache_gb must be > 0, got {self.cache_gb!r}")
+        if isinstance(self.tier_gb, bool) or not isinstance(self.tier_gb, (int, float)) or self.tier_gb < 0:
+            raise ConfigError(f"tier_gb must be >= 0, got {self.tier_gb!r}")
         if self.decode_batches not in DECODE_BATCH_RULES:
             raise ConfigError(f"decode_batches must be one of {DECODE_BATCH_RULES}, got {self.decode_batches!r}")
         if self.admission not in ADMISSION_RULES:
@@ -157,7 +163,8 @@ class SimConfig:
         if slots < 1:
             raise ConfigError(f"cache_gb={self.cache_gb} holds no {c}-token segment")
         return Setup(self, model, hw, latency, c, slots,
-                     int(cache_bytes // model.kv_bytes_per_token))
+                     int(cache_bytes // model.kv_bytes_per_token),
+                     int(self.tier_gb * 1e9 // model.segment_bytes(c)))
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,7 @@ class Setup:
         segment_tokens: ``C``.
         slots_per_instance: TokenLake segment slots per GPU (``cache_bytes // segment bytes``).
         cache_tokens_per_gpu: KV tokens one GPU's cache memory holds (baselines).
+        tier_slots: segments each GPU's disk tier holds (0: no tier; TokenLake only).
     """
 
     config: SimConfig
@@ -177,6 +185,7 @@ class Setup:
     segment_tokens: int
     slots_per_instance: int
     cache_tokens_per_gpu: int
+    tier_slots: int = 0
 
     @property
     def instances(self) -> int:

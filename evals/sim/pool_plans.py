@@ -70,6 +70,8 @@ class PoolPlanner:
         self.slots: dict[str, tuple] = {}  # per decoding request, its sealed segments' slots
         self.grown: dict[str, dict[int, int]] = {}  # stored since its plan, per instance
         self.settles = 0
+        self.tier = backend.cp.pool.tier  # the disk tier's bookkeeping (None: no tier)
+        self.promoted, self.promote_s = 0, 0.0  # segments promoted, and their read seconds
 
     # ------------------------------------------------------------ decode
     def plan_decodes(self, reqs: list[SimRequest]) -> list[SimRequest]:
@@ -205,6 +207,10 @@ class PoolPlanner:
             if key not in tree:
                 break
             if not tree.is_ready(key):
+                if self.tier is not None and tree.node(key).tier_only:
+                    if self._promote(r, r.keys[n:cap]):
+                        continue  # back in the pool: read it
+                    break
                 plan = self.useful_settle(key, n)
                 if plan is None:  # still being computed
                     break
@@ -218,6 +224,25 @@ class PoolPlanner:
             if hit is not None:
                 return n * c + hit[1]
         return n * c
+
+    def _promote(self, r: SimRequest, keys) -> int:
+        """Promotes the segments of ``keys`` held only in the disk tier, from the first
+        on (:meth:`~tokenlake.core.tier.TierManager.promote`: at once here, no data
+        moves); ``r`` may run once they are read, each instance reading its own at the
+        tier's bandwidth. Returns how many came back."""
+        tier = self.tier
+        promos = tier.promote(keys)
+        per_inst: dict[int, int] = {}
+        for p in promos:
+            tier.promoted(p)
+            per_inst[p.instance] = per_inst.get(p.instance, 0) + 1
+        if promos:
+            setup = self.b.setup
+            read_s = max(per_inst.values()) * setup.model.segment_bytes(self.c) / setup.hardware.tier_read_bw
+            r.ready_s = max(r.ready_s, self.b.now + read_s)
+            self.promoted += len(promos)
+            self.promote_s += read_s
+        return len(promos)
 
     def useful_settle(self, key: bytes, q: int) -> PrefillPlan | None:
         """The plan storing segment ``q`` (= ``key``) if its request already computed it."""

@@ -58,7 +58,7 @@ class PooledBackend(Backend):
         pool = PoolConfig(setup.segment_tokens, f"{setup.model.name}/sim", setup.slots_per_instance,
                           seed=cfg.seed, page_tokens=cfg.page_tokens,
                           home_eviction=cfg.home_eviction,
-                          eviction_choices=cfg.eviction_choices)
+                          eviction_choices=cfg.eviction_choices, tier_slots=setup.tier_slots)
         self.cp = ControlPlane(pool, setup.model, list(self.instance_ids),
                                clock=lambda: self.now, rng=random.Random(cfg.seed))
         self.tree = self.cp.get_prefix_tree()
@@ -403,4 +403,8 @@ class PooledBackend(Backend):
                 "instances_per_phase": self.phases.summary(self.now, self.setup.instances),
                 "phase_timeline": self.phases.series(),
                 "slots_per_instance": self.setup.slots_per_instance, "chunk_tokens": self.chunk,
-                "query_busy_s": [busy[i] for i in self.instance_ids]}
+                "query_busy_s": [busy[i] for i in self.instance_ids],
+                "tier": None if st.pool.tier is None else {
+                    "slots_per_instance": self.setup.tier_slots, "promoted": self.planner.promoted,
+                    "promote_s": self.planner.promote_s, "demotions": st.pool.tier.demotions,
+                    "dropped": st.pool.tier.dropped}}

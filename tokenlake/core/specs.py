@@ -147,7 +147,9 @@ class HardwareProfile:
     where the numbers come from. ``shared_host``: every instance of a cluster runs on
     this one machine's cores (the ``cpu`` profile), so the instances' query engines do
     not work in parallel: the simulator adds their work up instead of waiting for the
-    busiest (:mod:`evals.sim.instance_load`).
+    busiest (:mod:`evals.sim.instance_load`). ``tier_read_bw``: how fast a segment comes
+    back from the instance's disk tier into its slab (read from the disk, digest
+    checked), bytes/s (:mod:`tokenlake.core.tier`; the simulator charges promotions at it).
     """
 
     name: str
@@ -158,12 +160,14 @@ class HardwareProfile:
     mem_bytes: float
     notes: str = ""
     shared_host: bool = False
+    tier_read_bw: float = 2e9
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("HardwareProfile.name must not be empty")
         _require_positive(
             f"HardwareProfile({self.name})",
+            tier_read_bw=self.tier_read_bw,
             flops=self.flops,
             mem_bw=self.mem_bw,
             net_bw=self.net_bw,

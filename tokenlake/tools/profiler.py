@@ -1,6 +1,6 @@
 """Measure this machine's roofline numbers as a :class:`~tokenlake.core.specs.HardwareProfile`.
 
-Three measurements, best of a few repeats each, about 10-20 s in all at default sizes:
+Four measurements, best of a few repeats each, about 10-20 s in all at default sizes:
 
 * memory read bandwidth: summing a large float32 array (numpy; torch too if importable,
   which sums with several threads), bytes/s;
@@ -8,7 +8,11 @@ Three measurements, best of a few repeats each, about 10-20 s in all at default 
 * instance-to-instance transfer: a pyzmq PAIR socket over TCP loopback to a second
   process -- one-way latency (half the median round trip of 1-byte messages) and
   bandwidth of one large message. Without pyzmq: memcpy bandwidth and the documented
-  estimate :data:`FALLBACK_LATENCY_S`.
+  estimate :data:`FALLBACK_LATENCY_S`;
+* the disk tier's read bandwidth: segment-sized files written to a temporary directory
+  as the tier writes them (:class:`~tokenlake.engines.tier_files.TierFiles`, flushed),
+  dropped from the page cache (``posix_fadvise``), then read back with their digests
+  checked, bytes/s (``TMPDIR`` names the disk).
 
 Run ``tokenlake profile-cpu --out tokenlake/data/hardware.json --merge`` to
 re-measure the shipped ``cpu`` profile. numpy, torch and zmq are imported by the measurement
@@ -172,6 +176,38 @@ def measure_transfer(mib: int = 64, repeats: int = 3, mode: str = "auto") -> tup
     return bw, lat, f"numpy memcpy of {mib} MiB; latency is the fixed estimate {FALLBACK_LATENCY_S}"
 
 
+def measure_tier_read(mib: int = 64, file_mib: int = 4, repeats: int = 3) -> float:
+    """Bytes/s of reading ``mib`` MiB of tier files of ``file_mib`` MiB each from the disk
+    (page cache dropped before each pass), digests checked: best of ``repeats``."""
+    import tempfile
+    from pathlib import Path
+
+    from tokenlake.engines.tier_files import SUFFIX, TierFiles
+
+    data = os.urandom(file_mib * _MIB)
+    n = max(1, mib // file_mib)
+    with tempfile.TemporaryDirectory(prefix="tokenlake-tier-profile-") as tmp, \
+            TierFiles(tmp, 2 * n * (file_mib * _MIB + 4096), {"profile": 1}) as files:
+        keys = [i.to_bytes(16, "big") for i in range(n)]
+        for key in keys:
+            files.put(key, data)
+
+        def read_all() -> None:
+            for path in Path(tmp).glob(f"*{SUFFIX}"):
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            for key in keys:
+                files.get(key)
+
+        best = float("inf")
+        for _ in range(repeats):  # the page cache dropped inside each timed pass
+            start = time.perf_counter()
+            read_all()
+            best = min(best, time.perf_counter() - start)
+    return n * len(data) / best
+
+
 def _sig(x: float, digits: int = 4) -> float:
     """``x`` rounded to ``digits`` significant digits (measurements are not more precise)."""
     return float(f"{x:.{digits}g}")
@@ -187,16 +223,18 @@ def profile_cpu(mem_mib: int = 256, matmul_n: int = 2048, transfer_mib: int = 64
     mem_bw, mem_lib = measure_mem_bw(mem_mib, repeats)
     flops, mm_lib = measure_matmul_flops(matmul_n, repeats)
     net_bw, latency, how = measure_transfer(transfer_mib, max(1, repeats // 2 + 1), transfer)
+    tier_bw = measure_tier_read(max(8, transfer_mib), repeats=max(1, repeats // 3))
     notes = (
         f"Measured by tokenlake profile-cpu on {os.cpu_count()} logical CPUs on "
         f"{time.strftime('%Y-%m-%d')}: mem_bw = best sum over a {mem_mib} MiB float32 array "
         f"({mem_lib}); flops = best float32 {matmul_n}x{matmul_n} matmul ({mm_lib}); "
-        f"net = {how}; mem_bytes = physical RAM. Regenerate with: "
+        f"net = {how}; tier_read_bw = tier files of 4 MiB read back from the disk (page cache "
+        f"dropped), digests checked; mem_bytes = physical RAM. Regenerate with: "
         "tokenlake profile-cpu --out tokenlake/data/hardware.json --merge"
     )
     return HardwareProfile(name=name, flops=_sig(flops), mem_bw=_sig(mem_bw), net_bw=_sig(net_bw),
                            net_latency_s=_sig(latency), mem_bytes=_physical_memory_bytes(),
-                           notes=notes, shared_host=True)
+                           notes=notes, shared_host=True, tier_read_bw=_sig(tier_bw))
 
 
 def write_profile(profile: HardwareProfile, path: str, merge: bool) -> None:

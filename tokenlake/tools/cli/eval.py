@@ -84,6 +84,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                    help="hit-rate/elasticity: KV GB per instance to sweep (default 8 ... 48)")
     p.add_argument("--instances", type=positive(int), default=None,
                    help="GPUs (default: 8; multi-node 16)")
+    p.add_argument("--tier-gb", type=float, default=0.0,
+                   help="TokenLake: a disk tier of this many GB per GPU below the pool (0: none; "
+                        "the baselines have none)")
     p.add_argument("--page-tokens", type=positive(int), default=None,
                    help="TokenLake: prefix hits exact to this many tokens (default 16)")
     p.add_argument("--admission", choices=ADMISSION_RULES, default="cache-first",
@@ -194,7 +197,7 @@ def run_eval(args: argparse.Namespace) -> int:
                        eviction_choices=args.eviction_choices,
                        decode_first=not args.no_decode_first,
                        decode_batches="reform" if args.reform_decode_batches else "keep",
-                       grouped_reads=not args.per_row_reads)
+                       grouped_reads=not args.per_row_reads, tier_gb=args.tier_gb)
     if args.instances:
         config = replace(config, instances=args.instances)
     bar = _progress_bar(None, args.experiment, "run", args.quiet)
@@ -291,6 +294,8 @@ def add_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=positive(int), default=8, help="GPUs")
     p.add_argument("--cache-gb", type=positive(float), default=None,
                    help="KV-cache memory per GPU, GB (default: GPU memory minus the weights)")
+    p.add_argument("--tier-gb", type=float, default=0.0,
+                   help="TokenLake: a disk tier of this many GB per GPU below the pool (0: none)")
     when = p.add_mutually_exclusive_group()
     when.add_argument("--rate", type=positive(float), default=None,
                       help="Poisson arrivals at this many requests/s instead of the trace's times")
@@ -351,7 +356,8 @@ def _load_requests(args: argparse.Namespace):
 
     try:  # ConfigError is a ValueError
         config = SimConfig(instances=args.instances, hardware=args.hardware, model=args.model,
-                           cache_gb=args.cache_gb, segment_tokens=args.segment_tokens,
+                           cache_gb=args.cache_gb, tier_gb=args.tier_gb,
+                           segment_tokens=args.segment_tokens,
                            chunk_tokens=args.chunk_tokens, tp=args.tp,
                            slo_scale=args.slo_scale, seed=args.seed,
                            page_tokens=args.page_tokens, home_eviction=not args.global_lru,
@@ -395,7 +401,8 @@ def run_sim(args: argparse.Namespace) -> int:
     out = result.to_dict(series=args.series)
     out["config"] = {"trace": os.path.basename(args.trace), "rate": args.rate,
                      "speedup": args.speedup, "limit": args.limit, "repeat": args.repeat,
-                     "cache_gb": args.cache_gb, "tp": args.tp, "chunk_tokens": args.chunk_tokens,
+                     "cache_gb": args.cache_gb, "tier_gb": args.tier_gb, "tp": args.tp,
+                     "chunk_tokens": args.chunk_tokens,
                      "seed": args.seed}
     if args.json:
         print(json.dumps(out, indent=2))

@@ -324,3 +324,19 @@ def test_a_request_computes_again_what_it_did_not_promote():
     run("d", doc + (5,))
     assert cp.pool.match(doc).keys == tuple(keys)
     cp.check()
+
+
+def test_a_promotion_keeps_the_segment_it_hangs_under():
+    """The last segment of a hit in the slab is a leaf there while what follows it is
+    in the tier: the slots the promotions take must not come from it (else the
+    promoted segments hang under a segment held only in the tier, and nothing hits)."""
+    pool, clock = make_pool(slots=4, tier=8, instances=(0,))
+    doc = [1, 1, 2, 2, 3, 3, 4, 4]
+    keys = store(pool, doc, clock)
+    store(pool, [7, 7, 8, 8], clock)  # newer: the document's last two go to the tier
+    m = pool.match(doc)
+    assert m.keys == tuple(keys[:2]) and m.tier_keys == tuple(keys[2:])
+    for p in pool.tier.promote(m.tier_keys):
+        pool.tier.promoted(p)
+    pool.check()
+    assert pool.match(doc).keys == tuple(keys)

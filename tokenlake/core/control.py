@@ -183,16 +183,22 @@ class ControlPlane:
         if tier is None:
             return 0
         promos: list[Promotion] = []
-        for tokens, salt in prompts:
-            m = self.pool.match(tokens, max_tokens=max(len(tokens) - 1, 0), salt=salt)
-            if m.tier_keys:
-                promos += tier.promote(m.tier_keys)
-        if not promos:
-            return 0
-        data_plane = self.tier_data_plane
-        failed = data_plane.tier_read(promos) if data_plane is not None else set()
-        for p in promos:  # parent first: a failed parent takes its children along
-            (tier.promotion_failed if p.key in failed else tier.promoted)(p)
+        held: list[bytes] = []  # each prompt's hit in the slabs, kept from the others' promotions
+        try:
+            for tokens, salt in prompts:
+                m = self.pool.match(tokens, max_tokens=max(len(tokens) - 1, 0), salt=salt)
+                if m.tier_keys:
+                    self.pool.lease(m.keys)
+                    held += m.keys
+                    promos += tier.promote(m.tier_keys)
+            if not promos:
+                return 0
+            data_plane = self.tier_data_plane
+            failed = data_plane.tier_read(promos) if data_plane is not None else set()
+            for p in promos:  # parent first: a failed parent takes its children along
+                (tier.promotion_failed if p.key in failed else tier.promoted)(p)
+        finally:
+            self.pool.unlease(held, missing_ok=True)
         self.flush_tier()  # the failed ones' files
         return len(promos) - len(failed)
 

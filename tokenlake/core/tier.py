@@ -201,19 +201,29 @@ class TierManager:
         that is no longer held only in the tier or finds no slot there (nothing
         evictable): what follows it could not be read anyway."""
         out: list[Promotion] = []
-        pool = self.pool
-        for key in keys:
-            node = self.tree.node(key) if key in self.tree else None
-            if node is None or not node.tier_only:
-                break
-            inst = node.tier
-            slot = pool.slots.allocate(inst)
-            if slot is None and pool.evict_one(inst) is not None:
+        pool, tree = self.pool, self.tree
+        # The segment the first hangs under is a leaf of the slabs now (its child is in
+        # the tier): kept while slots are taken, or a promotion could evict it and leave
+        # the promoted ones under a segment held only in the tier. The ones after it
+        # hang under pending replicas, which nothing evicts.
+        parent = tree.node(keys[0]).parent if keys and keys[0] in tree else None
+        guard = [parent] if parent in tree and tree.node(parent).replicas else []
+        tree.lease(guard)
+        try:
+            for key in keys:
+                node = tree.node(key) if key in tree else None
+                if node is None or not node.tier_only:
+                    break
+                inst = node.tier
                 slot = pool.slots.allocate(inst)
-            if slot is None:
-                break
-            self.tree.add_replica(key, inst, slot, pool.clock())
-            out.append(Promotion(key, inst, slot))
+                if slot is None and pool.evict_one(inst) is not None:
+                    slot = pool.slots.allocate(inst)
+                if slot is None:
+                    break
+                tree.add_replica(key, inst, slot, pool.clock())
+                out.append(Promotion(key, inst, slot))
+        finally:
+            tree.unlease(guard)
         return out
 
     def promoted(self, p: Promotion) -> None:

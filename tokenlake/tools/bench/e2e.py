@@ -18,6 +18,8 @@ first DoP given.
 the co-located slabs (docs/data-plane.md "Co-located slabs").
 ``vllm``: afterwards, vLLM's CPU build on the same prompts and cores
 (:mod:`tokenlake.tools.bench.vllm_side`), as the row a user would compare against.
+The command adds the ``tier`` row afterwards: a question about a document held only in
+the disk tier against recomputing it (:mod:`tokenlake.tools.bench.e2e_tier`).
 Prints figures; asserts nothing.
 """
 
@@ -49,6 +51,12 @@ def _long_document(tok, target_tokens: int) -> str:
         parts.append(part)
         n += len(tok.encode(part))
     return "\n\n".join(parts)
+
+
+def tagged_document(tok, target_tokens: int, tag: str) -> str:
+    """A document of about ``target_tokens`` tokens that shares no prefix with another
+    ``tag``'s."""
+    return f"Record {tag}.\n{_long_document(tok, target_tokens)}"
 
 
 def _pool_decode(server: GenerationLoop, prompts: list[tuple[int, ...]], steps: int, tag: str) -> float:

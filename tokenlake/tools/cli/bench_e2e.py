@@ -30,6 +30,11 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
                    help="measure vLLM's CPU build on the same prompts and cores afterwards "
                         "(default: when vllm is installed)")
+    p.add_argument("--tier", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time a question about a document held only in the disk tier "
+                        "against recomputing it (the tier row)")
+    p.add_argument("--tier-only", action="store_true", help="the tier row alone")
+    p.add_argument("--tier-rounds", type=positive(int), default=2, help="rounds of the tier row")
     p.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     p.set_defaults(run=run_e2e)
 
@@ -37,16 +42,25 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
 def run_e2e(args: argparse.Namespace) -> int:
     # torch and the model: only when this benchmark runs
     from tokenlake.tools.bench.e2e import bench_e2e, summary
+    from tokenlake.tools.bench.e2e_tier import summary as tier_summary
+    from tokenlake.tools.bench.e2e_tier import tier_row
 
     if any(d > args.instances for d in args.dops):
         raise SystemExit(f"tokenlake bench e2e: error: --dops must not exceed --instances ({args.instances})")
     vllm = importlib.util.find_spec("vllm") is not None if args.vllm is None else args.vllm
-    result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
-                       dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
-                       kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
-                       share_slabs=args.share_slabs)
+    result = {}
+    if not args.tier_only:
+        result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
+                           dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
+                           kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
+                           share_slabs=args.share_slabs)
+    if args.tier or args.tier_only:
+        result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(summary(result))
+    if "cached_ttft_ms" in result:
+        print(summary(result))
+    if result.get("tier"):
+        print(tier_summary(result["tier"]))
     return 0

@@ -81,7 +81,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                    help="request rates (req/s); e2e/multi-node: the sweep (default: calibrated "
                         "per workload), others: one rate (default: near TokenLake's knee)")
     p.add_argument("--cache-gb", type=positive(float), nargs="+", default=None,
-                   help="hit-rate/elasticity: KV GB per instance to sweep (default 8 ... 48)")
+                   help="hit-rate/elasticity: KV GB per instance to sweep (default 8 ... 48); "
+                        "the others: one size (default: GPU memory minus the weights)")
     p.add_argument("--instances", type=positive(int), default=None,
                    help="GPUs (default: 8; multi-node 16)")
     p.add_argument("--tier-gb", type=float, default=0.0,
@@ -200,6 +201,10 @@ def run_eval(args: argparse.Namespace) -> int:
                        grouped_reads=not args.per_row_reads, tier_gb=args.tier_gb)
     if args.instances:
         config = replace(config, instances=args.instances)
+    if args.cache_gb and args.experiment not in ("hit-rate", "elasticity"):
+        if len(args.cache_gb) != 1:
+            raise UsageError(f"eval {args.experiment} runs at one --cache-gb")
+        config = replace(config, cache_gb=args.cache_gb[0])
     bar = _progress_bar(None, args.experiment, "run", args.quiet)
 
     def progress(label: str, total: int) -> None:

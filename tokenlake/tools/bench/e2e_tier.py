@@ -1,0 +1,133 @@
+"""``tokenlake bench e2e``'s ``tier`` row: time to first token of a question about a
+document held only in the disk tier, against recomputing it.
+
+One instance of SmolLM2-135M whose slab holds one document and a little more, with a
+disk tier in a temporary directory. Each round takes a document of its own: a first
+question about it is computed from scratch (the recompute figure; its segments are
+written through to the tier), a second document of the same size pushes it out of the
+slab, the tier files are dropped from the operating system's page cache
+(``posix_fadvise(DONTNEED)``, so the read comes from the disk, not from memory), and a
+second question about the first document is answered from the tier: its segments
+promoted, its own tokens computed. Rounds alternate nothing (each is recompute, then
+tier); medians and ranges of both, and their ratio. The first round's tier answer is
+checked against the reference engine's (greedy, ``check_tokens`` tokens).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tokenlake.core.cost_model import default_segment_tokens
+from tokenlake.core.specs import load_hardware
+from tokenlake.deploy.config import ClusterConfig
+from tokenlake.deploy.local import LocalCluster
+from tokenlake.engines.tier_files import SUFFIX
+from tokenlake.generation import GenerationLoop, GenerationRequest
+from tokenlake.model.llama.reference import ReferenceEngine
+
+
+def drop_page_cache(directory: Path) -> int:
+    """Asks the kernel to drop the cached pages of every tier file under ``directory``
+    (they are written and flushed: clean pages go); returns the files."""
+    n = 0
+    for path in directory.rglob(f"*{SUFFIX}"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        n += 1
+    return n
+
+
+def _wait_written(cluster, directory: Path, timeout_s: float = 120.0) -> None:
+    """The tier writes in the background: waits until every copy the control plane
+    counts is a file (the measured read must come from the disk)."""
+    want = sum(cluster.control.stats().pool.tier.held.values())
+    deadline = time.monotonic() + timeout_s
+    while len(list(directory.rglob(f"*{SUFFIX}"))) < want:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the tier wrote fewer than {want} files in {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
+               chunk_tokens: int = 1024, check_tokens: int = 8, segment_tokens: int | None = None,
+               kv_dtype: str = "float32") -> dict:
+    """The tier row (see the module docstring). ``document(tok, n, tag)``: a text of about
+    ``n`` tokens, different for each ``tag``."""
+    spec = weights.config.to_model_spec("smollm2-135m")
+    if segment_tokens is None:
+        segment_tokens = default_segment_tokens(spec, load_hardware("cpu"))
+    seg = spec.num_layers * 2 * spec.num_kv_heads * segment_tokens * spec.head_dim * getattr(torch, kv_dtype).itemsize
+    doc_segments = -(-doc_tokens // segment_tokens) + 1
+    first_token: dict[str, float] = {}
+    recompute, tiered, hits, promoted = [], [], [], []
+    equal = None
+    with tempfile.TemporaryDirectory(prefix="tokenlake-tier-") as tmp:
+        config = ClusterConfig(1, spec, (doc_segments + 2) * seg, segment_tokens=segment_tokens,
+                               max_rows=chunk_tokens, kv_dtype=kv_dtype, tier_path=tmp,
+                               tier_bytes=(rounds + 1) * 2 * doc_segments * seg)
+        with LocalCluster(config) as cluster:
+            server = GenerationLoop(cluster, weights, chunk_tokens=chunk_tokens,
+                                    on_token=lambda rid, _t: first_token.setdefault(rid, time.perf_counter()))
+
+            def ttft(rid: str, prompt: tuple[int, ...], max_new: int = 1) -> float:
+                t0 = time.perf_counter()
+                server.run([GenerationRequest(rid, prompt, max_new, ())])
+                return (first_token[rid] - t0) * 1e3
+
+            def ask(text: str, question: str) -> tuple[int, ...]:
+                return tuple(tok.apply_chat_template(
+                    [{"role": "user", "content": f"{text}\n\nQuestion: {question}"}]))
+
+            for r in range(rounds):
+                doc, other = document(tok, doc_tokens, f"A{r}"), document(tok, doc_tokens, f"B{r}")
+                recompute.append(ttft(f"cold{r}", ask(doc, "How tall is the Harbor Lighthouse?")))
+                ttft(f"push{r}", ask(other, "Who built the lighthouse?"))  # the document leaves the slab
+                _wait_written(cluster, Path(tmp))
+                drop_page_cache(Path(tmp))
+                before = server.promotions
+                question = ask(doc, "Who was the first keeper of the lighthouse?")
+                tiered.append(ttft(f"tier{r}", question, check_tokens if r == 0 else 1))
+                hits.append(server.results[f"tier{r}"].hit_tokens)
+                promoted.append(server.promotions - before)
+                if r == 0:
+                    want = ReferenceEngine(weights, getattr(torch, kv_dtype)).generate(
+                        list(question), check_tokens)
+                    equal = server.results["tier0"].output_ids == list(want.output_ids)
+            tier_stats = cluster.control.stats().pool.tier
+    med_r, med_t = statistics.median(recompute), statistics.median(tiered)
+    return {
+        "tier_ttft_ms": med_t, "tier_range_ms": [min(tiered), max(tiered)],
+        "recompute_ttft_ms": med_r, "recompute_range_ms": [min(recompute), max(recompute)],
+        "ttft_ratio": med_t / med_r, "rounds": rounds, "prompt_tokens": len(question),
+        "hit_tokens": hits, "promoted_segments": promoted, "answer_equal_to_reference": equal,
+        "checked_tokens": check_tokens, "demotions": tier_stats.demotions,
+        "setup": {"instances": 1, "segment_tokens": segment_tokens, "slab_segments": doc_segments + 2,
+                  "kv_dtype": kv_dtype, "page_cache": "dropped before each tier read (posix_fadvise)"},
+    }
+
+
+def tier_row(doc_tokens: int = 4096, rounds: int = 2, chunk_tokens: int = 1024,
+             kv_dtype: str = "float32") -> dict:
+    """:func:`bench_tier` on the shipped SmolLM2 and the e2e benchmark's documents."""
+    from tokenlake.model.llama.tokenizer import load_tokenizer
+    from tokenlake.model.llama.weights import load_weights
+    from tokenlake.tools.bench.e2e import tagged_document
+
+    return bench_tier(load_weights(), load_tokenizer(), tagged_document, doc_tokens, rounds,
+                      chunk_tokens, kv_dtype=kv_dtype)
+
+
+def summary(row: dict) -> str:
+    return (f"TTFT from the disk tier {row['tier_ttft_ms']:.0f} ms ({row['tier_range_ms'][0]:.0f}-"
+            f"{row['tier_range_ms'][1]:.0f}) vs recompute {row['recompute_ttft_ms']:.0f} ms "
+            f"({row['recompute_range_ms'][0]:.0f}-{row['recompute_range_ms'][1]:.0f}): "
+            f"{row['ttft_ratio']:.2f}x; answer equal to the reference: {row['answer_equal_to_reference']}")

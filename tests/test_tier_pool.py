@@ -340,3 +340,21 @@ def test_a_promotion_keeps_the_segment_it_hangs_under():
         pool.tier.promoted(p)
     pool.check()
     assert pool.match(doc).keys == tuple(keys)
+
+
+def test_a_segment_without_a_copy_goes_with_its_children_held_in_the_tier():
+    """Its copy was refused (or evicted from the tier): once its children are held
+    only in the tier it is still evictable, and takes them along (else it would hold
+    its slot for ever: a pool of such segments stops placing anything)."""
+    pool, clock = make_pool(slots=2, tier=8, instances=(0,))
+    k0, k1 = store(pool, [1, 1, 2, 2], clock, settle=False)
+    pool.tier.take_ops()
+    pool.tier.staged([k1], refused=[k0])  # k0 has no copy, k1 has
+    store(pool, [5, 5], clock)  # k1 leaves the slab, held only in the tier
+    assert pool.tree.node(k1).tier_only and pool.tree.node(k0).tier is None
+    store(pool, [6, 6], clock, settle=False)  # k0 is the LRU victim now: it goes, k1 with it
+    assert k0 not in pool.tree and k1 not in pool.tree
+    ops = pool.tier.take_ops()[0]
+    assert k1 in ops.drops
+    pool.tier.staged(w.key for w in ops.writes)
+    pool.check()

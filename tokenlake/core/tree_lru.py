@@ -6,8 +6,8 @@ evictability may have changed (and counts pins and leases through
 :meth:`EvictionIndex.adjust`, which re-syncs a node when one crosses zero, as vLLM's block
 pool does with its free queue and reference counts);
 :class:`~tokenlake.core.pool.CachePool` decides what to evict. A replica is evictable
-while it is ready and its node is unpinned, unleased, and either a leaf or has another
-ready replica (:func:`evictable`).
+while it is ready and its node is unpinned, unleased, and either has no child in a slab
+or has another ready replica (:func:`evictable`).
 
 Entries are ``(last_access, -index, seq, key, instance)`` in one ``SortedList`` per
 instance: the oldest first, ties deeper first, then in the order they were filed. A
@@ -28,21 +28,17 @@ from tokenlake.core.tree_nodes import Replica, TreeNode
 
 
 def evictable(node: TreeNode) -> bool:
-    """True when ``node``'s ready replicas may be evicted: unpinned, unleased, and a
-    leaf or with another ready replica (evicting it orphans no suffix). With a disk tier
-    (:mod:`tokenlake.core.tier`) a node whose children are all held only in the tier
-    counts as a leaf when it has a tier copy itself: evicting its last replica leaves it
-    in the tier above them."""
+    """True when ``node``'s ready replicas may be evicted: unpinned, unleased, and
+    without a child in a slab or with another ready replica (evicting it orphans no
+    suffix). With a disk tier (:mod:`tokenlake.core.tier`) children held only in the
+    tier do not count: evicting the last replica leaves the node in the tier above them
+    when it has a copy there, and takes them along when it has none."""
     if node.pins or node.leases:
         return False
     ready = 0
     for r in node.replicas:
         ready += r.ready
-    if ready != 1:
-        return ready > 1
-    if not node.has_children:
-        return True
-    return node.tier is not None and not node.fast_kids
+    return ready > 1 or (ready == 1 and not node.fast_kids)
 
 
 class EvictionIndex:

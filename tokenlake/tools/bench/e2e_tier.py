@@ -4,8 +4,8 @@ document held only in the disk tier, against recomputing it.
 One instance of SmolLM2-135M whose slab holds one document and a little more, with a
 disk tier in a temporary directory. Each round takes a document of its own: a first
 question about it is computed from scratch (the recompute figure; its segments are
-written through to the tier), a second document of the same size pushes it out of the
-slab, the tier files are dropped from the operating system's page cache
+written through to the tier), two more documents of the same size push it out of the
+slab (every segment of it is then held only in the tier: the row says how many), the tier files are dropped from the operating system's page cache
 (``posix_fadvise(DONTNEED)``, so the read comes from the disk, not from memory), and a
 second question about the first document is answered from the tier: its segments
 promoted, its own tokens computed. Rounds alternate nothing (each is recompute, then
@@ -68,7 +68,7 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
     seg = spec.num_layers * 2 * spec.num_kv_heads * segment_tokens * spec.head_dim * getattr(torch, kv_dtype).itemsize
     doc_segments = -(-doc_tokens // segment_tokens) + 1
     first_token: dict[str, float] = {}
-    recompute, tiered, hits, promoted = [], [], [], []
+    recompute, tiered, hits, promoted, held = [], [], [], [], []
     equal = None
     with tempfile.TemporaryDirectory(prefix="tokenlake-tier-") as tmp:
         config = ClusterConfig(1, spec, (doc_segments + 2) * seg, segment_tokens=segment_tokens,
@@ -88,13 +88,16 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
                     [{"role": "user", "content": f"{text}\n\nQuestion: {question}"}]))
 
             for r in range(rounds):
-                doc, other = document(tok, doc_tokens, f"A{r}"), document(tok, doc_tokens, f"B{r}")
+                doc = document(tok, doc_tokens, f"A{r}")
                 recompute.append(ttft(f"cold{r}", ask(doc, "How tall is the Harbor Lighthouse?")))
-                ttft(f"push{r}", ask(other, "Who built the lighthouse?"))  # the document leaves the slab
+                for other in ("B", "C"):  # the document leaves the slab
+                    ttft(f"push{other}{r}", ask(document(tok, doc_tokens, f"{other}{r}"), "Who built it?"))
                 _wait_written(cluster, Path(tmp))
                 drop_page_cache(Path(tmp))
                 before = server.promotions
                 question = ask(doc, "Who was the first keeper of the lighthouse?")
+                m = cluster.control.get_prefix_tree().match(question, max_tokens=len(question) - 1)
+                held.append({"in_slab": len(m.keys), "only_in_tier": len(m.tier_keys)})
                 tiered.append(ttft(f"tier{r}", question, check_tokens if r == 0 else 1))
                 hits.append(server.results[f"tier{r}"].hit_tokens)
                 promoted.append(server.promotions - before)
@@ -108,7 +111,8 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
         "tier_ttft_ms": med_t, "tier_range_ms": [min(tiered), max(tiered)],
         "recompute_ttft_ms": med_r, "recompute_range_ms": [min(recompute), max(recompute)],
         "ttft_ratio": med_t / med_r, "rounds": rounds, "prompt_tokens": len(question),
-        "hit_tokens": hits, "promoted_segments": promoted, "answer_equal_to_reference": equal,
+        "hit_tokens": hits, "promoted_segments": promoted, "segments_before_the_question": held,
+        "answer_equal_to_reference": equal,
         "checked_tokens": check_tokens, "demotions": tier_stats.demotions,
         "setup": {"instances": 1, "segment_tokens": segment_tokens, "slab_segments": doc_segments + 2,
                   "kv_dtype": kv_dtype, "page_cache": "dropped before each tier read (posix_fadvise)"},

@@ -194,17 +194,24 @@ class TierMachine(RuleBasedStateMachine):
         self.files: dict[tuple[int, bytes], bytes] = {}  # what each tier file holds
         self.late: list = []  # data-plane work taken, not yet answered
 
-    def _run_ops(self, ops) -> None:
-        written = []
+    def _run_ops(self, ops, refuse: int = 0) -> None:
+        written, refused = [], []
         for inst, op in ops.items():
             for key in op.drops:
                 self.files.pop((inst, key), None)
-            for w in op.writes:
+            for i, w in enumerate(op.writes):
                 held = self.slab.get((inst, w.slot))
                 assert held == w.key, "a write-through staged another segment's slot"
+                if i < refuse:  # the staging memory was full
+                    refused.append(w.key)
+                    continue
                 self.files[(inst, w.key)] = held
                 written.append(w.key)
-        self.pool.tier.staged(written)
+        self.pool.tier.staged(written, refused)
+
+    @rule(ops=st.integers(0, 2))
+    def data_plane_refusing(self, ops):
+        self._run_ops(self.pool.tier.take_ops(), refuse=ops)
 
     @rule(doc=st.sampled_from(DOCS), dt=st.sampled_from([0.0, 1.0]))
     def store(self, doc, dt):
@@ -273,6 +280,10 @@ class TierMachine(RuleBasedStateMachine):
         for key in tree.keys():
             for loc in tree.replicas(key):
                 assert self.slab.get((loc.instance, loc.slot)) == key, "a ready slot holds another segment"
+            node = tree.node(key)
+            if node.locs and not (node.leases or node.pins or node.fast_kids):
+                # nothing keeps it: it can make room (else a pool of such stops placing)
+                assert all(r.lru_entry is not None for r in node.replicas if r.ready)
 
 
 TierMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

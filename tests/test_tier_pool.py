@@ -369,3 +369,28 @@ def test_a_segment_without_a_copy_goes_with_its_children_held_in_the_tier():
     assert k1 in ops.drops
     pool.tier.staged(w.key for w in ops.writes)
     pool.check()
+
+
+def test_a_promotion_takes_a_slot_elsewhere_where_slabs_are_shared():
+    """The copy's instance has nothing to give (every slot leased): with co-located
+    slabs the segment is read into a slot of another instance; without, it is not."""
+    for shared in (True, False):
+        clock = [0.0]
+        cfg = PoolConfig(segment_tokens=C, namespace="tier", slots_per_instance=2, vnodes=8,
+                         page_tokens=C, tier_slots=8, shared_memory=shared)
+        pool = CachePool(cfg, [0, 1], lambda: clock[0], random.Random(0))
+        keys = []
+        for i in range(8):  # fill both slabs, demoting the oldest to the tiers
+            keys += store(pool, [i, i], clock)
+        tiered = next(k for k in keys if k in pool.tree and pool.tree.node(k).tier_only)
+        home = pool.tree.node(tiered).tier
+        pool.lease([k for k in pool.tree.keys() if pool.tree.replicas(k) and
+                    pool.tree.replicas(k)[0].instance == home])
+        promos = pool.tier.promote([tiered])
+        if shared:
+            assert [(p.instance, p.to) for p in promos] == [(home, 1 - home)]
+            pool.tier.promoted(promos[0])
+            assert pool.tree.replicas(tiered)[0].instance == 1 - home
+        else:
+            assert promos == []
+        pool.check()

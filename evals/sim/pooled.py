@@ -62,6 +62,8 @@ class PooledBackend(Backend):
         self.cp = ControlPlane(pool, setup.model, list(self.instance_ids),
                                clock=lambda: self.now, rng=random.Random(cfg.seed))
         self.tree = self.cp.get_prefix_tree()
+        if self.cp.pool.tier is not None:  # GPUs of one node: a copy is read into any of them
+            self.cp.pool.tier.promote_anywhere = True
         self.c = setup.segment_tokens
         self.policy = policy
         self.fixed = policy if hasattr(policy, "allowed_instances") else None

@@ -14,16 +14,14 @@ the prefix tree and the slots goes through it. It applies the policies of
   :class:`~tokenlake.core.errors.CapacityError` is raised;
 * open tails of running requests live in *private* slots until they fill;
 * copies of heavy hitters are started and finished by its
-  :class:`~tokenlake.core.replication.Replicator`.
+  :class:`~tokenlake.core.replication.Replicator`; a disk tier, by its
+  :class:`~tokenlake.core.tier.TierManager` (``tier``, None without one).
 
-An eviction is returned to the caller as an :class:`Eviction` record (in the
-:class:`Placement` that needed the slot): a caller whose plan fails before any data
-moved puts the evicted replicas back with :meth:`CachePool.restore_evicted`.
-
-Invariant (checked by :meth:`CachePool.check`, with the tree's, the slots' and the
-replicator's): every used slot holds exactly one replica or one private tail.
-
-Time comes from an injected clock and randomness from an injected ``random.Random``.
+An eviction is returned to the caller as an :class:`Eviction` record: a caller whose
+plan fails before any data moved puts it back with :meth:`CachePool.restore_evicted`.
+Invariant (checked by :meth:`CachePool.check`, with the tree's, the slots', the
+replicator's and the tier's): every used slot holds exactly one replica or one private
+tail. Time comes from an injected clock, randomness from an injected ``random.Random``.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from typing import Protocol
 
 from sortedcontainers import SortedList
 
+from tokenlake.core.errors import CapacityError
 from tokenlake.core.segments import SegmentKey
 from tokenlake.core.tree_nodes import TreeNode
 
@@ -71,12 +72,19 @@ class TierOps:
 
 @dataclass(frozen=True)
 class Promotion:
-    """Read segment ``key``'s file from ``instance``'s tier into ``slot`` there (a
-    pending replica until :meth:`TierManager.promoted`)."""
+    """Read segment ``key``'s file from ``instance``'s tier into ``slot`` of instance
+    ``target`` (``instance`` itself, or one whose slab it writes directly: a co-located
+    one), a pending replica until :meth:`TierManager.promoted`."""
 
     key: SegmentKey
     instance: int
     slot: int
+    target: int = -1  # -1: ``instance``
+
+    @property
+    def to(self) -> int:
+        """The instance whose slot receives the segment."""
+        return self.instance if self.target < 0 else self.target
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,10 @@ class TierManager:
         self.written = self.demotions = self.promotions = 0
         self.failed_promotions = self.dropped = 0
         self.tree.tier_dropped = self._node_dropped
+        #: a promotion may take a slot on another instance than the copy's when its own
+        #: has none to give: where one transfer engine writes every slab (co-located
+        #: slabs; the simulator's GPUs of one node)
+        self.promote_anywhere = pool.config.shared_memory
 
     # -------------------------------------------------------------- writes
     def committed(self, key: SegmentKey, instance: int) -> None:
@@ -197,9 +209,11 @@ class TierManager:
     def promote(self, keys: Sequence[SegmentKey]) -> list[Promotion]:
         """Slots for segments held only in the tier (``keys`` parent first, as
         ``MatchResult.tier_keys`` gives them), on the instance that holds each copy:
-        pending replicas, to be read in and then :meth:`promoted`. Stops at the first
-        that is no longer held only in the tier or finds no slot there (nothing
-        evictable): what follows it could not be read anyway."""
+        pending replicas, to be read in and then :meth:`promoted`. A slot on another
+        instance is taken where the copy's has none to give and
+        :attr:`promote_anywhere`. Stops at the first that is no longer held only in
+        the tier or finds no slot (nothing evictable): what follows it could not be read
+        anyway."""
         out: list[Promotion] = []
         pool, tree = self.pool, self.tree
         # The segment the first hangs under is a leaf of the slabs now (its child is in
@@ -214,14 +228,20 @@ class TierManager:
                 node = tree.node(key) if key in tree else None
                 if node is None or not node.tier_only:
                     break
-                inst = node.tier
+                inst = target = node.tier
                 slot = pool.slots.allocate(inst)
                 if slot is None and pool.evict_one(inst) is not None:
                     slot = pool.slots.allocate(inst)
+                if slot is None and self.promote_anywhere:
+                    try:  # where place() would put it: the home, the ring, an eviction
+                        loc = pool._take_slot(key)[0]
+                        target, slot = loc.instance, loc.slot
+                    except CapacityError:
+                        pass
                 if slot is None:
                     break
-                tree.add_replica(key, inst, slot, pool.clock())
-                out.append(Promotion(key, inst, slot))
+                tree.add_replica(key, target, slot, pool.clock())
+                out.append(Promotion(key, inst, slot, -1 if target == inst else target))
         finally:
             tree.unlease(guard)
         return out
@@ -230,7 +250,7 @@ class TierManager:
         """``p``'s file is in its slot: the replica is ready."""
         if p.key in self.tree:  # not gone with an ancestor whose file failed
             now = self.pool.clock()
-            self.tree.set_ready(p.key, p.instance, now)
+            self.tree.set_ready(p.key, p.to, now)
             node = self.tree.node(p.key)
             if node.tier is not None:
                 self._set(node, node.tier, now)

@@ -60,7 +60,7 @@ class TierDriver:
         failed: set[bytes] = set()
         by_inst: dict[int, list] = {}
         for p in promotions:
-            by_inst.setdefault(p.instance, []).append((p.key, p.slot))
+            by_inst.setdefault(p.instance, []).append((p.key, p.slot, p.target))
         for inst, items in by_inst.items():
             try:
                 failed.update(self.cluster._request(("transfer", inst), TierRead(tuple(items)), TierDone).failed)

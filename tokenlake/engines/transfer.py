@@ -328,13 +328,15 @@ class TransferEngine(EngineLoop):
             return TierListing(tuple(TierEntry(k, *meta) for k, meta in tier.listing()
                                      if isinstance(meta, list) and len(meta) == 3))
         reading = isinstance(message, TierRead)
-        slots = [s for _k, s in message.items] if reading else [s for s, _e in message.writes]
+        slots = [it[1] for it in message.items] if reading else [s for s, _e in message.writes]
         if any(not 0 <= slot < self.num_slots for slot in slots):
             raise PlanError(f"slot out of range [0, {self.num_slots})")
         done, failed = [], []
         if reading:
-            for key, slot in message.items:
-                (done if tier.read_into(key, slot_bytes(self.slab, slot)) else failed).append(key)
+            for key, slot, target in message.items:
+                slab = self.slab if target in (-1, self.spec.instance) else self.shared.get(target)
+                ok = slab is not None and tier.read_into(key, slot_bytes(slab, slot))
+                (done if ok else failed).append(key)
         else:
             for key in message.drops:
                 tier.drop(key)

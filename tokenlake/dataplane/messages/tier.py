@@ -55,13 +55,13 @@ class TierEntry:
         return cls(key, parent, f.as_int(index, f"{path}[2]"), tokens)
 
 
-def _items(f: Fields, name: str) -> tuple[tuple[bytes, int], ...]:
+def _items(f: Fields, name: str) -> tuple[tuple[bytes, int, int], ...]:
     out = []
     for i, raw in enumerate(f.list(name, default=[])):
-        key, slot = f.as_list(raw, f"{name}[{i}]", 2)
+        key, slot, target = f.as_list(raw, f"{name}[{i}]", 3)
         if not isinstance(key, bytes):
             raise f.error(f"{name}[{i}][0]", "must be bytes")
-        out.append((key, f.as_int(slot, f"{name}[{i}][1]")))
+        out.append((key, f.as_int(slot, f"{name}[{i}][1]"), f.as_int(target, f"{name}[{i}][2]")))
     return tuple(out)
 
 
@@ -94,16 +94,18 @@ class TierOps(WireMessage):
 
 @dataclass(frozen=True)
 class TierRead(WireMessage):
-    """``TIER_READ`` ``{"items": [[key, slot], ...]}``: read each key's tier file into
-    its slot (all layers), its digest checked first (a promotion). Answered with
-    :class:`TierDone` once every slot is written: ``failed`` the keys whose file is
-    missing, corrupt or of another size (their slots are left as they were)."""
+    """``TIER_READ`` ``{"items": [[key, slot, target], ...]}``: read each key's tier file
+    into ``slot`` (all layers) of instance ``target`` (-1: this engine's; another: a
+    co-located slab this engine maps), its digest checked first (a promotion).
+    Answered with :class:`TierDone` once every slot is written: ``failed`` the keys whose
+    file is missing, corrupt or of another size, or whose target this engine cannot
+    write (their slots are left as they were)."""
 
     KIND = Kind.TIER_READ
-    items: tuple[tuple[bytes, int], ...] = ()
+    items: tuple[tuple[bytes, int, int], ...] = ()
 
     def body(self) -> dict:
-        return {"items": [[k, s] for k, s in self.items]}
+        return {"items": [list(item) for item in self.items]}
 
     @classmethod
     def from_wire(cls, f: Fields) -> TierRead:

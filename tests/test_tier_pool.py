@@ -374,8 +374,8 @@ def test_a_segment_without_a_copy_goes_with_its_children_held_in_the_tier():
 def test_a_promotion_takes_a_slot_elsewhere_where_slabs_are_shared():
     """The copy's instance has nothing to give (every slot leased): with co-located
     slabs the segment is read into a slot of another instance; without, it is not."""
+    clock = [0.0]
     for shared in (True, False):
-        clock = [0.0]
         cfg = PoolConfig(segment_tokens=C, namespace="tier", slots_per_instance=2, vnodes=8,
                          page_tokens=C, tier_slots=8, shared_memory=shared)
         pool = CachePool(cfg, [0, 1], lambda: clock[0], random.Random(0))

@@ -8,7 +8,7 @@ seconds; ``cache_gb`` is decimal gigabytes (1e9 bytes) per GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.admission import ADMISSION_RULES
 from scheduler.keep import DECODE_BATCH_RULES
@@ -60,6 +60,9 @@ class SimConfig:
         tier_gb: TokenLake's disk tier per GPU, 1e9 bytes (0: none): segments evicted
             from the pool stay there and are promoted on a hit, at the hardware profile's
             ``tier_read_bw`` (:mod:`tokenlake.core.tier`; docs/simulator.md "Disk tier").
+        tier_read_gbs: the tier's read bandwidth per GPU, 1e9 bytes/s, instead of the
+            profile's (an NVMe SSD, 5 GB/s on the GPU profiles): 25 for a tier in host
+            memory read over PCIe 4.0 x16, say.
         page_tokens: granularity of TokenLake's prefix hits inside a segment (None: the
             pool's default, 16; ``segment_tokens``: whole segments only).
         home_eviction: TokenLake's placement in a full pool: a new segment evicts at its
@@ -100,6 +103,7 @@ class SimConfig:
     latency: str | None = None
     cache_gb: float | None = None
     tier_gb: float = 0.0
+    tier_read_gbs: float | None = None
     segment_tokens: int | None = None
     chunk_tokens: int = 512
     tp: int = 2
@@ -137,6 +141,8 @@ class SimConfig:
             raise ConfigError(f"cache_gb must be > 0, got {self.cache_gb!r}")
         if isinstance(self.tier_gb, bool) or not isinstance(self.tier_gb, (int, float)) or self.tier_gb < 0:
             raise ConfigError(f"tier_gb must be >= 0, got {self.tier_gb!r}")
+        if self.tier_read_gbs is not None and not self.tier_read_gbs > 0:
+            raise ConfigError(f"tier_read_gbs must be > 0 or None, got {self.tier_read_gbs!r}")
         if self.decode_batches not in DECODE_BATCH_RULES:
             raise ConfigError(f"decode_batches must be one of {DECODE_BATCH_RULES}, got {self.decode_batches!r}")
         if self.admission not in ADMISSION_RULES:
@@ -153,6 +159,8 @@ class SimConfig:
     def resolve(self) -> Setup:
         """Loads the named specs and derives per-GPU capacities."""
         model, hw = load_model(self.model), load_hardware(self.hardware)
+        if self.tier_read_gbs is not None:
+            hw = replace(hw, tier_read_bw=self.tier_read_gbs * 1e9)
         latency = LatencyModel.load(self.latency or f"{self.hardware}_{self.model}")
         weights = model.num_params * model.dtype_bytes
         cache_bytes = self.cache_gb * 1e9 if self.cache_gb is not None else hw.mem_bytes - weights

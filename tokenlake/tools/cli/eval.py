@@ -88,6 +88,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier-gb", type=float, default=0.0,
                    help="TokenLake: a disk tier of this many GB per GPU below the pool (0: none; "
                         "the baselines have none)")
+    p.add_argument("--tier-read-gbs", type=positive(float), default=None,
+                   help="the tier's read GB/s per GPU (default: the hardware profile's, an NVMe "
+                        "SSD; 25: host memory over PCIe 4.0 x16)")
     p.add_argument("--page-tokens", type=positive(int), default=None,
                    help="TokenLake: prefix hits exact to this many tokens (default 16)")
     p.add_argument("--admission", choices=ADMISSION_RULES, default="cache-first",
@@ -198,7 +201,8 @@ def run_eval(args: argparse.Namespace) -> int:
                        eviction_choices=args.eviction_choices,
                        decode_first=not args.no_decode_first,
                        decode_batches="reform" if args.reform_decode_batches else "keep",
-                       grouped_reads=not args.per_row_reads, tier_gb=args.tier_gb)
+                       grouped_reads=not args.per_row_reads, tier_gb=args.tier_gb,
+                       tier_read_gbs=args.tier_read_gbs)
     if args.instances:
         config = replace(config, instances=args.instances)
     if args.cache_gb and args.experiment not in ("hit-rate", "elasticity"):
@@ -301,6 +305,8 @@ def add_sim(p: argparse.ArgumentParser) -> None:
                    help="KV-cache memory per GPU, GB (default: GPU memory minus the weights)")
     p.add_argument("--tier-gb", type=float, default=0.0,
                    help="TokenLake: a disk tier of this many GB per GPU below the pool (0: none)")
+    p.add_argument("--tier-read-gbs", type=positive(float), default=None,
+                   help="the tier's read GB/s per GPU (default: the hardware profile's)")
     when = p.add_mutually_exclusive_group()
     when.add_argument("--rate", type=positive(float), default=None,
                       help="Poisson arrivals at this many requests/s instead of the trace's times")
@@ -362,6 +368,7 @@ def _load_requests(args: argparse.Namespace):
     try:  # ConfigError is a ValueError
         config = SimConfig(instances=args.instances, hardware=args.hardware, model=args.model,
                            cache_gb=args.cache_gb, tier_gb=args.tier_gb,
+                           tier_read_gbs=args.tier_read_gbs,
                            segment_tokens=args.segment_tokens,
                            chunk_tokens=args.chunk_tokens, tp=args.tp,
                            slo_scale=args.slo_scale, seed=args.seed,

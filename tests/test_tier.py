@@ -16,7 +16,7 @@ import pytest
 from test_serving import NEW, C, _prompts
 from tiny_model import model_spec, pool_bytes, reference
 
-from tokenlake.core.errors import ConfigError
+from tokenlake.core.errors import ConfigError, EngineUnavailable
 from tokenlake.deploy.config import ClusterConfig
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.engines.tier_files import SUFFIX
@@ -177,3 +177,44 @@ def test_metrics_status_and_the_wire_report_both_tiers(capsys):
     assert summary["tier"]["promotions"] == 2 and summary["tier"]["held"] == {"0": 4}
     print_status(summary, "tcp://x")
     assert "disk tier: 6 segments per instance, held {0: 4}" in capsys.readouterr().out
+
+
+def test_a_transfer_engine_killed_while_promoting_changes_no_answer(tiny_llama, tmp_path):
+    """Two instances, the document held only in their tiers; one transfer engine dies
+    just as its tier's segments are read back (and another right after its segments
+    were written through). Its promotions fail (nothing read is trusted), the loop
+    recovers the instance, and the answer equals the reference's."""
+    weights, tok, _ = tiny_llama
+    doc, other = _prompts(tok)[0], _other(tok)
+    config = ClusterConfig(2, model_spec(weights), pool_bytes(weights, C, SLOTS // 2 + 1),
+                           segment_tokens=C, max_rows=512, tier_path=str(tmp_path / "tier"),
+                           tier_bytes=pool_bytes(weights, C, 64), timeout_s=2.0)
+    with LocalCluster(config) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
+        _ask(server, "a", doc, tok)
+        _ask(server, "b", other, tok)
+        m = cluster.control.get_prefix_tree().match(doc, max_tokens=len(doc) - 1)
+        assert m.tier_keys
+        victim = cluster.control.pool.tree.node(m.tier_keys[0]).tier
+        driver = cluster.control.tier_data_plane
+        read = driver.tier_read
+
+        def kill_then_read(promotions):
+            cluster.kill("transfer", victim)
+            return read(promotions)
+
+        driver.tier_read = kill_then_read
+        server.submit(GenerationRequest("a2", doc, NEW, (tok.eos_id,)))
+        failures = 0
+        while server.busy:
+            try:
+                server.step()
+            except EngineUnavailable:
+                failures += 1
+                assert failures <= 2
+                server.recover()
+            driver.tier_read = read
+        assert cluster.control.stats().pool.tier.failed_promotions >= 1
+        assert cluster.alive("transfer", victim)
+        cluster.control.check()
+    _same(server.results["a2"], reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))

@@ -66,7 +66,7 @@ class TierDriver:
                 failed.update(self.cluster._request(("transfer", inst), TierRead(tuple(items)), TierDone).failed)
             except Exception as exc:  # noqa: BLE001 - nothing read is trusted
                 log.warning("disk tier of instance %d: %s", inst, exc)
-                failed.update(k for k, _ in items)
+                failed.update(item[0] for item in items)
         return failed
 
     def adopt(self, instances) -> int:

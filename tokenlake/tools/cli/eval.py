@@ -63,6 +63,13 @@ def _progress_bar(total: int | None, desc: str, unit: str, disabled: bool):
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
 
 
+def add_tier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tier-gb", type=float, default=0.0, help="TokenLake: a tier of this many GB "
+                   "per GPU below the pool (0: none; the baselines have none)")
+    p.add_argument("--tier-read-gbs", type=positive(float), default=None, help="the tier's read "
+                   "GB/s per GPU (default: the profile's, an NVMe SSD; 25: host memory over PCIe)")
+
+
 # --------------------------------------------------------------------------- eval
 
 
@@ -85,12 +92,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                         "the others: one size (default: GPU memory minus the weights)")
     p.add_argument("--instances", type=positive(int), default=None,
                    help="GPUs (default: 8; multi-node 16)")
-    p.add_argument("--tier-gb", type=float, default=0.0,
-                   help="TokenLake: a disk tier of this many GB per GPU below the pool (0: none; "
-                        "the baselines have none)")
-    p.add_argument("--tier-read-gbs", type=positive(float), default=None,
-                   help="the tier's read GB/s per GPU (default: the hardware profile's, an NVMe "
-                        "SSD; 25: host memory over PCIe 4.0 x16)")
+    add_tier_args(p)
     p.add_argument("--page-tokens", type=positive(int), default=None,
                    help="TokenLake: prefix hits exact to this many tokens (default 16)")
     p.add_argument("--admission", choices=ADMISSION_RULES, default="cache-first",
@@ -186,10 +188,10 @@ def _experiment_kwargs(args: argparse.Namespace) -> dict:
 def run_eval(args: argparse.Namespace) -> int:
     """0 when written; 1 (one line on stderr) when a simulation cannot finish;
     ``validate``: 1 when the simulator and the engines disagree."""
-    if args.experiment == "validate":
-        return _run_validate(args)
-    if args.experiment == "decode-batches":
-        return _run_decode_batches(args)
+    if args.experiment in REAL_ENGINE_RUNS:  # the real engines, not the simulator
+        from tokenlake.tools.cli import eval_real
+
+        return (eval_real.run_validate if args.experiment == "validate" else eval_real.run_decode_batches)(args)
     kw = _experiment_kwargs(args)
     # numpy, the simulator and matplotlib: only when an experiment runs
     from evals.experiments import EXPERIMENTS
@@ -234,64 +236,6 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_result(args: argparse.Namespace, result: dict, name: str) -> Path:
-    """Writes a real-engine run's ``result`` to ``--out`` (default ``results/NAME``) as
-    ``NAME.json`` (dashes as underscores), and prints it with ``--json``."""
-    out = Path(args.out or f"results/{name}")
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name.replace('-', '_')}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    return path
-
-
-def _run_validate(args: argparse.Namespace) -> int:
-    # torch and the real engines: only when the validation runs
-    from evals.validate import validate
-
-    kw = {"instances": args.instances} if args.instances else {}
-    result = validate(seed=args.seed, **kw)
-    path = _write_result(args, result, "validate")
-    if not args.json:
-        print(f"{result['instances']} instances, DoP up to {result['max_dop']}: mean iteration "
-              f"{result['mean_iteration_s']['sim']:.3f} s simulated vs {result['mean_iteration_s']['real']:.3f} s "
-              f"measured ({result['iteration_latency_error']:.0%} off); query-engine busy time per "
-              f"instance at most {result['per_instance_busy_error']:.0%} off; hit rates equal: "
-              f"{result['hit_rate']['equal']} (by construction); written to {path}")
-    lat = result["latency_model"]
-    if not lat["same_machine"]:
-        print(f"note: the latency model {lat['name']} was measured on {lat['measured_on'] or 'an unrecorded machine'}, "
-              f"not on this one ({lat['this_machine']}); re-measure it here (tokenlake profile-latency, "
-              "docs/scheduling.md) for the comparison to mean anything", file=sys.stderr)
-    ok = result["mean_iteration_s"]["within_20pct"] and result["query_busy_s"]["within_20pct"]
-    return 0 if result["hit_rate"]["equal"] and ok else 1
-
-
-def _run_decode_batches(args: argparse.Namespace) -> int:
-    if args.rates and len(args.rates) != 1:
-        raise UsageError("eval decode-batches runs at one rate")
-    # torch and the real engines: only when it runs
-    from evals.decode_batches import compare
-
-    kw = {"instances": args.instances} if args.instances else {}
-    if args.rates:
-        kw["rate"] = args.rates[0]
-    say = (lambda _: None) if args.quiet or args.json else (lambda m: print(m, file=sys.stderr))
-    result = compare(seed=args.seed, progress=say, **kw)
-    path = _write_result(args, result, "decode-batches")
-    if not args.json:
-        rules = result["rules"]
-        for rule, m in rules.items():
-            print(f"{rule:>6}: {m['tbt_misses']['median']:.0f} of {m['tbt_gaps']['median']:.0f} "
-                  f"token gaps over the {result['tbt_slo_s'] * 1e3:.0f} ms SLO (range "
-                  f"{m['tbt_misses']['min']:.0f}-{m['tbt_misses']['max']:.0f}), "
-                  f"{m['requests_within_slo']['median']:.0%} of requests within it, "
-                  f"{m['decode_moves']['median']:.0f} decode moves")
-        print(f"answers equal: {result['answers_equal']}; written to {path}")
-    return 0
-
-
 # --------------------------------------------------------------------------- sim
 
 
@@ -303,10 +247,7 @@ def add_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=positive(int), default=8, help="GPUs")
     p.add_argument("--cache-gb", type=positive(float), default=None,
                    help="KV-cache memory per GPU, GB (default: GPU memory minus the weights)")
-    p.add_argument("--tier-gb", type=float, default=0.0,
-                   help="TokenLake: a disk tier of this many GB per GPU below the pool (0: none)")
-    p.add_argument("--tier-read-gbs", type=positive(float), default=None,
-                   help="the tier's read GB/s per GPU (default: the hardware profile's)")
+    add_tier_args(p)
     when = p.add_mutually_exclusive_group()
     when.add_argument("--rate", type=positive(float), default=None,
                       help="Poisson arrivals at this many requests/s instead of the trace's times")

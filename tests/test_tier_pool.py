@@ -394,3 +394,48 @@ def test_a_promotion_takes_a_slot_elsewhere_where_slabs_are_shared():
         else:
             assert promos == []
         pool.check()
+
+
+def test_adoption_takes_only_this_pools_segments_once():
+    """A file's key must be the hash of its parent and tokens in this pool's namespace
+    (a tier directory written by another model or layout is not read as this one's); a
+    segment listed twice is adopted once, its file kept."""
+    pool, clock = make_pool(slots=4, instances=(0,))
+    store(pool, [1, 2, 3, 4], clock, settle=False)
+    entries = [(w.key, w.parent, w.index, w.tokens) for w in pool.tier.take_ops()[0].writes]
+    cfg = PoolConfig(segment_tokens=C, namespace="another model", slots_per_instance=4, vnodes=8,
+                     page_tokens=C, tier_slots=8)
+    other = CachePool(cfg, [0], lambda: 0.0, random.Random(0))
+    assert other.tier.adopt(0, entries) == 0
+    assert sorted(other.tier.take_ops()[0].drops) == sorted(e[0] for e in entries)
+    fresh, _ = make_pool(slots=4, instances=(0,))
+    assert fresh.tier.adopt(0, entries + entries) == len(entries)
+    assert fresh.tier.take_ops() == {}  # nothing dropped
+    forged = (entries[0][0], None, 0, (9).to_bytes(4, "little") * C)  # another segment's tokens
+    assert make_pool(slots=4, instances=(0,))[0].tier.adopt(0, [forged]) == 0
+    fresh.check()
+
+
+def test_a_promotion_that_fails_before_reading_leaves_the_tier_as_it_was():
+    """The data plane raises (or a later prompt is refused) after slots were taken: the
+    pending replicas go, the segments are held only in the tier again, nothing leaks."""
+    from dataplane_util import TINY
+
+    from tokenlake.core.control import ControlPlane
+
+    cp = ControlPlane(PoolConfig(C, "t", 2, vnodes=8, page_tokens=C, tier_slots=8), TINY, [0],
+                      clock=lambda: 0.0, rng=random.Random(0))
+    keys = store(cp.pool, [1, 2, 3, 4])
+    store(cp.pool, [5, 6, 7, 8])
+
+    class Broken:
+        def tier_read(self, promotions):
+            raise RuntimeError("the engine went away")
+
+    cp.tier_data_plane = Broken()
+    used = cp.pool.slots.used(0)
+    with pytest.raises(RuntimeError):
+        cp.promote([([1, 2, 3, 4, 9], None)])
+    assert all(cp.pool.tree.node(k).tier_only for k in keys)
+    assert cp.pool.slots.used(0) <= used and cp.pool.stats().tier.failed_promotions == 0
+    cp.check()

@@ -184,6 +184,7 @@ class ControlPlane:
             return 0
         promos: list[Promotion] = []
         held: list[bytes] = []  # each prompt's hit in the slabs, kept from the others' promotions
+        failed: set[bytes] | None = None
         try:
             for tokens, salt in prompts:
                 m = self.pool.match(tokens, max_tokens=max(len(tokens) - 1, 0), salt=salt)
@@ -191,16 +192,19 @@ class ControlPlane:
                     self.pool.lease(m.keys)
                     held += m.keys
                     promos += tier.promote(m.tier_keys)
-            if not promos:
-                return 0
-            data_plane = self.tier_data_plane
-            failed = data_plane.tier_read(promos) if data_plane is not None else set()
-            for p in promos:  # parent first: a failed parent takes its children along
-                (tier.promotion_failed if p.key in failed else tier.promoted)(p)
+            if promos:
+                data_plane = self.tier_data_plane
+                failed = data_plane.tier_read(promos) if data_plane is not None else set()
         finally:
+            if failed is None:  # an exception before anything was read: back in the tier only
+                for p in reversed(promos):
+                    tier.unpromote(p)
+            else:  # parent first: a failed parent takes its children along
+                for p in promos:
+                    (tier.promotion_failed if p.key in failed else tier.promoted)(p)
             self.pool.unlease(held, missing_ok=True)
         self.flush_tier()  # the failed ones' files
-        return len(promos) - len(failed)
+        return sum(1 for p in promos if p.key in self.pool.tree and self.pool.tree.is_ready(p.key))
 
     def abort(self, plans: Plans) -> None:
         """The data plane failed to run ``plans``: undo them; requests keep their old state."""

@@ -199,7 +199,7 @@ class TierManager:
 
     def _evict_copy(self, node: TreeNode) -> None:
         if node.tier_only:  # a leaf of the tree: it goes with its copy
-            self.tree.remove_subtree(node.key)
+            self._remove_subtree(node.key)
         else:
             self._queue_drop(node.tier, node.key)
             self._clear(node)
@@ -228,6 +228,9 @@ class TierManager:
                 node = tree.node(key) if key in tree else None
                 if node is None or not node.tier_only:
                     break
+                up = node.parent
+                if node.index > 0 and not (up in tree and tree.node(up).replicas):
+                    break  # its parent is not in a slab (not even pending): not readable
                 inst = target = node.tier
                 slot = pool.slots.allocate(inst)
                 if slot is None and pool.evict_one(inst) is not None:
@@ -256,12 +259,17 @@ class TierManager:
                 self._set(node, node.tier, now)
             self.promotions += 1
 
+    def unpromote(self, p: Promotion) -> None:
+        """``p`` was not read (its batch failed before): its pending replica goes, the
+        segment is held only in the tier again. Children first."""
+        if p.key in self.tree:
+            self.pool.slots.free(p.to, self.tree.remove_replica(p.key, p.to))
+
     def promotion_failed(self, p: Promotion) -> None:
         """``p``'s file was missing or corrupt: the segment goes, with what follows it
         (held only in the tier, or being promoted after it); their slots are freed."""
         if p.key in self.tree:
-            for _key, inst, slot in self.tree.remove_subtree(p.key):
-                self.pool.slots.free(inst, slot)
+            self._remove_subtree(p.key)
             self.failed_promotions += 1
 
     def adopt(self, instance: int, entries: Sequence[tuple]) -> int:
@@ -270,14 +278,20 @@ class TierManager:
         index, tokens)`` each, least recently used first. Each goes into the tree held
         only in the tier (a segment already there gains the copy), parent first, while
         it has its place (its parent in the tree, or a root) and the tier has room; the
-        others' files are dropped. Returns how many were adopted; they count as older
+        others' files are dropped, and so is every file whose key is not the hash of its
+        parent and tokens in this pool's namespace (another model's or layout's, or a
+        header not written for it). Returns how many were adopted; they count as older
         than anything written from now on."""
         tree, lru = self.tree, self._lru.setdefault(instance, SortedList())
         now, n = self.pool.clock(), len(entries)
-        adopted = 0
+        adopted, hasher = 0, self.pool.hasher
         for order, (key, parent, index, tokens) in sorted(enumerate(entries), key=lambda e: e[1][2]):
             stamp = now - (n - order) * 1e-6
-            ok = len(lru) < self.slots
+            if key in tree and tree.node(key).tier == instance:
+                continue  # listed twice: adopted already
+            ok = (len(lru) < self.slots and tokens is not None
+                  and len(tokens) == 4 * hasher.segment_tokens
+                  and hasher.keys(tokens, parent=parent) == [key])
             if ok and key in tree:
                 ok = tree.node(key).tier is None  # else a copy elsewhere: this one goes
             elif ok:
@@ -302,7 +316,7 @@ class TierManager:
                 continue
             node = self.tree.node(key)
             if node.tier_only:
-                self.tree.remove_subtree(key)
+                self._remove_subtree(key)
             else:
                 self._clear(node)
         self._lru.pop(instance, None)
@@ -330,6 +344,11 @@ class TierManager:
         assert not indexed, "the tier index names a segment not in the tree"
 
     # ------------------------------------------------------------ internals
+    def _remove_subtree(self, key: SegmentKey) -> None:
+        """Drops ``key`` and what follows it, freeing the slots of their replicas."""
+        for _key, inst, slot in self.tree.remove_subtree(key):
+            self.pool.slots.free(inst, slot)
+
     def _ops_of(self, instance: int) -> TierOps:
         return self._ops.setdefault(instance, TierOps())
 

@@ -13,15 +13,23 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+#: Bytes of segments one ``TIER_READ`` reads at most: a fraction of a second from a disk,
+#: so that a slow one does not outlast the driver's timeout (the engine would go on
+#: writing into slots the control plane took back).
+READ_BYTES = 128 << 20
+
 
 def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
     """An engine's disk-tier fields of its ``EngineSpec`` under ``config`` (a
     ``ClusterConfig``): a transfer engine's directory and size, nothing without a tier."""
     if role != "transfer" or config.tier_path is None:
         return {}
-    files = config.tier_bytes // config.segment_bytes + 1  # room for a header each:
-    return {"tier_path": os.path.join(config.tier_path, f"instance-{inst}"),  # the control plane
-            "tier_bytes": config.tier_bytes + files * 4096}  # counts whole segments
+    # The control plane counts whole segments; the files have a header each besides
+    # (key, layout, digest, the segment's place in the tree: its token ids included).
+    files = config.tier_bytes // config.segment_bytes + 1
+    header = 4096 + 8 * config.segment_tokens
+    return {"tier_path": os.path.join(config.tier_path, f"instance-{inst}"),
+            "tier_bytes": config.tier_bytes + files * header}
 
 
 class TierDriver:
@@ -61,12 +69,16 @@ class TierDriver:
         by_inst: dict[int, list] = {}
         for p in promotions:
             by_inst.setdefault(p.instance, []).append((p.key, p.slot, p.target))
+        per = max(1, READ_BYTES // self.cluster.config.segment_bytes)
         for inst, items in by_inst.items():
-            try:
-                failed.update(self.cluster._request(("transfer", inst), TierRead(tuple(items)), TierDone).failed)
-            except Exception as exc:  # noqa: BLE001 - nothing read is trusted
-                log.warning("disk tier of instance %d: %s", inst, exc)
-                failed.update(item[0] for item in items)
+            for at in range(0, len(items), per):  # each request well within the timeout
+                part = items[at : at + per]
+                try:
+                    failed.update(self.cluster._request(("transfer", inst), TierRead(tuple(part)),
+                                                        TierDone).failed)
+                except Exception as exc:  # noqa: BLE001 - nothing read is trusted
+                    log.warning("disk tier of instance %d: %s", inst, exc)
+                    failed.update(item[0] for item in part)
         return failed
 
     def adopt(self, instances) -> int:

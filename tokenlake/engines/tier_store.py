@@ -115,7 +115,8 @@ class TierStore:
         ones last)."""
         with self._cond:
             staged = list(self._meta.items())
-        held = [(k, self.files.meta(k)) for k in self.files.keys() if k not in self._meta]
+        mine = {k for k, _ in staged}  # the same snapshot: a write finishing now is listed once
+        held = [(k, self.files.meta(k)) for k in self.files.keys() if k not in mine]
         return held + staged
 
     def close(self) -> None:

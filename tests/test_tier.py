@@ -218,3 +218,31 @@ def test_a_transfer_engine_killed_while_promoting_changes_no_answer(tiny_llama, 
         assert cluster.alive("transfer", victim)
         cluster.control.check()
     _same(server.results["a2"], reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
+
+
+def test_an_instance_killed_after_writing_through_comes_back_with_its_tier(tiny_llama, tmp_path):
+    """A transfer engine is killed right after its segments were staged (its writer may
+    be mid-file). The instance is replaced; its new transfer engine opens the same
+    directory (a half-written file is refused there) and the control plane adopts what
+    is whole: the document, pushed out of the slabs, is read back from both tiers, and
+    the answer equals the reference's."""
+    weights, tok, _ = tiny_llama
+    doc, other = _prompts(tok)[0], _other(tok)
+    config = ClusterConfig(2, model_spec(weights), pool_bytes(weights, C, SLOTS // 2 + 1),
+                           segment_tokens=C, max_rows=512, tier_path=str(tmp_path / "tier"),
+                           tier_bytes=pool_bytes(weights, C, 64), timeout_s=2.0)
+    with LocalCluster(config) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
+        _ask(server, "a", doc, tok)
+        held = dict(cluster.control.stats().pool.tier.held)
+        victim = max(held, key=held.get)
+        cluster.kill("transfer", victim)
+        server.recover()  # the instance out, and back with new engines
+        assert cluster.alive("transfer", victim)
+        assert cluster.control.stats().pool.tier.held.get(victim, 0) > 0, "its tier adopted again"
+        _ask(server, "b", other, tok)  # pushes the document out of the slabs
+        before = server.promotions
+        again = _ask(server, "a2", doc, tok)
+        assert server.promotions > before
+        cluster.control.check()
+    _same(again, reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))

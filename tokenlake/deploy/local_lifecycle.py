@@ -43,7 +43,9 @@ class InstanceLifecycle:
 
     def restart_instance(self, instance: int) -> None:
         """A removed instance joins again, empty: new engines on its zeroed buffers, the
-        other engines told where they are, and its share of the hash ring back."""
+        other engines told where they are, and its share of the hash ring back. With a
+        disk tier its directory is adopted again (a file its dead writer left half
+        written is refused)."""
         from tokenlake.dataplane.messages import Ack, Peers
 
         self._check_started()
@@ -64,6 +66,8 @@ class InstanceLifecycle:
                 self._request(key, Peers(((instance, peer),)), Ack)
         self._reopen_sessions(instance)
         self.control.add_instance(instance)
+        if self.control.tier_data_plane is not None:  # its tier directory kept what it wrote
+            self.control.tier_data_plane.adopt([instance])
         self.write_state()
 
     def replace_failed(self, restart: bool = True) -> tuple[str, ...]:

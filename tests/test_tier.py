@@ -31,6 +31,13 @@ def _other(tok):
         "their catch each morning before the markets open. What do the boats bring?")}]))
 
 
+def _config(weights, tmp_path, instances: int = 1, slots: int = SLOTS, **fields) -> ClusterConfig:
+    """A pool of ``slots`` segments per instance with a tier of 64 in ``tmp_path/tier``."""
+    return ClusterConfig(instances, model_spec(weights), pool_bytes(weights, C, slots), segment_tokens=C,
+                         max_rows=512, tier_path=str(tmp_path / "tier"),
+                         tier_bytes=pool_bytes(weights, C, 64), **fields)
+
+
 def _ask(server, rid, prompt, tok):
     server.run([GenerationRequest(rid, prompt, NEW, (tok.eos_id,))])
     return server.results[rid]
@@ -39,9 +46,7 @@ def _ask(server, rid, prompt, tok):
 @pytest.fixture
 def tiered(tiny_llama, tmp_path):
     weights, tok, _ = tiny_llama
-    config = ClusterConfig(1, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C,
-                           max_rows=512, tier_path=str(tmp_path / "tier"),
-                           tier_bytes=pool_bytes(weights, C, 64))
+    config = _config(weights, tmp_path)
     with LocalCluster(config) as cluster:
         yield cluster, GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True)
 
@@ -109,9 +114,7 @@ def test_the_tier_outlives_the_pool(tiny_llama, tmp_path):
     written through before: held only in the tier, read back for the same question."""
     weights, tok, _ = tiny_llama
     doc = _prompts(tok)[0]
-    config = ClusterConfig(1, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C,
-                           max_rows=512, tier_path=str(tmp_path / "tier"),
-                           tier_bytes=pool_bytes(weights, C, 64))
+    config = _config(weights, tmp_path)
     with LocalCluster(config) as cluster:
         _ask(GenerationLoop(cluster, weights, chunk_tokens=64), "a", doc, tok)
         written = cluster.control.stats().pool.tier.written
@@ -181,14 +184,11 @@ def test_metrics_status_and_the_wire_report_both_tiers(capsys):
 
 def test_a_transfer_engine_killed_while_promoting_changes_no_answer(tiny_llama, tmp_path):
     """Two instances, the document held only in their tiers; one transfer engine dies
-    just as its tier's segments are read back (and another right after its segments
-    were written through). Its promotions fail (nothing read is trusted), the loop
-    recovers the instance, and the answer equals the reference's."""
+    just as its tier's segments are read back. Its promotions fail (nothing read is
+    trusted), the loop recovers the instance, and the answer equals the reference's."""
     weights, tok, _ = tiny_llama
     doc, other = _prompts(tok)[0], _other(tok)
-    config = ClusterConfig(2, model_spec(weights), pool_bytes(weights, C, SLOTS // 2 + 1),
-                           segment_tokens=C, max_rows=512, tier_path=str(tmp_path / "tier"),
-                           tier_bytes=pool_bytes(weights, C, 64), timeout_s=2.0)
+    config = _config(weights, tmp_path, instances=2, slots=SLOTS // 2 + 1, timeout_s=2.0)
     with LocalCluster(config) as cluster:
         server = GenerationLoop(cluster, weights, chunk_tokens=64)
         _ask(server, "a", doc, tok)
@@ -228,9 +228,7 @@ def test_an_instance_killed_after_writing_through_comes_back_with_its_tier(tiny_
     the answer equals the reference's."""
     weights, tok, _ = tiny_llama
     doc, other = _prompts(tok)[0], _other(tok)
-    config = ClusterConfig(2, model_spec(weights), pool_bytes(weights, C, SLOTS // 2 + 1),
-                           segment_tokens=C, max_rows=512, tier_path=str(tmp_path / "tier"),
-                           tier_bytes=pool_bytes(weights, C, 64), timeout_s=2.0)
+    config = _config(weights, tmp_path, instances=2, slots=SLOTS // 2 + 1, timeout_s=2.0)
     with LocalCluster(config) as cluster:
         server = GenerationLoop(cluster, weights, chunk_tokens=64)
         _ask(server, "a", doc, tok)

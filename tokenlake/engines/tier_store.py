@@ -49,10 +49,10 @@ class TierStore:
                  staging_bytes: int = DEFAULT_STAGING_BYTES, fsync: bool = True) -> None:
         self.files = TierFiles(path, capacity_bytes, layout, fsync=fsync)
         self.staging_bytes = staging_bytes
-        self._staged: dict[bytes, bytes] = {}  # key -> its bytes, until written
+        # key -> (its bytes, its meta), until written; a write job holds the same tuple
+        self._staged: dict[bytes, tuple[bytes, Any]] = {}
         self._staged_bytes = 0
-        self._meta: dict[bytes, Any] = {}  # key -> the meta it was staged with, until written
-        self._jobs: deque[tuple[str, bytes, bytes | None, Any]] = deque()
+        self._jobs: deque[tuple[str, bytes, tuple[bytes, Any] | None]] = deque()
         self._cond = threading.Condition()
         self._closing = False
         self.written = self.write_errors = self.reads = self.read_failures = 0
@@ -62,11 +62,8 @@ class TierStore:
     # ------------------------------------------------------------ requests
     def drop(self, key: bytes) -> None:
         with self._cond:
-            data = self._staged.pop(key, None)
-            self._meta.pop(key, None)
-            if data is not None:
-                self._staged_bytes -= len(data)
-            self._jobs.append(("drop", key, None, None))
+            self._unstage(key)
+            self._jobs.append(("drop", key, None))
             self._cond.notify()
 
     def stage(self, key: bytes, view: torch.Tensor, meta: Any = None) -> bool:
@@ -79,14 +76,10 @@ class TierStore:
                 return False
         data = view.cpu().numpy().tobytes()  # only this thread stages: the room is still there
         with self._cond:
-            old = self._staged.pop(key, None)
-            self._meta.pop(key, None)
-            if old is not None:
-                self._staged_bytes -= len(old)
-            self._staged[key] = data
-            self._meta[key] = meta
+            self._unstage(key)
+            entry = self._staged[key] = (data, meta)
             self._staged_bytes += n
-            self._jobs.append(("write", key, data, meta))
+            self._jobs.append(("write", key, entry))
             self._cond.notify()
         return True
 
@@ -94,7 +87,8 @@ class TierStore:
         """Writes segment ``key``'s bytes into ``out`` (:func:`slot_bytes`); False if the
         tier does not hold it whole and intact (``out`` is left as it was)."""
         with self._cond:
-            data = self._staged.get(key)
+            entry = self._staged.get(key)
+        data = None if entry is None else entry[0]
         if data is None:
             try:
                 data = self.files.get(key)
@@ -114,7 +108,7 @@ class TierStore:
         """``(key, meta)`` of every segment held, least recently used first (the staged
         ones last)."""
         with self._cond:
-            staged = list(self._meta.items())
+            staged = [(k, meta) for k, (_data, meta) in self._staged.items()]
         mine = {k for k, _ in staged}  # the same snapshot: a write finishing now is listed once
         held = [(k, self.files.meta(k)) for k in self.files.keys() if k not in mine]
         return held + staged
@@ -139,21 +133,25 @@ class TierStore:
                     self._cond.wait()
                 if not self._jobs:
                     return
-                op, key, data, meta = self._jobs.popleft()
-                if op == "write" and self._staged.get(key) is not data:
+                op, key, entry = self._jobs.popleft()
+                if op == "write" and self._staged.get(key) is not entry:
                     continue  # dropped, or staged again since: that write stands
             try:
                 if op == "drop":
                     self.files.remove(key)
                 else:
-                    self.files.put(key, data, meta)
+                    self.files.put(key, *entry)
                     self.written += 1
             except Exception as exc:  # noqa: BLE001 - a failed write is a miss later, not a crash
                 self.write_errors += 1
                 log.warning("tier %s of %s failed: %s", op, key.hex(), exc)
             if op == "write":
                 with self._cond:
-                    if self._staged.get(key) is data:
-                        del self._staged[key]
-                        self._meta.pop(key, None)
-                        self._staged_bytes -= len(data)
+                    if self._staged.get(key) is entry:
+                        self._unstage(key)
+
+    def _unstage(self, key: bytes) -> None:
+        """Forgets what is staged for ``key`` (under the lock)."""
+        entry = self._staged.pop(key, None)
+        if entry is not None:
+            self._staged_bytes -= len(entry[0])

@@ -157,12 +157,13 @@ class ControlPlane:
         """Hands the disk tiers' queued work (files to drop, new segments to write
         through) to :attr:`tier_data_plane`, and records what it staged."""
         tier = self.pool.tier
-        ops = tier.take_ops() if tier is not None else None
-        if not ops:
+        if tier is None:
             return
         if self.tier_data_plane is None:
-            tier.staged(w.key for op in ops.values() for w in op.writes)
-        else:
+            tier.settle()  # nothing moves data: staged at once
+            return
+        ops = tier.take_ops()
+        if ops:
             tier.staged(*self.tier_data_plane.tier_ops(ops))
 
     def adopt_tier(self, instance: int, entries: Sequence[tuple]) -> int:

@@ -2,7 +2,8 @@
 (docs/design.md §4 "Restart"): with the same settings and ports it adopts the waiting
 engines and the next question about a cached document hits what it hit before and
 answers the same text; with another segment size it refuses (exit 2, one line) and the
-old engines end after their grace with every buffer and file."""
+old engines end after their grace with every buffer and file. Stopped cleanly and
+started again on its disk tier, it finds the document there."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tokenlake.dataplane.shm_files import cluster_prefix, list_buffers, pid_aliv
 from tokenlake.tools.bench.restart import free_ports
 
 START_TIMEOUT_S = 180
+SEGMENT = 64  # serve's default segment_tokens
 DOC = (Path(__file__).resolve().parents[1] / "tokenlake" / "data" / "demo_document.txt").read_text()
 
 
@@ -103,7 +105,8 @@ def _gone(pids, prefix, timeout_s: float) -> None:
 
 def test_restarts_adopt_the_pool_and_answer_from_its_cache(serving, tmp_path):
     start, remember = serving
-    first = start()
+    tier = ("--tier-path", str(tmp_path / "tier"), "--tier-mb", "96")
+    first = start(*tier)
     assert first.ready()["restored"] is None
     first.ask("Who is it about?")
     text, hit = first.ask("What happened?")
@@ -111,7 +114,7 @@ def test_restarts_adopt_the_pool_and_answer_from_its_cache(serving, tmp_path):
     state = remember()
     first.kill()  # an OOM kill, a crash
 
-    second = start()
+    second = start(*tier)
     ready = second.ready()
     assert ready["restored"] > 0
     creds = json.loads(Path(ready["credentials"]).read_text())  # reused: the pool's own keys
@@ -127,13 +130,23 @@ def test_restarts_adopt_the_pool_and_answer_from_its_cache(serving, tmp_path):
     assert all(r["adopted"] for r in rows) and sum(r["restored_segments"] for r in rows) == ready["restored"]
     second.kill()  # the adopting process dies too: its adopted engines wait again
 
-    third = start()
+    third = start(*tier)
     assert third.ready()["restored"] == ready["restored"]
     assert third.ask("What happened?") == (text, hit_again)
     third.proc.send_signal(signal.SIGTERM)
     assert third.proc.wait(60) == 0
     _gone([pid for _, _, pid, _ in state["engines"]], cluster_prefix(state["cluster_id"]), 10)
     assert not list(tmp_path.glob("*.json")), "a state or credentials file outlived the pool"
+
+    fourth = start(*tier)  # a new pool, empty slabs, on the tier the others wrote through to
+    ready = fourth.ready()
+    remember()
+    assert ready["restored"] is None and ready["tier_segments"] > 0
+    again, hit_tier = fourth.ask("What happened?")
+    # whole segments only: a request's open tail (part of a segment) is not written through
+    assert again == text and hit_tier == hit_again // SEGMENT * SEGMENT
+    fourth.proc.send_signal(signal.SIGTERM)
+    assert fourth.proc.wait(60) == 0
 
 
 def test_a_restart_with_another_segment_size_refuses_and_the_old_engines_end(serving, tmp_path):

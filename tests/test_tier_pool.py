@@ -166,15 +166,32 @@ def test_a_new_control_plane_adopts_what_the_tier_holds():
     entries = [(w.key, w.parent, w.index, w.tokens) for w in writes]
     orphan = (b"\x07" * 16, b"\x09" * 16, 3, None)  # its parent is in no tree
     fresh, _ = make_pool(slots=4, instances=(0,))
-    assert fresh.tier.adopt(0, [orphan, *reversed(entries)]) == 3
+    assert fresh.tier.adopt({0: [orphan, *reversed(entries)]}) == 3
     m = fresh.match(doc)
     assert m.keys == () and m.tier_keys == tuple(keys)
     assert fresh.tier.take_ops()[0].drops == [orphan[0]]  # its file goes
     fresh.check()
     small, _ = make_pool(slots=4, tier=2, instances=(0,))
-    assert small.tier.adopt(0, entries) == 2  # parents first, as many as fit
+    assert small.tier.adopt({0: entries}) == 2  # parents first, as many as fit
     assert small.match(doc).tier_keys == tuple(keys[:2])
     small.check()
+
+
+def test_a_document_over_several_tiers_is_adopted_parent_first_across_them():
+    """Its segments lie in both instances' tiers: each listing alone has children whose
+    parent is in the other one, so the listings are adopted together."""
+    pool, clock = make_pool(slots=8, tier=8)
+    doc = list(range(1, 17))
+    keys = store(pool, doc, clock, settle=False)
+    listings = {i: [(w.key, w.parent, w.index, w.tokens) for w in op.writes]
+                for i, op in pool.tier.take_ops().items()}
+    assert len(listings) == 2 and all(listings.values()), "the test needs a document over both"
+    fresh, _ = make_pool(slots=8, tier=8)
+    for i in listings:  # the later instance first: no child may come before its parent
+        listings[i] = listings[i][::-1]
+    assert fresh.tier.adopt(dict(reversed(listings.items()))) == len(keys)
+    assert fresh.match(doc).tier_keys == tuple(keys)
+    fresh.check()
 
 
 def test_tier_slots_is_checked():
@@ -406,13 +423,13 @@ def test_adoption_takes_only_this_pools_segments_once():
     cfg = PoolConfig(segment_tokens=C, namespace="another model", slots_per_instance=4, vnodes=8,
                      page_tokens=C, tier_slots=8)
     other = CachePool(cfg, [0], lambda: 0.0, random.Random(0))
-    assert other.tier.adopt(0, entries) == 0
+    assert other.tier.adopt({0: entries}) == 0
     assert sorted(other.tier.take_ops()[0].drops) == sorted(e[0] for e in entries)
     fresh, _ = make_pool(slots=4, instances=(0,))
-    assert fresh.tier.adopt(0, entries + entries) == len(entries)
+    assert fresh.tier.adopt({0: entries + entries}) == len(entries)
     assert fresh.tier.take_ops() == {}  # nothing dropped
     forged = (entries[0][0], None, 0, (9).to_bytes(4, "little") * C)  # another segment's tokens
-    assert make_pool(slots=4, instances=(0,))[0].tier.adopt(0, [forged]) == 0
+    assert make_pool(slots=4, instances=(0,))[0].tier.adopt({0: [forged]}) == 0
     fresh.check()
 
 

@@ -166,12 +166,12 @@ class ControlPlane:
         if ops:
             tier.staged(*self.tier_data_plane.tier_ops(ops))
 
-    def adopt_tier(self, instance: int, entries: Sequence[tuple]) -> int:
-        """Puts the segments ``instance``'s disk tier already holds into the tree (see
-        :meth:`~tokenlake.core.tier.TierManager.adopt`); returns how many."""
+    def adopt_tier(self, listings: Mapping[int, Sequence[tuple]]) -> int:
+        """Puts what the instances' tiers already hold (``{instance: entries}``) into
+        the tree (:meth:`~tokenlake.core.tier.TierManager.adopt`); returns how many."""
         if self.pool.tier is None:
             return 0
-        n = self.pool.tier.adopt(instance, entries)
+        n = self.pool.tier.adopt(listings)
         self.flush_tier()
         return n
 

@@ -37,7 +37,7 @@ promoted); dropping a copy whose segment is still in a slab loses nothing now.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -272,24 +272,29 @@ class TierManager:
             self._remove_subtree(p.key)
             self.failed_promotions += 1
 
-    def adopt(self, instance: int, entries: Sequence[tuple]) -> int:
-        """Copies ``instance``'s tier held before this control plane began (the pool
-        started again on the same directory, or a new control process): ``(key, parent,
-        index, tokens)`` each, least recently used first. Each goes into the tree held
-        only in the tier (a segment already there gains the copy), parent first, while
-        it has its place (its parent in the tree, or a root) and the tier has room; the
-        others' files are dropped, and so is every file whose key is not the hash of its
-        parent and tokens in this pool's namespace (another model's or layout's, or a
-        header not written for it). Returns how many were adopted; they count as older
+    def adopt(self, listings: Mapping[int, Sequence[tuple]]) -> int:
+        """Copies the instances' tiers held before this control plane began (the pool
+        started again on the same directories, or a new control process): per instance,
+        ``(key, parent, index, tokens)`` each, least recently used first. Each goes into
+        the tree held only in the tier (a segment already there gains the copy), parent
+        first over all the instances (a document's segments lie in several), while it
+        has its place (its parent in the tree, or a root) and its tier has room; the
+        others' copies are dropped, and so is every copy whose key is not the hash of
+        its parent and tokens in this pool's namespace (another model's or layout's, or
+        a header not written for it). Returns how many were adopted; they count as older
         than anything written from now on."""
-        tree, lru = self.tree, self._lru.setdefault(instance, SortedList())
-        now, n = self.pool.clock(), len(entries)
-        adopted, hasher = 0, self.pool.hasher
-        for order, (key, parent, index, tokens) in sorted(enumerate(entries), key=lambda e: e[1][2]):
-            stamp = now - (n - order) * 1e-6
+        tree, hasher, now = self.tree, self.pool.hasher, self.pool.clock()
+        items = []
+        for instance, entries in listings.items():
+            self._lru.setdefault(instance, SortedList())
+            n = len(entries)
+            items += [(entry[2], instance, now - (n - order) * 1e-6, entry)
+                      for order, entry in enumerate(entries)]
+        adopted = 0
+        for _index, instance, stamp, (key, parent, index, tokens) in sorted(items, key=lambda it: it[0]):
             if key in tree and tree.node(key).tier == instance:
                 continue  # listed twice: adopted already
-            ok = (len(lru) < self.slots and tokens is not None
+            ok = (len(self._lru[instance]) < self.slots and tokens is not None
                   and len(tokens) == 4 * hasher.segment_tokens
                   and hasher.keys(tokens, parent=parent) == [key])
             if ok and key in tree:

@@ -1,4 +1,4 @@
-"""The driver's side of the disk tiers: the control plane's tier work
+"""The driver's side of the tiers (on disk or in host memory): the control plane's tier work
 (:mod:`tokenlake.core.tier`) sent to each instance's transfer engine (``TIER_OPS``,
 ``TIER_READ``, and ``TIER_LIST`` at start-up: :mod:`tokenlake.dataplane.messages.tier`).
 
@@ -20,10 +20,13 @@ READ_BYTES = 128 << 20
 
 
 def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
-    """An engine's disk-tier fields of its ``EngineSpec`` under ``config`` (a
-    ``ClusterConfig``): a transfer engine's directory and size, nothing without a tier."""
-    if role != "transfer" or config.tier_path is None:
+    """An engine's tier fields of its ``EngineSpec`` under ``config`` (a
+    ``ClusterConfig``): a transfer engine's directory and size, or the size of its
+    host-memory tier; nothing without a tier."""
+    if role != "transfer" or not config.tier_bytes:
         return {}
+    if config.tier_path is None:
+        return {"tier_bytes": config.tier_bytes}
     # The control plane counts whole segments; the files have a header each besides
     # (key, layout, digest, the segment's place in the tree: its token ids included).
     files = config.tier_bytes // config.segment_bytes + 1
@@ -88,9 +91,8 @@ class TierDriver:
         segments adopted."""
         from tokenlake.dataplane.messages import TierList, TierListing  # imports torch
 
-        n = 0
-        for inst in instances:
+        listings = {}
+        for inst in instances:  # all of them first: a document's segments lie in several
             listing = self.cluster._request(("transfer", inst), TierList(), TierListing)
-            n += self.cluster.control.adopt_tier(
-                inst, [(e.key, e.parent, e.index, e.tokens) for e in listing.entries])
-        return n
+            listings[inst] = [(e.key, e.parent, e.index, e.tokens) for e in listing.entries]
+        return self.cluster.control.adopt_tier(listings)

@@ -46,6 +46,7 @@ class Served:
     http: HttpFrontend | None = None
     credentials: str | None = None  # the file a client of the control port reads
     restored: int | None = None  # segments adopted from a pool whose process died (None: not adopted)
+    tier_segments: int | None = None  # what the instances' tiers held at start (None: no tier)
 
     @property
     def lock(self) -> contextlib.AbstractContextManager:
@@ -55,7 +56,8 @@ class Served:
     def info(self) -> dict[str, str | None]:
         return {"address": self.control.address if self.control else None,
                 "http_url": self.http.url if self.http else None,
-                "credentials": self.credentials, "restored": self.restored}
+                "credentials": self.credentials, "restored": self.restored,
+                "tier_segments": self.tier_segments}
 
 
 def load_served_model(progress: Callable[[str], None] = log.info):
@@ -102,8 +104,11 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
             cluster.note_leftover(path)
         adopted = getattr(cluster, "adopted", None)
         restored = None if adopted is None else adopted.segments
+        with control.lock:
+            tier = cluster.control.stats().pool.tier
+        tiered = None if tier is None else sum(tier.held.values())
         if model is None:
-            yield Served(control, credentials=path, restored=restored)
+            yield Served(control, credentials=path, restored=restored, tier_segments=tiered)
             return
         weights, tokenizer = model
         shared = control.shared_control()
@@ -134,7 +139,7 @@ def pool_service(cluster, *, host: str = "127.0.0.1", control_port: int = DEFAUL
                           sessions=lambda: (len(control.sessions), control.sessions.ended)) as http:
             if local:  # an engine that dies is replaced at once, not at the next failure
                 cluster.add_failure_listener(lambda role, instance: http.loop.request_heal())
-            yield Served(control, http, path, restored)
+            yield Served(control, http, path, restored, tiered)
 
 
 def _replace_dead_engines(cluster: LocalCluster, control: ControlServer, server) -> bool:

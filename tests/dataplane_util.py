@@ -101,3 +101,48 @@ def engine_request(cluster, key: tuple[str, int], message, reply, **who):
         return expect(wire.recv(sock, cluster.timeout_s), reply)
     finally:
         sock.close(0)
+
+
+def check_iteration(cluster, tokens, new, first_prefix):
+    """Plans and runs one iteration of ``cluster``'s control plane; every query equals
+    float64 attention. Returns the prefix tokens each request found cached."""
+    from tokenlake.core.plans import Batch, BatchRequest
+
+    cp = cluster.control
+    reqs = [BatchRequest(rid, tuple(tokens[rid][first_prefix[rid]:first_prefix[rid] + n]),
+                         tuple(tokens[rid][:first_prefix[rid]])) for rid, n in new.items()]
+    plans = cp.gen_plans([Batch(tuple(reqs))], [1])
+    results = execute(cluster, plans, tokens, new)
+    cp.complete(plans)
+    worst, hits = 0.0, {}
+    for (rid, _pos, layer), (q, o, lse, span) in results.items():
+        hits[rid] = min(hits.get(rid, span.prefix_tokens), span.prefix_tokens)
+        if span.prefix_tokens:
+            ro, rlse = reference_prefix(tokens[rid], span.prefix_tokens, q, layer)
+            worst = max(worst, (o.double() - ro).abs().max().item(), (lse.double() - rlse).abs().max().item())
+        if span.position == span.prefix_tokens:
+            worst = max(worst, *full_attention_check(tokens[rid], span, q, o, lse, layer))
+    assert worst < 1e-5, worst
+    return hits
+
+
+def tier_round_trip(cluster, doc: list[int], c: int, push: int) -> None:
+    """``doc``, whose whole segments ``cluster``'s tiers hold, is pushed out of the
+    slabs by ``push`` segments of other documents; a request that continues it then
+    finds it only in the tiers, is promoted, and reads all of it with exact answers."""
+    import random
+
+    cp = cluster.control
+    rng = random.Random(len(doc))
+    tokens = {f"o{i}": [rng.randrange(3, 900) for _ in range(8 * c)] for i in range(-(-push // 8))}
+    for rid in list(tokens):
+        check_iteration(cluster, tokens, {rid: 8 * c}, {rid: 0})
+        cp.finish_request(rid)
+    whole = len(doc) // c * c
+    m = cp.get_prefix_tree().match(doc, max_tokens=len(doc) - 1)
+    assert m.tier_keys and len(m.keys + m.tier_keys) == whole // c, "pushed out, held in the tiers"
+    tokens["q"] = doc[:whole] + [rng.randrange(3, 900) for _ in range(6)]
+    assert cp.promote([(tokens["q"], None)]) == len(m.tier_keys)
+    assert check_iteration(cluster, tokens, {"q": 6}, {"q": whole}) == {"q": whole}
+    cp.finish_request("q")
+    cp.check()

@@ -25,7 +25,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_util  # noqa: E402
-from dataplane_util import TINY  # noqa: E402
+from dataplane_util import TINY, check_iteration, tier_round_trip  # noqa: E402
 from test_dataplane import POOL_BYTES, C, run_iteration  # noqa: E402
 from test_dataplane import (  # noqa: E402  (the scenarios themselves, run on both cluster types)
     test_migration_moves_a_segment_and_queries_stay_exact as migration_scenario,
@@ -142,6 +142,19 @@ def _total(nodes: list[NodeResources]) -> dict[str, float]:
         for r, v in node.resources.items():
             out[r] = out.get(r, 0.0) + v
     return out
+
+
+def test_a_ray_pool_with_a_host_memory_tier_reads_pushed_out_segments_back(ray_session):
+    """A Ray pool's transfer engines keep write-through copies in host memory: a
+    document pushed out of both slabs comes back from them with exact answers."""
+    with RayCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=256, peer_timeout_s=1.0,
+                    start_timeout_s=60.0, options=OPTIONS, tier_bytes=4 * POOL_BYTES) as pool:
+        slots = 2 * pool.slots_per_instance
+        doc = [random.Random(5).randrange(3, 900) for _ in range(3 * C + 2)]
+        check_iteration(pool, {"d": doc}, {"d": len(doc)}, {"d": 0})
+        pool.control.finish_request("d")
+        tier_round_trip(pool, doc, C, slots + 8)
+        assert pool.control.stats().pool.tier.promotions == 3
 
 
 @pytest.mark.parametrize("n, bundle, strategy, cpus, match", [

@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from dataplane_util import TINY, engine_request, execute, full_attention_check, reference_prefix
+from dataplane_util import TINY, check_iteration, engine_request, tier_round_trip
 
 from tokenlake.core.errors import AdoptionRefused, NotAuthorized
-from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.dataplane import grants, pool_state, wire
 from tokenlake.dataplane.messages import Ack, Adopt, ReadSegment, SegmentData, expect
 from tokenlake.dataplane.messages.session import new_token
@@ -46,7 +45,7 @@ OWNER = textwrap.dedent("""
 
     if __name__ == "__main__":
         cluster = LocalCluster(2, TINY, {pool}, segment_tokens={c}, max_rows=64,
-                               orphan_grace_s={grace}, state_file={state!r})
+                               orphan_grace_s={grace}, state_file={state!r}, tier_bytes={tier})
         cluster.start()
         cluster.note_leftover({leftover!r})
         cp = cluster.control
@@ -78,14 +77,15 @@ def _doc(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 900) for _ in range(n)]
 
 
-def _owner(tmp_path, grace: float, mid_put: bool = False):
-    """Starts an owner process; returns (process, what it printed, state file, leftover)."""
+def _owner(tmp_path, grace: float, mid_put: bool = False, tier: int = 0):
+    """Starts an owner process (with a tier of ``tier`` bytes per instance in host
+    memory); returns (process, what it printed, state file, leftover)."""
     state, leftover = tmp_path / "pool-1.json", tmp_path / "serve-1.json"
     leftover.write_text("{}")
     script = tmp_path / "owner.py"
     script.write_text(OWNER.format(tests=str(TESTS), pool=POOL_BYTES, c=C, grace=grace, state=str(state),
                                    leftover=str(leftover), doc=_doc(1, 5 * C + 3), mid_put=mid_put,
-                                   other=_doc(2, 4 * C)))
+                                   other=_doc(2, 4 * C), tier=tier))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line, "the owner process did not start its pool"
@@ -114,27 +114,6 @@ def _wait_gone(pids, prefix, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def _check_iteration(cluster, tokens, new, first_prefix):
-    """Plans and runs one iteration; every query equals float64 attention. Returns the
-    prefix tokens each request found cached."""
-    cp = cluster.control
-    reqs = [BatchRequest(rid, tuple(tokens[rid][first_prefix[rid]:first_prefix[rid] + n]),
-                         tuple(tokens[rid][:first_prefix[rid]])) for rid, n in new.items()]
-    plans = cp.gen_plans([Batch(tuple(reqs))], [1])
-    results = execute(cluster, plans, tokens, new)
-    cp.complete(plans)
-    worst, hits = 0.0, {}
-    for (rid, _pos, layer), (q, o, lse, span) in results.items():
-        hits[rid] = min(hits.get(rid, span.prefix_tokens), span.prefix_tokens)
-        if span.prefix_tokens:
-            ro, rlse = reference_prefix(tokens[rid], span.prefix_tokens, q, layer)
-            worst = max(worst, (o.double() - ro).abs().max().item(), (lse.double() - rlse).abs().max().item())
-        if span.position == span.prefix_tokens:
-            worst = max(worst, *full_attention_check(tokens[rid], span, q, o, lse, layer))
-    assert worst < 1e-5, worst
-    return hits
-
-
 def test_a_kill_during_a_put_adopts_whole_segments_only_and_answers_stay_exact(tmp_path):
     proc, started, state_file, leftover = _owner(tmp_path, grace=60, mid_put=True)
     prefix = cluster_prefix(started["cluster_id"])
@@ -159,16 +138,39 @@ def test_a_kill_during_a_put_adopts_whole_segments_only_and_answers_stay_exact(t
             assert not any(k in tree for k in half), "a half-stored segment was adopted"
             doc, other = _doc(1, 5 * C + 3), _doc(2, 4 * C)
             tokens = {"q": doc[:5 * C] + _doc(3, 6), "b": other + _doc(4, 3)}
-            hits = _check_iteration(cluster, tokens, {"q": 6, "b": len(tokens["b"])}, {"q": 5 * C, "b": 0})
+            hits = check_iteration(cluster, tokens, {"q": 6, "b": len(tokens["b"])}, {"q": 5 * C, "b": 0})
             assert hits == {"q": 5 * C, "b": 0}
             tokens["b2"] = other + _doc(5, 2)
-            assert _check_iteration(cluster, tokens, {"b2": 2}, {"b2": 4 * C}) == {"b2": 4 * C}
+            assert check_iteration(cluster, tokens, {"b2": 2}, {"b2": 4 * C}) == {"b2": 4 * C}
             assert pool_state.read(state_file)["owner_pid"] == os.getpid()
             _old_grants_are_refused(cluster, bytes.fromhex(started["grant_key"]), stored[0])
         finally:
             cluster.close()
         _wait_gone(started["pids"], prefix, 10)
         assert not state_file.exists() and not leftover.exists()
+    finally:
+        _reap(proc, started)
+
+
+def test_a_new_control_process_adopts_the_copies_a_host_memory_tier_holds(tmp_path):
+    """The owner of a pool with tiers in host memory is killed; the transfer engines
+    keep their copies through the grace, and the new owner adopts them beside the
+    slabs' records. The document, then pushed out of the slabs, comes back from the
+    tiers, and every answer equals float64 attention."""
+    tier = 128 * POOL_BYTES // 32  # 128 segments per instance
+    proc, started, state_file, _ = _owner(tmp_path, grace=60, tier=tier)
+    try:
+        _kill(proc)
+        cluster = LocalCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, orphan_grace_s=60,
+                               state_file=state_file, tier_bytes=tier)
+        cluster.adopt(pool_state.read(state_file))
+        try:
+            cp = cluster.control
+            stored = [bytes.fromhex(k) for k in started["stored"]]
+            assert sum(cp.stats().pool.tier.held.values()) == len(stored), "the tiers' copies adopted"
+            tier_round_trip(cluster, _doc(1, 5 * C + 3), C, 72)  # the slabs hold 64
+        finally:
+            cluster.close()
     finally:
         _reap(proc, started)
 
@@ -230,7 +232,7 @@ def test_a_waiting_pool_that_lost_an_engine_is_discarded_and_a_new_one_starts(tm
             assert mine["cluster_id"] == cluster.cluster_id != started["cluster_id"]
             assert mine["keys"]["owner_secret"] != state["keys"]["owner_secret"], "the dead pool's keys"
             tokens = {"a": _doc(9, 2 * C + 1)}
-            assert _check_iteration(cluster, tokens, {"a": len(tokens["a"])}, {"a": 0}) == {"a": 0}
+            assert check_iteration(cluster, tokens, {"a": len(tokens["a"])}, {"a": 0}) == {"a": 0}
         finally:
             cluster.close()
         assert not state_file.exists()
@@ -305,7 +307,7 @@ def test_a_restarted_instance_is_recorded_in_the_state_file(served_pool):
 def test_records_follow_a_cached_document_through_the_real_engines(served_pool):
     doc = _doc(7, 3 * C + 2)
     tokens = {"a": doc}
-    _check_iteration(served_pool, tokens, {"a": len(doc)}, {"a": 0})
+    check_iteration(served_pool, tokens, {"a": len(doc)}, {"a": 0})
     served_pool.control.finish_request("a")
     records, torn = served_pool.records.read(0)
     keys = served_pool.control.pool.hasher.keys(doc)

@@ -31,10 +31,12 @@ def _other(tok):
         "their catch each morning before the markets open. What do the boats bring?")}]))
 
 
-def _config(weights, tmp_path, instances: int = 1, slots: int = SLOTS, **fields) -> ClusterConfig:
-    """A pool of ``slots`` segments per instance with a tier of 64 in ``tmp_path/tier``."""
+def _config(weights, tmp_path, instances: int = 1, slots: int = SLOTS, medium: str = "disk",
+            **fields) -> ClusterConfig:
+    """A pool of ``slots`` segments per instance with a tier of 64 in ``tmp_path/tier``
+    (``medium`` "disk") or in host memory ("memory")."""
     return ClusterConfig(instances, model_spec(weights), pool_bytes(weights, C, slots), segment_tokens=C,
-                         max_rows=512, tier_path=str(tmp_path / "tier"),
+                         max_rows=512, tier_path=str(tmp_path / "tier") if medium == "disk" else None,
                          tier_bytes=pool_bytes(weights, C, 64), **fields)
 
 
@@ -55,9 +57,16 @@ def _same(got, want):
     assert got.output_ids == list(want.output_ids)
 
 
-def test_a_document_pushed_out_of_the_slab_comes_back_from_the_tier(tiny_llama, tiered):
+@pytest.mark.parametrize("medium", ["disk", "memory"])
+def test_a_document_pushed_out_of_the_slab_comes_back_from_the_tier(tiny_llama, tmp_path, medium):
     weights, tok, _ = tiny_llama
-    cluster, server = tiered
+    with LocalCluster(_config(weights, tmp_path, medium=medium)) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
+        _pushed_out_and_back(cluster, server, weights, tok)
+    assert (tmp_path / "tier").exists() == (medium == "disk")
+
+
+def _pushed_out_and_back(cluster, server, weights, tok) -> None:
     ref = reference(weights)
     doc, other = _prompts(tok)[0], _other(tok)
     first = _ask(server, "a", doc, tok)
@@ -128,14 +137,14 @@ def test_the_tier_outlives_the_pool(tiny_llama, tmp_path):
     _same(again, reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
 
 
-def test_a_tier_needs_a_directory_and_room_for_a_segment(tiny_llama, tmp_path):
+def test_a_tier_needs_room_for_a_segment_and_a_directory_its_size(tiny_llama, tmp_path):
     weights, _, _ = tiny_llama
     spec = model_spec(weights)
-    with pytest.raises(ConfigError, match="tier_path"):
-        ClusterConfig(1, spec, pool_bytes(weights, C, 4), segment_tokens=C, tier_bytes=1 << 20)
-    with pytest.raises(ConfigError, match="holds no"):
-        ClusterConfig(1, spec, pool_bytes(weights, C, 4), segment_tokens=C,
-                      tier_path=str(tmp_path), tier_bytes=10)
+    with pytest.raises(ConfigError, match="needs tier_bytes"):
+        ClusterConfig(1, spec, pool_bytes(weights, C, 4), segment_tokens=C, tier_path=str(tmp_path))
+    for path in (str(tmp_path), None):  # on disk or in host memory
+        with pytest.raises(ConfigError, match="holds no"):
+            ClusterConfig(1, spec, pool_bytes(weights, C, 4), segment_tokens=C, tier_path=path, tier_bytes=10)
 
 
 def test_serve_settings_give_the_pool_its_tier(tmp_path):
@@ -145,8 +154,11 @@ def test_serve_settings_give_the_pool_its_tier(tmp_path):
     cfg = ServeSettings(tier_path=str(tmp_path), tier_mb=64)
     cluster = serve_config(cfg).cluster
     assert cluster.tier_path == str(tmp_path) and cluster.tier_bytes == 64 << 20
-    assert serve_config(ServeSettings()).cluster.tier_path is None
-    with pytest.raises(ConfigError, match="go together"):
+    none = serve_config(ServeSettings()).cluster
+    assert none.tier_path is None and none.tier_bytes == 0
+    memory = serve_config(ServeSettings(tier_mb=32)).cluster  # without a directory: host memory
+    assert memory.tier_path is None and memory.tier_bytes == 32 << 20
+    with pytest.raises(ConfigError, match="needs tier_mb"):
         ServeSettings(tier_path=str(tmp_path))
 
 
@@ -179,7 +191,7 @@ def test_metrics_status_and_the_wire_report_both_tiers(capsys):
     summary = status_summary(back.stats)
     assert summary["tier"]["promotions"] == 2 and summary["tier"]["held"] == {"0": 4}
     print_status(summary, "tcp://x")
-    assert "disk tier: 6 segments per instance, held {0: 4}" in capsys.readouterr().out
+    assert "tier: 6 segments per instance, held {0: 4}" in capsys.readouterr().out
 
 
 def test_a_transfer_engine_killed_while_promoting_changes_no_answer(tiny_llama, tmp_path):

@@ -193,3 +193,27 @@ def test_a_closed_tier_refuses_its_use(tmp_path):
     for use in (lambda: t.put(key(1), payload(1)), lambda: t.get(key(0)), lambda: t.remove(key(0))):
         with pytest.raises(ConfigError, match="closed"):
             use()
+
+
+def test_a_host_memory_tier_keeps_copies_until_dropped_and_refuses_beyond_its_rows():
+    import torch
+
+    from tokenlake.engines.tier_store import HostTier
+
+    tier = HostTier(3 * 64 + 10, 64)  # three rows of 64 bytes
+    slots = [torch.full((64,), i, dtype=torch.uint8) for i in range(5)]
+    for i in range(3):
+        assert tier.stage(bytes([i]), slots[i], [i])
+    assert not tier.stage(b"\x03", slots[3]), "a fourth copy has no row"
+    assert not tier.stage(b"\x04", slots[4][:32]), "a view that is not one slot"
+    out = torch.zeros(64, dtype=torch.uint8)
+    assert tier.read_into(b"\x00", out) and torch.equal(out, slots[0])
+    assert [k for k, _ in tier.listing()] == [b"\x01", b"\x02", b"\x00"]  # least recently used first
+    assert tier.stage(b"\x01", slots[4])  # written again: its row, the new bytes
+    assert tier.read_into(b"\x01", out) and torch.equal(out, slots[4])
+    tier.drop(b"\x02")
+    assert not tier.read_into(b"\x02", out) and torch.equal(out, slots[4]), "a miss leaves out alone"
+    assert tier.stage(b"\x03", slots[3])  # the dropped copy's row
+    assert tier.read_into(b"\x00", out) and torch.equal(out, slots[0]), "no row was shared"
+    assert dict(tier.listing())[b"\x00"] == [0]
+    tier.close()

@@ -33,10 +33,14 @@ from tokenlake.dataplane.shm_files import (
 
 log = logging.getLogger(__name__)
 
+#: settings a state file written before they existed did not name, as they were then
+_ADDED_SETTINGS = {"tier_bytes": 0, "tier_path": None}
+
+
 def check_settings(mine: dict[str, Any], state: dict[str, Any]) -> None:
     """``AdoptionRefused`` naming each setting of ``mine`` that differs from the waiting
     pool's (``state["settings"]``)."""
-    theirs = state.get("settings", {})
+    theirs = {**_ADDED_SETTINGS, **state.get("settings", {})}
     diff = [f"{k} {theirs.get(k)!r} (now {v!r})" for k, v in mine.items() if theirs.get(k) != v]
     if diff:
         raise AdoptionRefused(
@@ -112,7 +116,8 @@ class Adoptable:
                 "pool_bytes": self.pool_bytes, "segment_tokens": self.segment_tokens,
                 "page_tokens": self.control.config.page_tokens, "kv_dtype": self.kv_dtype,
                 "kv_layout": self.kv_layout, "max_rows": self.max_rows, "device": self.layout.device,
-                "share_slabs": self.share_slabs, "host": self.host, "insecure": self.insecure}
+                "share_slabs": self.share_slabs, "host": self.host, "insecure": self.insecure,
+                "tier_bytes": self.config.tier_bytes, "tier_path": self.config.tier_path}
 
     # ---------------------------------------------------------------- the state file
     def write_state(self) -> None:

@@ -165,7 +165,7 @@ class ClusterBase(abc.ABC):
         self.control = pool_control(config.instances, config.model, config.pool_bytes, config.segment_tokens,
                                     config.kv_dtype, clock, config.seed, config.kv_layout, config.page_tokens,
                                     self.share_slabs, config.tier_bytes)
-        if config.tier_path is not None:
+        if config.tier_bytes:
             from tokenlake.deploy.tier import TierDriver
 
             self.control.tier_data_plane = TierDriver(self)

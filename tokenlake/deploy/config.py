@@ -73,12 +73,13 @@ class ClusterConfig:
             runs them all on one machine and the pool is on the CPU (``LocalCluster``:
             on by default; ``RayCluster`` never does, its instances may be on several
             nodes). The control plane then plans for it (``PoolConfig.shared_memory``).
-        tier_path: a directory for the instances' disk tiers (one subdirectory each,
-            ``instance-<i>``), on a local disk; ``None``: no tier. Segments are written
-            through to it and, evicted from the slabs, stay there until read back
-            (docs/design.md "Disk tier"). ``LocalCluster`` only.
-        tier_bytes: what each instance's tier may hold (whole segments; needs
-            ``tier_path``).
+        tier_bytes: what each instance's tier below its slab may hold (whole
+            segments); 0: no tier. Segments are written through to it and, evicted
+            from the slabs, stay there until read back (docs/design.md "Disk tier").
+        tier_path: a directory for the instances' tiers on a local disk (one
+            subdirectory each, ``instance-<i>``; they outlive the pool, ``LocalCluster``
+            only); ``None``: the tiers are in the transfer engines' host memory (pinned
+            on a GPU pool) and go with them.
     """
 
     instances: int
@@ -135,13 +136,11 @@ class ClusterConfig:
     def _check_tier(self) -> None:
         if not is_int(self.tier_bytes) or self.tier_bytes < 0:
             raise ConfigError(f"tier_bytes must be an int >= 0, got {self.tier_bytes!r}")
-        if self.tier_path is None:
-            if self.tier_bytes:
-                raise ConfigError("tier_bytes needs a tier_path (the tier's directory)")
-            return
-        if not isinstance(self.tier_path, str) or not self.tier_path:
+        if self.tier_path is not None and (not isinstance(self.tier_path, str) or not self.tier_path):
             raise ConfigError(f"tier_path must be a directory path, got {self.tier_path!r}")
-        if self.tier_bytes < self.segment_bytes:
+        if self.tier_path is not None and not self.tier_bytes:
+            raise ConfigError("tier_path needs tier_bytes (what each instance's tier may hold)")
+        if self.tier_bytes and self.tier_bytes < self.segment_bytes:
             raise ConfigError(f"tier_bytes={self.tier_bytes} holds no {self.segment_bytes}-byte segment")
 
     def _check_times(self) -> None:

@@ -52,7 +52,8 @@ class EngineSpec:
             with (:mod:`tokenlake.dataplane.grants`); ``None``: a client session's plans
             are taken without a grant (a launcher that makes no key).
         tier_path: a transfer engine's disk tier directory (this instance's own);
-            ``None``: no tier. ``tier_bytes``: what its files may take; ``tier_fsync``:
+            ``None``: its tier, if any, is in host memory. ``tier_bytes``: what the
+            tier may take (its files, or its host memory); 0: no tier. ``tier_fsync``:
             flush each file to the disk before it counts (off only in tests).
     """
 
@@ -85,8 +86,8 @@ class EngineSpec:
             raise ConfigError("peer_timeout_s must be > 0")
         if not self.orphan_grace_s >= 0:
             raise ConfigError(f"orphan_grace_s must be >= 0, got {self.orphan_grace_s}")
-        if self.tier_path is not None and (self.role != "transfer" or self.tier_bytes <= 0):
-            raise ConfigError("a disk tier is a transfer engine's, with tier_bytes > 0")
+        if (self.tier_path is not None or self.tier_bytes) and (self.role != "transfer" or self.tier_bytes <= 0):
+            raise ConfigError("a tier is a transfer engine's, with tier_bytes > 0")
         if self.port_range is not None:
             lo, hi = self.port_range  # msgpack gives a list
             object.__setattr__(self, "port_range", (int(lo), int(hi)))

@@ -1,5 +1,6 @@
-"""A transfer engine's disk tier at work: slots staged, written in the background, read
-back on a promotion (``TIER_OPS``, ``TIER_READ``: :mod:`tokenlake.dataplane.messages.tier`).
+"""A transfer engine's tier at work: slots staged, written in the background, read back
+on a promotion (``TIER_OPS``, ``TIER_READ``: :mod:`tokenlake.dataplane.messages.tier`).
+:class:`TierStore` is a disk tier, :class:`HostTier` one in host memory.
 
 Staging copies a slot's bytes (all its layers, one contiguous block of the slab) into
 memory before the engine answers, so the control plane may reuse the slot at once; a
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,62 @@ class TierStore:
         entry = self._staged.pop(key, None)
         if entry is not None:
             self._staged_bytes -= len(entry[0])
+
+
+class HostTier:
+    """One instance's tier in host memory (``EngineSpec.tier_path`` ``None``): the copies
+    lie in one buffer of ``capacity_bytes // slot_nbytes`` slots (pinned when ``pin``:
+    a GPU slab copies to and from it by DMA), allocated once; a copy is taken before the
+    engine answers and read back from there. What :class:`TierStore` offers, less the
+    files: nothing survives the engine.
+
+    The control plane never asks for more copies than fit (its ``tier_slots`` are this
+    buffer's slots); a write beyond them is refused all the same."""
+
+    def __init__(self, capacity_bytes: int, slot_nbytes: int, pin: bool = False) -> None:
+        self.capacity = capacity_bytes // slot_nbytes
+        self.slot_nbytes = slot_nbytes
+        self._buf = torch.empty((self.capacity, slot_nbytes), dtype=torch.uint8, pin_memory=pin)
+        self._free = list(range(self.capacity - 1, -1, -1))
+        # key -> (its row of the buffer, its meta), least recently written or read first
+        self._held: OrderedDict[bytes, tuple[int, Any]] = OrderedDict()
+        self.written = self.write_errors = self.reads = self.read_failures = 0
+        self.staged_bytes = 0  # nothing waits to be written
+
+    def drop(self, key: bytes) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._free.append(held[0])
+
+    def stage(self, key: bytes, view: torch.Tensor, meta: Any = None) -> bool:
+        """Copies ``view`` (:func:`slot_bytes`) as ``key``; False when no row is free or
+        ``view`` is not one slot."""
+        held = self._held.pop(key, None)
+        row = held[0] if held is not None else (self._free.pop() if self._free else None)
+        if row is None or view.numel() != self.slot_nbytes:
+            if row is not None:
+                self._free.append(row)
+            self.write_errors += 1
+            return False
+        self._buf[row].copy_(view)
+        self._held[key] = (row, meta)
+        self.written += 1
+        return True
+
+    def read_into(self, key: bytes, out: torch.Tensor) -> bool:
+        held = self._held.get(key)
+        if held is None or out.numel() != self.slot_nbytes:
+            self.read_failures += 1
+            return False
+        out.copy_(self._buf[held[0]])
+        self._held.move_to_end(key)
+        self.reads += 1
+        return True
+
+    def listing(self) -> list[tuple[bytes, Any]]:
+        """``(key, meta)`` of every copy, least recently used first."""
+        return [(k, meta) for k, (_row, meta) in self._held.items()]
+
+    def close(self) -> None:
+        self._held.clear()
+        self._buf = torch.empty(0, dtype=torch.uint8)

@@ -17,9 +17,9 @@ and executes:
   slab (``EngineSpec.shared_slabs``) it is one copy, without a message;
 * ``READ_SEGMENT``: one layer of some slots, returned as frames (``SEGMENT_DATA``);
 * from peers: ``PEER_PUT`` and ``PEER_SEGMENT`` written into the local slab;
-* with a disk tier (``EngineSpec.tier_path``): ``TIER_OPS`` (drop files, stage slots to
-  write through) and ``TIER_READ`` (files read back into slots), both from the owner
-  (:mod:`tokenlake.engines.tier_store`).
+* with a tier (``EngineSpec.tier_bytes``; on disk with ``tier_path``, else in host
+  memory): ``TIER_OPS`` (drop copies, copy slots to write through) and ``TIER_READ``
+  (copies read back into slots), both from the owner (:mod:`tokenlake.engines.tier_store`).
 
 A transfer plan belongs to the session that registered it
 (:class:`~tokenlake.engines.loop.Caller`): its rows come from that session's ``kv``
@@ -62,7 +62,7 @@ from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
-from tokenlake.engines.tier_store import TierStore, slot_bytes
+from tokenlake.engines.tier_store import HostTier, TierStore, slot_bytes
 
 #: Transfer plans one session may have registered at once (the oldest is dropped: a
 #: client releases each plan when it registers the next).
@@ -93,10 +93,13 @@ class TransferEngine(EngineLoop):
         self.kv = bufs["kv"]  # [layers, max_rows, 2, kv_heads, head_dim]
         self.shared = self.map_shared_slabs(self.slab)  # co-located peers' slabs: copies go straight in
         self.plans: dict[tuple[bytes, int], TransferPlanState] = {}  # (session, its plan id) -> plan
-        self.tier: TierStore | None = None
+        self.tier: TierStore | HostTier | None = None
         if spec.tier_path is not None:
             layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
             self.tier = TierStore(spec.tier_path, spec.tier_bytes, layout, fsync=spec.tier_fsync)
+        elif spec.tier_bytes:
+            self.tier = HostTier(spec.tier_bytes, slot_bytes(self.slab, 0).numel(),
+                                 pin=self.slab.device.type == "cuda")
 
     def handle(self, identity, msg_id: int, message: WireMessage, caller: Caller) -> None:
         match message:
@@ -323,7 +326,7 @@ class TransferEngine(EngineLoop):
     def _tier(self, message: TierOps | TierRead | TierList) -> TierDone | TierListing:
         tier = self.tier
         if tier is None:
-            raise PlanError(f"instance {self.spec.instance} has no disk tier")
+            raise PlanError(f"instance {self.spec.instance} has no tier")
         if isinstance(message, TierList):
             return TierListing(tuple(TierEntry(k, *meta) for k, meta in tier.listing()
                                      if isinstance(meta, list) and len(meta) == 3))

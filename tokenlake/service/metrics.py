@@ -86,21 +86,21 @@ class _PoolCollector(Collector):
 
 
 def _tier_metrics(tier) -> Iterable:
-    """The disk tiers' families (``PoolStats.tier``: :class:`tokenlake.core.tier.TierStats`)."""
-    held = GaugeMetricFamily("tokenlake_tier_segments", "Segments in each instance's disk tier",
+    """The tiers' families (``PoolStats.tier``: :class:`tokenlake.core.tier.TierStats`)."""
+    held = GaugeMetricFamily("tokenlake_tier_segments", "Segments in each instance's tier (disk or host memory)",
                              labels=["instance"])
     for i, n in sorted(tier.held.items()):
         held.add_metric([str(i)], n)
     yield held
     yield GaugeMetricFamily("tokenlake_tier_capacity_segments",
-                            "Segments one instance's disk tier holds", value=tier.capacity)
+                            "Segments one instance's tier holds", value=tier.capacity)
     for name, value, text in (
-            ("writes", tier.written, "Segments written through to a disk tier"),
-            ("demotions", tier.demotions, "Segments evicted from the slabs kept in a disk tier"),
-            ("promotions", tier.promotions, "Hits in a disk tier: segments read back into a slot"),
+            ("writes", tier.written, "Segments written through to a tier"),
+            ("demotions", tier.demotions, "Segments evicted from the slabs kept in a tier"),
+            ("promotions", tier.promotions, "Hits in a tier: segments read back into a slot"),
             ("failed_promotions", tier.failed_promotions,
-             "Tier files found missing or corrupt on a hit (their segments computed again)"),
-            ("dropped", tier.dropped, "Copies a disk tier evicted or lost")):
+             "Tier copies found missing or corrupt on a hit (their segments computed again)"),
+            ("dropped", tier.dropped, "Copies a tier evicted or lost")):
         yield CounterMetricFamily(f"tokenlake_tier_{name}", text, value=value)
 
 

@@ -114,12 +114,12 @@ class ServeSettings:
                              "stays float32)", choices=tuple(KV_DTYPES), metavar="DTYPE")
     max_rows: int = _setting(1024, "int", "rows of each q/out/kv buffer", _positive,
                           metavar="ROWS")
-    tier_path: str | None = _setting(None, "str", "directory of the instances' disk tiers, on a "
-                                     "local disk (unset: no tier; segments evicted from the "
-                                     "slabs are dropped); what it holds outlives the service",
+    tier_mb: int = _setting(0, "int", "MiB per instance of a tier below the slab, where evicted "
+                            "segments wait to be read back (0: none, they are dropped); in "
+                            "host memory unless tier_path is set", _at_least_zero, metavar="MIB")
+    tier_path: str | None = _setting(None, "str", "directory of the instances' tiers on a local "
+                                     "disk (needs tier_mb); what it holds outlives the service",
                                      metavar="DIR")
-    tier_mb: int = _setting(0, "int", "disk tier MiB per instance (needs tier_path)",
-                            _at_least_zero, metavar="MIB")
     host: str = _setting("127.0.0.1", "str", "address of the control and HTTP ports",
                          _address, metavar="ADDRESS")
     control_port: int = _setting(7400, "int", "control port (typed wire messages; 0: any "
@@ -206,8 +206,8 @@ class ServeSettings:
                               f"({self.segment_tokens})")
         if self.control_port == self.http_port != 0:
             raise ConfigError(f"control_port and http_port must differ, both are {self.http_port}")
-        if (self.tier_path is None) != (self.tier_mb == 0):
-            raise ConfigError("tier_path and tier_mb go together (a disk tier needs both)")
+        if self.tier_path is not None and self.tier_mb == 0:
+            raise ConfigError("tier_path needs tier_mb (what each instance's disk tier may hold)")
 
     def http_limits(self):
         """The ``http_*`` settings as the HTTP front door's

@@ -57,8 +57,9 @@ class Bundles:
 
     def __init__(self, options: RayOptions, layout: BufferLayout, timeout_s: float,
                  peer_timeout_s: float, start_timeout_s: float, keys: ClusterKeys | None = None,
-                 grant_key: bytes | None = None) -> None:
+                 grant_key: bytes | None = None, tier_bytes: int = 0) -> None:
         self.options, self.layout, self.keys, self.grant_key = options, layout, keys, grant_key
+        self.tier_bytes = tier_bytes  # each transfer engine's tier in host memory
         self.peer_timeout_s, self.start_timeout_s = peer_timeout_s, start_timeout_s
         self.pg = None
         self.node = ""
@@ -156,7 +157,8 @@ class Bundles:
                               # the actor relays the driver's requests: it speaks as the owner
                               keys=None if self.keys is None
                               else self.keys.engine_view(with_owner=True).to_dict(),
-                              grant_key=self.grant_key, orphan_grace_s=self.grace_s)
+                              grant_key=self.grant_key, orphan_grace_s=self.grace_s,
+                              tier_bytes=self.tier_bytes if role == "transfer" else 0)
             starts[(role, i)] = actor.start.remote(spec.to_bytes())
         for key, started in gather(starts, "engine start-up", self.start_timeout_s).items():
             self.table.endpoints[key] = started.endpoint

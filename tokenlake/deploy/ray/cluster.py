@@ -106,12 +106,12 @@ class RayCluster(RayAdoptable, ClusterBase):
     ) -> None:
         config, options = with_options(config, args, fields, options)
         if config.tier_path is not None:  # its engines may be on other nodes' disks
-            raise ConfigError("a disk tier (tier_path) is LocalCluster's only, for now")
+            raise ConfigError("a disk tier (tier_path) is LocalCluster's only; tier_bytes alone: in host memory")
         super().__init__(config, clock=clock)
         self.options = options
         self._owns_ray = False
         self._bundles = Bundles(options, self.layout, self.timeout_s, self.peer_timeout_s,
-                                self.start_timeout_s, self.keys, self.grant_key)
+                                self.start_timeout_s, self.keys, self.grant_key, config.tier_bytes)
         self._clients: dict[int, Any] = {}
         self._slabs: dict[int, Any] = {}
         self._compute_at_start = compute

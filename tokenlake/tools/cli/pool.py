@@ -115,7 +115,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if cfg.kv_layout != "tokenlake":
         raise UsageError(f"serve --ray: --kv-layout {cfg.kv_layout} serves without --ray only")
     if cfg.tier_path is not None:
-        raise UsageError("serve --ray: a disk tier (--tier-path) serves without --ray only, for now")
+        raise UsageError("serve --ray: a disk tier (--tier-path) serves without --ray only, for now "
+                         "(--tier-mb alone gives a tier in host memory)")
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -140,7 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve(cfg.instances, cfg.model, cfg.pool_mb << 20, options, cfg.segment_tokens,
                      cfg.max_rows, restart=cfg.restart, json_lines=args.json,
                      page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype, state_file=state_file,
-                     out=lambda line: print(line, flush=True),
+                     tier_bytes=cfg.tier_mb << 20, out=lambda line: print(line, flush=True),
                      attach=_ray_service(cfg, args.json))
     except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None

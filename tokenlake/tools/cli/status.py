@@ -109,10 +109,10 @@ def print_status(s: dict[str, Any], address: str) -> None:
           f"replications {s['replications']}")
     tier = s.get("tier")
     if tier is None:
-        print("disk tier: none (segments evicted from the slabs are dropped)")
+        print("tier: none (segments evicted from the slabs are dropped)")
     else:
         held = ", ".join(f"{i}: {n}" for i, n in sorted(tier["held"].items(), key=lambda x: int(x[0])))
-        print(f"disk tier: {tier['capacity']} segments per instance, held {{{held}}}   written "
+        print(f"tier: {tier['capacity']} segments per instance, held {{{held}}}   written "
               f"{tier['written']}   demoted {tier['demotions']}   promoted {tier['promotions']} "
               f"(failed {tier['failed_promotions']})   dropped {tier['dropped']}")
     print(f"{len(s['sessions'])} client sessions (besides the serving process's own)")

@@ -16,6 +16,8 @@ from tokenlake.core.cost_model import LatencyModel, default_segment_tokens
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import HardwareProfile, ModelSpec, load_hardware, load_model
 
+#: where a simulated tier lies (``SimConfig.tier_medium``)
+TIER_MEDIA = ("disk", "host")
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -57,12 +59,14 @@ class SimConfig:
             own arrival time and that finish; its TTFT counts from then. False replays
             every arrival time as given (open loop), so a turn may arrive while the
             previous one still computes, before its KV can be reused.
-        tier_gb: TokenLake's disk tier per GPU, 1e9 bytes (0: none): segments evicted
-            from the pool stay there and are promoted on a hit, at the hardware profile's
-            ``tier_read_bw`` (:mod:`tokenlake.core.tier`; docs/simulator.md "Disk tier").
+        tier_gb: TokenLake's tier per GPU, 1e9 bytes (0: none): segments evicted from
+            the pool stay there and are promoted on a hit (:mod:`tokenlake.core.tier`;
+            docs/simulator.md "Disk tier").
+        tier_medium: where that tier is: ``"disk"`` (read at the hardware profile's
+            ``tier_read_bw``, an NVMe SSD on the GPU profiles) or ``"host"`` (host
+            memory, at its ``host_tier_bw``: PCIe into the GPU).
         tier_read_gbs: the tier's read bandwidth per GPU, 1e9 bytes/s, instead of the
-            profile's (an NVMe SSD, 5 GB/s on the GPU profiles): 25 for a tier in host
-            memory read over PCIe 4.0 x16, say.
+            profile's figure for ``tier_medium``.
         page_tokens: granularity of TokenLake's prefix hits inside a segment (None: the
             pool's default, 16; ``segment_tokens``: whole segments only).
         home_eviction: TokenLake's placement in a full pool: a new segment evicts at its
@@ -103,6 +107,7 @@ class SimConfig:
     latency: str | None = None
     cache_gb: float | None = None
     tier_gb: float = 0.0
+    tier_medium: str = "disk"
     tier_read_gbs: float | None = None
     segment_tokens: int | None = None
     chunk_tokens: int = 512
@@ -141,6 +146,8 @@ class SimConfig:
             raise ConfigError(f"cache_gb must be > 0, got {self.cache_gb!r}")
         if isinstance(self.tier_gb, bool) or not isinstance(self.tier_gb, (int, float)) or self.tier_gb < 0:
             raise ConfigError(f"tier_gb must be >= 0, got {self.tier_gb!r}")
+        if self.tier_medium not in TIER_MEDIA:
+            raise ConfigError(f"tier_medium must be one of {TIER_MEDIA}, got {self.tier_medium!r}")
         if self.tier_read_gbs is not None and not self.tier_read_gbs > 0:
             raise ConfigError(f"tier_read_gbs must be > 0 or None, got {self.tier_read_gbs!r}")
         if self.decode_batches not in DECODE_BATCH_RULES:
@@ -159,6 +166,8 @@ class SimConfig:
     def resolve(self) -> Setup:
         """Loads the named specs and derives per-GPU capacities."""
         model, hw = load_model(self.model), load_hardware(self.hardware)
+        if self.tier_medium == "host":  # the simulator reads a tier at tier_read_bw
+            hw = replace(hw, tier_read_bw=hw.host_tier_bw)
         if self.tier_read_gbs is not None:
             hw = replace(hw, tier_read_bw=self.tier_read_gbs * 1e9)
         latency = LatencyModel.load(self.latency or f"{self.hardware}_{self.model}")

@@ -150,6 +150,8 @@ class HardwareProfile:
     busiest (:mod:`evals.sim.instance_load`). ``tier_read_bw``: how fast a segment comes
     back from the instance's disk tier into its slab (read from the disk, digest
     checked), bytes/s (:mod:`tokenlake.core.tier`; the simulator charges promotions at it).
+    ``host_tier_bw``: the same from a tier in host memory (over PCIe into a GPU's
+    slab; one memory copy on the CPU), bytes/s.
     """
 
     name: str
@@ -161,6 +163,7 @@ class HardwareProfile:
     notes: str = ""
     shared_host: bool = False
     tier_read_bw: float = 2e9
+    host_tier_bw: float = 2e10
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -168,6 +171,7 @@ class HardwareProfile:
         _require_positive(
             f"HardwareProfile({self.name})",
             tier_read_bw=self.tier_read_bw,
+            host_tier_bw=self.host_tier_bw,
             flops=self.flops,
             mem_bw=self.mem_bw,
             net_bw=self.net_bw,

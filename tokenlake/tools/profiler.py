@@ -208,6 +208,24 @@ def measure_tier_read(mib: int = 64, file_mib: int = 4, repeats: int = 3) -> flo
     return n * len(data) / best
 
 
+def measure_host_tier(mib: int = 256, slot_mib: int = 4, repeats: int = 3) -> float:
+    """Bytes/s of copying ``mib`` MiB out of a host-memory tier's buffer into a slab's
+    slots, ``slot_mib`` MiB at a time (what a promotion from it does on the CPU): best of
+    ``repeats``."""
+    import torch
+
+    n = max(1, mib // slot_mib)
+    tier = torch.randint(0, 255, (n, slot_mib * _MIB), dtype=torch.uint8)
+    slab = torch.empty_like(tier)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for row in range(n):
+            slab[n - 1 - row].copy_(tier[row])
+        best = min(best, time.perf_counter() - start)
+    return tier.numel() / best
+
+
 def _sig(x: float, digits: int = 4) -> float:
     """``x`` rounded to ``digits`` significant digits (measurements are not more precise)."""
     return float(f"{x:.{digits}g}")
@@ -224,17 +242,20 @@ def profile_cpu(mem_mib: int = 256, matmul_n: int = 2048, transfer_mib: int = 64
     flops, mm_lib = measure_matmul_flops(matmul_n, repeats)
     net_bw, latency, how = measure_transfer(transfer_mib, max(1, repeats // 2 + 1), transfer)
     tier_bw = measure_tier_read(max(8, transfer_mib), repeats=max(1, repeats // 3))
+    host_bw = measure_host_tier(max(8, mem_mib), repeats=max(1, repeats // 3))
     notes = (
         f"Measured by tokenlake profile-cpu on {os.cpu_count()} logical CPUs on "
         f"{time.strftime('%Y-%m-%d')}: mem_bw = best sum over a {mem_mib} MiB float32 array "
         f"({mem_lib}); flops = best float32 {matmul_n}x{matmul_n} matmul ({mm_lib}); "
         f"net = {how}; tier_read_bw = tier files of 4 MiB read back from the disk (page cache "
-        f"dropped), digests checked; mem_bytes = physical RAM. Regenerate with: "
+        f"dropped), digests checked; host_tier_bw = slots of 4 MiB copied from a host-memory "
+        f"tier's buffer into a slab; mem_bytes = physical RAM. Regenerate with: "
         "tokenlake profile-cpu --out tokenlake/data/hardware.json --merge"
     )
     return HardwareProfile(name=name, flops=_sig(flops), mem_bw=_sig(mem_bw), net_bw=_sig(net_bw),
                            net_latency_s=_sig(latency), mem_bytes=_physical_memory_bytes(),
-                           notes=notes, shared_host=True, tier_read_bw=_sig(tier_bw))
+                           notes=notes, shared_host=True, tier_read_bw=_sig(tier_bw),
+                           host_tier_bw=_sig(host_bw))
 
 
 def write_profile(profile: HardwareProfile, path: str, merge: bool) -> None:

@@ -66,8 +66,11 @@ def _progress_bar(total: int | None, desc: str, unit: str, disabled: bool):
 def add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier-gb", type=float, default=0.0, help="TokenLake: a tier of this many GB "
                    "per GPU below the pool (0: none; the baselines have none)")
+    p.add_argument("--tier-medium", choices=("disk", "host"), default="disk", help="the tier "
+                   "is an NVMe SSD (disk) or host memory read over PCIe (host), at the hardware "
+                   "profile's tier_read_bw or host_tier_bw")
     p.add_argument("--tier-read-gbs", type=positive(float), default=None, help="the tier's read "
-                   "GB/s per GPU (default: the profile's, an NVMe SSD; 25: host memory over PCIe)")
+                   "GB/s per GPU instead of the profile's")
 
 
 # --------------------------------------------------------------------------- eval
@@ -204,7 +207,7 @@ def run_eval(args: argparse.Namespace) -> int:
                        decode_first=not args.no_decode_first,
                        decode_batches="reform" if args.reform_decode_batches else "keep",
                        grouped_reads=not args.per_row_reads, tier_gb=args.tier_gb,
-                       tier_read_gbs=args.tier_read_gbs)
+                       tier_medium=args.tier_medium, tier_read_gbs=args.tier_read_gbs)
     if args.instances:
         config = replace(config, instances=args.instances)
     if args.cache_gb and args.experiment not in ("hit-rate", "elasticity"):
@@ -309,7 +312,7 @@ def _load_requests(args: argparse.Namespace):
     try:  # ConfigError is a ValueError
         config = SimConfig(instances=args.instances, hardware=args.hardware, model=args.model,
                            cache_gb=args.cache_gb, tier_gb=args.tier_gb,
-                           tier_read_gbs=args.tier_read_gbs,
+                           tier_medium=args.tier_medium, tier_read_gbs=args.tier_read_gbs,
                            segment_tokens=args.segment_tokens,
                            chunk_tokens=args.chunk_tokens, tp=args.tp,
                            slo_scale=args.slo_scale, seed=args.seed,
@@ -354,7 +357,8 @@ def run_sim(args: argparse.Namespace) -> int:
     out = result.to_dict(series=args.series)
     out["config"] = {"trace": os.path.basename(args.trace), "rate": args.rate,
                      "speedup": args.speedup, "limit": args.limit, "repeat": args.repeat,
-                     "cache_gb": args.cache_gb, "tier_gb": args.tier_gb, "tp": args.tp,
+                     "cache_gb": args.cache_gb, "tier_gb": args.tier_gb,
+                     "tier_medium": args.tier_medium, "tp": args.tp,
                      "chunk_tokens": args.chunk_tokens,
                      "seed": args.seed}
     if args.json:

@@ -64,8 +64,8 @@ EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.PEER_PUT: m.PeerPut(0, 2, (m.SlotWrite(9, 5, 2),), (KV[0], KV[1]), (m.SlotCopy(1, 4, 2, 9, 5),)),
     Kind.PEER_SEGMENT: m.PeerSegment(11, SEG),
     Kind.TIER_OPS: m.TierOps((b"d" * 16,), ((3, m.TierEntry(b"k" * 16, None, 0, b"\x01\x00\x00\x00")),
-                                             (4, m.TierEntry(b"c" * 16, b"k" * 16, 1, None)))),
-    Kind.TIER_READ: m.TierRead(((b"k" * 16, 3, -1), (b"c" * 16, 4, 2))),
+                                             (4, m.TierEntry(b"c" * 16, b"k" * 16, 1, None))), 2),
+    Kind.TIER_READ: m.TierRead(((b"k" * 16, 3, -1), (b"c" * 16, 4, 2)), 3),
     Kind.TIER_DONE: m.TierDone((b"k" * 16,), (b"c" * 16,)),
     Kind.TIER_LIST: m.TierList(),
     Kind.TIER_LISTING: m.TierListing((m.TierEntry(b"k" * 16, None, 0, b"\x01\x00\x00\x00"),)),
@@ -167,6 +167,7 @@ OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"): (), (Kind.PEER_PUT, "copies
             (Kind.ADOPT, "grant_key"): None, (Kind.CP_STATS_RESULT, "restored"): (),
             (Kind.PONG, "handoffs"): 0, (Kind.CP_CLIENT_INFO_RESULT, "slab"): None,
             (Kind.TIER_OPS, "drops"): (), (Kind.TIER_OPS, "writes"): (), (Kind.TIER_READ, "items"): (),
+            (Kind.TIER_OPS, "epoch"): 0, (Kind.TIER_READ, "epoch"): 0,
             (Kind.TIER_DONE, "done"): (), (Kind.TIER_DONE, "failed"): (),
             (Kind.TIER_LISTING, "entries"): ()}
 

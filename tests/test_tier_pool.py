@@ -210,6 +210,7 @@ class TierMachine(RuleBasedStateMachine):
         self.slab: dict[tuple[int, int], bytes] = {}  # what each slot holds
         self.files: dict[tuple[int, bytes], bytes] = {}  # what each tier file holds
         self.late: list = []  # data-plane work taken, not yet answered
+        self.stalled: list = []  # (reader, instance, slot, key): reads no one answered yet
 
     def _run_ops(self, ops, refuse: int = 0) -> None:
         written, refused = [], []
@@ -271,6 +272,25 @@ class TierMachine(RuleBasedStateMachine):
                 self.slab[(p.instance, p.slot)] = src
                 self.pool.tier.promoted(p)
 
+    @rule(doc=st.sampled_from(DOCS))
+    def promote_unanswered(self, doc):
+        # the reads get no answer and the engine no fence: it may write them any time
+        promos = self.pool.tier.promote(self.pool.match(doc).tier_keys)
+        for p in promos:
+            self.pool.tier.hold_back(p)
+            if (p.instance, p.key) in self.files:
+                self.stalled.append((p.instance, p.to, p.slot, self.files[(p.instance, p.key)]))
+        for p in promos:
+            self.pool.tier.promotion_failed(p)
+
+    @rule()
+    def stalled_reads_land_then_fence(self):
+        for _reader, inst, slot, data in self.stalled:
+            self.slab[(inst, slot)] = data  # late, into slots no one may have been given
+        for reader in {s[0] for s in self.stalled}:
+            self.pool.tier.release(reader)
+        self.stalled = []
+
     @rule(inst=st.sampled_from([0, 1]))
     def evict(self, inst):
         self.pool.evict_one(inst)
@@ -285,6 +305,9 @@ class TierMachine(RuleBasedStateMachine):
             if gone is not None:
                 self.pool.tier.staged((), [w.key for w in gone.writes])
         self.late_answers()
+        # a removed instance's engines are stopped; reads into its slab go with it
+        # (a stalled reader writing into a removed peer's slab is not modelled)
+        self.stalled = [s for s in self.stalled if 1 not in (s[0], s[1])]
         self.pool.remove_instance(1)
         self.slab = {k: v for k, v in self.slab.items() if k[0] != 1}
         self.files = {k: v for k, v in self.files.items() if k[0] != 1}
@@ -455,4 +478,54 @@ def test_a_promotion_that_fails_before_reading_leaves_the_tier_as_it_was():
         cp.promote([([1, 2, 3, 4, 9], None)])
     assert all(cp.pool.tree.node(k).tier_only for k in keys)
     assert cp.pool.slots.used(0) <= used and cp.pool.stats().tier.failed_promotions == 0
+    cp.check()
+
+
+def test_slots_an_unanswered_read_names_stay_taken_until_its_engine_is_fenced_or_gone():
+    """The data plane got no answer to a read and could not fence its engine: the
+    promotions fail, their slots stay taken (named by no replica) until the data plane
+    reports the engine fenced, or the instance leaves the pool."""
+    from dataplane_util import TINY
+
+    from tokenlake.core.control import ControlPlane
+
+    cp = ControlPlane(PoolConfig(C, "t", 4, vnodes=8, page_tokens=C, tier_slots=8), TINY, [0, 1],
+                      clock=lambda: 0.0, rng=random.Random(0))
+
+    class Silent:
+        ready: list[int] = []
+
+        def tier_ops(self, ops):
+            return [w.key for op in ops.values() for w in op.writes], []
+
+        def tier_read(self, promotions):
+            keys = {p.key for p in promotions}
+            return keys, keys
+
+        def fenced(self):
+            out, self.ready = self.ready, []
+            return out
+
+    plane = cp.tier_data_plane = Silent()
+    doc = [1, 1, 2, 2, 3, 3, 4, 4]
+    store(cp.pool, doc)
+    store(cp.pool, [5, 5, 6, 6, 7, 7, 8, 8])
+    store(cp.pool, [9, 9, 10, 10, 11, 11])  # the document's end is pushed out of both slabs
+    assert len(cp.pool.match(doc).tier_keys) == 2
+    assert cp.promote([(doc + [9], None)]) == 0
+    held = cp.pool.tier.held_back()
+    assert held and cp.pool.stats().tier.failed_promotions > 0
+    named = {(loc.instance, loc.slot) for k in cp.pool.tree.keys()
+             for loc in cp.pool.tree.replicas(k, ready_only=False)}
+    assert not named & set(held)
+    cp.check()  # the slot accounting counts them taken
+    readers = sorted({p for p in cp.pool.tier._held_back})
+    plane.ready = readers[:1]
+    cp.flush_tier()
+    left = cp.pool.tier.held_back()
+    assert left == [loc for r in readers[1:] for loc in cp.pool.tier._held_back[r]]
+    cp.check()
+    for r in readers[1:]:
+        cp.remove_instance(r)  # its engines are stopped: what they held goes too
+    assert cp.pool.tier.held_back() == []
     cp.check()

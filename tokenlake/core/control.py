@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from tokenlake.core import tier_flow
 from tokenlake.core.assembly import PartAssembler
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.cost_model import LatencyModel, LoadRequest
@@ -38,7 +39,7 @@ from tokenlake.core.replication import Replication
 from tokenlake.core.request_table import RequestTable
 from tokenlake.core.specs import HardwareProfile, ModelSpec
 from tokenlake.core.store_plan import StorePlanner
-from tokenlake.core.tier import Promotion, TierDataPlane
+from tokenlake.core.tier import TierDataPlane
 from tokenlake.core.transaction import PlanCounts, Transaction
 
 
@@ -154,17 +155,9 @@ class ControlPlane:
         self.flush_tier()
 
     def flush_tier(self) -> None:
-        """Hands the disk tiers' queued work (files to drop, new segments to write
-        through) to :attr:`tier_data_plane`, and records what it staged."""
-        tier = self.pool.tier
-        if tier is None:
-            return
-        if self.tier_data_plane is None:
-            tier.settle()  # nothing moves data: staged at once
-            return
-        ops = tier.take_ops()
-        if ops:
-            tier.staged(*self.tier_data_plane.tier_ops(ops))
+        """Hands the tiers' queued work to :attr:`tier_data_plane` and records what it
+        did (:func:`tokenlake.core.tier_flow.flush`)."""
+        tier_flow.flush(self.pool, self.tier_data_plane)
 
     def adopt_tier(self, listings: Mapping[int, Sequence[tuple]]) -> int:
         """Puts what the instances' tiers already hold (``{instance: entries}``) into
@@ -177,34 +170,14 @@ class ControlPlane:
 
     def promote(self, prompts: Iterable[tuple[Sequence[int], str | None]]) -> int:
         """Brings the segments of each ``(token ids, cache salt)`` prompt's prefix that
-        are held only in a disk tier back into slots, parent first, so that the next
-        match reads them; returns how many came back. A segment whose file is missing or
-        corrupt goes, with what follows it (they are computed again)."""
-        tier = self.pool.tier
-        if tier is None:
+        are held only in a tier back into slots, parent first, so that the next match
+        reads them (:func:`tokenlake.core.tier_flow.promote`); returns how many came
+        back. A segment whose copy is missing or corrupt goes, with what follows it
+        (they are computed again)."""
+        if self.pool.tier is None:
             return 0
-        promos: list[Promotion] = []
-        held: list[bytes] = []  # each prompt's hit in the slabs, kept from the others' promotions
-        failed: set[bytes] | None = None
-        try:
-            for tokens, salt in prompts:
-                m = self.pool.match(tokens, max_tokens=max(len(tokens) - 1, 0), salt=salt)
-                if m.tier_keys:
-                    self.pool.lease(m.keys)
-                    held += m.keys
-                    promos += tier.promote(m.tier_keys)
-            if promos:
-                data_plane = self.tier_data_plane
-                failed = data_plane.tier_read(promos) if data_plane is not None else set()
-        finally:
-            if failed is None:  # an exception before anything was read: back in the tier only
-                for p in reversed(promos):
-                    tier.unpromote(p)
-            else:  # parent first: a failed parent takes its children along
-                for p in promos:
-                    (tier.promotion_failed if p.key in failed else tier.promoted)(p)
-            self.pool.unlease(held, missing_ok=True)
-        self.flush_tier()  # the failed ones' files
+        promos = tier_flow.promote(self.pool, self.tier_data_plane, prompts)
+        self.flush_tier()  # the failed ones' copies
         return sum(1 for p in promos if p.key in self.pool.tree and self.pool.tree.is_ready(p.key))
 
     def abort(self, plans: Plans) -> None:

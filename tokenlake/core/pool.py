@@ -409,6 +409,7 @@ class CachePool:
             self.tier.check()
         held = [(loc.instance, loc.slot) for key in self.tree.keys()
                 for loc in self.tree.replicas(key, ready_only=False)] + list(self._private)
+        held += self.tier.held_back() if self.tier is not None else []
         assert len(held) == len(set(held)), "a slot holds two things"
         assert {i for i, _ in held} <= set(self.instances), "replica on an unknown instance"
         for inst in self.instances:

@@ -106,8 +106,13 @@ class TierDataPlane(Protocol):
     def tier_ops(self, ops: dict[int, TierOps]) -> tuple[list[SegmentKey], list[SegmentKey]]:
         """Runs each instance's ops; returns the write-throughs staged and refused."""
 
-    def tier_read(self, promotions: Sequence[Promotion]) -> set[SegmentKey]:
-        """Reads each promotion's file into its slot; returns the keys that failed."""
+    def tier_read(self, promotions: Sequence[Promotion]) -> tuple[set[SegmentKey], set[SegmentKey]]:
+        """Reads each promotion's file into its slot; returns the keys that failed, and
+        those of them whose engine neither answered nor was fenced (it may still write
+        their slots)."""
+
+    def fenced(self) -> list[int]:
+        """The instances whose engines answered a fence since the last call."""
 
 
 class TierManager:
@@ -128,6 +133,8 @@ class TierManager:
         self._seq = itertools.count()
         self._ops: dict[int, TierOps] = {}
         self._staging: dict[SegmentKey, int] = {}  # write-throughs in flight -> instance
+        # per reading instance: slots (instance, slot) an unanswered read may still write
+        self._held_back: dict[int, list[tuple[int, int]]] = {}
         self.written = self.demotions = self.promotions = 0
         self.failed_promotions = self.dropped = 0
         self.tree.tier_dropped = self._node_dropped
@@ -272,6 +279,20 @@ class TierManager:
             self._remove_subtree(p.key)
             self.failed_promotions += 1
 
+    def hold_back(self, p: Promotion) -> None:
+        """``p``'s read got no answer and its engine was not fenced: its slot stays
+        taken, named by no replica, until :meth:`release` (call before the batch's
+        :meth:`promotion_failed`, which then leaves that slot alone)."""
+        self._held_back.setdefault(p.instance, []).append((p.to, p.slot))
+
+    def release(self, instance: int) -> None:
+        """``instance``'s engine answered a fence: the slots its reads held are free."""
+        for inst, slot in self._held_back.pop(instance, ()):
+            self.pool.slots.free(inst, slot)
+
+    def held_back(self) -> list[tuple[int, int]]:
+        return [loc for locs in self._held_back.values() for loc in locs]
+
     def adopt(self, listings: Mapping[int, Sequence[tuple]]) -> int:
         """Copies the instances' tiers held before this control plane began (the pool
         started again on the same directories, or a new control process): per instance,
@@ -328,6 +349,9 @@ class TierManager:
         self._ops.pop(instance, None)
         for key in [k for k, i in self._staging.items() if i == instance]:
             self.staged((), (key,))
+        self.release(instance)  # its engines are stopped: they write nothing more
+        for reader, locs in self._held_back.items():  # its slots go with it
+            self._held_back[reader] = [loc for loc in locs if loc[0] != instance]
 
     # -------------------------------------------------------------- stats
     def stats(self) -> TierStats:
@@ -350,9 +374,12 @@ class TierManager:
 
     # ------------------------------------------------------------ internals
     def _remove_subtree(self, key: SegmentKey) -> None:
-        """Drops ``key`` and what follows it, freeing the slots of their replicas."""
+        """Drops ``key`` and what follows it, freeing the slots of their replicas (those
+        held back for an unanswered read stay taken)."""
+        held = set(self.held_back())
         for _key, inst, slot in self.tree.remove_subtree(key):
-            self.pool.slots.free(inst, slot)
+            if (inst, slot) not in held:
+                self.pool.slots.free(inst, slot)
 
     def _ops_of(self, instance: int) -> TierOps:
         return self._ops.setdefault(instance, TierOps())

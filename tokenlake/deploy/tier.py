@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two fences of a transfer engine that has not answered one.
+FENCE_RETRY_S = 5.0
 
 #: Bytes of segments one ``TIER_READ`` reads at most: a fraction of a second from a disk,
 #: so that a slow one does not outlast the driver's timeout (the engine would go on
@@ -37,52 +41,117 @@ def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
 
 class TierDriver:
     """:class:`~tokenlake.core.tier.TierDataPlane` of a launcher: requests to its
-    transfer engines, one per instance and call."""
+    transfer engines, one per instance and call.
+
+    **Fencing.** A request that gets no answer may still be carried out later (the
+    engine was stalled, not dead), when the control plane may have given its slots to
+    other segments. So every request carries the instance's epoch; after a request that
+    got no answer the driver raises the epoch and sends an empty ``TIER_OPS`` of the new
+    one (the *fence*): once an engine has answered it, it refuses everything older.
+    Until then the unanswered request's writes are reported neither staged nor refused
+    (their segments stay leased), its reads' slots are held back, and nothing else is
+    sent to that engine; the fence is tried again at most every :data:`FENCE_RETRY_S`,
+    and :meth:`fenced` tells the control plane when it may free what it held back."""
 
     def __init__(self, cluster: Any) -> None:  # a ClusterBase (which imports this lazily)
         self.cluster = cluster
+        self._epoch: dict[int, int] = {}
+        self._unfenced: dict[int, float] = {}  # instance -> when to try its fence again
+        self._unsettled: dict[int, list[bytes]] = {}  # per instance: writes never answered
+        self._fenced: list[int] = []
 
     def tier_ops(self, ops) -> tuple[list[bytes], list[bytes]]:
-        """Runs the disk tiers' queued work (``{instance: TierOps}`` of
+        """Runs the tiers' queued work (``{instance: TierOps}`` of
         :mod:`tokenlake.core.tier`) on each instance's transfer engine; returns the
-        write-throughs staged and refused (an engine that fails refuses them all)."""
+        write-throughs staged and refused (those of an engine that did not answer:
+        refused once it is fenced, in neither list before)."""
         from tokenlake.dataplane.messages import TierDone, TierEntry, TierOps  # imports torch
 
         staged: list[bytes] = []
         refused: list[bytes] = []
+        self._forget_gone()
+        for inst in list(self._unfenced):
+            self._fence(inst)
         for inst, op in ops.items():
             writes = tuple((w.slot, TierEntry(w.key, w.parent, w.index, w.tokens)) for w in op.writes)
-            msg = TierOps(tuple(op.drops), writes)
-            try:
-                done = self.cluster._request(("transfer", inst), msg, TierDone)
-            except Exception as exc:  # noqa: BLE001 - a dead engine writes nothing
-                log.warning("disk tier of instance %d: %s", inst, exc)
-                refused += [w.key for w in op.writes]
+            msg = TierOps(tuple(op.drops), writes, self._epoch.get(inst, 0))
+            if inst in self._unfenced or (done := self._ask(inst, msg, TierDone)) is None:
+                self._unsettled.setdefault(inst, []).extend(w.key for w in op.writes)
                 continue
             staged += done.done
             refused += done.failed
+        for inst in [i for i in self._unsettled if i not in self._unfenced]:
+            refused += self._unsettled.pop(inst)
         return staged, refused
 
-    def tier_read(self, promotions) -> set[bytes]:
-        """Reads each promotion's tier file into its slot (one ``TIER_READ`` per
-        instance); returns the keys that failed (an engine that fails fails them all)."""
+    def tier_read(self, promotions) -> tuple[set[bytes], set[bytes]]:
+        """Reads each promotion's copy into its slot (one ``TIER_READ`` per instance and
+        :data:`READ_BYTES`); returns the keys that failed, and those of them whose
+        engine neither answered nor was fenced (it may still write their slots)."""
         from tokenlake.dataplane.messages import TierDone, TierRead  # imports torch
 
         failed: set[bytes] = set()
+        unanswered: set[bytes] = set()
         by_inst: dict[int, list] = {}
         for p in promotions:
             by_inst.setdefault(p.instance, []).append((p.key, p.slot, p.target))
         per = max(1, READ_BYTES // self.cluster.config.segment_bytes)
+        self._forget_gone()
         for inst, items in by_inst.items():
             for at in range(0, len(items), per):  # each request well within the timeout
                 part = items[at : at + per]
-                try:
-                    failed.update(self.cluster._request(("transfer", inst), TierRead(tuple(part)),
-                                                        TierDone).failed)
-                except Exception as exc:  # noqa: BLE001 - nothing read is trusted
-                    log.warning("disk tier of instance %d: %s", inst, exc)
-                    failed.update(item[0] for item in part)
-        return failed
+                keys = [item[0] for item in part]
+                failed.update(keys)
+                if inst in self._unfenced and not self._fence(inst):
+                    continue  # not sent: nothing to hold back
+                done = self._ask(inst, TierRead(tuple(part), self._epoch.get(inst, 0)), TierDone)
+                if done is not None:
+                    bad = set(done.failed)
+                    failed.difference_update(k for k in keys if k not in bad)
+                elif inst in self._unfenced:
+                    unanswered.update(keys)
+        return failed, unanswered
+
+    def fenced(self) -> list[int]:
+        """The instances fenced since the last call: their held-back slots are free."""
+        out, self._fenced = self._fenced, []
+        return out
+
+    def _ask(self, inst: int, message, reply):
+        """``message`` to ``inst``'s transfer engine; its answer, or None after a failure
+        (then ``inst`` is fenced, or marked to be)."""
+        try:
+            return self.cluster._request(("transfer", inst), message, reply)
+        except Exception as exc:  # noqa: BLE001 - no answer: it may still be carried out
+            log.warning("tier of instance %d: %s", inst, exc)
+        self._epoch[inst] = self._epoch.get(inst, 0) + 1
+        self._unfenced[inst] = 0.0
+        self._fence(inst)
+        return None
+
+    def _fence(self, inst: int) -> bool:
+        """Has ``inst``'s engine answer an empty ``TIER_OPS`` of its epoch (at most every
+        :data:`FENCE_RETRY_S`); True once it has."""
+        from tokenlake.dataplane.messages import TierDone, TierOps  # imports torch
+
+        if time.monotonic() < self._unfenced[inst]:
+            return False
+        try:
+            self.cluster._request(("transfer", inst), TierOps(epoch=self._epoch[inst]), TierDone)
+        except Exception as exc:  # noqa: BLE001 - still silent: try again later
+            log.warning("tier of instance %d not fenced yet: %s", inst, exc)
+            self._unfenced[inst] = time.monotonic() + FENCE_RETRY_S
+            return False
+        del self._unfenced[inst]
+        self._fenced.append(inst)
+        return True
+
+    def _forget_gone(self) -> None:
+        """An instance taken out of the pool took its engines and all it held."""
+        live = set(self.cluster.control.instances)
+        for inst in [i for i in self._unfenced if i not in live]:
+            del self._unfenced[inst]
+            self._unsettled.pop(inst, None)
 
     def adopt(self, instances) -> int:
         """Asks each of ``instances``' transfer engines what its tier holds and gives it

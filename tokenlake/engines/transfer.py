@@ -28,6 +28,7 @@ buffer, and only that session can put through it or release it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -64,6 +65,8 @@ from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
 from tokenlake.engines.tier_store import HostTier, TierStore, slot_bytes
 
+log = logging.getLogger(__name__)
+
 #: Transfer plans one session may have registered at once (the oldest is dropped: a
 #: client releases each plan when it registers the next).
 MAX_SESSION_PLANS = 64
@@ -94,6 +97,7 @@ class TransferEngine(EngineLoop):
         self.shared = self.map_shared_slabs(self.slab)  # co-located peers' slabs: copies go straight in
         self.plans: dict[tuple[bytes, int], TransferPlanState] = {}  # (session, its plan id) -> plan
         self.tier: TierStore | HostTier | None = None
+        self.tier_epoch = 0  # the highest epoch of a tier message seen (TierOps: the fence)
         if spec.tier_path is not None:
             layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
             self.tier = TierStore(spec.tier_path, spec.tier_bytes, layout, fsync=spec.tier_fsync)
@@ -334,6 +338,12 @@ class TransferEngine(EngineLoop):
         slots = [it[1] for it in message.items] if reading else [s for s, _e in message.writes]
         if any(not 0 <= slot < self.num_slots for slot in slots):
             raise PlanError(f"slot out of range [0, {self.num_slots})")
+        if message.epoch < self.tier_epoch:  # the driver gave up on it: its slots may be others' now
+            log.warning("instance %d: a tier message of epoch %d refused (fenced at %d)",
+                        self.spec.instance, message.epoch, self.tier_epoch)
+            return TierDone((), tuple(it[0] for it in message.items) if reading
+                            else tuple(e.key for _s, e in message.writes))
+        self.tier_epoch = message.epoch
         done, failed = [], []
         if reading:
             for key, slot, target in message.items:

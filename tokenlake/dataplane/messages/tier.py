@@ -1,4 +1,4 @@
-"""Disk-tier messages: the driver and the transfer engine of one instance (2x).
+"""Tier messages: the driver and the transfer engine of one instance (2x).
 
 The control plane's tier bookkeeping (:mod:`tokenlake.core.tier`) hands its data moves
 to the driver, which sends each instance's transfer engine :class:`TierOps` (delete
@@ -71,14 +71,20 @@ class TierOps(WireMessage):
     tokens], ...]}``: delete the tier files of ``drops``, then stage each write's slot
     (all layers) to be written to the tier as its :class:`TierEntry` in the background.
     Answered with :class:`TierDone` once staged: ``done`` the writes staged, ``failed``
-    those refused (the staging memory is full)."""
+    those refused (the staging memory is full, or the message is fenced off).
+
+    ``epoch`` (both this and :class:`TierRead`; default 0): the driver's fence. An
+    engine refuses, whole, a message whose epoch is below the highest it has seen; a
+    driver that got no answer sends an empty ``TIER_OPS`` of a higher epoch, and once
+    that one is answered the unanswered message can no longer touch a slot."""
 
     KIND = Kind.TIER_OPS
     drops: tuple[bytes, ...] = ()
     writes: tuple[tuple[int, TierEntry], ...] = ()  # (slot, what it holds)
+    epoch: int = 0
 
     def body(self) -> dict:
-        return {"drops": list(self.drops),
+        return {"drops": list(self.drops), "epoch": self.epoch,
                 "writes": [[e.key, slot, e.parent, e.index, e.tokens] for slot, e in self.writes]}
 
     @classmethod
@@ -89,7 +95,7 @@ class TierOps(WireMessage):
             item = f.as_list(raw, f"writes[{i}]", 5)
             entry = TierEntry.from_wire(f, [item[0], *item[2:]], f"writes[{i}]")
             writes.append((f.as_int(item[1], f"writes[{i}][1]"), entry))
-        return cls(_keys(f, "drops"), tuple(writes))
+        return cls(_keys(f, "drops"), tuple(writes), f.int("epoch", default=0))
 
 
 @dataclass(frozen=True)
@@ -99,18 +105,20 @@ class TierRead(WireMessage):
     co-located slab this engine maps), its digest checked first (a promotion).
     Answered with :class:`TierDone` once every slot is written: ``failed`` the keys whose
     file is missing, corrupt or of another size, or whose target this engine cannot
-    write (their slots are left as they were)."""
+    write, or all of them when ``epoch`` is fenced off (:class:`TierOps`; their slots are
+    left as they were)."""
 
     KIND = Kind.TIER_READ
     items: tuple[tuple[bytes, int, int], ...] = ()
+    epoch: int = 0
 
     def body(self) -> dict:
-        return {"items": [list(item) for item in self.items]}
+        return {"items": [list(item) for item in self.items], "epoch": self.epoch}
 
     @classmethod
     def from_wire(cls, f: Fields) -> TierRead:
         f.tensors(0)
-        return cls(_items(f, "items"))
+        return cls(_items(f, "items"), f.int("epoch", default=0))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""Fencing a transfer engine that stalls while its tier is read (``TierDriver``): the
+driver gets no answer, raises the instance's epoch and fences the engine; until the
+engine has answered the fence, the slots the unanswered read names stay taken, so a
+read carried out late can never overwrite a segment placed there since. Real engine
+processes (a stall is ``SIGSTOP``); answers checked against float64 attention."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+from dataplane_util import TINY, check_iteration
+
+from tokenlake.dataplane.messages import TierDone, TierOps, TierRead
+from tokenlake.deploy import tier as tier_driver
+from tokenlake.deploy.local import LocalCluster
+
+C = 8
+SLOT = TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 4
+SLOTS = 12
+
+
+def _doc(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 900) for _ in range(n)]
+
+
+@pytest.fixture
+def pool():
+    with LocalCluster(1, TINY, SLOTS * SLOT, segment_tokens=C, max_rows=64, timeout_s=1.0,
+                      tier_bytes=64 * SLOT) as cluster:
+        yield cluster
+
+
+def _push_out(cluster, doc) -> tuple:
+    """Stores ``doc``, then enough others to push it out of the slab; returns its
+    segments held only in the tier."""
+    cp = cluster.control
+    check_iteration(cluster, {"d": doc}, {"d": len(doc)}, {"d": 0})
+    cp.finish_request("d")
+    for i in range(SLOTS // 4 + 1):
+        other = {f"o{i}": _doc(100 + i, 4 * C)}
+        check_iteration(cluster, other, {f"o{i}": 4 * C}, {f"o{i}": 0})
+        cp.finish_request(f"o{i}")
+    m = cp.get_prefix_tree().match(doc, max_tokens=len(doc) - 1)
+    assert m.tier_keys and not m.keys
+    return m.tier_keys
+
+
+def test_an_engine_refuses_tier_messages_older_than_its_fence(pool):
+    doc = _doc(1, 3 * C + 2)
+    keys = _push_out(pool, doc)
+    slab = pool.slab(0)
+    cp = pool.control.pool
+    cp.evict_one(0)
+    free = cp.slots.allocate(0)  # taken here: nothing else is placed in it
+    before = slab[free].clone()
+    assert pool._request(("transfer", 0), TierOps(epoch=3), TierDone) == TierDone()
+    late = pool._request(("transfer", 0), TierRead(((keys[0], free, -1),), epoch=2), TierDone)
+    assert late.failed == (keys[0],) and not late.done
+    assert bool((slab[free] == before).all()), "a fenced-off read wrote its slot"
+    now = pool._request(("transfer", 0), TierRead(((keys[0], free, -1),), epoch=3), TierDone)
+    assert now.done == (keys[0],) and not bool((slab[free] == before).all())
+
+
+def test_a_stalled_engine_keeps_its_read_slots_taken_until_it_answers_a_fence(pool, monkeypatch):
+    monkeypatch.setattr(tier_driver, "FENCE_RETRY_S", 0.0)
+    cp = pool.control
+    doc = _doc(2, 3 * C + 2)
+    _push_out(pool, doc)
+    pid = pool._procs[("transfer", 0)].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert cp.promote([(doc, None)]) == 0  # no answer, no fence: nothing trusted
+        held = cp.pool.tier.held_back()
+        assert held, "the unanswered read's slots were freed"
+        cp.check()  # they count as taken
+        taken = {(loc.instance, loc.slot) for k in cp.pool.tree.keys()
+                 for loc in cp.pool.tree.replicas(k, ready_only=False)}
+        assert not taken & set(held)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    cp.flush_tier()  # the engine answers the fence now: they are free
+    assert cp.pool.tier.held_back() == []
+    cp.check()
+    tokens = {"q": doc + _doc(3, 5)}
+    hits = check_iteration(pool, tokens, {"q": len(tokens["q"])}, {"q": 0})  # exact: nothing stale
+    assert hits == {"q": 0}

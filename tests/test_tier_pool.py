@@ -71,6 +71,24 @@ def test_evicted_segments_stay_in_the_tier_and_come_back():
     assert pool.tier.stats().promotions == 2
 
 
+def test_a_hot_segment_read_back_from_the_tier_is_replicated():
+    """Hits on promoted segments count in the access window like any other: one that
+    many requests read after its promotion is a heavy hitter and gets a replica."""
+    pool, clock = make_pool(slots=2, instances=(0, 1, 2))
+    (key,) = store(pool, [5, 5], clock)
+    home = pool.tree.replicas(key)[0].instance
+    while pool.tree.replicas(key):  # pushed out of its slab: held only in the tier
+        pool.evict_one(home)
+    (p,) = pool.tier.promote(pool.match([5, 5]).tier_keys)
+    pool.tier.promoted(p)
+    pool.record_access([((key,), {p.to: 1})] * 10)
+    (rep,) = pool.rebalance()
+    assert rep.key == key and rep.source.instance == p.to
+    pool.finish_replication(rep)
+    assert len(pool.tree.replicas(key)) == 2
+    pool.check()
+
+
 def test_without_a_tier_evicted_segments_go():
     cfg = PoolConfig(segment_tokens=C, namespace="tier", slots_per_instance=2, vnodes=8)
     pool = CachePool(cfg, [0], lambda: 0.0)

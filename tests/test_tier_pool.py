@@ -18,6 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from tokenlake.core import tier_flow
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.errors import CapacityError, ConfigError
 from tokenlake.core.pool import CachePool
@@ -229,6 +230,8 @@ class TierMachine(RuleBasedStateMachine):
         self.files: dict[tuple[int, bytes], bytes] = {}  # what each tier file holds
         self.late: list = []  # data-plane work taken, not yet answered
         self.stalled: list = []  # (reader, instance, slot, key): reads no one answered yet
+        self.reading: list = []  # (batch, removals then): promotions begun, reads not over
+        self.removals = 0  # of instance 1: its engines (and their reads) stopped
 
     def _run_ops(self, ops, refuse: int = 0) -> None:
         written, refused = [], []
@@ -301,6 +304,34 @@ class TierMachine(RuleBasedStateMachine):
         for p in promos:
             self.pool.tier.promotion_failed(p)
 
+    @rule(doc=st.sampled_from(DOCS))
+    def begin_promotion(self, doc):
+        # the reads run outside the control plane's lock: anything may happen meanwhile
+        batch = tier_flow.begin(self.pool, [(doc, None)])
+        if batch is not None:
+            self.reading.append((batch, self.removals))
+
+    @rule(lose=st.booleans(), silent=st.booleans())
+    def end_promotion(self, lose, silent):
+        if not self.reading:
+            return
+        batch, removals = self.reading.pop(0)
+        failed, unanswered = set(), set()
+        for p in batch.promos:
+            src = self.files.get((p.instance, p.key))
+            if p.instance == 1 and removals != self.removals:
+                failed.add(p.key)  # its engine was stopped: nothing read
+            elif silent:
+                failed.add(p.key)
+                unanswered.add(p.key)
+                if src is not None:
+                    self.stalled.append((p.instance, p.to, p.slot, src))
+            elif lose or src is None:
+                failed.add(p.key)
+            else:  # the engine writes the slot whatever the control plane thinks now
+                self.slab[(p.to, p.slot)] = src
+        tier_flow.end(self.pool, batch, (failed, unanswered))
+
     @rule()
     def stalled_reads_land_then_fence(self):
         for _reader, inst, slot, data in self.stalled:
@@ -326,6 +357,7 @@ class TierMachine(RuleBasedStateMachine):
         # a removed instance's engines are stopped; reads into its slab go with it
         # (a stalled reader writing into a removed peer's slab is not modelled)
         self.stalled = [s for s in self.stalled if 1 not in (s[0], s[1])]
+        self.removals += 1
         self.pool.remove_instance(1)
         self.slab = {k: v for k, v in self.slab.items() if k[0] != 1}
         self.files = {k: v for k, v in self.files.items() if k[0] != 1}

@@ -171,14 +171,26 @@ class ControlPlane:
     def promote(self, prompts: Iterable[tuple[Sequence[int], str | None]]) -> int:
         """Brings the segments of each ``(token ids, cache salt)`` prompt's prefix that
         are held only in a tier back into slots, parent first, so that the next match
-        reads them (:func:`tokenlake.core.tier_flow.promote`); returns how many came
-        back. A segment whose copy is missing or corrupt goes, with what follows it
-        (they are computed again)."""
+        reads them; returns how many came back. A segment whose copy is missing or
+        corrupt goes, with what follows it (they are computed again). In three steps
+        (the reads outside the lock): :meth:`begin_promotion`, the data plane's
+        ``tier_read``, :meth:`end_promotion`."""
         if self.pool.tier is None:
             return 0
-        promos = tier_flow.promote(self.pool, self.tier_data_plane, prompts)
+        n = tier_flow.promote(self.pool, self.tier_data_plane, prompts)
         self.flush_tier()  # the failed ones' copies
-        return sum(1 for p in promos if p.key in self.pool.tree and self.pool.tree.is_ready(p.key))
+        return n
+
+    def begin_promotion(self, prompts: Iterable[tuple[Sequence[int], str | None]]):
+        """Slots for the prompts' segments held only in a tier
+        (:func:`tokenlake.core.tier_flow.begin`); None: nothing to promote."""
+        return None if self.pool.tier is None else tier_flow.begin(self.pool, prompts)
+
+    def end_promotion(self, batch, outcome) -> int:
+        """The reads of ``batch`` are over (:func:`tokenlake.core.tier_flow.end`)."""
+        n = tier_flow.end(self.pool, batch, outcome)
+        self.flush_tier()
+        return n
 
     def abort(self, plans: Plans) -> None:
         """The data plane failed to run ``plans``: undo them; requests keep their old state."""

@@ -38,81 +38,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from sortedcontainers import SortedList
 
 from tokenlake.core.errors import CapacityError
 from tokenlake.core.segments import SegmentKey
+from tokenlake.core.tier_types import Promotion, TierDataPlane, TierOps, TierStats, TierWrite
 from tokenlake.core.tree_nodes import TreeNode
 
-
-@dataclass(frozen=True)
-class TierWrite:
-    """Copy ``slot`` (segment ``key``, all layers) into the instance's tier, with where
-    the segment goes in the tree: ``parent`` (``None``: the unsalted root), ``index``,
-    ``tokens`` (int32 bytes), for a restart to put it back (:meth:`TierManager.adopt`)."""
-
-    key: SegmentKey
-    slot: int
-    parent: SegmentKey | None = None
-    index: int = 0
-    tokens: bytes | None = None
-
-
-@dataclass
-class TierOps:
-    """What one instance's transfer engine does next, in this order: delete the files
-    of ``drops``, then stage and write ``writes``."""
-
-    drops: list[SegmentKey] = field(default_factory=list)
-    writes: list[TierWrite] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Promotion:
-    """Read segment ``key``'s file from ``instance``'s tier into ``slot`` of instance
-    ``target`` (``instance`` itself, or one whose slab it writes directly: a co-located
-    one), a pending replica until :meth:`TierManager.promoted`."""
-
-    key: SegmentKey
-    instance: int
-    slot: int
-    target: int = -1  # -1: ``instance``
-
-    @property
-    def to(self) -> int:
-        """The instance whose slot receives the segment."""
-        return self.instance if self.target < 0 else self.target
-
-
-@dataclass(frozen=True)
-class TierStats:
-    """The tiers' counters: copies held per instance, and what moved."""
-
-    held: dict[int, int]  # copies in each instance's tier
-    capacity: int  # copies one instance's tier holds (tier_slots)
-    written: int  # copies written through
-    demotions: int  # segments that left the slabs and stayed in a tier
-    promotions: int  # segments read back into a slot
-    failed_promotions: int  # ... whose file was missing or corrupt (the segment went)
-    dropped: int  # copies the tiers evicted or lost
-
-
-class TierDataPlane(Protocol):
-    """What moves the tiers' data (a launcher's driver, through the transfer engines)."""
-
-    def tier_ops(self, ops: dict[int, TierOps]) -> tuple[list[SegmentKey], list[SegmentKey]]:
-        """Runs each instance's ops; returns the write-throughs staged and refused."""
-
-    def tier_read(self, promotions: Sequence[Promotion]) -> tuple[set[SegmentKey], set[SegmentKey]]:
-        """Reads each promotion's file into its slot; returns the keys that failed, and
-        those of them whose engine neither answered nor was fenced (it may still write
-        their slots)."""
-
-    def fenced(self) -> list[int]:
-        """The instances whose engines answered a fence since the last call."""
+__all__ = ["Promotion", "TierDataPlane", "TierManager", "TierOps", "TierStats", "TierWrite"]
 
 
 class TierManager:
@@ -251,14 +185,21 @@ class TierManager:
                 if slot is None:
                     break
                 tree.add_replica(key, target, slot, pool.clock())
-                out.append(Promotion(key, inst, slot, -1 if target == inst else target))
+                out.append(Promotion(key, inst, slot, -1 if target == inst else target,
+                                     node.replica(target)))
         finally:
             tree.unlease(guard)
         return out
 
+    def _own(self, p: Promotion) -> bool:
+        """Whether ``p``'s pending replica is still in the tree (not gone with an
+        ancestor whose copy failed, nor with its instance; read without the control
+        plane's lock, a promotion may find its segment gone, or stored again since)."""
+        return p.key in self.tree and self.tree.node(p.key).replica(p.to) is p.replica
+
     def promoted(self, p: Promotion) -> None:
         """``p``'s file is in its slot: the replica is ready."""
-        if p.key in self.tree:  # not gone with an ancestor whose file failed
+        if self._own(p):
             now = self.pool.clock()
             self.tree.set_ready(p.key, p.to, now)
             node = self.tree.node(p.key)
@@ -269,21 +210,23 @@ class TierManager:
     def unpromote(self, p: Promotion) -> None:
         """``p`` was not read (its batch failed before): its pending replica goes, the
         segment is held only in the tier again. Children first."""
-        if p.key in self.tree:
+        if self._own(p):
             self.pool.slots.free(p.to, self.tree.remove_replica(p.key, p.to))
 
     def promotion_failed(self, p: Promotion) -> None:
         """``p``'s file was missing or corrupt: the segment goes, with what follows it
         (held only in the tier, or being promoted after it); their slots are freed."""
-        if p.key in self.tree:
+        if self._own(p):
             self._remove_subtree(p.key)
             self.failed_promotions += 1
 
     def hold_back(self, p: Promotion) -> None:
         """``p``'s read got no answer and its engine was not fenced: its slot stays
         taken, named by no replica, until :meth:`release` (call before the batch's
-        :meth:`promotion_failed`, which then leaves that slot alone)."""
-        self._held_back.setdefault(p.instance, []).append((p.to, p.slot))
+        :meth:`promotion_failed`, which then leaves that slot alone). A promotion whose
+        replica went already (its instance left) holds nothing."""
+        if self._own(p):
+            self._held_back.setdefault(p.instance, []).append((p.to, p.slot))
 
     def release(self, instance: int) -> None:
         """``instance``'s engine answered a fence: the slots its reads held are free."""

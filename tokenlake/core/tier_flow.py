@@ -7,6 +7,7 @@ move counts as done at once."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from tokenlake.core.tier import Promotion, TierDataPlane
 
@@ -25,38 +26,77 @@ def flush(pool, data_plane: TierDataPlane | None) -> None:
         tier.release(instance)
 
 
-def promote(pool, data_plane: TierDataPlane | None,
-            prompts: Iterable[tuple[Sequence[int], str | None]]) -> list[Promotion]:
-    """Brings the segments of each ``(token ids, cache salt)`` prompt's prefix that are
-    held only in a tier back into slots, parent first; returns the promotions tried
-    (:func:`flush` still to run: the failed ones' copies go). A segment whose copy is
-    missing or corrupt goes, with what follows it; one whose read got no answer keeps
-    its slot taken until its engine is fenced (:meth:`~tokenlake.core.tier.TierManager.hold_back`)."""
+@dataclass
+class PromotionBatch:
+    """Promotions begun (:func:`begin`) and not yet ended (:func:`end`): the slots are
+    taken, pending replicas added, and the prompts' hits in the slabs leased (the
+    first promoted segment hangs under the last of them). ``prompts``: the indices of
+    the prompts that had something to promote."""
+
+    promos: list[Promotion]
+    leased: list[bytes]
+    prompts: list[int]
+
+
+def begin(pool, prompts: Iterable[tuple[Sequence[int], str | None]]) -> PromotionBatch | None:
+    """Takes slots for what each ``(token ids, cache salt)`` prompt's prefix holds only
+    in a tier, parent first (None: nothing to promote). Under the control plane's lock;
+    the reads (:meth:`~tokenlake.core.tier.TierDataPlane.tier_read` of ``promos``) need
+    not be, and :func:`end` takes their outcome."""
     tier = pool.tier
-    promos: list[Promotion] = []
-    leased: list[bytes] = []  # each prompt's hit in the slabs, kept from the others' promotions
-    failed: set[bytes] | None = None
-    unanswered: set[bytes] = set()
+    batch = PromotionBatch([], [], [])
     try:
-        for tokens, salt in prompts:
+        for i, (tokens, salt) in enumerate(prompts):
             m = pool.match(tokens, max_tokens=max(len(tokens) - 1, 0), salt=salt)
             if m.tier_keys:
                 pool.lease(m.keys)
-                leased += m.keys
-                promos += tier.promote(m.tier_keys)
-        if promos and data_plane is not None:
-            failed, unanswered = data_plane.tier_read(promos)
-        else:
-            failed = set()  # nothing moves data: read at once
-    finally:
-        if failed is None:  # an exception before anything was read: back in the tier only
-            for p in reversed(promos):
+                batch.leased += m.keys
+                promos = tier.promote(m.tier_keys)
+                batch.promos += promos
+                if promos:
+                    batch.prompts.append(i)
+    except BaseException:
+        end(pool, batch, None)
+        raise
+    if not batch.promos:
+        end(pool, batch, (set(), set()))
+        return None
+    return batch
+
+
+def end(pool, batch: PromotionBatch, outcome: tuple[set[bytes], set[bytes]] | None) -> int:
+    """Records the reads' ``outcome`` (the keys that failed, and those of them whose
+    engine may still write their slots: :meth:`~tokenlake.core.tier.TierManager.hold_back`;
+    None: nothing was read, the segments are held only in the tier again); returns how
+    many came back. Promotions whose segment went meanwhile (its instance left) are
+    skipped. :func:`flush` is still to run: the failed ones' copies go."""
+    tier = pool.tier
+    try:
+        if outcome is None:
+            for p in reversed(batch.promos):
                 tier.unpromote(p)
-        else:
-            for p in promos:  # first: a failed parent's subtree must leave these slots taken
-                if p.key in unanswered:
-                    tier.hold_back(p)
-            for p in promos:  # parent first: a failed parent takes its children along
-                (tier.promotion_failed if p.key in failed else tier.promoted)(p)
-        pool.unlease(leased, missing_ok=True)
-    return promos
+            return 0
+        failed, unanswered = outcome
+        for p in batch.promos:  # first: a failed parent's subtree must leave these slots taken
+            if p.key in unanswered:
+                tier.hold_back(p)
+        before = tier.promotions
+        for p in batch.promos:  # parent first: a failed parent takes its children along
+            (tier.promotion_failed if p.key in failed else tier.promoted)(p)
+        return tier.promotions - before
+    finally:
+        pool.unlease(batch.leased, missing_ok=True)
+
+
+def promote(pool, data_plane: TierDataPlane | None,
+            prompts: Iterable[tuple[Sequence[int], str | None]]) -> int:
+    """:func:`begin`, the reads, :func:`end`, in one go; returns how many came back."""
+    batch = begin(pool, prompts)
+    if batch is None:
+        return 0
+    outcome = None
+    try:
+        outcome = data_plane.tier_read(batch.promos) if data_plane is not None else (set(), set())
+    finally:
+        n = end(pool, batch, outcome)
+    return n

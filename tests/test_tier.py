@@ -85,6 +85,50 @@ def _pushed_out_and_back(cluster, server, weights, tok) -> None:
     cluster.control.check()
 
 
+def test_other_requests_go_on_while_a_document_is_read_back_from_the_tier(tiny_llama, tmp_path):
+    """The reads of a promotion run beside the serving loop: while a document's
+    segments are held up on their way back from the tier, another request is served
+    to its end; then the document's question is answered from the read-back segments,
+    as the reference engine answers it."""
+    import threading
+    import time
+
+    weights, tok, _ = tiny_llama
+    doc, other = _prompts(tok)[0], _other(tok)
+    with LocalCluster(_config(weights, tmp_path, medium="memory")) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
+        _ask(server, "a", doc, tok)
+        _ask(server, "b", other, tok)  # pushes the document out of the slab
+        tier_keys = cluster.control.get_prefix_tree().match(doc, max_tokens=len(doc) - 1).tier_keys
+        assert tier_keys
+        driver = cluster.control.tier_data_plane
+        read, gate, started = driver.tier_read, threading.Event(), threading.Event()
+
+        def held_up(promotions):
+            started.set()
+            assert gate.wait(120), "the read was never let through"
+            return read(promotions)
+
+        driver.tier_read = held_up
+        plain = tuple(tok.encode("Grey stone boats land their catch before the markets open."))
+        server.submit(GenerationRequest("a2", doc, NEW, (tok.eos_id,)))
+        server.submit(GenerationRequest("c", plain, NEW, (tok.eos_id,)))
+        deadline = time.monotonic() + 120
+        while server.results["c"].finish_reason is None:
+            assert time.monotonic() < deadline, "the other request was not served meanwhile"
+            server.step()
+        assert started.is_set() and not server.results["a2"].output_ids, "a2 went on unread"
+        gate.set()
+        while server.busy:
+            server.step()
+        assert server.promotions >= len(tier_keys)
+        assert server.results["a2"].hit_tokens >= len(tier_keys) * C
+        cluster.control.check()
+    ref = reference(weights)
+    _same(server.results["a2"], ref.generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
+    _same(server.results["c"], ref.generate(list(plain), NEW, stop_ids=(tok.eos_id,)))
+
+
 def test_a_corrupt_tier_file_is_refused_and_the_segment_computed_again(tiny_llama, tiered, tmp_path):
     weights, tok, _ = tiny_llama
     cluster, server = tiered

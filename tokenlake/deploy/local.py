@@ -243,6 +243,8 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         self._clients.clear()
         if self._ctx is not None:
             self._driver.close()
+            if self._tier_sockets is not None:
+                self._tier_sockets.close()
             self._shutdown_engines()
             self._ctx.term()
             self._ctx = None

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 
 from tokenlake.core.errors import ConfigError
+from tokenlake.deploy.driver import DriverSockets
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,19 @@ log = logging.getLogger(__name__)
 
 class InstanceLifecycle:
     """Failure detection, removal and restart of instances (see the module docstring)."""
+
+    #: the tier reads' own sockets to the transfer engines (made on first use)
+    _tier_sockets: DriverSockets | None = None
+
+    def _tier_request(self, key, message, reply):
+        """A tier read (:class:`~tokenlake.deploy.tier.TierDriver`), on sockets of its
+        own: it may take a while, and the owner's other requests go on beside it."""
+        if self._tier_sockets is None:
+            self._tier_sockets = DriverSockets(self._dealer, self.timeout_s)
+        out = self._tier_sockets.exchange([key], message, reply)[key]
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
     def failed_instances(self) -> list[int]:
         """Instances in the pool with a dead query or transfer engine (read from the
@@ -36,6 +50,8 @@ class InstanceLifecycle:
         for role in ROLES:
             self.kill(role, instance)
         self._driver.forget(instance)
+        if self._tier_sockets is not None:
+            self._tier_sockets.forget(instance)
         client = self._clients.pop(instance, None)
         if client is not None:
             client.close()

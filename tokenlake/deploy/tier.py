@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -17,10 +18,10 @@ log = logging.getLogger(__name__)
 #: Seconds between two fences of a transfer engine that has not answered one.
 FENCE_RETRY_S = 5.0
 
-#: Bytes of segments one ``TIER_READ`` reads at most: a fraction of a second from a disk,
-#: so that a slow one does not outlast the driver's timeout (the engine would go on
-#: writing into slots the control plane took back).
-READ_BYTES = 128 << 20
+#: Bytes of segments one ``TIER_READ`` reads at most (one segment if larger): about a
+#: tenth of a second from a disk, well within the driver's timeout, and the longest the
+#: transfer engine keeps the instance's puts waiting for a read.
+READ_BYTES = 32 << 20
 
 
 def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
@@ -55,6 +56,9 @@ class TierDriver:
 
     def __init__(self, cluster: Any) -> None:  # a ClusterBase (which imports this lazily)
         self.cluster = cluster
+        # Reads run on a thread of their own (the serving loop's promotions) beside the
+        # control plane's calls: the state below is changed under this lock only.
+        self._state = threading.Lock()
         self._epoch: dict[int, int] = {}
         self._unfenced: dict[int, float] = {}  # instance -> when to try its fence again
         self._unsettled: dict[int, list[bytes]] = {}  # per instance: writes never answered
@@ -64,31 +68,38 @@ class TierDriver:
         """Runs the tiers' queued work (``{instance: TierOps}`` of
         :mod:`tokenlake.core.tier`) on each instance's transfer engine; returns the
         write-throughs staged and refused (those of an engine that did not answer:
-        refused once it is fenced, in neither list before)."""
-        from tokenlake.dataplane.messages import TierDone, TierEntry, TierOps  # imports torch
+        refused once it is fenced, in neither list before). Under the control plane's
+        lock."""
+        from tokenlake.dataplane.messages import TierEntry, TierOps  # imports torch
 
         staged: list[bytes] = []
         refused: list[bytes] = []
         self._forget_gone()
-        for inst in list(self._unfenced):
+        with self._state:
+            silent = list(self._unfenced)
+        for inst in silent:
             self._fence(inst)
         for inst, op in ops.items():
             writes = tuple((w.slot, TierEntry(w.key, w.parent, w.index, w.tokens)) for w in op.writes)
-            msg = TierOps(tuple(op.drops), writes, self._epoch.get(inst, 0))
-            if inst in self._unfenced or (done := self._ask(inst, msg, TierDone)) is None:
-                self._unsettled.setdefault(inst, []).extend(w.key for w in op.writes)
+            epoch = self._epoch_of(inst)
+            done = None if epoch is None else self._send(inst, TierOps(tuple(op.drops), writes, epoch))
+            if done is None:
+                with self._state:
+                    self._unsettled.setdefault(inst, []).extend(w.key for w in op.writes)
                 continue
             staged += done.done
             refused += done.failed
-        for inst in [i for i in self._unsettled if i not in self._unfenced]:
-            refused += self._unsettled.pop(inst)
+        with self._state:
+            for inst in [i for i in self._unsettled if i not in self._unfenced]:
+                refused += self._unsettled.pop(inst)
         return staged, refused
 
     def tier_read(self, promotions) -> tuple[set[bytes], set[bytes]]:
         """Reads each promotion's copy into its slot (one ``TIER_READ`` per instance and
-        :data:`READ_BYTES`); returns the keys that failed, and those of them whose
-        engine neither answered nor was fenced (it may still write their slots)."""
-        from tokenlake.dataplane.messages import TierDone, TierRead  # imports torch
+        :data:`READ_BYTES`, on sockets of their own: the control plane's calls go on
+        meanwhile); returns the keys that failed, and those of them whose engine neither
+        answered nor was fenced (it may still write their slots)."""
+        from tokenlake.dataplane.messages import TierRead  # imports torch
 
         failed: set[bytes] = set()
         unanswered: set[bytes] = set()
@@ -96,36 +107,48 @@ class TierDriver:
         for p in promotions:
             by_inst.setdefault(p.instance, []).append((p.key, p.slot, p.target))
         per = max(1, READ_BYTES // self.cluster.config.segment_bytes)
-        self._forget_gone()
         for inst, items in by_inst.items():
             for at in range(0, len(items), per):  # each request well within the timeout
                 part = items[at : at + per]
                 keys = [item[0] for item in part]
                 failed.update(keys)
-                if inst in self._unfenced and not self._fence(inst):
+                epoch = self._epoch_of(inst)
+                if epoch is None and self._fence(inst):
+                    epoch = self._epoch_of(inst)
+                if epoch is None:
                     continue  # not sent: nothing to hold back
-                done = self._ask(inst, TierRead(tuple(part), self._epoch.get(inst, 0)), TierDone)
+                done = self._send(inst, TierRead(tuple(part), epoch), reads=True)
                 if done is not None:
                     bad = set(done.failed)
                     failed.difference_update(k for k in keys if k not in bad)
-                elif inst in self._unfenced:
+                elif self._epoch_of(inst) is None:
                     unanswered.update(keys)
         return failed, unanswered
 
     def fenced(self) -> list[int]:
         """The instances fenced since the last call: their held-back slots are free."""
-        out, self._fenced = self._fenced, []
+        with self._state:
+            out, self._fenced = self._fenced, []
         return out
 
-    def _ask(self, inst: int, message, reply):
-        """``message`` to ``inst``'s transfer engine; its answer, or None after a failure
-        (then ``inst`` is fenced, or marked to be)."""
+    def _epoch_of(self, inst: int) -> int | None:
+        """``inst``'s epoch; None while it is not fenced (only a fence goes to it)."""
+        with self._state:
+            return None if inst in self._unfenced else self._epoch.get(inst, 0)
+
+    def _send(self, inst: int, message, reads: bool = False):
+        """``message`` to ``inst``'s transfer engine; its ``TIER_DONE``, or None after a
+        failure (then a higher epoch is fenced, or marked to be)."""
+        from tokenlake.dataplane.messages import TierDone  # imports torch
+
+        request = self.cluster._tier_request if reads else self.cluster._request
         try:
-            return self.cluster._request(("transfer", inst), message, reply)
+            return request(("transfer", inst), message, TierDone)
         except Exception as exc:  # noqa: BLE001 - no answer: it may still be carried out
             log.warning("tier of instance %d: %s", inst, exc)
-        self._epoch[inst] = self._epoch.get(inst, 0) + 1
-        self._unfenced[inst] = 0.0
+        with self._state:
+            self._epoch[inst] = self._epoch.get(inst, 0) + 1
+            self._unfenced[inst] = 0.0
         self._fence(inst)
         return None
 
@@ -134,24 +157,32 @@ class TierDriver:
         :data:`FENCE_RETRY_S`); True once it has."""
         from tokenlake.dataplane.messages import TierDone, TierOps  # imports torch
 
-        if time.monotonic() < self._unfenced[inst]:
-            return False
+        with self._state:
+            when = self._unfenced.get(inst)
+            if when is None or time.monotonic() < when:
+                return when is None
+            epoch = self._epoch[inst]
         try:
-            self.cluster._request(("transfer", inst), TierOps(epoch=self._epoch[inst]), TierDone)
+            self.cluster._request(("transfer", inst), TierOps(epoch=epoch), TierDone)
         except Exception as exc:  # noqa: BLE001 - still silent: try again later
             log.warning("tier of instance %d not fenced yet: %s", inst, exc)
-            self._unfenced[inst] = time.monotonic() + FENCE_RETRY_S
+            with self._state:
+                if inst in self._unfenced:
+                    self._unfenced[inst] = time.monotonic() + FENCE_RETRY_S
             return False
-        del self._unfenced[inst]
-        self._fenced.append(inst)
-        return True
+        with self._state:  # a failure since, of a higher epoch, needs its own fence
+            if self._epoch[inst] == epoch and self._unfenced.pop(inst, None) is not None:
+                self._fenced.append(inst)
+            return inst not in self._unfenced
 
     def _forget_gone(self) -> None:
-        """An instance taken out of the pool took its engines and all it held."""
+        """An instance taken out of the pool took its engines and all it held (called
+        under the control plane's lock)."""
         live = set(self.cluster.control.instances)
-        for inst in [i for i in self._unfenced if i not in live]:
-            del self._unfenced[inst]
-            self._unsettled.pop(inst, None)
+        with self._state:
+            for inst in [i for i in self._unfenced if i not in live]:
+                del self._unfenced[inst]
+                self._unsettled.pop(inst, None)
 
     def adopt(self, instances) -> int:
         """Asks each of ``instances``' transfer engines what its tier holds and gives it

@@ -39,6 +39,7 @@ from tokenlake.generation.live import one_per_phase, plan_without_waiting
 from tokenlake.generation.recovery import Recovery
 from tokenlake.generation.requests import GenerationRequest, RequestResult, check_request
 from tokenlake.generation.sampling import next_token
+from tokenlake.generation.tier_reads import TierReads
 from tokenlake.generation.tracker import DECODE, WAITING, RequestTracker
 
 __all__ = ["GenerationLoop", "one_per_phase"]
@@ -134,7 +135,7 @@ class GenerationLoop(Recovery):
         self.iterations = 0
         self.rebalance_every = rebalance_every
         self.replications = 0
-        self.promotions = 0  # segments read back from a disk tier for waiting requests
+        self._tier_reads = TierReads(self.control)  # promotions read in the background
         self.admit_limit: int | None = None  # most new admissions per iteration (see step)
         self.admission_patience_s = 30.0  # then a waiting request goes first (scheduler/admission.py)
         self.admission_holds = 0  # iterations skipped because the pool was full
@@ -256,13 +257,6 @@ class GenerationLoop(Recovery):
         self._admitted_now = []
 
     # ------------------------------------------------------------ policies
-    def _match(self, prompt: tuple[int, ...], salt: str | None = None) -> int:
-        """Prompt tokens the pool can serve now under cache salt ``salt`` (whole
-        segments, then pages; the last token is always computed, so that its logits
-        exist)."""
-        tree = self.control.get_prefix_tree()
-        return tree.match(prompt, max_tokens=len(prompt) - 1, salt=salt).hit_tokens
-
     def snapshot(self):
         """The :class:`scheduler.api.Snapshot` the policy decides on this iteration.
 
@@ -270,13 +264,15 @@ class GenerationLoop(Recovery):
         tracker keeps the hit for its view, its cache load and its admission (nothing
         changes the tree until the plans of this iteration are made).
         """
-        tracker = self.tracker
-        waiting = tracker.waiting()
-        if waiting and self.control.pool.tier is not None:  # held only in a disk tier: back first
-            self.promotions += self.control.promote((v.prompt, v.req.cache_salt) for v in waiting)
-        for live in waiting:
-            tracker.set_hit(live, self._match(live.prompt, live.req.cache_salt))
+        tracker, tree = self.tracker, self.control.get_prefix_tree()
+        # held only in a tier: read back first, meanwhile left out
+        reading = self._tier_reads.for_snapshot(tracker) if self.control.pool.tier is not None else set()
+        for live in tracker.waiting():
+            if live.request_id not in reading:  # the last token is always computed (its logits)
+                m = tree.match(live.prompt, max_tokens=len(live.prompt) - 1, salt=live.req.cache_salt)
+                tracker.set_hit(live, m.hit_tokens)
         waiting, running = tracker.views()
+        waiting = tuple(v for v in waiting if v.request_id not in reading)
         if self._decode_at:  # where each decode batch ran last (scheduler/keep.py)
             at = self._decode_at
             running = tuple(replace(v, decode_instance=at[v.request_id])
@@ -390,6 +386,11 @@ class GenerationLoop(Recovery):
             self.control.finish_request(live.req.request_id)
 
     # ------------------------------------------------------------ service
+    @property
+    def promotions(self) -> int:
+        """Segments read back from a tier for waiting requests."""
+        return self._tier_reads.promoted
+
     @property
     def busy(self) -> bool:
         """True while a request is live (``step`` has work)."""

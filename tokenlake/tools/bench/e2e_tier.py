@@ -1,8 +1,9 @@
 """``tokenlake bench e2e``'s ``tier`` row: time to first token of a question about a
-document held only in the disk tier, against recomputing it.
+document held only in the tier, against recomputing it.
 
 One instance of SmolLM2-135M whose slab holds one document and a little more, with a
-disk tier in a temporary directory. Each round takes a document of its own: a first
+disk tier in a temporary directory (or, ``medium="memory"``, a tier in the transfer
+engine's host memory: then nothing is written to disk and no page cache is dropped). Each round takes a document of its own: a first
 question about it is computed from scratch (the recompute figure; its segments are
 written through to the tier), two more documents of the same size push it out of the
 slab (every segment of it is then held only in the tier: the row says how many), the tier files are dropped from the operating system's page cache
@@ -29,6 +30,7 @@ from tokenlake.deploy.config import ClusterConfig
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.engines.tier_files import SUFFIX
 from tokenlake.generation import GenerationLoop, GenerationRequest
+from tokenlake.kernels.native import machine_info
 from tokenlake.model.llama.reference import ReferenceEngine
 
 
@@ -59,7 +61,7 @@ def _wait_written(cluster, directory: Path, timeout_s: float = 120.0) -> None:
 
 def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
                chunk_tokens: int = 1024, check_tokens: int = 8, segment_tokens: int | None = None,
-               kv_dtype: str = "float32") -> dict:
+               kv_dtype: str = "float32", medium: str = "disk") -> dict:
     """The tier row (see the module docstring). ``document(tok, n, tag)``: a text of about
     ``n`` tokens, different for each ``tag``."""
     spec = weights.config.to_model_spec("smollm2-135m")
@@ -72,7 +74,8 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
     equal = None
     with tempfile.TemporaryDirectory(prefix="tokenlake-tier-") as tmp:
         config = ClusterConfig(1, spec, (doc_segments + 2) * seg, segment_tokens=segment_tokens,
-                               max_rows=chunk_tokens, kv_dtype=kv_dtype, tier_path=tmp,
+                               max_rows=chunk_tokens, kv_dtype=kv_dtype,
+                               tier_path=tmp if medium == "disk" else None,
                                tier_bytes=(rounds + 1) * 2 * doc_segments * seg)
         with LocalCluster(config) as cluster:
             server = GenerationLoop(cluster, weights, chunk_tokens=chunk_tokens,
@@ -92,8 +95,9 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
                 recompute.append(ttft(f"cold{r}", ask(doc, "How tall is the Harbor Lighthouse?")))
                 for other in ("B", "C"):  # the document leaves the slab
                     ttft(f"push{other}{r}", ask(document(tok, doc_tokens, f"{other}{r}"), "Who built it?"))
-                _wait_written(cluster, Path(tmp))
-                drop_page_cache(Path(tmp))
+                if medium == "disk":
+                    _wait_written(cluster, Path(tmp))
+                    drop_page_cache(Path(tmp))
                 before = server.promotions
                 question = ask(doc, "Who was the first keeper of the lighthouse?")
                 m = cluster.control.get_prefix_tree().match(question, max_tokens=len(question) - 1)
@@ -115,23 +119,26 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
         "answer_equal_to_reference": equal,
         "checked_tokens": check_tokens, "demotions": tier_stats.demotions,
         "setup": {"instances": 1, "segment_tokens": segment_tokens, "slab_segments": doc_segments + 2,
-                  "kv_dtype": kv_dtype, "page_cache": "dropped before each tier read (posix_fadvise)"},
+                  "kv_dtype": kv_dtype, "medium": medium,
+                  "page_cache": "dropped before each tier read (posix_fadvise)" if medium == "disk" else None},
+        "machine": machine_info(),
     }
 
 
 def tier_row(doc_tokens: int = 4096, rounds: int = 2, chunk_tokens: int = 1024,
-             kv_dtype: str = "float32") -> dict:
+             kv_dtype: str = "float32", medium: str = "disk") -> dict:
     """:func:`bench_tier` on the shipped SmolLM2 and the e2e benchmark's documents."""
     from tokenlake.model.llama.tokenizer import load_tokenizer
     from tokenlake.model.llama.weights import load_weights
     from tokenlake.tools.bench.e2e import tagged_document
 
     return bench_tier(load_weights(), load_tokenizer(), tagged_document, doc_tokens, rounds,
-                      chunk_tokens, kv_dtype=kv_dtype)
+                      chunk_tokens, kv_dtype=kv_dtype, medium=medium)
 
 
 def summary(row: dict) -> str:
-    return (f"TTFT from the disk tier {row['tier_ttft_ms']:.0f} ms ({row['tier_range_ms'][0]:.0f}-"
+    where = "the disk tier" if row["setup"].get("medium", "disk") == "disk" else "host memory"
+    return (f"TTFT from {where} {row['tier_ttft_ms']:.0f} ms ({row['tier_range_ms'][0]:.0f}-"
             f"{row['tier_range_ms'][1]:.0f}) vs recompute {row['recompute_ttft_ms']:.0f} ms "
             f"({row['recompute_range_ms'][0]:.0f}-{row['recompute_range_ms'][1]:.0f}): "
             f"{row['ttft_ratio']:.2f}x; answer equal to the reference: {row['answer_equal_to_reference']}")

@@ -35,6 +35,8 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
                         "against recomputing it (the tier row)")
     p.add_argument("--tier-only", action="store_true", help="the tier row alone")
     p.add_argument("--tier-rounds", type=positive(int), default=2, help="rounds of the tier row")
+    p.add_argument("--tier-medium", choices=("disk", "memory"), default="disk",
+                   help="where the tier row's tier is (memory: the transfer engine's host memory)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     p.set_defaults(run=run_e2e)
 
@@ -55,7 +57,7 @@ def run_e2e(args: argparse.Namespace) -> int:
                            kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
                            share_slabs=args.share_slabs)
     if args.tier or args.tier_only:
-        result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype)
+        result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype, medium=args.tier_medium)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -57,12 +57,29 @@ def test_an_engine_refuses_tier_messages_older_than_its_fence(pool):
     cp.evict_one(0)
     free = cp.slots.allocate(0)  # taken here: nothing else is placed in it
     before = slab[free].clone()
-    assert pool._request(("transfer", 0), TierOps(epoch=3), TierDone) == TierDone()
-    late = pool._request(("transfer", 0), TierRead(((keys[0], free, -1),), epoch=2), TierDone)
+    epoch = pool.control.tier_data_plane._epoch_of(0)  # what the driver sends now
+    assert pool._request(("transfer", 0), TierOps(epoch=epoch + 3), TierDone) == TierDone()
+    late = pool._request(("transfer", 0), TierRead(((keys[0], free, -1),), epoch + 2), TierDone)
     assert late.failed == (keys[0],) and not late.done
     assert bool((slab[free] == before).all()), "a fenced-off read wrote its slot"
-    now = pool._request(("transfer", 0), TierRead(((keys[0], free, -1),), epoch=3), TierDone)
+    now = pool._request(("transfer", 0), TierRead(((keys[0], free, -1),), epoch + 3), TierDone)
     assert now.done == (keys[0],) and not bool((slab[free] == before).all())
+
+
+def test_a_new_driver_adopting_a_fenced_engine_is_not_refused(pool):
+    """An engine fenced by one driver (its epoch raised) is adopted by the driver of a
+    new control process: that one's epochs start above, so its requests are served."""
+    from tokenlake.deploy.tier import TierDriver
+
+    epoch = pool.control.tier_data_plane._epoch_of(0)
+    pool._request(("transfer", 0), TierOps(epoch=epoch + 5), TierDone)  # fenced a few times
+    new = pool.control.tier_data_plane = TierDriver(pool)
+    assert new._epoch_of(0) > epoch + 5
+    other = _doc(5, 3 * C + 2)
+    _push_out(pool, other)  # written through, pushed out: its copies were not refused
+    tokens = {"q": other + _doc(6, 5)}
+    assert pool.control.promote([(tokens["q"], None)]) == 3, "the new driver's reads were refused"
+    assert check_iteration(pool, tokens, {"q": 5}, {"q": 3 * C}) == {"q": 3 * C}
 
 
 def test_a_stalled_engine_keeps_its_read_slots_taken_until_it_answers_a_fence(pool, monkeypatch):

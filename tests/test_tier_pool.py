@@ -298,7 +298,7 @@ class TierMachine(RuleBasedStateMachine):
         # the reads get no answer and the engine no fence: it may write them any time
         promos = self.pool.tier.promote(self.pool.match(doc).tier_keys)
         for p in promos:
-            self.pool.tier.hold_back(p)
+            self.pool.tier.hold_back(p, 0)
             if (p.instance, p.key) in self.files:
                 self.stalled.append((p.instance, p.to, p.slot, self.files[(p.instance, p.key)]))
         for p in promos:
@@ -337,7 +337,7 @@ class TierMachine(RuleBasedStateMachine):
         for _reader, inst, slot, data in self.stalled:
             self.slab[(inst, slot)] = data  # late, into slots no one may have been given
         for reader in {s[0] for s in self.stalled}:
-            self.pool.tier.release(reader)
+            self.pool.tier.release(reader, 1)  # a fence of a later epoch answered
         self.stalled = []
 
     @rule(inst=st.sampled_from([0, 1]))
@@ -542,19 +542,18 @@ def test_slots_an_unanswered_read_names_stay_taken_until_its_engine_is_fenced_or
     cp = ControlPlane(PoolConfig(C, "t", 4, vnodes=8, page_tokens=C, tier_slots=8), TINY, [0, 1],
                       clock=lambda: 0.0, rng=random.Random(0))
 
-    class Silent:
-        ready: list[int] = []
+    class Silent:  # reads sent at epoch 3, never answered; fences answered on demand
+        ready: dict[int, int] = {}
 
         def tier_ops(self, ops):
             return [w.key for op in ops.values() for w in op.writes], []
 
         def tier_read(self, promotions):
             keys = {p.key for p in promotions}
-            return keys, keys
+            return keys, dict.fromkeys(keys, 3)
 
         def fenced(self):
-            out, self.ready = self.ready, []
-            return out
+            return dict(self.ready)
 
     plane = cp.tier_data_plane = Silent()
     doc = [1, 1, 2, 2, 3, 3, 4, 4]
@@ -570,10 +569,13 @@ def test_slots_an_unanswered_read_names_stay_taken_until_its_engine_is_fenced_or
     assert not named & set(held)
     cp.check()  # the slot accounting counts them taken
     readers = sorted({p for p in cp.pool.tier._held_back})
-    plane.ready = readers[:1]
+    plane.ready = {r: 3 for r in readers}  # answered at the reads' own epoch: they may still land
+    cp.flush_tier()
+    assert sorted(cp.pool.tier.held_back()) == sorted(held)
+    plane.ready = {readers[0]: 4}  # a later epoch: the first reader's reads are over
     cp.flush_tier()
     left = cp.pool.tier.held_back()
-    assert left == [loc for r in readers[1:] for loc in cp.pool.tier._held_back[r]]
+    assert left == [(i, s) for r in readers[1:] for i, s, _ in cp.pool.tier._held_back[r]]
     cp.check()
     for r in readers[1:]:
         cp.remove_instance(r)  # its engines are stopped: what they held goes too

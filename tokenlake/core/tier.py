@@ -68,7 +68,7 @@ class TierManager:
         self._ops: dict[int, TierOps] = {}
         self._staging: dict[SegmentKey, int] = {}  # write-throughs in flight -> instance
         # per reading instance: slots (instance, slot) an unanswered read may still write
-        self._held_back: dict[int, list[tuple[int, int]]] = {}
+        self._held_back: dict[int, list[tuple[int, int, int]]] = {}  # (instance, slot, epoch)
         self.written = self.demotions = self.promotions = 0
         self.failed_promotions = self.dropped = 0
         self.tree.tier_dropped = self._node_dropped
@@ -220,21 +220,29 @@ class TierManager:
             self._remove_subtree(p.key)
             self.failed_promotions += 1
 
-    def hold_back(self, p: Promotion) -> None:
-        """``p``'s read got no answer and its engine was not fenced: its slot stays
-        taken, named by no replica, until :meth:`release` (call before the batch's
+    def hold_back(self, p: Promotion, epoch: int) -> None:
+        """``p``'s read (sent at ``epoch`` of its reading instance) got no answer and its
+        engine was not fenced: its slot stays taken, named by no replica, until
+        :meth:`release` says a higher epoch is fenced (call before the batch's
         :meth:`promotion_failed`, which then leaves that slot alone). A promotion whose
         replica went already (its instance left) holds nothing."""
         if self._own(p):
-            self._held_back.setdefault(p.instance, []).append((p.to, p.slot))
+            self._held_back.setdefault(p.instance, []).append((p.to, p.slot, epoch))
 
-    def release(self, instance: int) -> None:
-        """``instance``'s engine answered a fence: the slots its reads held are free."""
-        for inst, slot in self._held_back.pop(instance, ()):
-            self.pool.slots.free(inst, slot)
+    def release(self, instance: int, fenced: int | None = None) -> None:
+        """``instance``'s engine answered a fence of epoch ``fenced`` (None: it is
+        stopped): the slots its reads of lower epochs held are free."""
+        keep = []
+        for inst, slot, epoch in self._held_back.pop(instance, ()):
+            if fenced is None or epoch < fenced:
+                self.pool.slots.free(inst, slot)
+            else:
+                keep.append((inst, slot, epoch))
+        if keep:
+            self._held_back[instance] = keep
 
     def held_back(self) -> list[tuple[int, int]]:
-        return [loc for locs in self._held_back.values() for loc in locs]
+        return [(inst, slot) for locs in self._held_back.values() for inst, slot, _ in locs]
 
     def adopt(self, listings: Mapping[int, Sequence[tuple]]) -> int:
         """Copies the instances' tiers held before this control plane began (the pool

@@ -22,8 +22,8 @@ def flush(pool, data_plane: TierDataPlane | None) -> None:
         tier.settle()  # nothing moves data: staged at once
         return
     tier.staged(*data_plane.tier_ops(tier.take_ops()))  # also with none: it fences the silent
-    for instance in data_plane.fenced():
-        tier.release(instance)
+    for instance, epoch in data_plane.fenced().items():
+        tier.release(instance, epoch)
 
 
 @dataclass
@@ -59,14 +59,15 @@ def begin(pool, prompts: Iterable[tuple[Sequence[int], str | None]]) -> Promotio
         end(pool, batch, None)
         raise
     if not batch.promos:
-        end(pool, batch, (set(), set()))
+        end(pool, batch, (set(), {}))
         return None
     return batch
 
 
-def end(pool, batch: PromotionBatch, outcome: tuple[set[bytes], set[bytes]] | None) -> int:
+def end(pool, batch: PromotionBatch, outcome: tuple[set[bytes], dict[bytes, int]] | None) -> int:
     """Records the reads' ``outcome`` (the keys that failed, and those of them whose
-    engine may still write their slots: :meth:`~tokenlake.core.tier.TierManager.hold_back`;
+    engine may still write their slots, with the epoch each was sent at:
+    :meth:`~tokenlake.core.tier.TierManager.hold_back`;
     None: nothing was read, the segments are held only in the tier again); returns how
     many came back. Promotions whose segment went meanwhile (its instance left) are
     skipped. :func:`flush` is still to run: the failed ones' copies go."""
@@ -79,7 +80,7 @@ def end(pool, batch: PromotionBatch, outcome: tuple[set[bytes], set[bytes]] | No
         failed, unanswered = outcome
         for p in batch.promos:  # first: a failed parent's subtree must leave these slots taken
             if p.key in unanswered:
-                tier.hold_back(p)
+                tier.hold_back(p, unanswered[p.key])
         before = tier.promotions
         for p in batch.promos:  # parent first: a failed parent takes its children along
             (tier.promotion_failed if p.key in failed else tier.promoted)(p)
@@ -96,7 +97,7 @@ def promote(pool, data_plane: TierDataPlane | None,
         return 0
     outcome = None
     try:
-        outcome = data_plane.tier_read(batch.promos) if data_plane is not None else (set(), set())
+        outcome = data_plane.tier_read(batch.promos) if data_plane is not None else (set(), {})
     finally:
         n = end(pool, batch, outcome)
     return n

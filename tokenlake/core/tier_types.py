@@ -72,10 +72,11 @@ class TierDataPlane(Protocol):
     def tier_ops(self, ops: dict[int, TierOps]) -> tuple[list[SegmentKey], list[SegmentKey]]:
         """Runs each instance's ops; returns the write-throughs staged and refused."""
 
-    def tier_read(self, promotions: Sequence[Promotion]) -> tuple[set[SegmentKey], set[SegmentKey]]:
-        """Reads each promotion's file into its slot; returns the keys that failed, and
+    def tier_read(self, promotions: Sequence[Promotion]) -> tuple[set[SegmentKey], dict[SegmentKey, int]]:
+        """Reads each promotion's copy into its slot; returns the keys that failed, and
         those of them whose engine neither answered nor was fenced (it may still write
-        their slots)."""
+        their slots), with the epoch of the instance each was sent at."""
 
-    def fenced(self) -> list[int]:
-        """The instances whose engines answered a fence since the last call."""
+    def fenced(self) -> dict[int, int]:
+        """Per instance, the highest epoch whose fence its engine answered: nothing
+        sent at a lower one can touch a slot any more."""

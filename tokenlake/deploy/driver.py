@@ -36,6 +36,7 @@ class DriverSockets:
         self._socks: dict[Key, zmq.Socket] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._closed = False  # then every exchange fails at once (no socket is made again)
 
     def exchange(self, keys: list[Key], message: WireMessage,
                  reply: type[Reply]) -> dict[Key, Reply | BaseException]:
@@ -43,6 +44,8 @@ class DriverSockets:
         ``timeout_s`` in all); a key's value is its answer as a ``reply``, or its failure."""
         out: dict[Key, Reply | BaseException] = {}
         with self._lock:
+            if self._closed:
+                return {key: EngineUnavailable("the driver's sockets are closed") for key in keys}
             sent = {}
             for key in keys:
                 try:
@@ -78,6 +81,7 @@ class DriverSockets:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for key in list(self._socks):
                 self._drop(key)
 

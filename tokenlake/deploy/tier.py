@@ -59,10 +59,14 @@ class TierDriver:
         # Reads run on a thread of their own (the serving loop's promotions) beside the
         # control plane's calls: the state below is changed under this lock only.
         self._state = threading.Lock()
+        # Epochs start at this driver's start in milliseconds: above any an engine it
+        # adopts from an earlier driver has seen (those start lower and rise by a few).
+        self._base = int(time.time() * 1000)
         self._epoch: dict[int, int] = {}
         self._unfenced: dict[int, float] = {}  # instance -> when to try its fence again
         self._unsettled: dict[int, list[bytes]] = {}  # per instance: writes never answered
-        self._fenced: list[int] = []
+        self._lost_drops: dict[int, list[bytes]] = {}  # per instance: drops never sent
+        self._fenced: dict[int, int] = {}  # per instance: the highest epoch answered
 
     def tier_ops(self, ops) -> tuple[list[bytes], list[bytes]]:
         """Runs the tiers' queued work (``{instance: TierOps}`` of
@@ -83,9 +87,11 @@ class TierDriver:
             writes = tuple((w.slot, TierEntry(w.key, w.parent, w.index, w.tokens)) for w in op.writes)
             epoch = self._epoch_of(inst)
             done = None if epoch is None else self._send(inst, TierOps(tuple(op.drops), writes, epoch))
-            if done is None:
+            if done is None:  # the fence drops them all: whatever the engine may have staged
                 with self._state:
                     self._unsettled.setdefault(inst, []).extend(w.key for w in op.writes)
+                    if epoch is None:
+                        self._lost_drops.setdefault(inst, []).extend(op.drops)
                 continue
             staged += done.done
             refused += done.failed
@@ -102,7 +108,8 @@ class TierDriver:
         from tokenlake.dataplane.messages import TierRead  # imports torch
 
         failed: set[bytes] = set()
-        unanswered: set[bytes] = set()
+        unanswered: dict[bytes, int] = {}
+        alive = getattr(self.cluster, "alive", None)
         by_inst: dict[int, list] = {}
         for p in promotions:
             by_inst.setdefault(p.instance, []).append((p.key, p.slot, p.target))
@@ -112,6 +119,8 @@ class TierDriver:
                 part = items[at : at + per]
                 keys = [item[0] for item in part]
                 failed.update(keys)
+                if alive is not None and not alive("transfer", inst):
+                    continue  # stopped: it reads nothing, now or later
                 epoch = self._epoch_of(inst)
                 if epoch is None and self._fence(inst):
                     epoch = self._epoch_of(inst)
@@ -122,19 +131,23 @@ class TierDriver:
                     bad = set(done.failed)
                     failed.difference_update(k for k in keys if k not in bad)
                 elif self._epoch_of(inst) is None:
-                    unanswered.update(keys)
+                    unanswered.update(dict.fromkeys(keys, epoch))
         return failed, unanswered
 
-    def fenced(self) -> list[int]:
-        """The instances fenced since the last call: their held-back slots are free."""
+    def fenced(self) -> dict[int, int]:
+        """Per instance, the highest epoch its engine answered (a fence or any request):
+        nothing sent at a lower one can touch a slot any more."""
         with self._state:
-            out, self._fenced = self._fenced, []
-        return out
+            return dict(self._fenced)
 
     def _epoch_of(self, inst: int) -> int | None:
         """``inst``'s epoch; None while it is not fenced (only a fence goes to it)."""
         with self._state:
-            return None if inst in self._unfenced else self._epoch.get(inst, 0)
+            return None if inst in self._unfenced else self._epoch.get(inst, self._base)
+
+    def _answered(self, inst: int, epoch: int) -> None:
+        with self._state:
+            self._fenced[inst] = max(self._fenced.get(inst, 0), epoch)
 
     def _send(self, inst: int, message, reads: bool = False):
         """``message`` to ``inst``'s transfer engine; its ``TIER_DONE``, or None after a
@@ -143,13 +156,18 @@ class TierDriver:
 
         request = self.cluster._tier_request if reads else self.cluster._request
         try:
-            return request(("transfer", inst), message, TierDone)
+            done = request(("transfer", inst), message, TierDone)
         except Exception as exc:  # noqa: BLE001 - no answer: it may still be carried out
             log.warning("tier of instance %d: %s", inst, exc)
+        else:
+            self._answered(inst, message.epoch)
+            return done
         with self._state:
-            self._epoch[inst] = self._epoch.get(inst, 0) + 1
+            self._epoch[inst] = max(self._epoch.get(inst, self._base), message.epoch) + 1
             self._unfenced[inst] = 0.0
-        self._fence(inst)
+        alive = getattr(self.cluster, "alive", None)
+        if alive is None or alive("transfer", inst):  # a stopped one is fenced when replaced
+            self._fence(inst)
         return None
 
     def _fence(self, inst: int) -> bool:
@@ -162,17 +180,21 @@ class TierDriver:
             if when is None or time.monotonic() < when:
                 return when is None
             epoch = self._epoch[inst]
+            # the fence also drops what unanswered writes may have staged, and lost drops
+            drops = tuple(self._unsettled.get(inst, ())) + tuple(self._lost_drops.get(inst, ()))
         try:
-            self.cluster._request(("transfer", inst), TierOps(epoch=epoch), TierDone)
+            self.cluster._request(("transfer", inst), TierOps(drops, epoch=epoch), TierDone)
         except Exception as exc:  # noqa: BLE001 - still silent: try again later
             log.warning("tier of instance %d not fenced yet: %s", inst, exc)
             with self._state:
                 if inst in self._unfenced:
                     self._unfenced[inst] = time.monotonic() + FENCE_RETRY_S
             return False
+        self._answered(inst, epoch)
         with self._state:  # a failure since, of a higher epoch, needs its own fence
-            if self._epoch[inst] == epoch and self._unfenced.pop(inst, None) is not None:
-                self._fenced.append(inst)
+            self._lost_drops.pop(inst, None)
+            if self._epoch[inst] == epoch:
+                self._unfenced.pop(inst, None)
             return inst not in self._unfenced
 
     def _forget_gone(self) -> None:
@@ -183,6 +205,7 @@ class TierDriver:
             for inst in [i for i in self._unfenced if i not in live]:
                 del self._unfenced[inst]
                 self._unsettled.pop(inst, None)
+                self._lost_drops.pop(inst, None)
 
     def adopt(self, instances) -> int:
         """Asks each of ``instances``' transfer engines what its tier holds and gives it

@@ -189,6 +189,8 @@ class GenerationLoop(Recovery):
         except CapacityError:
             new = len(self._admitted_now)
             self._take_back_admissions()
+            if self._tier_reads.drain():  # reads were in flight: their slots are segments now
+                return
             running = any(live.admitted for live in self.tracker.values())
             if new == 0 or (new == 1 and not running):
                 raise  # nothing to take back, or one request alone that cannot fit now
@@ -260,13 +262,12 @@ class GenerationLoop(Recovery):
     def snapshot(self):
         """The :class:`scheduler.api.Snapshot` the policy decides on this iteration.
 
-        Every waiting request's prompt is matched here, once, under its cache salt; the
-        tracker keeps the hit for its view, its cache load and its admission (nothing
-        changes the tree until the plans of this iteration are made).
+        Every waiting request's prompt is matched here, once, under its cache salt (one
+        whose segments are being read back from a tier is left out); the tracker keeps
+        the hit for its view, its cache load and its admission.
         """
         tracker, tree = self.tracker, self.control.get_prefix_tree()
-        # held only in a tier: read back first, meanwhile left out
-        reading = self._tier_reads.for_snapshot(tracker) if self.control.pool.tier is not None else set()
+        reading = self._tier_reads.for_snapshot(tracker)
         for live in tracker.waiting():
             if live.request_id not in reading:  # the last token is always computed (its logits)
                 m = tree.match(live.prompt, max_tokens=len(live.prompt) - 1, salt=live.req.cache_salt)
@@ -393,8 +394,8 @@ class GenerationLoop(Recovery):
 
     @property
     def busy(self) -> bool:
-        """True while a request is live (``step`` has work)."""
-        return bool(self.tracker)
+        """True while a request is live, or a read of a tier (``step`` has work)."""
+        return bool(self.tracker) or bool(self._tier_reads.reading())
 
     def counts(self) -> tuple[int, int]:
         """``(waiting, running)`` requests: not admitted yet, and admitted."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 class Recovery:
     """:meth:`preempt` and :meth:`recover` of the serving loop (its ``tracker``,
-    ``control`` and ``cluster``)."""
+    ``control``, ``cluster`` and ``_tier_reads``)."""
 
     def preempt(self, request_id: str) -> bool:
         """Computes an admitted request again from the start (its KV was lost: an
@@ -34,5 +34,6 @@ class Recovery:
         replace = getattr(self.cluster, "replace_failed", None)
         if replace is None:
             return ()
+        self._tier_reads.drain()  # none may reach a replaced instance's new engine
         lost = replace()
         return tuple(rid for rid in lost if self.preempt(rid))

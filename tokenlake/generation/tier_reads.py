@@ -37,8 +37,8 @@ class TierReads:
 
     def for_snapshot(self, tracker) -> set[str]:
         """:meth:`step` for the loop's ``tracker`` (a RequestTracker of live records),
-        idle when nothing runs."""
-        if not (self._flight or any(True for _ in tracker.waiting())):
+        idle when nothing runs; nothing without a tier."""
+        if self.control.pool.tier is None or not (self._flight or any(True for _ in tracker.waiting())):
             return set()
         return self.step(list(tracker.waiting()), idle=not any(True for _ in tracker.running()))
 
@@ -58,10 +58,17 @@ class TierReads:
             self._end(wait=True)
         return self.reading()
 
-    def close(self) -> None:
-        """Waits for the reads in flight and records them."""
+    def drain(self) -> bool:
+        """Waits for the reads in flight and records them (before the loop replaces an
+        instance: no read of it may be left to reach its new engine); False if none."""
+        had = bool(self._flight)
         while self._flight:
             self._end(wait=True)
+        return had
+
+    def close(self) -> None:
+        """:meth:`drain`, then stops the reading thread."""
+        self.drain()
         if self._threads is not None:
             self._threads.shutdown()
             self._threads = None

@@ -10,6 +10,8 @@ tests/test_tier_files.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -189,6 +191,11 @@ def test_a_tier_needs_room_for_a_segment_and_a_directory_its_size(tiny_llama, tm
     for path in (str(tmp_path), None):  # on disk or in host memory
         with pytest.raises(ConfigError, match="holds no"):
             ClusterConfig(1, spec, pool_bytes(weights, C, 4), segment_tokens=C, tier_path=path, tier_bytes=10)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    huge = ClusterConfig(2, spec, pool_bytes(weights, C, 4), segment_tokens=C, tier_bytes=ram // 2)
+    with pytest.raises(ConfigError, match="more than 80% of this machine"):
+        LocalCluster(huge)  # refused before anything starts
+    LocalCluster(dataclasses.replace(huge, tier_path=str(tmp_path)))  # on a disk: nothing to check
 
 
 def test_serve_settings_give_the_pool_its_tier(tmp_path):

@@ -55,7 +55,7 @@ from tokenlake.deploy.driver import DriverSockets
 from tokenlake.deploy.local_lifecycle import InstanceLifecycle
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
-from tokenlake.deploy.tier import tier_spec
+from tokenlake.deploy.tier import check_host_tiers, tier_spec
 from tokenlake.deploy.watcher import EngineWatcher
 from tokenlake.engines.loop import EngineSpec
 from tokenlake.engines.openmp import OPENMP_ENV
@@ -109,6 +109,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         **fields: Any,
     ) -> None:
         super().__init__(ClusterConfig.of(config, *args, **fields), clock=clock)
+        check_host_tiers(self.config)  # every instance is on this machine
         if query_threads < 1:
             raise ConfigError(f"query_threads must be >= 1, got {query_threads}")
         self.query_threads = int(query_threads)

@@ -40,6 +40,26 @@ def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
             "tier_bytes": config.tier_bytes + files * header}
 
 
+def check_host_tiers(config, share: float = 0.8) -> None:
+    """``ConfigError`` when ``config``'s tiers in host memory (``tier_bytes`` without
+    ``tier_path``) and, on a CPU pool, the slabs, every instance on this machine, would
+    take more than ``share`` of its memory: refused at once, not an out-of-memory kill
+    once the tiers fill."""
+    from tokenlake.core.errors import ConfigError
+
+    if not config.tier_bytes or config.tier_path is not None:
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    slabs = config.pool_bytes if config.device == "cpu" else 0
+    need = config.instances * (config.tier_bytes + slabs)
+    if need > share * total:
+        raise ConfigError(
+            f"{config.instances} tiers of {config.tier_bytes >> 20} MiB in host memory"
+            f"{f' beside slabs of {slabs >> 20} MiB' if slabs else ''} need {need >> 20} MiB, more "
+            f"than {share:.0%} of this machine's {total >> 20} MiB: lower tier_bytes, or put the "
+            "tiers on a disk (tier_path)")
+
+
 class TierDriver:
     """:class:`~tokenlake.core.tier.TierDataPlane` of a launcher: requests to its
     transfer engines, one per instance and call.

@@ -90,6 +90,44 @@ def test_a_hot_segment_read_back_from_the_tier_is_replicated():
     pool.check()
 
 
+def test_a_segment_held_only_in_the_tier_whose_first_pages_a_prompt_shares_is_promoted():
+    """A page hit into a segment held only in the tier: the segment is reported after
+    the whole ones (or alone), and promoted whole where a slot is free (it evicts
+    nothing for a part of a segment); then the match hits its pages."""
+    cfg = PoolConfig(segment_tokens=4, namespace="tier", slots_per_instance=2, vnodes=8,
+                     page_tokens=2, tier_slots=8)
+    pool = CachePool(cfg, [0], lambda: 0.0, random.Random(0))
+
+    def put(tokens):
+        parent = None
+        for i, key in enumerate(pool.hasher.keys(tokens)):
+            pool.place(key, parent, i, tokens[i * 4:(i + 1) * 4])
+            pool.commit(key, 0)
+            parent = key
+        pool.tier.settle()
+
+    def promote(prompt):
+        batch = tier_flow.begin(pool, [(prompt, None)])
+        return 0 if batch is None else tier_flow.end(pool, batch, (set(), {}))
+
+    doc = [1, 2, 3, 4, 5, 6, 7, 8]
+    keys = pool.hasher.keys(doc)
+    put(doc)
+    put([9, 9, 9, 9, 10, 10, 10, 10])  # the document is held only in the tier
+    prompt = [1, 2, 3, 4, 5, 6, 42, 43, 44]  # a whole segment, then one page of the second
+    m = pool.match(prompt)
+    assert m.keys == () and m.tier_keys == tuple(keys) and m.tier_partial
+    assert promote(prompt) == 1  # the whole one; no slot is free for the other
+    m = pool.match(prompt)  # the whole one in the slab: the page hit's segment alone
+    assert m.keys == (keys[0],) and m.tier_keys == (keys[1],) and m.tier_partial and m.hit_tokens == 4
+    pool.evict_one(0)  # a slot free now
+    assert promote(prompt) == 1
+    m = pool.match(prompt)
+    assert m.keys == (keys[0],) and m.partial_key == keys[1] and m.hit_tokens == 6
+    assert pool.match([1, 2, 3, 4, 42, 43, 44, 45]).tier_keys == ()  # no page shared: nothing
+    pool.check()
+
+
 def test_without_a_tier_evicted_segments_go():
     cfg = PoolConfig(segment_tokens=C, namespace="tier", slots_per_instance=2, vnodes=8)
     pool = CachePool(cfg, [0], lambda: 0.0)

@@ -220,7 +220,11 @@ class PoolPlanner:
         c, tree = self.c, self.tree
         rest = min(r.prompt_len - 1, (n + 1) * c) - n * c
         if tree.page_tokens < c and rest >= tree.page_tokens:
-            hit = tree.partial(r.keys[n - 1] if n else None, r.tokens[n * c : n * c + rest])
+            parent, nxt = r.keys[n - 1] if n else None, r.tokens[n * c : n * c + rest]
+            hit = tree.partial(parent, nxt)
+            if hit is None and self.tier is not None and (held := tree.partial(parent, nxt, True)) \
+                    and self.tier.pool.slots.free_count(tree.node(held[0]).tier):  # evicting nothing
+                hit = held if self._promote(r, [held[0]]) else None  # read back whole, for its pages
             if hit is not None:
                 return n * c + hit[1]
         return n * c

@@ -161,14 +161,15 @@ class PrefixTree:
                           self.page_tokens, self._nodes, self.tier_dropped is not None)
 
     def partial(
-        self, parent: SegmentKey | None, token_ids: Sequence[int] | bytes
+        self, parent: SegmentKey | None, token_ids: Sequence[int] | bytes, tier_only: bool = False
     ) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
         """The ready child of ``parent`` (``None``: the unsalted root; a salt's root
-        key: that salt's root) whose leading whole pages equal the most leading tokens
-        of ``token_ids`` (at most ``C - 1`` of them count), as ``(key, tokens, ready
-        replicas)``; ``None`` if no child shares a page. Tokens are compared exactly."""
+        key: that salt's root; ``tier_only``: the child held only in the tier) whose
+        leading whole pages equal the most leading tokens of ``token_ids`` (at most
+        ``C - 1`` of them count), as ``(key, tokens, ready replicas)``; ``None`` if no
+        child shares a page. Tokens are compared exactly."""
         pnode = self._root if parent is None else self._roots.get(parent) or self._nodes.get(parent)
-        return partial_child(pnode, token_ids, self._codec, self.page_tokens, self.segment_tokens)
+        return partial_child(pnode, token_ids, self._codec, self.page_tokens, self.segment_tokens, tier_only)
 
     def tokens(self, key: SegmentKey) -> bytes | None:
         """The token ids of segment ``key`` as int32 bytes (``None`` if not recorded)."""

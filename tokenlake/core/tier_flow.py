@@ -48,10 +48,13 @@ def begin(pool, prompts: Iterable[tuple[Sequence[int], str | None]]) -> Promotio
     try:
         for i, (tokens, salt) in enumerate(prompts):
             m = pool.match(tokens, max_tokens=max(len(tokens) - 1, 0), salt=salt)
-            if m.tier_keys:
+            keys = m.tier_keys
+            if m.tier_partial and not pool.slots.free_count(pool.tree.node(keys[-1]).tier):
+                keys = keys[:-1]  # a page hit's segment only into a free slot: it evicts nothing
+            if keys:
                 pool.lease(m.keys)
                 batch.leased += m.keys
-                promos = tier.promote(m.tier_keys)
+                promos = tier.promote(keys)
                 batch.promos += promos
                 if promos:
                     batch.prompts.append(i)

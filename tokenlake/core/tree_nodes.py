@@ -167,8 +167,10 @@ class MatchResult:
             tokens (whole pages) equal the sequence's next tokens, or ``None``.
         partial_tokens: tokens of ``partial_key`` that match (0 without one).
         partial_replicas: the ready replicas of ``partial_key``.
-        tier_keys: with a disk tier, the whole segments after ``keys`` held only in the
-            tier (to promote before they are read; no partial hit is looked for then).
+        tier_keys: with a tier, the whole segments after ``keys`` held only in the
+            tier (to promote before they are read; no partial hit is looked for then),
+            then, where one starts with the sequence's next pages, that segment too
+            (promoted, it gives the partial hit; ``tier_partial`` says so).
     """
 
     keys: tuple[SegmentKey, ...]
@@ -178,6 +180,7 @@ class MatchResult:
     partial_tokens: int = 0
     partial_replicas: tuple[SegmentLocation, ...] = ()
     tier_keys: tuple[SegmentKey, ...] = ()
+    tier_partial: bool = False
 
     @property
     def num_segments(self) -> int:
@@ -210,12 +213,13 @@ def relocate(node: TreeNode) -> None:
     node.locs = tuple(SegmentLocation(r.instance, r.slot) for r in node.replicas if r.ready)
 
 
-def best_partial(pnode: TreeNode, seg: bytes, page_tokens: int, width: int, max_pages: int
-                 ) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
-    """The ready child of ``pnode`` whose leading pages equal the most leading pages of
-    ``seg`` (tokens encoded ``width`` bytes each; at most ``max_pages``), as ``(key,
-    tokens, ready replicas)``, or ``None``. In the sorted order of the children's tokens
-    the best child is one of the two neighbours of ``seg``; pages are compared exactly."""
+def best_partial(pnode: TreeNode, seg: bytes, page_tokens: int, width: int, max_pages: int,
+                 tier_only: bool = False) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
+    """The ready child of ``pnode`` (``tier_only``: the child held only in the tier)
+    whose leading pages equal the most leading pages of ``seg`` (tokens encoded ``width``
+    bytes each; at most ``max_pages``), as ``(key, tokens, ready replicas)``, or
+    ``None``. In the sorted order of the children's tokens the best child is one of the
+    two neighbours of ``seg``; pages are compared exactly."""
     if pnode.order is not None:
         i = bisect.bisect_left(pnode.order, (seg,))
         cands = [pnode.kids[pnode.order[j][0]] for j in (i - 1, i) if 0 <= j < len(pnode.order)]
@@ -224,7 +228,8 @@ def best_partial(pnode: TreeNode, seg: bytes, page_tokens: int, width: int, max_
     best: tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None = None
     for node in cands:
         pages = common_pages(seg, node.tokens, width * page_tokens, max_pages)
-        if pages and node.locs and (best is None or pages * page_tokens > best[1]):
+        usable = node.tier_only if tier_only else node.locs
+        if pages and usable and (best is None or pages * page_tokens > best[1]):
             best = (node.key, pages * page_tokens, node.locs)
     return best
 
@@ -255,27 +260,35 @@ def match_from(root: TreeNode, token_ids, max_tokens: int | None, hasher: Segmen
             walk(start, enc[off * codec.width :], raw[off * 4 :], c, codec.width, hasher,
                  tier, [], tiered=True)
             if tier:
-                return MatchResult(tuple(keys), tuple(where), off, tier_keys=tuple(tier))
+                nxt = token_ids[(off + len(tier) * c) * width : min(limit, off + (len(tier) + 1) * c) * width]
+                part = partial_child(nodes[tier[-1]], nxt, codec, page_tokens, c, tier_only=True)
+                tier += [part[0]] if part is not None else []
+                return MatchResult(tuple(keys), tuple(where), off, tier_keys=tuple(tier),
+                                   tier_partial=part is not None)
     whole = len(keys) * c
     if page_tokens < c and limit - whole >= page_tokens:
         nxt = token_ids[whole * width : min(limit, whole + c) * width]
-        hit = partial_child(nodes[keys[-1]] if keys else root, nxt, codec, page_tokens, c)
+        pnode = nodes[keys[-1]] if keys else root
+        hit = partial_child(pnode, nxt, codec, page_tokens, c)
         if hit is not None:
             pkey, ptok, plocs = hit
             return MatchResult(tuple(keys), tuple(where), whole + ptok, pkey, ptok, plocs)
+        if tiered and (hit := partial_child(pnode, nxt, codec, page_tokens, c, tier_only=True)):
+            return MatchResult(tuple(keys), tuple(where), whole, tier_keys=(hit[0],), tier_partial=True)
     return MatchResult(tuple(keys), tuple(where), whole)
 
 
 def partial_child(pnode: TreeNode | None, token_ids, codec: TokenCodec, page_tokens: int,
-                  c: int) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
+                  c: int, tier_only: bool = False) -> tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None:
     """:meth:`PrefixTree.partial <tokenlake.core.prefix_tree.PrefixTree.partial>` of
-    the node ``pnode`` (``c``: tokens per segment)."""
+    the node ``pnode`` (``c``: tokens per segment; ``tier_only``: among the children
+    held only in the tier)."""
     if pnode is None or pnode.kids is None:
         return None
     width = codec.width
     seg = codec.encode_prefix(token_bytes(token_ids))
     max_pages = min(len(seg) // width, c - 1) // page_tokens
-    return best_partial(pnode, seg, page_tokens, width, max_pages) if max_pages else None
+    return best_partial(pnode, seg, page_tokens, width, max_pages, tier_only) if max_pages else None
 
 
 def walk(root: TreeNode, enc: bytes, raw: bytes, c: int, width: int, hasher: SegmentHasher,

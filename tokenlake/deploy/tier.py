@@ -120,11 +120,12 @@ class TierDriver:
                 refused += self._unsettled.pop(inst)
         return staged, refused
 
-    def tier_read(self, promotions) -> tuple[set[bytes], set[bytes]]:
+    def tier_read(self, promotions) -> tuple[set[bytes], dict[bytes, int]]:
         """Reads each promotion's copy into its slot (one ``TIER_READ`` per instance and
         :data:`READ_BYTES`, on sockets of their own: the control plane's calls go on
         meanwhile); returns the keys that failed, and those of them whose engine neither
-        answered nor was fenced (it may still write their slots)."""
+        answered nor was fenced (it may still write their slots), with the epoch each
+        was sent at."""
         from tokenlake.dataplane.messages import TierRead  # imports torch
 
         failed: set[bytes] = set()

@@ -80,7 +80,7 @@ class TierReads:
         plane = self.control.tier_data_plane
         if plane is None:
             future: concurrent.futures.Future = concurrent.futures.Future()
-            future.set_result((set(), set()))  # nothing moves data: read at once
+            future.set_result((set(), {}))  # nothing moves data: read at once
         else:
             if self._threads is None:
                 self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tier-read")

@@ -107,11 +107,10 @@ class TierDriver:
             writes = tuple((w.slot, TierEntry(w.key, w.parent, w.index, w.tokens)) for w in op.writes)
             epoch = self._epoch_of(inst)
             done = None if epoch is None else self._send(inst, TierOps(tuple(op.drops), writes, epoch))
-            if done is None:  # the fence drops them all: whatever the engine may have staged
-                with self._state:
+            if done is None:  # the fence drops them all: whatever the engine may have staged,
+                with self._state:  # and the drops, not sent or refused once it is fenced
                     self._unsettled.setdefault(inst, []).extend(w.key for w in op.writes)
-                    if epoch is None:
-                        self._lost_drops.setdefault(inst, []).extend(op.drops)
+                    self._lost_drops.setdefault(inst, []).extend(op.drops)
                 continue
             staged += done.done
             refused += done.failed

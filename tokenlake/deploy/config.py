@@ -80,6 +80,9 @@ class ClusterConfig:
             subdirectory each, ``instance-<i>``; they outlive the pool, ``LocalCluster``
             only); ``None``: the tiers are in the transfer engines' host memory (pinned
             on a GPU pool) and go with them.
+        tier_write_bw: bytes a second each disk tier's writer may write (0: as fast
+            as the disk takes them); what comes faster waits staged, and beyond the
+            staging memory has no copy (docs/design.md "Disk tier").
     """
 
     instances: int
@@ -100,6 +103,7 @@ class ClusterConfig:
     share_slabs: bool = True
     tier_path: str | None = None
     tier_bytes: int = 0
+    tier_write_bw: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not is_int(self.instances) or self.instances < 1:
@@ -138,6 +142,8 @@ class ClusterConfig:
             raise ConfigError(f"tier_bytes must be an int >= 0, got {self.tier_bytes!r}")
         if self.tier_path is not None and (not isinstance(self.tier_path, str) or not self.tier_path):
             raise ConfigError(f"tier_path must be a directory path, got {self.tier_path!r}")
+        if not is_int(self.tier_write_bw) or self.tier_write_bw < 0:
+            raise ConfigError(f"tier_write_bw must be an int >= 0 (bytes a second), got {self.tier_write_bw!r}")
         if self.tier_path is not None and not self.tier_bytes:
             raise ConfigError("tier_path needs tier_bytes (what each instance's tier may hold)")
         if self.tier_bytes and self.tier_bytes < self.segment_bytes:

@@ -37,7 +37,7 @@ def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
     files = config.tier_bytes // config.segment_bytes + 1
     header = 4096 + 8 * config.segment_tokens
     return {"tier_path": os.path.join(config.tier_path, f"instance-{inst}"),
-            "tier_bytes": config.tier_bytes + files * header}
+            "tier_bytes": config.tier_bytes + files * header, "tier_write_bw": config.tier_write_bw}
 
 
 def check_host_tiers(config, share: float = 0.8) -> None:

@@ -55,6 +55,8 @@ class EngineSpec:
             ``None``: its tier, if any, is in host memory. ``tier_bytes``: what the
             tier may take (its files, or its host memory); 0: no tier. ``tier_fsync``:
             flush each file to the disk before it counts (off only in tests).
+            ``tier_write_bw``: bytes a second the disk tier's writer may write (0:
+            unbounded).
     """
 
     role: str
@@ -74,6 +76,7 @@ class EngineSpec:
     tier_path: str | None = None
     tier_bytes: int = 0
     tier_fsync: bool = True
+    tier_write_bw: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

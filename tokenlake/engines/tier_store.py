@@ -11,14 +11,18 @@ order they came: a drop of a key removes whatever was staged for it before, and 
 write of the same key stands. Staged bytes are bounded (``staging_bytes``): a write
 that does not fit is refused, and the control plane forgets that copy.
 
-Closing waits for the staged writes (a clean stop keeps what was written through),
-then releases the directory.
+The writer's bandwidth is bounded (``write_bw`` bytes a second, :class:`Pacer`): after
+each file it waits until its bytes fit the rate, so write-through never takes more of
+the disk than that, whatever the pool stores; what comes faster waits staged, and what
+does not fit the staging memory has no copy. Closing waits for the staged writes at
+full speed (a clean stop keeps what was written through), then releases the directory.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,29 @@ log = logging.getLogger(__name__)
 DEFAULT_STAGING_BYTES = 256 << 20
 
 
+#: The disk tier's write bandwidth by default, bytes a second (``ClusterConfig.tier_write_bw``).
+DEFAULT_WRITE_BW = 1 << 30
+
+
+class Pacer:
+    """Bounds a stream of writes to ``rate`` bytes a second (``0``: unbounded):
+    :meth:`delay` after each write says how long to wait before the next (the write's
+    own time counts). A writer idle for a while does not save up: at most ``burst_s``
+    of the rate is carried over. ``clock``: seconds, monotonic."""
+
+    def __init__(self, rate: float, burst_s: float = 0.05, clock=time.monotonic) -> None:
+        self.rate, self.burst_s, self.clock = rate, burst_s, clock
+        self._due = clock()  # when the bytes written so far fit the rate
+
+    def delay(self, nbytes: int, began: float) -> float:
+        """Seconds to wait after a write of ``nbytes`` that began at ``began`` (this
+        clock's time; 0 when within the rate)."""
+        if self.rate <= 0:
+            return 0.0
+        self._due = max(self._due, began - self.burst_s) + nbytes / self.rate
+        return max(0.0, self._due - self.clock())
+
+
 def slot_bytes(slab: torch.Tensor, slot: int) -> torch.Tensor:
     """Slot ``slot`` of ``slab`` (all layers) as a flat uint8 view of the same memory."""
     return slab[slot].reshape(-1).view(torch.uint8)
@@ -44,12 +71,16 @@ class TierStore:
 
     ``path``: this instance's tier directory; ``capacity_bytes``: what its files may
     take; ``layout``: what identifies the slab's format (files of another are not
-    adopted)."""
+    adopted); ``write_bw``: the writer's bytes a second (0: unbounded; or a
+    :class:`Pacer`)."""
 
     def __init__(self, path: str | Path, capacity_bytes: int, layout: dict[str, Any],
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, fsync: bool = True) -> None:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, fsync: bool = True,
+                 write_bw: float | Pacer = DEFAULT_WRITE_BW) -> None:
         self.files = TierFiles(path, capacity_bytes, layout, fsync=fsync)
         self.staging_bytes = staging_bytes
+        self.pacer = write_bw if isinstance(write_bw, Pacer) else Pacer(write_bw)
+        self.paced_s = 0.0  # time the writer waited for the rate
         # key -> (its bytes, its meta), until written; a write job holds the same tuple
         self._staged: dict[bytes, tuple[bytes, Any]] = {}
         self._staged_bytes = 0
@@ -137,6 +168,7 @@ class TierStore:
                 op, key, entry = self._jobs.popleft()
                 if op == "write" and self._staged.get(key) is not entry:
                     continue  # dropped, or staged again since: that write stands
+            began = self.pacer.clock()
             try:
                 if op == "drop":
                     self.files.remove(key)
@@ -150,6 +182,16 @@ class TierStore:
                 with self._cond:
                     if self._staged.get(key) is entry:
                         self._unstage(key)
+                    self._pace(len(entry[0]), began)
+
+    def _pace(self, nbytes: int, began: float) -> None:
+        """Waits (under the lock, which the wait releases) until a write of ``nbytes``
+        that began at ``began`` fits the write rate; at once when closing."""
+        start = time.monotonic()
+        deadline = start + self.pacer.delay(nbytes, began)
+        while not self._closing and (wait := deadline - time.monotonic()) > 0:
+            self._cond.wait(wait)
+        self.paced_s += time.monotonic() - start
 
     def _unstage(self, key: bytes) -> None:
         """Forgets what is staged for ``key`` (under the lock)."""

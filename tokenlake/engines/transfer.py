@@ -100,7 +100,8 @@ class TransferEngine(EngineLoop):
         self.tier_epoch = 0  # the highest epoch of a tier message seen (TierOps: the fence)
         if spec.tier_path is not None:
             layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
-            self.tier = TierStore(spec.tier_path, spec.tier_bytes, layout, fsync=spec.tier_fsync)
+            self.tier = TierStore(spec.tier_path, spec.tier_bytes, layout, fsync=spec.tier_fsync,
+                                  write_bw=spec.tier_write_bw)
         elif spec.tier_bytes:
             self.tier = HostTier(spec.tier_bytes, slot_bytes(self.slab, 0).numel(),
                                  pin=self.slab.device.type == "cuda")

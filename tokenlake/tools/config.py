@@ -120,6 +120,10 @@ class ServeSettings:
     tier_path: str | None = _setting(None, "str", "directory of the instances' tiers on a local "
                                      "disk (needs tier_mb); what it holds outlives the service",
                                      metavar="DIR")
+    tier_write_mbps: int = _setting(1024, "int", "MiB a second each instance's disk tier may "
+                                    "write (0: as fast as the disk takes them); segments that "
+                                    "come faster wait in memory, up to 256 MiB, then have no copy",
+                                    _at_least_zero, metavar="MIB_S")
     host: str = _setting("127.0.0.1", "str", "address of the control and HTTP ports",
                          _address, metavar="ADDRESS")
     control_port: int = _setting(7400, "int", "control port (typed wire messages; 0: any "

@@ -190,7 +190,8 @@ def serve_config(cfg):
     cluster = ClusterConfig(cfg.instances, load_model(cfg.model), cfg.pool_mb << 20, cfg.segment_tokens,
                             cfg.max_rows, host=cfg.bind, insecure=cfg.insecure, kv_layout=cfg.kv_layout,
                             page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype,
-                            tier_path=cfg.tier_path, tier_bytes=cfg.tier_mb << 20)
+                            tier_path=cfg.tier_path, tier_bytes=cfg.tier_mb << 20,
+                            tier_write_bw=cfg.tier_write_mbps << 20)
     return ServeConfig(cluster, host=cfg.host, control_port=cfg.control_port, http_port=cfg.http_port,
                          engine=cfg.engine, compute=cfg.compute, credentials=cfg.credentials,
                          limits=cfg.http_limits(), orphan_grace_s=cfg.orphan_grace_s)

@@ -31,8 +31,13 @@ native: $(STAMP)
 demo: native
 	$(BIN)/tokenlake demo
 
+# Two workers (TEST_JOBS=0: all in this process): each test module runs whole on one of them
+# (tests/conftest.py groups them), the longest modules first. Idle OpenMP threads sleep
+# (unless the caller says otherwise): spinning, they would take the other worker's core.
+TEST_JOBS ?= 2
 test: native
-	$(BIN)/python -m pytest -q --durations=15
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BIN)/python -m pytest -q -n $(TEST_JOBS) \
+		--dist loadscope --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)
 	$(BIN)/tokenlake bench plans --json

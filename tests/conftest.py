@@ -47,15 +47,92 @@ def credentials_home(tmp_path_factory):
     assert not leftover, f"credentials files left behind: {leftover}"
 
 
+#: Modules that run first under pytest-xdist, longest first (``make test`` runs two
+#: workers): a worker left with one of them at the end would keep the other one idle.
+LONG_MODULES = ("test_ray", "test_vllm_query", "test_vllm_connector", "test_bench_restart",
+                "test_restart_serve", "test_restart", "test_engine_faults", "test_http",
+                "test_shared_pool", "test_demo")
+
+
+def module_group(nodeid: str) -> str:
+    """What runs whole on one pytest-xdist worker: a test module (its module fixtures
+    start once), or all the Ray modules (they share one local Ray: ray_util)."""
+    stem = Path(nodeid.split("::", 1)[0]).stem
+    return "test_ray" if stem.startswith("test_ray") else stem
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist the long modules go first (:data:`LONG_MODULES`; the
+    controller hands the groups out in this order, ``--no-loadscope-reorder``)."""
+    if _xdist(config):
+        order = {name: k for k, name in enumerate(LONG_MODULES)}
+        items.sort(key=lambda item: order.get(module_group(item.nodeid), len(order)))  # stable
+
+
+class _ModuleGroups:
+    """pytest-xdist's scheduler for :func:`module_group` (registered where pytest-xdist
+    is installed; ``--dist loadgroup`` itself reads ``xdist_group`` marks, which it
+    cannot apply to pytest 9's items)."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ModuleGroups(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return module_group(nodeid)
+
+        return ModuleGroups(config, log)
+
+
+def pytest_configure(config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_ModuleGroups(), "tokenlake-module-groups")
+
+
+def _xdist(config) -> bool:
+    """Whether this run is distributed (on the controller and on each worker)."""
+    return getattr(config.option, "dist", "no") != "no" or hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session) -> None:
+    if _xdist(session.config) and not hasattr(session.config, "workerinput"):
+        from tokenlake.dataplane.shm_files import list_buffers
+
+        session.config.stash[_BUFFERS] = set(list_buffers(fifos=True))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has stopped its workers
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The controller of a distributed run checks the shared memory once every worker
+    has ended (a worker cannot: another one's engines may be between a kill and its
+    clean-up)."""
+    before = session.config.stash.get(_BUFFERS, None)
+    if before is None:
+        return
+    from tokenlake.dataplane.shm_files import list_buffers
+
+    leaked = sorted(n for n in set(list_buffers(fifos=True)) - before if _ours_or_orphaned(n))
+    if leaked:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.write_line(f"\nshared memory left behind: {leaked}", red=True)  # after xdist's progress
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BUFFERS = pytest.StashKey[set]()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def no_leftovers():
+def no_leftovers(request):
     from tokenlake.dataplane.shm_files import list_buffers
 
     before = set(list_buffers(fifos=True))
     yield
     children = [p for p in multiprocessing.active_children() if p.name.startswith("tokenlake-")]
-    leaked = sorted(name for name in set(list_buffers(fifos=True)) - before if _ours_or_orphaned(name))
     assert not children, f"engine processes still running after the tests: {children}"
+    if _xdist(request.config):
+        return  # the controller checks the buffers (pytest_sessionfinish)
+    leaked = sorted(name for name in set(list_buffers(fifos=True)) - before if _ours_or_orphaned(name))
     assert not leaked, f"shared memory left behind: {leaked}"
 
 

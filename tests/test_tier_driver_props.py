@@ -88,7 +88,7 @@ class FenceMachine(RuleBasedStateMachine):
                                [0, 1], clock=lambda: 0.0, rng=random.Random(0))
         self.slab: dict[tuple[int, int], bytes] = {}
         self.cluster = FakeCluster(self.cp, self.slab)
-        self.cp.tier_data_plane = tier_driver.TierDriver(self.cluster)
+        self.cp.tier_data_plane = tier_driver.TierDriver(self.cluster, background=False)
 
     def teardown(self) -> None:
         tier_driver.FENCE_RETRY_S = self._retry
@@ -136,6 +136,10 @@ class FenceMachine(RuleBasedStateMachine):
     def flush(self):
         self.cp.flush_tier()
 
+    @rule()
+    def fence(self):
+        self.cp.tier_data_plane.fence_due()  # the driver's fencing thread, at any step
+
     @rule(doc=st.sampled_from(DOCS), other=st.sampled_from(DOCS), inst=st.sampled_from([0, 1]),
           evict=st.booleans(), overtake=st.booleans())
     def a_stall_around_a_promotion(self, doc, other, inst, evict, overtake):
@@ -157,8 +161,9 @@ class FenceMachine(RuleBasedStateMachine):
             engine.queue = []
             for msg in late:
                 engine.carry_out(msg)
+        self.cp.tier_data_plane.fence_due()
         self.cp.flush_tier()
-        assert self.cp.pool.tier.held_back() == [], "slots held back after every engine answered"
+        assert self.cp.pool.tier.held_back() == [], "slots held back after every engine answered a fence"
         assert not self.cp.pool.tier._staging, "a write-through still leased after every engine answered"
 
     @invariant()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 
 import pytest
 from dataplane_util import TINY, check_iteration
@@ -83,11 +84,16 @@ def test_a_new_driver_adopting_a_fenced_engine_is_not_refused(pool):
 
 
 def test_a_stalled_engine_keeps_its_read_slots_taken_until_it_answers_a_fence(pool, monkeypatch):
+    """...and the driver's own thread fences it: the control plane's calls meanwhile
+    send nothing to it (a stalled engine costs them no timeout)."""
     monkeypatch.setattr(tier_driver, "FENCE_RETRY_S", 0.0)
-    cp = pool.control
+    cp, driver = pool.control, pool.control.tier_data_plane
     doc = _doc(2, 3 * C + 2)
     _push_out(pool, doc)
     pid = pool._procs[("transfer", 0)].pid
+    sent = []
+    request = pool._request
+    monkeypatch.setattr(pool, "_request", lambda key, *a: sent.append(key) or request(key, *a))
     os.kill(pid, signal.SIGSTOP)
     try:
         assert cp.promote([(doc, None)]) == 0  # no answer, no fence: nothing trusted
@@ -97,9 +103,17 @@ def test_a_stalled_engine_keeps_its_read_slots_taken_until_it_answers_a_fence(po
         taken = {(loc.instance, loc.slot) for k in cp.pool.tree.keys()
                  for loc in cp.pool.tree.replicas(k, ready_only=False)}
         assert not taken & set(held)
+        for _ in range(3):
+            cp.flush_tier()
+        assert ("transfer", 0) not in sent, "a control-plane call waited for the stalled engine"
+        assert driver._epoch_of(0) is None
     finally:
         os.kill(pid, signal.SIGCONT)
-    cp.flush_tier()  # the engine answers the fence now: they are free
+    deadline = time.monotonic() + 60
+    while driver._epoch_of(0) is None:  # the driver's thread fences it, nobody calls
+        assert time.monotonic() < deadline, "the stalled engine was never fenced"
+        time.sleep(0.02)
+    cp.flush_tier()  # the engine answered the fence: they are free
     assert cp.pool.tier.held_back() == []
     cp.check()
     tokens = {"q": doc + _doc(3, 5)}

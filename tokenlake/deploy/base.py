@@ -218,6 +218,12 @@ class ClusterBase(abc.ABC):
     def close(self) -> None:
         """Stops every engine and unlinks every shared buffer (idempotent)."""
 
+    def _stop_tier_fencing(self) -> None:
+        """Stops the tier driver's fencing thread (before the sockets it uses close)."""
+        close = getattr(self.control.tier_data_plane, "close", None)
+        if close is not None:
+            close()
+
     def adopt_tiers(self) -> int:
         """Gives the control plane what the instances' disk tiers already hold (a pool
         started again on its tier directory); returns the segments adopted."""

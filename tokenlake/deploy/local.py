@@ -242,6 +242,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        self._stop_tier_fencing()
         if self._ctx is not None:
             self._driver.close()
             if self._tier_sockets is not None:

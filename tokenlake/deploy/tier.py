@@ -71,14 +71,26 @@ class TierDriver:
     one (the *fence*): once an engine has answered it, it refuses everything older.
     Until then the unanswered request's writes are reported neither staged nor refused
     (their segments stay leased), its reads' slots are held back, and nothing else is
-    sent to that engine; the fence is tried again at most every :data:`FENCE_RETRY_S`,
-    and :meth:`fenced` tells the control plane when it may free what it held back."""
+    sent to that engine; :meth:`fenced` tells the control plane when it may free what it
+    held back.
 
-    def __init__(self, cluster: Any) -> None:  # a ClusterBase (which imports this lazily)
+    Fences are sent by a thread of the driver (``background``; else by whoever calls
+    :meth:`fence_due`), at once and then at most every :data:`FENCE_RETRY_S`, never
+    under the control plane's lock: a stalled engine costs the pool's other calls
+    nothing. They go on the sockets of the tier reads (``_tier_request``), one request
+    at a time."""
+
+    def __init__(self, cluster: Any, background: bool = True) -> None:  # cluster: a ClusterBase
         self.cluster = cluster
-        # Reads run on a thread of their own (the serving loop's promotions) beside the
-        # control plane's calls: the state below is changed under this lock only.
+        # Reads run on a thread of their own (the serving loop's promotions), fences on
+        # another, beside the control plane's calls: the state below is changed under
+        # this lock only.
         self._state = threading.Lock()
+        self._wake = threading.Condition(self._state)
+        self._wire = threading.Lock()  # one request at a time on the tier-read sockets
+        self._background = background
+        self._fencer: threading.Thread | None = None
+        self._closed = False
         # Epochs start at this driver's start in milliseconds: above any an engine it
         # adopts from an earlier driver has seen (those start lower and rise by a few).
         self._base = int(time.time() * 1000)
@@ -99,10 +111,6 @@ class TierDriver:
         staged: list[bytes] = []
         refused: list[bytes] = []
         self._forget_gone()
-        with self._state:
-            silent = list(self._unfenced)
-        for inst in silent:
-            self._fence(inst)
         for inst, op in ops.items():
             writes = tuple((w.slot, TierEntry(w.key, w.parent, w.index, w.tokens)) for w in op.writes)
             epoch = self._epoch_of(inst)
@@ -171,12 +179,14 @@ class TierDriver:
 
     def _send(self, inst: int, message, reads: bool = False):
         """``message`` to ``inst``'s transfer engine; its ``TIER_DONE``, or None after a
-        failure (then a higher epoch is fenced, or marked to be)."""
+        failure (then a higher epoch is marked to be fenced, and the fencing woken)."""
         from tokenlake.dataplane.messages import TierDone  # imports torch
 
-        request = self.cluster._tier_request if reads else self.cluster._request
         try:
-            done = request(("transfer", inst), message, TierDone)
+            if reads:
+                done = self._tier_call(inst, message, TierDone)
+            else:
+                done = self.cluster._request(("transfer", inst), message, TierDone)
         except Exception as exc:  # noqa: BLE001 - no answer: it may still be carried out
             log.warning("tier of instance %d: %s", inst, exc)
         else:
@@ -185,14 +195,58 @@ class TierDriver:
         with self._state:
             self._epoch[inst] = max(self._epoch.get(inst, self._base), message.epoch) + 1
             self._unfenced[inst] = 0.0
-        alive = getattr(self.cluster, "alive", None)
-        if alive is None or alive("transfer", inst):  # a stopped one is fenced when replaced
-            self._fence(inst)
+            self._start_fencing()
         return None
+
+    def _tier_call(self, inst: int, message, reply):
+        with self._wire:
+            return self.cluster._tier_request(("transfer", inst), message, reply)
+
+    # ------------------------------------------------------------- fencing
+    def fence_due(self) -> None:
+        """Sends the fence of every silent instance whose time has come (what the
+        fencing thread does; a caller without one calls this)."""
+        with self._state:
+            now = time.monotonic()
+            due = [inst for inst, when in self._unfenced.items() if when <= now]
+        for inst in due:
+            self._fence(inst)
+
+    def close(self) -> None:
+        """Stops the fencing thread (before the launcher closes its sockets)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+            fencer, self._fencer = self._fencer, None
+        if fencer is not None:
+            fencer.join()
+
+    def _start_fencing(self) -> None:
+        """Wakes the fencing thread, started on first need (under ``_state``)."""
+        if not self._background or self._closed:
+            return
+        if self._fencer is None:
+            self._fencer = threading.Thread(target=self._fence_loop, name="tier-fence", daemon=True)
+            self._fencer.start()
+        self._wake.notify_all()
+
+    def _fence_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed:
+                    now = time.monotonic()
+                    if any(when <= now for when in self._unfenced.values()):
+                        break
+                    soonest = min(self._unfenced.values(), default=None)
+                    self._wake.wait(None if soonest is None else soonest - now)
+                if self._closed:
+                    return
+            self.fence_due()
 
     def _fence(self, inst: int) -> bool:
         """Has ``inst``'s engine answer an empty ``TIER_OPS`` of its epoch (at most every
-        :data:`FENCE_RETRY_S`); True once it has."""
+        :data:`FENCE_RETRY_S`); True once it has. A stopped engine is not asked (it is
+        fenced when replaced)."""
         from tokenlake.dataplane.messages import TierDone, TierOps  # imports torch
 
         with self._state:
@@ -202,8 +256,14 @@ class TierDriver:
             epoch = self._epoch[inst]
             # the fence also drops what unanswered writes may have staged, and lost drops
             drops = tuple(self._unsettled.get(inst, ())) + tuple(self._lost_drops.get(inst, ()))
+        alive = getattr(self.cluster, "alive", None)
+        if alive is not None and not alive("transfer", inst):
+            with self._state:  # nothing to ask until it is replaced (the new one is fenced)
+                if inst in self._unfenced:
+                    self._unfenced[inst] = time.monotonic() + max(FENCE_RETRY_S, 1.0)
+            return False
         try:
-            self.cluster._request(("transfer", inst), TierOps(drops, epoch=epoch), TierDone)
+            self._tier_call(inst, TierOps(drops, epoch=epoch), TierDone)
         except Exception as exc:  # noqa: BLE001 - still silent: try again later
             log.warning("tier of instance %d not fenced yet: %s", inst, exc)
             with self._state:

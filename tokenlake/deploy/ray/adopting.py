@@ -45,6 +45,11 @@ class RayAdoptable:
                                                  if r != "compute"])
             self._heartbeat.start()
 
+    def _stop_threads(self) -> None:
+        """Stops the heartbeat and the tier driver's fencing (before the sockets close)."""
+        self._stop_heartbeat()
+        self._stop_tier_fencing()
+
     def _stop_heartbeat(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()

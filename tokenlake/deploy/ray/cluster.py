@@ -150,7 +150,7 @@ class RayCluster(RayAdoptable, ClusterBase):
     def close(self) -> None:
         """Stops every engine, unlinks every shared buffer on every node, kills every
         actor, removes the placement group (and shuts Ray down if it started it)."""
-        self._stop_heartbeat()
+        self._stop_threads()
         self._forget_state()  # stopped on purpose: nothing to adopt
         self._detach_records(list(self._record_maps))
         for client in self._clients.values():

@@ -74,7 +74,8 @@ class FakeCluster:
             raise EngineUnavailable(f"instance {key[1]} did not answer")
         return engine.carry_out(message)
 
-    _tier_request = _request
+    def _tier_request(self, key, message, reply, channel="reads"):
+        return self._request(key, message, reply)
 
     def alive(self, role, instance) -> bool:
         return True
@@ -165,6 +166,11 @@ class FenceMachine(RuleBasedStateMachine):
         self.cp.flush_tier()
         assert self.cp.pool.tier.held_back() == [], "slots held back after every engine answered a fence"
         assert not self.cp.pool.tier._staging, "a write-through still leased after every engine answered"
+        self.cp.flush_tier()  # what the last one queued (drops a refused request carried)
+        keys = set(self.cp.pool.tree.keys())
+        for inst, engine in self.cluster.engines.items():
+            for key in engine.files:  # no copy the control plane has given up stays behind
+                assert key in keys and self.cp.pool.tree.node(key).tier == inst, "a tier file outlived its copy"
 
     @invariant()
     def every_ready_slot_holds_its_segment(self):

@@ -21,7 +21,7 @@ def flush(pool, data_plane: TierDataPlane | None) -> None:
     if data_plane is None:
         tier.settle()  # nothing moves data: staged at once
         return
-    tier.staged(*data_plane.tier_ops(tier.take_ops()))  # also with none: it fences the silent
+    tier.staged(*data_plane.tier_ops(tier.take_ops()))  # also with none: it reports the fenced
     for instance, epoch in data_plane.fenced().items():
         tier.release(instance, epoch)
 

@@ -225,8 +225,7 @@ class Adoptable:
             self._registry = None
         if self._ctx is not None:
             self._driver.close()
-            if self._tier_sockets is not None:
-                self._tier_sockets.close()
+            self._close_tier_sockets()
             self._ctx.term()
             self._ctx = None
         from tokenlake.dataplane.auth import ClusterKeys

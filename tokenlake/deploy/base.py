@@ -264,8 +264,10 @@ class ClusterBase(abc.ABC):
         exception, another kind ``WireError``); ``EngineUnavailable`` when it does not
         answer within ``timeout_s``."""
 
-    def _tier_request(self, key: tuple[str, int], message: WireMessage, reply: type[Reply]) -> Reply:
-        """A tier read: :meth:`_request`, or on sockets of its own where a launcher has them."""
+    def _tier_request(self, key: tuple[str, int], message: WireMessage, reply: type[Reply],
+                      channel: str = "reads") -> Reply:
+        """A tier read or fence (``channel``): :meth:`_request`, or on sockets of its own
+        per channel where a launcher has them."""
         return self._request(key, message, reply)
 
     def _request_all(self, keys: list[tuple[str, int]], message: WireMessage,

@@ -245,8 +245,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         self._stop_tier_fencing()
         if self._ctx is not None:
             self._driver.close()
-            if self._tier_sockets is not None:
-                self._tier_sockets.close()
+            self._close_tier_sockets()
             self._shutdown_engines()
             self._ctx.term()
             self._ctx = None

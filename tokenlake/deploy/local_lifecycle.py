@@ -17,18 +17,26 @@ log = logging.getLogger(__name__)
 class InstanceLifecycle:
     """Failure detection, removal and restart of instances (see the module docstring)."""
 
-    #: the tier reads' own sockets to the transfer engines (made on first use)
-    _tier_sockets: DriverSockets | None = None
+    #: the tier driver's own sockets to the transfer engines, per channel (made on first use)
+    _tier_sockets: dict[str, DriverSockets] | None = None
 
-    def _tier_request(self, key, message, reply):
-        """A tier read (:class:`~tokenlake.deploy.tier.TierDriver`), on sockets of its
-        own: it may take a while, and the owner's other requests go on beside it."""
+    def _tier_request(self, key, message, reply, channel: str = "reads"):
+        """A tier read or fence (:class:`~tokenlake.deploy.tier.TierDriver`), on sockets
+        of its own per ``channel``: it may take a while, and the owner's other requests
+        (and the other channel's) go on beside it."""
         if self._tier_sockets is None:
-            self._tier_sockets = DriverSockets(self._dealer, self.timeout_s)
-        out = self._tier_sockets.exchange([key], message, reply)[key]
+            self._tier_sockets = {}
+        if channel not in self._tier_sockets:
+            self._tier_sockets[channel] = DriverSockets(self._dealer, self.timeout_s)
+        out = self._tier_sockets[channel].exchange([key], message, reply)[key]
         if isinstance(out, BaseException):
             raise out
         return out
+
+    def _close_tier_sockets(self) -> None:
+        for sockets in (self._tier_sockets or {}).values():
+            sockets.close()
+        self._tier_sockets = None
 
     def failed_instances(self) -> list[int]:
         """Instances in the pool with a dead query or transfer engine (read from the
@@ -50,8 +58,8 @@ class InstanceLifecycle:
         for role in ROLES:
             self.kill(role, instance)
         self._driver.forget(instance)
-        if self._tier_sockets is not None:
-            self._tier_sockets.forget(instance)
+        for sockets in (self._tier_sockets or {}).values():
+            sockets.forget(instance)
         client = self._clients.pop(instance, None)
         if client is not None:
             client.close()

@@ -75,10 +75,10 @@ class TierDriver:
     held back.
 
     Fences are sent by a thread of the driver (``background``; else by whoever calls
-    :meth:`fence_due`), at once and then at most every :data:`FENCE_RETRY_S`, never
-    under the control plane's lock: a stalled engine costs the pool's other calls
-    nothing. They go on the sockets of the tier reads (``_tier_request``), one request
-    at a time."""
+    :meth:`fence_due`), at once and then at most every :data:`FENCE_RETRY_S`, on
+    sockets of their own (``_tier_request`` channel ``"fences"``), never under the
+    control plane's lock: a stalled engine costs the pool's other calls and the tier
+    reads of the other instances nothing."""
 
     def __init__(self, cluster: Any, background: bool = True) -> None:  # cluster: a ClusterBase
         self.cluster = cluster
@@ -87,7 +87,6 @@ class TierDriver:
         # this lock only.
         self._state = threading.Lock()
         self._wake = threading.Condition(self._state)
-        self._wire = threading.Lock()  # one request at a time on the tier-read sockets
         self._background = background
         self._fencer: threading.Thread | None = None
         self._closed = False
@@ -111,15 +110,23 @@ class TierDriver:
         staged: list[bytes] = []
         refused: list[bytes] = []
         self._forget_gone()
-        for inst, op in ops.items():
-            writes = tuple((w.slot, TierEntry(w.key, w.parent, w.index, w.tokens)) for w in op.writes)
+        with self._state:  # drops a fence did not carry (they came while it was sent)
+            late = {i: self._lost_drops.pop(i) for i in list(self._lost_drops) if i not in self._unfenced}
+        for inst in {**ops, **late}:
+            op = ops.get(inst)
+            drops = tuple(late.get(inst, ())) + (tuple(op.drops) if op is not None else ())
+            writes = () if op is None else tuple(
+                (w.slot, TierEntry(w.key, w.parent, w.index, w.tokens)) for w in op.writes)
             epoch = self._epoch_of(inst)
-            done = None if epoch is None else self._send(inst, TierOps(tuple(op.drops), writes, epoch))
-            if done is None:  # the fence drops them all: whatever the engine may have staged,
-                with self._state:  # and the drops, not sent or refused once it is fenced
-                    self._unsettled.setdefault(inst, []).extend(w.key for w in op.writes)
-                    self._lost_drops.setdefault(inst, []).extend(op.drops)
-                continue
+            done = None if epoch is None else self._send(inst, TierOps(drops, writes, epoch))
+            with self._state:
+                if done is None:  # the fence drops them all: whatever the engine may have
+                    # staged, and the drops, not sent or refused once it is fenced
+                    self._unsettled.setdefault(inst, []).extend(e.key for _, e in writes)
+                    self._lost_drops.setdefault(inst, []).extend(drops)
+                    continue
+                if self._epoch.get(inst, self._base) > epoch:  # raised meanwhile: it may have
+                    self._lost_drops.setdefault(inst, []).extend(drops)  # refused them, again
             staged += done.done
             refused += done.failed
         with self._state:
@@ -198,9 +205,8 @@ class TierDriver:
             self._start_fencing()
         return None
 
-    def _tier_call(self, inst: int, message, reply):
-        with self._wire:
-            return self.cluster._tier_request(("transfer", inst), message, reply)
+    def _tier_call(self, inst: int, message, reply, channel: str = "reads"):
+        return self.cluster._tier_request(("transfer", inst), message, reply, channel)
 
     # ------------------------------------------------------------- fencing
     def fence_due(self) -> None:
@@ -210,6 +216,8 @@ class TierDriver:
             now = time.monotonic()
             due = [inst for inst, when in self._unfenced.items() if when <= now]
         for inst in due:
+            if self._closed:
+                return
             self._fence(inst)
 
     def close(self) -> None:
@@ -225,7 +233,7 @@ class TierDriver:
         """Wakes the fencing thread, started on first need (under ``_state``)."""
         if not self._background or self._closed:
             return
-        if self._fencer is None:
+        if self._fencer is None or not self._fencer.is_alive():
             self._fencer = threading.Thread(target=self._fence_loop, name="tier-fence", daemon=True)
             self._fencer.start()
         self._wake.notify_all()
@@ -241,7 +249,12 @@ class TierDriver:
                     self._wake.wait(None if soonest is None else soonest - now)
                 if self._closed:
                     return
-            self.fence_due()
+            try:
+                self.fence_due()
+            except Exception:  # noqa: BLE001 - the fences must go on: try again later
+                log.exception("tier fencing failed")
+                with self._wake:
+                    self._wake.wait(max(FENCE_RETRY_S, 1.0))
 
     def _fence(self, inst: int) -> bool:
         """Has ``inst``'s engine answer an empty ``TIER_OPS`` of its epoch (at most every
@@ -254,36 +267,43 @@ class TierDriver:
             if when is None or time.monotonic() < when:
                 return when is None
             epoch = self._epoch[inst]
+            self._unfenced[inst] = time.monotonic() + FENCE_RETRY_S  # taken: no second sender
             # the fence also drops what unanswered writes may have staged, and lost drops
-            drops = tuple(self._unsettled.get(inst, ())) + tuple(self._lost_drops.get(inst, ()))
-        alive = getattr(self.cluster, "alive", None)
-        if alive is not None and not alive("transfer", inst):
-            with self._state:  # nothing to ask until it is replaced (the new one is fenced)
-                if inst in self._unfenced:
-                    self._unfenced[inst] = time.monotonic() + max(FENCE_RETRY_S, 1.0)
-            return False
+            lost = list(self._lost_drops.get(inst, ()))
+            drops = tuple(self._unsettled.get(inst, ())) + tuple(lost)
         try:
-            self._tier_call(inst, TierOps(drops, epoch=epoch), TierDone)
+            alive = getattr(self.cluster, "alive", None)
+            if alive is not None and not alive("transfer", inst):
+                self._retry_fence(inst, epoch, max(FENCE_RETRY_S, 1.0))  # fenced when replaced
+                return False
+            self._tier_call(inst, TierOps(drops, epoch=epoch), TierDone, "fences")
         except Exception as exc:  # noqa: BLE001 - still silent: try again later
             log.warning("tier of instance %d not fenced yet: %s", inst, exc)
-            with self._state:
-                if inst in self._unfenced:
-                    self._unfenced[inst] = time.monotonic() + FENCE_RETRY_S
+            self._retry_fence(inst, epoch, FENCE_RETRY_S)
             return False
         self._answered(inst, epoch)
         with self._state:  # a failure since, of a higher epoch, needs its own fence
-            self._lost_drops.pop(inst, None)
+            held = self._lost_drops.get(inst)
+            if held is not None:  # those it carried; any that came meanwhile stay
+                del held[: len(lost)]
             if self._epoch[inst] == epoch:
                 self._unfenced.pop(inst, None)
             return inst not in self._unfenced
+
+    def _retry_fence(self, inst: int, epoch: int, after_s: float) -> None:
+        """The fence of ``epoch`` was not answered: try again in ``after_s`` (a failure
+        since raised the epoch and asked for its own fence: that one stands)."""
+        with self._state:
+            if inst in self._unfenced and self._epoch[inst] == epoch:
+                self._unfenced[inst] = time.monotonic() + after_s
 
     def _forget_gone(self) -> None:
         """An instance taken out of the pool took its engines and all it held (called
         under the control plane's lock)."""
         live = set(self.cluster.control.instances)
         with self._state:
-            for inst in [i for i in self._unfenced if i not in live]:
-                del self._unfenced[inst]
+            for inst in {*self._unfenced, *self._unsettled, *self._lost_drops} - live:
+                self._unfenced.pop(inst, None)
                 self._unsettled.pop(inst, None)
                 self._lost_drops.pop(inst, None)
 

@@ -3,12 +3,17 @@ attention alone, their difference and a bare PING, per row count, from a real po
 
 from __future__ import annotations
 
+import os
+
 from tokenlake.dataplane.shm_files import list_buffers
 from tokenlake.tools.bench.roundtrip import bench_roundtrip
 
+#: the buffers of the pools this process starts (another test process's come and go)
+MINE = f"tokenlake-{os.getpid()}-"
+
 
 def test_the_roundtrip_benchmark_reports_every_figure_per_row_count():
-    before = set(list_buffers(fifos=True))
+    before = set(list_buffers(MINE, fifos=True))
     result = bench_roundtrip(repeats=1)
     keys = ("roundtrip_us", "attention_us", "overhead_us", "socket_roundtrip_us", "heads_up_roundtrip_us", "ping_us")
     for key in keys:
@@ -23,4 +28,4 @@ def test_the_roundtrip_benchmark_reports_every_figure_per_row_count():
     assert result["path"] == "bell", "a pool on one host hands off through shared memory"
     fifo = result["fifo_pingpong_us"]
     assert fifo["sleeping"] > 0 and fifo["spinning"] > 0
-    assert set(list_buffers(fifos=True)) == before, "the benchmark's pool left shared memory behind"
+    assert set(list_buffers(MINE, fifos=True)) == before, "the benchmark's pool left shared memory behind"

@@ -8,6 +8,7 @@ path")."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 
 import pytest
@@ -20,6 +21,7 @@ from tokenlake.deploy.base import BufferLayout
 from tokenlake.deploy.local import LocalCluster
 
 C = 16
+MINE = f"tokenlake-{os.getpid()}-"  # this process's pools' buffers (another test process's come and go)
 POOL = 32 * TINY.num_layers * 2 * TINY.num_kv_heads * C * TINY.head_dim * 2
 
 
@@ -45,20 +47,20 @@ def _flashinfer_found(monkeypatch, found: bool) -> None:
 
 def test_a_gpu_pool_without_flashinfer_is_refused_before_anything_starts(monkeypatch):
     _flashinfer_found(monkeypatch, False)
-    before = set(list_buffers())
+    before = set(list_buffers(MINE))
     with pytest.raises(ConfigError, match="FlashInfer, which is not installed"):
         LocalCluster(1, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda")
-    assert set(list_buffers()) == before
+    assert set(list_buffers(MINE)) == before
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without CUDA")
 def test_without_cuda_a_gpu_pool_fails_to_start_and_leaves_nothing(monkeypatch):
     _flashinfer_found(monkeypatch, True)  # as if installed: CUDA is what is missing
-    before = set(list_buffers())
+    before = set(list_buffers(MINE))
     with pytest.raises(SharedMemoryError, match="CUDA is unavailable"):
         with LocalCluster(2, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda"):
             pass
-    assert set(list_buffers()) == before
+    assert set(list_buffers(MINE)) == before
 
 
 @pytest.mark.gpu

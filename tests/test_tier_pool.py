@@ -354,14 +354,15 @@ class TierMachine(RuleBasedStateMachine):
         if not self.reading:
             return
         batch, removals = self.reading.pop(0)
-        failed, unanswered = set(), set()
+        failed: set = set()
+        unanswered: dict = {}  # key -> the epoch its read was sent at (fenced at 1 later)
         for p in batch.promos:
             src = self.files.get((p.instance, p.key))
             if p.instance == 1 and removals != self.removals:
                 failed.add(p.key)  # its engine was stopped: nothing read
             elif silent:
                 failed.add(p.key)
-                unanswered.add(p.key)
+                unanswered[p.key] = 0
                 if src is not None:
                     self.stalled.append((p.instance, p.to, p.slot, src))
             elif lose or src is None:

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/dataplane_util.py
 
-#: ZeroMQ contexts the garbage collector found unclosed (named at the end of the run).
+#: ZeroMQ contexts the garbage collector found unclosed (counted at the end of the run).
 UNCLOSED_CONTEXTS: list[str] = []
 
 
@@ -21,7 +21,7 @@ def _unclosed_contexts_do_not_hang() -> None:
     cleared first: ``destroy`` closes none of them and ``term`` waits for them forever,
     hanging the test process in whatever test the collector happens to run (seen once
     under pytest-xdist, in a worker whose earlier modules left such a cycle). In the tests
-    such a context is left to the process's exit instead, and named at the end."""
+    such a context is left to the process's exit instead, and counted at the end."""
     from zmq.sugar.context import Context
 
     def __del__(self) -> None:
@@ -142,9 +142,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     before = session.config.stash.get(_BUFFERS, None)
     if before is None:
         return
-    from tokenlake.dataplane.shm_files import list_buffers
-
-    leaked = sorted(n for n in set(list_buffers(fifos=True)) - before if _ours_or_orphaned(n))
+    leaked = _leaked(before)
     if leaked:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         reporter.write_line(f"\nshared memory left behind: {leaked}", red=True)  # after xdist's progress
@@ -164,8 +162,15 @@ def no_leftovers(request):
     assert not children, f"engine processes still running after the tests: {children}"
     if _xdist(request.config):
         return  # the controller checks the buffers (pytest_sessionfinish)
-    leaked = sorted(name for name in set(list_buffers(fifos=True)) - before if _ours_or_orphaned(name))
+    leaked = _leaked(before)
     assert not leaked, f"shared memory left behind: {leaked}"
+
+
+def _leaked(before: set[str]) -> list[str]:
+    """This run's buffers that are still there, of the ones made since ``before``."""
+    from tokenlake.dataplane.shm_files import list_buffers
+
+    return sorted(name for name in set(list_buffers(fifos=True)) - before if _ours_or_orphaned(name))
 
 
 def _ours_or_orphaned(name: str) -> bool:

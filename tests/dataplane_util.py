@@ -10,6 +10,17 @@ from tokenlake.core.specs import ModelSpec
 from tokenlake.dataplane import wire
 from tokenlake.kernels.attention import merge, partial_attention_ref
 
+
+class ManualClock:
+    """A clock a test moves by hand: ``clock()`` is ``clock.now`` (seconds)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 TINY = ModelSpec(
     name="tiny-gqa", num_layers=2, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
     intermediate_size=128, vocab_size=1000, num_params=100_000, dtype_bytes=4, max_context=4096,

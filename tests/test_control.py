@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from dataplane_util import ManualClock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,17 +28,9 @@ INSTANCES = (0, 1, 2, 3)
 # ---------------------------------------------------------------- helpers
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_cp(c=4, slots=64, instances=INSTANCES, clock=None, **kw) -> ControlPlane:
     cfg = PoolConfig(segment_tokens=c, namespace="test-model", slots_per_instance=slots, **kw)
-    return ControlPlane(cfg, MODEL, list(instances), clock=clock or Clock())
+    return ControlPlane(cfg, MODEL, list(instances), clock=clock or ManualClock())
 
 
 def req(rid, tokens, prefix=()) -> BatchRequest:
@@ -647,7 +640,7 @@ def test_capacity_error_does_not_evict():
 def test_placement_does_not_evict_a_later_requests_declared_prefix():
     """One call admits every request before placing any: the first request's new
     segments evict other segments, never the prefix the second request declares."""
-    clock = Clock()
+    clock = ManualClock()
     cp = make_cp(c=4, slots=4, instances=(0,), clock=clock)
     for t, (rid, toks) in enumerate([("p", range(1, 5)), ("q", range(50, 54)),
                                      ("r", range(60, 64))]):
@@ -812,7 +805,7 @@ def test_remove_instance_reports_requests_that_lost_a_segment():
 
 
 def test_instance_load_counts_segment_reads():
-    clock = Clock()
+    clock = ManualClock()
     cp = make_cp(c=4, clock=clock)
     tree = cp.get_prefix_tree()
     run(cp, [batch(req("a", range(1, 11)), req("b", range(50, 63)))])

@@ -16,7 +16,7 @@ import random
 
 import httpx
 import pytest
-from dataplane_util import TINY
+from dataplane_util import TINY, ManualClock
 from test_http import _reference_text, client, model, served  # noqa: F401  (fixtures)
 
 import tokenlake
@@ -43,17 +43,9 @@ P = tuple(range(1, 15))  # 14 tokens: 3 segments of 4 and a 2-token tail
 BAD_SALTS = (5, b"A", "x" * (MAX_SALT_CHARS + 1), "\ud800")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_cp(c=4, slots=64, instances=(0, 1, 2, 3), **kw) -> ControlPlane:
     cfg = PoolConfig(segment_tokens=c, namespace="salt-model", slots_per_instance=slots, **kw)
-    return ControlPlane(cfg, MODEL, list(instances), clock=Clock(), rng=random.Random(0))
+    return ControlPlane(cfg, MODEL, list(instances), clock=ManualClock(), rng=random.Random(0))
 
 
 def run(cp, *reqs, phase="prefill"):

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import zmq
-from dataplane_util import TINY, engine_request, execute, reference_prefix, token_kv
+from dataplane_util import TINY, ManualClock, engine_request, execute, reference_prefix, token_kv
 from test_dataplane import POOL_BYTES, C, run_iteration
 
 from tokenlake.core.errors import CapacityError, NotAuthorized, PlanError, SessionEnded
@@ -42,16 +42,8 @@ from tokenlake.service.sessions import SessionTable
 # ---------------------------------------------------------------- the session table
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_sessions_open_join_leave_and_expire_by_the_clock():
-    clock = Clock()
+    clock = ManualClock(100.0)
     table = SessionTable(clock, timeout_s=3.0, iteration_timeout_s=60.0, max_sessions=2)
     a, b = new_token(), token_for("shared secret")
     sa = table.open(a, 11, "a")
@@ -81,7 +73,7 @@ def test_sessions_open_join_leave_and_expire_by_the_clock():
 
 
 def test_request_ids_live_in_the_session_namespace():
-    table = SessionTable(Clock())
+    table = SessionTable(ManualClock(100.0))
     s1, s2 = table.open(new_token(), 1, ""), table.open(new_token(), 2, "")
     assert table.internal(s1, "r1") != table.internal(s2, "r1")
     assert table.external(s2, table.internal(s2, "r1")) == "r1"

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from tests.dataplane_util import TINY
+from tests.dataplane_util import TINY, ManualClock
 from tokenlake.core.control import pool_control
 from tokenlake.core.restore import restore
 from tokenlake.core.segments import SegmentHasher
@@ -17,14 +17,6 @@ from tokenlake.deploy.records import RecordTables, record_bytes
 
 C = 8
 INSTANCES = 3
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _pool(clock, slots_per_instance: int = 6):
@@ -35,7 +27,7 @@ def _pool(clock, slots_per_instance: int = 6):
 
 
 def _journal(pool, tables, clock):
-    journal = RecordTables(C, pool.hasher.root, clock, wall=lambda: clock.t + 1.7e9)
+    journal = RecordTables(C, pool.hasher.root, clock, wall=lambda: clock.now + 1.7e9)
     for inst, arr in tables.items():
         journal.attach(inst, arr)
     pool.tree.journal = journal
@@ -47,7 +39,7 @@ def _store(pool, clock, tokens, salt=None, commit=True):
     parent = pool.tree.root_key(salt)
     keys = pool.hasher.keys(tokens, parent)
     for i, key in enumerate(keys):
-        clock.t += 1.0
+        clock.now += 1.0
         placed = pool.place(key, parent, i, tokens[i * C:(i + 1) * C])
         if placed.created and commit:
             pool.commit(key, placed.location.instance)
@@ -89,7 +81,7 @@ def tables():
 
 
 def test_records_rebuild_the_same_tree_replicas_and_lru_order(tables):
-    clock = Clock()
+    clock = ManualClock(1000.0)
     pool = _pool(clock)
     _journal(pool, tables, clock)
     rng = random.Random(7)
@@ -98,7 +90,7 @@ def test_records_rebuild_the_same_tree_replicas_and_lru_order(tables):
         _store(pool, clock, doc)
     _store(pool, clock, docs[0][:2 * C] + [5] * 2 * C)  # a branch under a shared prefix
     _store(pool, clock, docs[1], salt="tenant-a")  # the same tokens under a salt
-    clock.t += 1
+    clock.now += 1
     pool.release_chain((), [(k, pool.tree.replicas(k)[0].instance) for k in pool.hasher.keys(docs[2])[:2]])
     pending = _store(pool, clock, [9] * 2 * C, commit=False)  # stored, never completed
     before = _state(pool)
@@ -115,7 +107,7 @@ def test_records_rebuild_the_same_tree_replicas_and_lru_order(tables):
 
 
 def test_evicted_and_removed_replicas_leave_no_record(tables):
-    clock = Clock()
+    clock = ManualClock(1000.0)
     pool = _pool(clock)
     _journal(pool, tables, clock)
     rng = random.Random(3)
@@ -130,7 +122,7 @@ def test_evicted_and_removed_replicas_leave_no_record(tables):
 
 
 def test_a_torn_or_forged_record_is_refused_with_what_hangs_under_it(tables):
-    clock = Clock()
+    clock = ManualClock(1000.0)
     pool = _pool(clock)
     journal = _journal(pool, tables, clock)
     doc = list(range(100, 100 + 3 * C))
@@ -154,7 +146,7 @@ def test_a_torn_or_forged_record_is_refused_with_what_hangs_under_it(tables):
 
 
 def test_records_of_another_namespace_are_not_read(tables):
-    clock = Clock()
+    clock = ManualClock(1000.0)
     pool = _pool(clock)
     _journal(pool, tables, clock)
     _store(pool, clock, list(range(2 * C)))

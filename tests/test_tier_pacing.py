@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from dataplane_util import ManualClock
 
 from tokenlake.engines.tier_store import Pacer, TierStore
 
@@ -17,16 +18,8 @@ LAYOUT = {"model": "test", "dtype": "uint8"}
 N = 4096  # bytes of one segment here
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_steady_stream_is_held_to_the_rate():
-    clock = Clock()
+    clock = ManualClock(100.0)
     pacer = Pacer(1000.0, burst_s=0.0, clock=clock)
     waited = 0.0
     for _ in range(10):  # each write takes 0.1 s of the clock, the rate asks for 0.5 s
@@ -40,7 +33,7 @@ def test_a_steady_stream_is_held_to_the_rate():
 
 
 def test_an_idle_writer_saves_up_one_burst_only_and_zero_is_unbounded():
-    clock = Clock()
+    clock = ManualClock(100.0)
     pacer = Pacer(1000.0, burst_s=0.25, clock=clock)
     clock.now += 60.0  # a minute without writes
     assert pacer.delay(250, clock.now) == 0.0  # the burst: 0.25 s of the rate

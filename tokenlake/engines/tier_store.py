@@ -80,7 +80,6 @@ class TierStore:
         self.files = TierFiles(path, capacity_bytes, layout, fsync=fsync)
         self.staging_bytes = staging_bytes
         self.pacer = write_bw if isinstance(write_bw, Pacer) else Pacer(write_bw)
-        self.paced_s = 0.0  # time the writer waited for the rate
         # key -> (its bytes, its meta), until written; a write job holds the same tuple
         self._staged: dict[bytes, tuple[bytes, Any]] = {}
         self._staged_bytes = 0
@@ -187,11 +186,9 @@ class TierStore:
     def _pace(self, nbytes: int, began: float) -> None:
         """Waits (under the lock, which the wait releases) until a write of ``nbytes``
         that began at ``began`` fits the write rate; at once when closing."""
-        start = time.monotonic()
-        deadline = start + self.pacer.delay(nbytes, began)
+        deadline = time.monotonic() + self.pacer.delay(nbytes, began)
         while not self._closing and (wait := deadline - time.monotonic()) > 0:
             self._cond.wait(wait)
-        self.paced_s += time.monotonic() - start
 
     def _unstage(self, key: bytes) -> None:
         """Forgets what is staged for ``key`` (under the lock)."""

@@ -3,15 +3,19 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
-// slab_attention_cpu.cpp: partial attention of a few query rows over slab slots.
+// slab_attention_cpu.cpp: partial attention of a few query rows over slab slots, into
+// o_out and lse_out when given.
 std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::vector<torch::Tensor> slabs,
                                                         int64_t layer, torch::Tensor slots,
                                                         torch::Tensor tokens, double scale,
-                                                        torch::Tensor sources);
+                                                        torch::Tensor sources,
+                                                        std::optional<torch::Tensor> o_out,
+                                                        std::optional<torch::Tensor> lse_out);
 
 // slab_attention_cpu.cpp: the path it takes for a dtype, grouped rows and head dim.
 std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64_t head_dim);

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -898,13 +899,18 @@ int64_t get_panel_rows() { return panel_rows(); }
 
 // Returns (o, lse); see the file comment. Slot i lives in slabs[sources[i]] (slabs of one
 // shape and dtype: an instance's own and the co-located peers' it maps). tokens[i] == 0
-// slots are skipped; if no slot has a token, o = 0 and lse = -inf.
+// slots are skipped; if no slot has a token, o = 0 and lse = -inf. Given o_out and
+// lse_out (contiguous float32 CPU tensors of those shapes), the results are written there
+// and they are returned: a query engine writes straight into its session's out buffers.
 std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::vector<torch::Tensor> slabs,
                                                         int64_t layer, torch::Tensor slots,
                                                         torch::Tensor tokens, double scale,
-                                                        torch::Tensor sources) {
+                                                        torch::Tensor sources,
+                                                        std::optional<torch::Tensor> o_out,
+                                                        std::optional<torch::Tensor> lse_out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu(),
               "q must be a [rows, q_heads, head_dim] float32 CPU tensor");
+  TORCH_CHECK(o_out.has_value() == lse_out.has_value(), "give both o and lse, or neither");
   TORCH_CHECK(!slabs.empty(), "at least one slab");
   const auto& slab = slabs[0];
   for (const auto& other : slabs) {
@@ -944,9 +950,36 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
   }
   const int64_t group = q_heads / kv_heads, R = rows * group;
 
-  // q in the grouped, pre-scaled layout: [kv_heads, R, E], row r * group + g.
-  auto qg = (q.reshape({rows, kv_heads, group, E}).transpose(0, 1).reshape({kv_heads, R, E}) *
-             static_cast<float>(scale)).contiguous();
+  torch::Tensor o, lse;
+  if (o_out.has_value()) {
+    o = *o_out;
+    lse = *lse_out;
+    for (const auto* out : {&o, &lse})
+      TORCH_CHECK(out->scalar_type() == torch::kFloat32 && out->device().is_cpu() && out->is_contiguous(),
+                  "o and lse must be contiguous float32 CPU tensors");
+    TORCH_CHECK(o.sizes() == q.sizes() && lse.dim() == 2 && lse.size(0) == rows && lse.size(1) == q_heads,
+                "o must be [rows, q_heads, head_dim] and lse [rows, q_heads], as q");
+  } else {
+    o = torch::empty({rows, q_heads, E}, q.options());
+    lse = torch::empty({rows, q_heads}, q.options());
+  }
+
+  // q in the grouped, pre-scaled layout: [kv_heads, R, E], row r * group + g, written by
+  // a plain loop (the tensor ops it replaced took most of a decode call's time). Any
+  // strides of q are read.
+  std::vector<float> qg_store(kv_heads * R * E + kLanes);
+  float* qg = qg_store.data() + ((64 - reinterpret_cast<std::uintptr_t>(qg_store.data()) % 64) % 64) / sizeof(float);
+  {
+    const float* qsrc = q.data_ptr<float>();
+    const int64_t s0 = q.stride(0), s1 = q.stride(1), s2 = q.stride(2);
+    const float sc = static_cast<float>(scale);
+    for (int64_t row = 0; row < rows; ++row)
+      for (int64_t head = 0; head < q_heads; ++head) {
+        const float* from = qsrc + row * s0 + head * s1;
+        float* to = qg + ((head / group) * R + row * group + head % group) * E;
+        for (int64_t e = 0; e < E; ++e) to[e] = from[e * s2] * sc;
+      }
+  }
   const int threads = std::max(1, at::get_num_threads());
   const int64_t per_head = std::max<int64_t>(
       1, std::min<int64_t>(n, (2 * threads + kv_heads - 1) / kv_heads));
@@ -978,7 +1011,7 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
   };
   float* o_parts = aligned(o_store);
   float* scratch_all = aligned(scratch_store);
-  const float* qp = qg.data_ptr<float>();
+  const float* qp = qg;
 
   int64_t work = 0;
   for (int64_t i = 0; i < n; ++i) work += tk[i];
@@ -995,8 +1028,6 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
   });
 
   // Exact merge of each head's parts, back to [rows, q_heads, E] / [rows, q_heads].
-  auto o = torch::empty({rows, q_heads, E}, q.options());
-  auto lse = torch::empty({rows, q_heads}, q.options());
   float* op = o.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   for (int64_t h = 0; h < kv_heads; ++h) {

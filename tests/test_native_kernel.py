@@ -148,6 +148,53 @@ def test_no_tokens_gives_the_empty_partial(kernel):
     assert torch.isneginf(got.lse).all()
 
 
+@pytest.mark.parametrize("rows", [1, 8, 100])  # one decode row, a batch, a chunk (panel or tile path)
+@pytest.mark.parametrize("on", [True, False], ids=["kernel", "torch"])
+def test_results_go_into_given_buffers_and_q_of_any_strides_is_read(kernel, rows, on):
+    """A query engine hands its session's ``o``/``lse`` rows to the prepared call, which
+    writes them in place (the kernel itself, or a copy on the torch path) and returns
+    them; q may be a strided view (the kernel groups it by a loop that follows the
+    strides). Both agree bit for bit with a call that allocates, and with the reference."""
+    from tokenlake.kernels import slab as attention_slab
+
+    slab = _slab(6, 2, 3, 48, 64, torch.bfloat16)
+    slots, tokens = [1, 3, 4], [48, 20, 0]
+    wide = torch.randn(rows, 9, 2, 64, generator=torch.Generator().manual_seed(rows))
+    q = wide[:, :, 1]  # every row, head and element 128 floats apart: not contiguous
+    assert not q.is_contiguous()
+    attention_slab.use_native(on)
+    try:
+        call = attention_slab.prepare_slabs_attention(rows, 9, [slab], [0] * 3, slots, tokens)
+        alone = call(q.contiguous(), 1)
+        out = (torch.full((rows, 9, 64), float("nan")), torch.full((rows, 9), float("nan")))
+        got = call(q, 1, out)
+    finally:
+        attention_slab.use_native(True)
+    assert got.o.data_ptr() == out[0].data_ptr() and got.lse.data_ptr() == out[1].data_ptr()
+    assert torch.equal(out[0], alone.o) and torch.equal(out[1], alone.lse)
+    want = _reference(q, slab, 1, slots, tokens, 0.125)
+    torch.testing.assert_close(out[0].double(), want.o, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("o_shape,lse_shape,dtype,needle", [
+    ((2, 9, 64), (1, 9), torch.float32, "must be"),  # more rows than q
+    ((1, 9, 64), (1, 8), torch.float32, "must be"),  # lse of other heads
+    ((1, 9, 64), (1, 9), torch.float64, "float32"),
+])
+def test_buffers_that_do_not_fit_the_call_are_refused(kernel, o_shape, lse_shape, dtype, needle):
+    from tokenlake.kernels import slab as attention_slab
+
+    slab = _slab(2, 1, 3, 16, 64, torch.float32)
+    call = attention_slab.prepare_slabs_attention(1, 9, [slab], [0], [1], [16])
+    out = (torch.zeros(o_shape, dtype=dtype), torch.zeros(lse_shape, dtype=dtype))
+    with pytest.raises(ValueError, match=needle):
+        call(torch.randn(1, 9, 64), 0, out)
+    assert not out[0].any() and not out[1].any()  # refused before anything was written
+    with pytest.raises(RuntimeError, match="both"):
+        kernel.slab_attention(torch.randn(1, 9, 64), [slab], 0, torch.tensor([1]), torch.tensor([16]),
+                              0.125, torch.tensor([0]), o=torch.zeros(1, 9, 64))
+
+
 @pytest.mark.parametrize("slots,tokens,layer,needle", [
     ([2], [4], 0, "slot id"),
     ([0], [17], 0, "token count"),

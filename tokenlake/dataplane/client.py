@@ -92,15 +92,15 @@ class QueryHandle:
     :class:`~tokenlake.kernels.attention.Partial`: float32 views of the shared ``out``
     buffer, to consume before the next :meth:`InstanceClient.query`."""
 
-    def __init__(self, client: InstanceClient, msg_id: int, rows: int, bell: bool = False) -> None:
-        self._client, self._id, self._rows, self._bell = client, msg_id, rows, bell
+    def __init__(self, client: InstanceClient, msg_id: int, out: Partial, bell: bool = False) -> None:
+        self._client, self._id, self._out, self._bell = client, msg_id, out, bell
 
     def wait(self, timeout_s: float | None = None) -> Partial:
         if self._bell:
             self._client._wait_bell("query", self._id, timeout_s)
         else:
             self._client._wait(self._id, timeout_s, QueryDone)
-        return Partial(self._client.out_o[: self._rows], self._client.out_lse[: self._rows])
+        return self._out
 
 
 class InstanceClient:
@@ -140,7 +140,7 @@ class InstanceClient:
         self._poller: zmq.Poller | None = None
         self._replies: dict[int, wire.Message] = {}
         self._unawaited: set[int] = set()  # ids of releases, whose replies nobody reads
-        self._query_plan: tuple[int, int] | None = None  # (plan id, rows)
+        self._query_plan: tuple[int, Partial] | None = None  # (plan id, its rows of out_o and out_lse)
         self._transfer_plan: tuple[int, int] | None = None
         self._puts: deque[PutHandle] = deque()  # not known to be done, in issue order
         # per-layer hand-offs through the session's shared bell (doorbell.py) when its
@@ -180,8 +180,13 @@ class InstanceClient:
         grant = self._grant_for(plan) if self._grant_for is not None else b""
         self._call("query", RegisterQueryPlan.from_plan(pid, plan, grant), PlanAck)
         self._release("query")
-        self._query_plan = (pid, plan.num_rows)
+        self._queries_of(pid, plan.num_rows)
         return self.q[: plan.num_rows]
+
+    def _queries_of(self, pid: int, rows: int) -> None:
+        """Makes registered plan ``pid`` of ``rows`` rows the one :meth:`query` asks of
+        (its rows of ``out`` are made once, not at every layer)."""
+        self._query_plan = (pid, Partial(self.out_o[:rows], self.out_lse[:rows]))
 
     def query(self, layer: int, timeout_s: float | None = None) -> Partial:
         """Prefix attention of ``q_buf`` over the pool for one layer."""
@@ -202,12 +207,11 @@ class InstanceClient:
         if self._query_plan is None:
             raise PlanError("call init_query first")
         _index(layer, "layer", self.kv.shape[0])
-        pid, rows = self._query_plan
+        pid, out = self._query_plan
         _written(self.q)
         if self._use_bell():
-            return QueryHandle(self, self._post("query", pid, layer, 1), rows, bell=True)
-        msg_id = self._send("query", Query(pid, layer))
-        return QueryHandle(self, msg_id, rows)
+            return QueryHandle(self, self._post("query", pid, layer, 1), out, bell=True)
+        return QueryHandle(self, self._send("query", Query(pid, layer)), out)
 
     # ------------------------------------------------------------- transfer
     def init_transfer(self, plan: TransferPlan) -> torch.Tensor:

@@ -52,7 +52,7 @@ from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
-from tokenlake.kernels.attention import empty_partial, merge, merge_many
+from tokenlake.kernels.attention import empty_partial, merge, merge_many, write_into
 from tokenlake.kernels.paged import Group, flashinfer_slab_attention, warm_up
 from tokenlake.kernels.slab import prepare_slabs_attention
 
@@ -162,9 +162,8 @@ class HomePlan:
     session: bytes  # whose plan it is
     grant: int  # the grant it was registered under (-1: the owner's, which need none)
     expiry: float  # wall-clock seconds after which it may not be queried (its grant's)
-    q: torch.Tensor  # the session's buffers: q rows in, the merged partial out
-    out_o: torch.Tensor
-    out_lse: torch.Tensor
+    q: torch.Tensor  # the plan's rows of the session's buffers (views, made once): q in,
+    out: tuple[torch.Tensor, torch.Tensor]  # the merged partial (o, lse) out
 
 
 class QueryEngine(EngineLoop):
@@ -265,8 +264,8 @@ class QueryEngine(EngineLoop):
             self.tell(task.instance, PeerRegisterPlan(self.spec.instance, peer_id, shifted))
             remote[task.instance] = (lo, hi)
         self.home_plans[key] = HomePlan(rows, AttendLayout.of(local), remote,
-                                        peer_id, session, grant, expiry, bufs["q"], bufs["out_o"],
-                                        bufs["out_lse"])
+                                        peer_id, session, grant, expiry, bufs["q"][:rows],
+                                        (bufs["out_o"][:rows], bufs["out_lse"][:rows]))
         mine = [k for k in self.home_plans if k[0] == session]
         for old in mine[: max(0, len(mine) - MAX_SESSION_PLANS)]:  # the oldest first
             self._release(old)
@@ -294,13 +293,16 @@ class QueryEngine(EngineLoop):
             del self.peer_plans[key]
 
     # ------------------------------------------------------------- compute
-    def _partial(self, q: torch.Tensor, layout: AttendLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _partial(self, q: torch.Tensor, layout: AttendLayout, layer: int,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial attention of rows ``q`` over a plan's items here (rows relative to
         ``q``), as its :class:`AttendLayout` says; the partials are merged exactly, and
-        a single one over all rows is returned as it is."""
+        a single one over all rows is returned as it is. Given ``out`` (the session's
+        ``o`` and ``lse`` rows), the result is written there (by the kernel itself on
+        the csrc path: no copy) and ``out`` is returned."""
         slabs = [self.slabs[inst] for inst in layout.insts]
         if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
-            return flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer, layout.paged_groups)
+            return write_into(flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer, layout.paged_groups), out)
         if not layout.calls:  # the slot tables, once for every layer; own parts first
             for rows, w, own in [(slice(a, z), w, True) for a, z, w in layout.own] + \
                     [(rows, w, False) for rows, w in layout.shared]:
@@ -308,7 +310,7 @@ class QueryEngine(EngineLoop):
                 # an own part of disjoint ranges is written (nothing else wrote its rows yet)
                 layout.calls.append((rows, prepare_slabs_attention(n, self.q_heads, slabs, *w), own and layout.disjoint))
         if len(layout.calls) == 1 and layout.calls[0][0] == slice(0, q.shape[0]):
-            return layout.calls[0][1](q, layer)  # one part over every row: nothing to merge
+            return layout.calls[0][1](q, layer, out)  # one part over every row: nothing to merge
         o, lse = empty_partial(q.shape[0], self.q_heads, self.head_dim)
         for rows, call, write in layout.calls:
             po, plse = call(q[rows], layer)
@@ -316,7 +318,7 @@ class QueryEngine(EngineLoop):
                 o[rows], lse[rows] = po, plse
             else:
                 o[rows], lse[rows] = merge(o[rows], lse[rows], po, plse)
-        return o, lse
+        return write_into((o, lse), out)
 
     def _check_layer(self, layer: int) -> int:
         if not 0 <= layer < self.num_layers:
@@ -361,11 +363,9 @@ class QueryEngine(EngineLoop):
         gone = [i for i in plan.local.insts if i != self.spec.instance and i not in self.peers]
         if gone:  # its slab may be zeroed for a restart: never read it after it left
             raise EngineUnavailable(f"instance {gone[0]} left the cluster after plan {pid} was registered")
-        q = plan.q[: plan.rows]
+        q = plan.q
         if not plan.remote:  # every slot is attended here: nothing to wait for
-            o, lse = self._partial(q, plan.local, layer)
-            plan.out_o[: plan.rows].copy_(o)
-            plan.out_lse[: plan.rows].copy_(lse)
+            self._partial(q, plan.local, layer, plan.out)
             answer(None)
             return
         pending = self.new_pending(PeerQueryResult, session)
@@ -383,7 +383,7 @@ class QueryEngine(EngineLoop):
             self._finish_home(plan, layer, pending, answer)
 
     def _finish_home(self, plan: HomePlan, layer: int, pending: Pending, answer: Answer) -> None:
-        o, lse = plan.out_o[: plan.rows], plan.out_lse[: plan.rows]
+        o, lse = plan.out
         parts = []  # (lo, hi, o, lse), every one checked before the caller's buffers are written
         for inst, result in pending.results:  # PeerQueryResults (Pending.expect)
             lo, hi = (0, plan.rows) if inst == self.spec.instance else plan.remote[inst]

@@ -67,6 +67,15 @@ def empty_partial(rows: int, q_heads: int, head_dim: int, dtype=torch.float32, d
     return Partial(o, lse)
 
 
+def write_into(got: Partial | tuple[Tensor, Tensor], out: tuple[Tensor, Tensor] | None) -> Partial:
+    """``got``, or else ``out`` (an ``(o, lse)`` pair of buffers) with ``got`` copied in."""
+    if out is None:
+        return Partial(*got)
+    out[0].copy_(got[0])
+    out[1].copy_(got[1])
+    return Partial(*out)
+
+
 def lse_base2_to_natural(lse2: Tensor) -> Tensor:
     """Base-2 log-sum-exp (FlashInfer) to natural log: ``lse = lse2 * ln 2``; ``-inf`` stays."""
     return lse2 * _LN2

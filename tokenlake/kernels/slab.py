@@ -26,6 +26,7 @@ from tokenlake.kernels.attention import (
     merge_many,
     merge_seq,
     softmax_scale,
+    write_into,
 )
 from tokenlake.kernels.cpu import attend_grouped, from_grouped, to_grouped
 from tokenlake.kernels.paged import flashinfer_slab_attention
@@ -193,8 +194,10 @@ def prepare_slabs_attention(rows: int, q_heads: int, slabs: Sequence[Tensor], so
                             slots: Sequence[int], tokens: Sequence[int]) -> Callable[[Tensor, int], Partial]:
     """:func:`slabs_partial_attention` of ``rows`` q rows over these slots, checked and
     set up once for every layer (a query engine's plan: plan once, run many): the call
-    returned takes ``(q, layer)``. On the csrc kernel's path the slot tables are built
-    here, so a layer costs one kernel call; otherwise each call is the function's."""
+    returned takes ``(q, layer)``, and ``out``, an ``(o, lse)`` pair of contiguous float32
+    tensors to write the result into (returned then). On the csrc kernel's path the slot
+    tables are built here, so a layer costs one kernel call, which writes into ``out``
+    itself; otherwise each call is the function's."""
     if slabs and not slabs[0].is_cuda and rows and len(slots) == len(tokens) == len(sources):
         first = slabs[0]
         used = sorted(set(sources))
@@ -211,14 +214,16 @@ def prepare_slabs_attention(rows: int, q_heads: int, slabs: Sequence[Tensor], so
             src = torch.as_tensor([renumber[w[0]] for w in work], dtype=torch.int64)
             scale = softmax_scale(None, head_dim)
 
-            def call(q: Tensor, layer: int) -> Partial:
+            def call(q: Tensor, layer: int, out: Partial | None = None) -> Partial:
                 try:
-                    o, lse = kernel.slab_attention(q.float().contiguous(), table, int(layer), idx, cnt, scale, src)
+                    if out is None:
+                        return Partial(*kernel.slab_attention(q.float(), table, int(layer), idx, cnt, scale, src))
+                    return Partial(*kernel.slab_attention(q.float(), table, int(layer), idx, cnt, scale, src, *out))
                 except RuntimeError as exc:  # TORCH_CHECK failures: the call does not fit
                     raise ValueError(str(exc).splitlines()[0]) from None
-                return Partial(o, lse)
             return call
-    return lambda q, layer: slabs_partial_attention(q, slabs, layer, sources, slots, tokens)
+
+    return lambda q, layer, out=None: write_into(slabs_partial_attention(q, slabs, layer, sources, slots, tokens), out)
 
 
 def _slab_small_rows(qg: Tensor, slab: Tensor, layer: int, work: list[tuple[int, int]],

@@ -66,7 +66,7 @@ EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.TIER_OPS: m.TierOps((b"d" * 16,), ((3, m.TierEntry(b"k" * 16, None, 0, b"\x01\x00\x00\x00")),
                                              (4, m.TierEntry(b"c" * 16, b"k" * 16, 1, None))), 2),
     Kind.TIER_READ: m.TierRead(((b"k" * 16, 3, -1), (b"c" * 16, 4, 2)), 3),
-    Kind.TIER_DONE: m.TierDone((b"k" * 16,), (b"c" * 16,)),
+    Kind.TIER_DONE: m.TierDone((b"k" * 16,), (b"c" * 16,), {"written": 3.0, "paced_s": 0.25}),
     Kind.TIER_LIST: m.TierList(),
     Kind.TIER_LISTING: m.TierListing((m.TierEntry(b"k" * 16, None, 0, b"\x01\x00\x00\x00"),)),
     **SERVICE_EXAMPLES,  # the control-plane server's kinds (CP_*)
@@ -168,7 +168,7 @@ OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"): (), (Kind.PEER_PUT, "copies
             (Kind.PONG, "handoffs"): 0, (Kind.CP_CLIENT_INFO_RESULT, "slab"): None,
             (Kind.TIER_OPS, "drops"): (), (Kind.TIER_OPS, "writes"): (), (Kind.TIER_READ, "items"): (),
             (Kind.TIER_OPS, "epoch"): 0, (Kind.TIER_READ, "epoch"): 0,
-            (Kind.TIER_DONE, "done"): (), (Kind.TIER_DONE, "failed"): (),
+            (Kind.TIER_DONE, "done"): (), (Kind.TIER_DONE, "failed"): (), (Kind.TIER_DONE, "counters"): {},
             (Kind.TIER_LISTING, "entries"): ()}
 
 
@@ -340,3 +340,13 @@ def test_plans_become_messages_once_with_tails_merged_by_instance():
         12, 3, (m.PutTarget(1, 4, 0, 0, 3), m.PutTarget(0, 6, 2, 1, 3)))
     copied = dataclasses.replace(tplan, copies=(PageCopy(0, 5, 1, 4, 6),))
     assert m.RegisterTransferPlan.from_plan(12, copied).copies == (m.SlotCopy(0, 5, 1, 4, 6),)
+
+
+def test_tier_counters_are_read_by_name_and_checked():
+    """A TIER_DONE's counters: the known names read as numbers (a missing one absent, an
+    unknown one ignored, from a newer engine), a counter of another type refused by path."""
+    got = m.parse(wire.decode(wire.encode(Kind.TIER_DONE, 5, {"counters": {"reads": 2, "later": "x"}})))
+    assert got.counters == {"reads": 2.0}
+    err = refused(Kind.TIER_DONE, {"counters": {"paced_s": "1"}})
+    assert err.field == "counters.paced_s" and "must be a number" in str(err)
+    assert refused(Kind.TIER_DONE, {"counters": [1]}).field == "counters"

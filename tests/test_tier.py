@@ -147,6 +147,7 @@ def test_a_corrupt_tier_file_is_refused_and_the_segment_computed_again(tiny_llam
     again = _ask(server, "a2", doc, tok)
     tier = cluster.control.stats().pool.tier
     assert tier.failed_promotions >= 1
+    assert tier.engines[0]["read_failures"] >= 1  # the engine's own count, with its answers
     assert again.hit_tokens < len(m.tier_keys) * C  # computed, not read
     _same(again, reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
     assert not first.exists() or first.read_bytes() != bytes(raw), "the corrupt file was kept"
@@ -237,17 +238,29 @@ def test_metrics_status_and_the_wire_report_both_tiers(capsys):
     store(cp.pool, [1, 2, 3, 4])
     store(cp.pool, [5, 6, 7, 8])  # the first document is demoted
     assert cp.promote([([1, 2, 3, 4, 9], None)]) == 2  # back in, the second one demoted
+    # as a driver reports its transfer engines' counters (TierDone.counters) at a flush
+    cp.pool.tier.engines = {0: {"written": 6.0, "write_errors": 1.0, "read_failures": 2.0,
+                                "staged_bytes": 4096.0, "paced_s": 1.5}}
     stats = cp.stats()
     text = ServiceMetrics(lambda: stats, [0]).render().decode()
     for line in ('tokenlake_tier_segments{instance="0"} 4.0', "tokenlake_tier_demotions_total 4.0",
-                 "tokenlake_tier_promotions_total 2.0", "tokenlake_tier_capacity_segments 6.0"):
+                 "tokenlake_tier_promotions_total 2.0", "tokenlake_tier_capacity_segments 6.0",
+                 'tokenlake_tier_write_errors_total{instance="0"} 1.0',
+                 'tokenlake_tier_read_failures_total{instance="0"} 2.0',
+                 'tokenlake_tier_staged_bytes{instance="0"} 4096.0',
+                 'tokenlake_tier_write_wait_seconds_total{instance="0"} 1.5',
+                 'tokenlake_tier_refused_total{instance="0"} 0.0'):
         assert line in text
     _, back = decode(CpStatsResult(stats, (0,), "t", 2).encode(1))
     assert back.stats.pool.tier == stats.pool.tier
     summary = status_summary(back.stats)
     assert summary["tier"]["promotions"] == 2 and summary["tier"]["held"] == {"0": 4}
+    assert summary["tier"]["engines"]["0"]["paced_s"] == 1.5
     print_status(summary, "tcp://x")
-    assert "tier: 6 segments per instance, held {0: 4}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tier: 6 segments per instance, held {0: 4}" in out
+    assert "instance 0: wrote 6 (errors 1, refused 0)   read 0 (failed 2)" in out
+    assert "waited 1.5 s on the write bandwidth" in out
 
 
 def test_a_transfer_engine_killed_while_promoting_changes_no_answer(tiny_llama, tmp_path):

@@ -69,7 +69,7 @@ def test_the_writer_waits_between_files_and_closing_writes_the_rest_at_once(tmp_
         # paced after the first file: the other two wait staged, read back from memory
         assert store.written == 1 and store.staged_bytes == 2 * N
         assert store.stage(keys[3], _seg(3))  # 3 segments staged: the staging memory is full
-        assert not store.stage(keys[4], _seg(4))
+        assert not store.stage(keys[4], _seg(4)) and store.refused == 1
         out = torch.empty(N, dtype=torch.uint8)
         assert store.read_into(keys[2], out) and torch.equal(out, _seg(2))
     finally:
@@ -78,6 +78,9 @@ def test_the_writer_waits_between_files_and_closing_writes_the_rest_at_once(tmp_
         closer.join(60)
     assert not closer.is_alive(), "closing waited for the pacer"
     assert store.written == 4 and gate.sizes[0] == N
+    counters = store.counters()  # what its engine reports with every TIER_DONE
+    assert counters["written"] == 4 and counters["refused"] == 1 and counters["reads"] == 1
+    assert counters["paced_s"] > 0 and counters["staged_bytes"] == 0  # it waited until closed
     reopened = TierStore(tmp_path, 1 << 20, LAYOUT, fsync=False, write_bw=0)
     try:
         assert sorted(k for k, _ in reopened.listing()) == keys[:4]

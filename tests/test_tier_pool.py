@@ -594,6 +594,9 @@ def test_slots_an_unanswered_read_names_stay_taken_until_its_engine_is_fenced_or
         def fenced(self):
             return dict(self.ready)
 
+        def counters(self):
+            return {}
+
     plane = cp.tier_data_plane = Silent()
     doc = [1, 1, 2, 2, 3, 3, 4, 4]
     store(cp.pool, doc)

@@ -71,6 +71,7 @@ class TierManager:
         self._held_back: dict[int, list[tuple[int, int, int]]] = {}  # (instance, slot, epoch)
         self.written = self.demotions = self.promotions = 0
         self.failed_promotions = self.dropped = 0
+        self.engines: dict[int, dict[str, float]] = {}  # the engines' counters (TierStats.engines)
         self.tree.tier_dropped = self._node_dropped
         #: a promotion may take a slot on another instance than the copy's when its own
         #: has none to give: where one transfer engine writes every slab (co-located
@@ -307,7 +308,8 @@ class TierManager:
     # -------------------------------------------------------------- stats
     def stats(self) -> TierStats:
         return TierStats({i: len(lru) for i, lru in self._lru.items()}, self.slots, self.written,
-                         self.demotions, self.promotions, self.failed_promotions, self.dropped)
+                         self.demotions, self.promotions, self.failed_promotions, self.dropped,
+                         {i: dict(c) for i, c in self.engines.items()})
 
     def check(self) -> None:
         """Asserts the rules of the module docstring (for tests)."""

@@ -24,6 +24,7 @@ def flush(pool, data_plane: TierDataPlane | None) -> None:
     tier.staged(*data_plane.tier_ops(tier.take_ops()))  # also with none: it reports the fenced
     for instance, epoch in data_plane.fenced().items():
         tier.release(instance, epoch)
+    tier.engines = data_plane.counters()
 
 
 @dataclass

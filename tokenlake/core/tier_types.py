@@ -64,6 +64,10 @@ class TierStats:
     promotions: int  # segments read back into a slot
     failed_promotions: int  # ... whose file was missing or corrupt (the segment went)
     dropped: int  # copies the tiers evicted or lost
+    # per instance, its transfer engine's own counters as of its last answer (the names
+    # of tokenlake.dataplane.messages.tier.TIER_COUNTERS: write errors, reads that
+    # failed, staged bytes, seconds waited on the bandwidth limit, ...); empty before one
+    engines: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 class TierDataPlane(Protocol):
@@ -80,3 +84,7 @@ class TierDataPlane(Protocol):
     def fenced(self) -> dict[int, int]:
         """Per instance, the highest epoch whose fence its engine answered: nothing
         sent at a lower one can touch a slot any more."""
+
+    def counters(self) -> dict[int, dict[str, float]]:
+        """Per instance, its engine's tier counters as of its last answer
+        (:attr:`TierStats.engines`)."""

@@ -98,6 +98,7 @@ class TierDriver:
         self._unsettled: dict[int, list[bytes]] = {}  # per instance: writes never answered
         self._lost_drops: dict[int, list[bytes]] = {}  # per instance: drops never sent
         self._fenced: dict[int, int] = {}  # per instance: the highest epoch answered
+        self._counters: dict[int, dict[str, float]] = {}  # per instance: from its last TIER_DONE
 
     def tier_ops(self, ops) -> tuple[list[bytes], list[bytes]]:
         """Runs the tiers' queued work (``{instance: TierOps}`` of
@@ -180,9 +181,17 @@ class TierDriver:
         with self._state:
             return None if inst in self._unfenced else self._epoch.get(inst, self._base)
 
-    def _answered(self, inst: int, epoch: int) -> None:
+    def _answered(self, inst: int, epoch: int, done=None) -> None:
+        """``inst``'s engine answered a message of ``epoch`` (with ``done``, a ``TIER_DONE``)."""
         with self._state:
             self._fenced[inst] = max(self._fenced.get(inst, 0), epoch)
+            if done is not None and done.counters:
+                self._counters[inst] = dict(done.counters)
+
+    def counters(self) -> dict[int, dict[str, float]]:
+        """Per instance, its transfer engine's tier counters as of its last answer."""
+        with self._state:
+            return {inst: dict(c) for inst, c in self._counters.items()}
 
     def _send(self, inst: int, message, reads: bool = False):
         """``message`` to ``inst``'s transfer engine; its ``TIER_DONE``, or None after a
@@ -197,7 +206,7 @@ class TierDriver:
         except Exception as exc:  # noqa: BLE001 - no answer: it may still be carried out
             log.warning("tier of instance %d: %s", inst, exc)
         else:
-            self._answered(inst, message.epoch)
+            self._answered(inst, message.epoch, done)
             return done
         with self._state:
             self._epoch[inst] = max(self._epoch.get(inst, self._base), message.epoch) + 1
@@ -276,12 +285,12 @@ class TierDriver:
             if alive is not None and not alive("transfer", inst):
                 self._retry_fence(inst, epoch, max(FENCE_RETRY_S, 1.0))  # fenced when replaced
                 return False
-            self._tier_call(inst, TierOps(drops, epoch=epoch), TierDone, "fences")
+            done = self._tier_call(inst, TierOps(drops, epoch=epoch), TierDone, "fences")
         except Exception as exc:  # noqa: BLE001 - still silent: try again later
             log.warning("tier of instance %d not fenced yet: %s", inst, exc)
             self._retry_fence(inst, epoch, FENCE_RETRY_S)
             return False
-        self._answered(inst, epoch)
+        self._answered(inst, epoch, done)
         with self._state:  # a failure since, of a higher epoch, needs its own fence
             held = self._lost_drops.get(inst)
             if held is not None:  # those it carried; any that came meanwhile stay
@@ -302,10 +311,11 @@ class TierDriver:
         under the control plane's lock)."""
         live = set(self.cluster.control.instances)
         with self._state:
-            for inst in {*self._unfenced, *self._unsettled, *self._lost_drops} - live:
+            for inst in {*self._unfenced, *self._unsettled, *self._lost_drops, *self._counters} - live:
                 self._unfenced.pop(inst, None)
                 self._unsettled.pop(inst, None)
                 self._lost_drops.pop(inst, None)
+                self._counters.pop(inst, None)
 
     def adopt(self, instances) -> int:
         """Asks each of ``instances``' transfer engines what its tier holds and gives it

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tokenlake.core.errors import TierCorrupt
+from tokenlake.dataplane.messages.tier import TIER_COUNTERS
 from tokenlake.engines.tier_files import TierFiles
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class TierStore:
         self._jobs: deque[tuple[str, bytes, tuple[bytes, Any] | None]] = deque()
         self._cond = threading.Condition()
         self._closing = False
-        self.written = self.write_errors = self.reads = self.read_failures = 0
+        self.written = self.write_errors = self.refused = self.reads = self.read_failures = 0
+        self.paced_s = 0.0  # the writer's waits on the bandwidth limit
         self._thread = threading.Thread(target=self._run, name="tier-writer", daemon=True)
         self._thread.start()
 
@@ -104,6 +106,7 @@ class TierStore:
         n = view.numel()
         with self._cond:
             if self._staged_bytes + n > self.staging_bytes:
+                self.refused += 1
                 return False
         data = view.cpu().numpy().tobytes()  # only this thread stages: the room is still there
         with self._cond:
@@ -156,6 +159,10 @@ class TierStore:
     def staged_bytes(self) -> int:
         return self._staged_bytes
 
+    def counters(self) -> dict[str, float]:
+        """The :data:`~tokenlake.dataplane.messages.tier.TIER_COUNTERS` as they stand."""
+        return _counters(self)
+
     # -------------------------------------------------------------- writer
     def _run(self) -> None:
         while True:
@@ -186,9 +193,11 @@ class TierStore:
     def _pace(self, nbytes: int, began: float) -> None:
         """Waits (under the lock, which the wait releases) until a write of ``nbytes``
         that began at ``began`` fits the write rate; at once when closing."""
-        deadline = time.monotonic() + self.pacer.delay(nbytes, began)
+        start = time.monotonic()
+        deadline = start + self.pacer.delay(nbytes, began)
         while not self._closing and (wait := deadline - time.monotonic()) > 0:
             self._cond.wait(wait)
+        self.paced_s += time.monotonic() - start
 
     def _unstage(self, key: bytes) -> None:
         """Forgets what is staged for ``key`` (under the lock)."""
@@ -214,8 +223,9 @@ class HostTier:
         self._free = list(range(self.capacity - 1, -1, -1))
         # key -> (its row of the buffer, its meta), least recently written or read first
         self._held: OrderedDict[bytes, tuple[int, Any]] = OrderedDict()
-        self.written = self.write_errors = self.reads = self.read_failures = 0
+        self.written = self.write_errors = self.refused = self.reads = self.read_failures = 0
         self.staged_bytes = 0  # nothing waits to be written
+        self.paced_s = 0.0  # nor at a bandwidth limit
 
     def drop(self, key: bytes) -> None:
         held = self._held.pop(key, None)
@@ -230,7 +240,9 @@ class HostTier:
         if row is None or view.numel() != self.slot_nbytes:
             if row is not None:
                 self._free.append(row)
-            self.write_errors += 1
+                self.write_errors += 1  # not a slot's bytes
+            else:
+                self.refused += 1  # no row free
             return False
         self._buf[row].copy_(view)
         self._held[key] = (row, meta)
@@ -251,6 +263,14 @@ class HostTier:
         """``(key, meta)`` of every copy, least recently used first."""
         return [(k, meta) for k, (_row, meta) in self._held.items()]
 
+    def counters(self) -> dict[str, float]:
+        """As :meth:`TierStore.counters`."""
+        return _counters(self)
+
     def close(self) -> None:
         self._held.clear()
         self._buf = torch.empty(0, dtype=torch.uint8)
+
+
+def _counters(tier: TierStore | HostTier) -> dict[str, float]:
+    return {name: float(getattr(tier, name)) for name in TIER_COUNTERS}

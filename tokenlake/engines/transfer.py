@@ -343,7 +343,7 @@ class TransferEngine(EngineLoop):
             log.warning("instance %d: a tier message of epoch %d refused (fenced at %d)",
                         self.spec.instance, message.epoch, self.tier_epoch)
             return TierDone((), tuple(it[0] for it in message.items) if reading
-                            else tuple(e.key for _s, e in message.writes))
+                            else tuple(e.key for _s, e in message.writes), tier.counters())
         self.tier_epoch = message.epoch
         done, failed = [], []
         if reading:
@@ -357,7 +357,7 @@ class TransferEngine(EngineLoop):
             for slot, e in message.writes:
                 staged = tier.stage(e.key, slot_bytes(self.slab, slot), [e.parent, e.index, e.tokens])
                 (done if staged else failed).append(e.key)
-        return TierDone(tuple(done), tuple(failed))
+        return TierDone(tuple(done), tuple(failed), tier.counters())
 
     def close(self) -> None:
         if self.tier is not None:

@@ -102,6 +102,28 @@ def _tier_metrics(tier) -> Iterable:
              "Tier copies found missing or corrupt on a hit (their segments computed again)"),
             ("dropped", tier.dropped, "Copies a tier evicted or lost")):
         yield CounterMetricFamily(f"tokenlake_tier_{name}", text, value=value)
+    yield from _tier_engine_metrics(tier.engines)
+
+
+#: The transfer engines' own tier counters (TIER_COUNTERS): metric, counter, help, kind.
+_ENGINE_FAMILIES = (
+    ("tokenlake_tier_engine_writes", "written", "Copies an instance's transfer engine wrote to its tier", "counter"),
+    ("tokenlake_tier_write_errors", "write_errors", "Tier writes that failed (the copy is a miss later)", "counter"),
+    ("tokenlake_tier_refused", "refused", "Copies refused for want of staging memory (or of a free row)", "counter"),
+    ("tokenlake_tier_engine_reads", "reads", "Copies read back from a tier into a slot", "counter"),
+    ("tokenlake_tier_read_failures", "read_failures", "Tier reads refused: the copy missing, corrupt or truncated", "counter"),
+    ("tokenlake_tier_staged_bytes", "staged_bytes", "Bytes staged in memory, not yet written to the tier", "gauge"),
+    ("tokenlake_tier_write_wait_seconds", "paced_s", "Seconds the tier's writer waited on its bandwidth limit", "counter"),
+)
+
+
+def _tier_engine_metrics(engines: dict[int, dict[str, float]]) -> Iterable:
+    """Per instance, its transfer engine's counters as of its last tier answer."""
+    for metric, counter, text, kind in _ENGINE_FAMILIES:
+        family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(metric, text, labels=["instance"])
+        for i, counters in sorted(engines.items()):
+            family.add_metric([str(i)], counters.get(counter, 0.0))
+        yield family
 
 
 class ServiceMetrics:

@@ -16,10 +16,18 @@ segment), its index and its token ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenlake.dataplane.messages.base import Fields, WireMessage
 from tokenlake.dataplane.wire import Kind
+
+#: What a transfer engine counts of its tier since it started, sent with every
+#: :class:`TierDone`: copies written (files, or rows of host memory), writes that failed,
+#: copies the staging memory had no room for, reads served and failed (missing, corrupt
+#: or truncated), bytes staged but not yet written, seconds the writer waited on the
+#: bandwidth limit.
+TIER_COUNTERS = ("written", "write_errors", "refused", "reads", "read_failures",
+                 "staged_bytes", "paced_s")
 
 
 def _keys(f: Fields, name: str) -> tuple[bytes, ...]:
@@ -123,20 +131,27 @@ class TierRead(WireMessage):
 
 @dataclass(frozen=True)
 class TierDone(WireMessage):
-    """``TIER_DONE`` ``{"done": [key, ...], "failed": [key, ...]}``: the answer to
-    :class:`TierOps` and :class:`TierRead`."""
+    """``TIER_DONE`` ``{"done": [key, ...], "failed": [key, ...], "counters": {name:
+    number}}``: the answer to :class:`TierOps` and :class:`TierRead`. ``counters``
+    (optional) are the engine's :data:`TIER_COUNTERS` as they stand; a name it does not
+    send reads 0, one this side does not know is ignored."""
 
     KIND = Kind.TIER_DONE
     done: tuple[bytes, ...] = ()
     failed: tuple[bytes, ...] = ()
+    counters: dict[str, float] = field(default_factory=dict)
 
     def body(self) -> dict:
-        return {"done": list(self.done), "failed": list(self.failed)}
+        return {"done": list(self.done), "failed": list(self.failed), "counters": dict(self.counters)}
 
     @classmethod
     def from_wire(cls, f: Fields) -> TierDone:
         f.tensors(0)
-        return cls(_keys(f, "done"), _keys(f, "failed"))
+        raw = f.body.get("counters", {})
+        if not isinstance(raw, dict):
+            raise f.error("counters", "must be a map of counter names to numbers")
+        counters = {name: f.as_float(raw[name], f"counters.{name}") for name in TIER_COUNTERS if name in raw}
+        return cls(_keys(f, "done"), _keys(f, "failed"), counters)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,8 @@ def status_summary(stats: ControlStats, sessions: tuple = (),
             "capacity": pool.tier.capacity, "held": {str(i): n for i, n in pool.tier.held.items()},
             "written": pool.tier.written, "demotions": pool.tier.demotions,
             "promotions": pool.tier.promotions, "failed_promotions": pool.tier.failed_promotions,
-            "dropped": pool.tier.dropped},
+            "dropped": pool.tier.dropped,
+            "engines": {str(i): c for i, c in sorted(pool.tier.engines.items())}},
         "sessions": [
             {"session": x.session, "pid": x.pid, "label": x.label, "age_s": round(x.age_s, 1),
              "idle_s": round(x.idle_s, 1), "iterations": x.iterations, "requests": x.requests,
@@ -115,6 +116,11 @@ def print_status(s: dict[str, Any], address: str) -> None:
         print(f"tier: {tier['capacity']} segments per instance, held {{{held}}}   written "
               f"{tier['written']}   demoted {tier['demotions']}   promoted {tier['promotions']} "
               f"(failed {tier['failed_promotions']})   dropped {tier['dropped']}")
+        for i, c in tier.get("engines", {}).items():
+            print(f"  instance {i}: wrote {c.get('written', 0):.0f} (errors {c.get('write_errors', 0):.0f}, "
+                  f"refused {c.get('refused', 0):.0f})   read {c.get('reads', 0):.0f} (failed "
+                  f"{c.get('read_failures', 0):.0f})   staged {c.get('staged_bytes', 0) / (1 << 20):.1f} MiB   "
+                  f"waited {c.get('paced_s', 0):.1f} s on the write bandwidth")
     print(f"{len(s['sessions'])} client sessions (besides the serving process's own)")
     if s["sessions"]:
         print("session      pid     age    idle  iterations  requests  instances  label")

@@ -109,8 +109,8 @@ def _reap(proc, started: dict) -> None:
 
 def _wait_gone(pids, prefix, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(map(pid_alive, pids)) or list_buffers(prefix):
-        assert time.monotonic() < deadline, ([p for p in pids if pid_alive(p)], list_buffers(prefix))
+    while any(map(pid_alive, pids)) or list_buffers(prefix, fifos=True):
+        assert time.monotonic() < deadline, ([p for p in pids if pid_alive(p)], list_buffers(prefix, fifos=True))
         time.sleep(0.05)
 
 

@@ -29,6 +29,7 @@ from tokenlake.dataplane.shm_files import (
     mapped_buffers,
     pid_alive,
     unlink_buffer,
+    unlink_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -245,8 +246,7 @@ class Adoptable:
         cid = state.get("cluster_id")
         if isinstance(cid, str):
             try:
-                for name in list_buffers(cluster_prefix(cid)):
-                    unlink_buffer(name)
+                unlink_prefix(cluster_prefix(cid))  # its doorbells too: a killed engine left its FIFO
             except Exception as exc:  # noqa: BLE001 - a malformed state file: nothing of it to unlink
                 log.warning("discarding the waiting pool: %s", exc)
             pool_state.forget(self.state_file, cid)

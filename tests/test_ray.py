@@ -144,17 +144,33 @@ def _total(nodes: list[NodeResources]) -> dict[str, float]:
     return out
 
 
-def test_a_ray_pool_with_a_host_memory_tier_reads_pushed_out_segments_back(ray_session):
-    """A Ray pool's transfer engines keep write-through copies in host memory: a
-    document pushed out of both slabs comes back from them with exact answers."""
+@pytest.mark.parametrize("medium", ["memory", "disk"])
+def test_a_ray_pool_with_a_tier_reads_pushed_out_segments_back(ray_session, tmp_path, medium):
+    """A Ray pool's transfer engines keep write-through copies in host memory or in a
+    directory of their node's disk: a document pushed out of both slabs comes back from
+    them with exact answers; the disk tier's files outlive the pool, and a new pool on
+    the same directory adopts them and answers from them."""
+    tier = {"tier_bytes": 4 * POOL_BYTES} | ({"tier_path": str(tmp_path)} if medium == "disk" else {})
+    doc = [random.Random(5).randrange(3, 900) for _ in range(3 * C + 2)]
     with RayCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=256, peer_timeout_s=1.0,
-                    start_timeout_s=60.0, options=OPTIONS, tier_bytes=4 * POOL_BYTES) as pool:
+                    start_timeout_s=60.0, options=OPTIONS, **tier) as pool:
         slots = 2 * pool.slots_per_instance
-        doc = [random.Random(5).randrange(3, 900) for _ in range(3 * C + 2)]
         check_iteration(pool, {"d": doc}, {"d": len(doc)}, {"d": 0})
         pool.control.finish_request("d")
         tier_round_trip(pool, doc, C, slots + 8)
         assert pool.control.stats().pool.tier.promotions == 3
+    if medium == "memory":
+        return
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["instance-0", "instance-1"]
+    with RayCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=256, peer_timeout_s=1.0,
+                    start_timeout_s=60.0, options=OPTIONS, **tier) as again:
+        cp = again.control
+        m = cp.get_prefix_tree().match(doc, max_tokens=len(doc) - 1)
+        assert not m.keys and len(m.tier_keys) == 3, "every whole segment adopted from the files"
+        tokens = {"q": doc[:3 * C] + [7, 8, 9]}
+        assert cp.promote([(tokens["q"], None)]) == 3
+        assert check_iteration(again, tokens, {"q": 3}, {"q": 3 * C}) == {"q": 3 * C}
+        cp.check()
 
 
 @pytest.mark.parametrize("n, bundle, strategy, cpus, match", [

@@ -201,7 +201,7 @@ def test_a_tier_needs_room_for_a_segment_and_a_directory_its_size(tiny_llama, tm
 
 def test_serve_settings_give_the_pool_its_tier(tmp_path):
     from tokenlake.deploy.tier import tier_spec
-    from tokenlake.tools.cli.pool import serve_config
+    from tokenlake.tools.cli.pool import serve_config, tier_settings
     from tokenlake.tools.config import ServeSettings
 
     cfg = ServeSettings(tier_path=str(tmp_path), tier_mb=64)
@@ -210,6 +210,9 @@ def test_serve_settings_give_the_pool_its_tier(tmp_path):
     assert cluster.tier_write_bw == 1 << 30  # the writer's bandwidth, bounded by default
     paced = serve_config(ServeSettings(tier_path=str(tmp_path), tier_mb=64, tier_write_mbps=5)).cluster
     assert tier_spec(paced, "transfer", 1)["tier_write_bw"] == 5 << 20  # what the engine is given
+    # serve --ray hands RayCluster the same fields
+    assert tier_settings(ServeSettings(tier_path=str(tmp_path), tier_mb=64, tier_write_mbps=5)) == {
+        "tier_bytes": 64 << 20, "tier_path": str(tmp_path), "tier_write_bw": 5 << 20}
     assert "tier_write_bw" not in tier_spec(paced, "query", 1)
     none = serve_config(ServeSettings()).cluster
     assert none.tier_path is None and none.tier_bytes == 0

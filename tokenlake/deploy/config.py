@@ -77,9 +77,9 @@ class ClusterConfig:
             segments); 0: no tier. Segments are written through to it and, evicted
             from the slabs, stay there until read back (docs/design.md "Disk tier").
         tier_path: a directory for the instances' tiers on a local disk (one
-            subdirectory each, ``instance-<i>``; they outlive the pool, ``LocalCluster``
-            only); ``None``: the tiers are in the transfer engines' host memory (pinned
-            on a GPU pool) and go with them.
+            subdirectory each, ``instance-<i>``; they outlive the pool; on Ray, the
+            directory of whichever node runs the instance); ``None``: the tiers are in
+            the transfer engines' host memory (pinned on a GPU pool) and go with them.
         tier_write_bw: bytes a second each disk tier's writer may write (0: as fast
             as the disk takes them); what comes faster waits staged, and beyond the
             staging memory has no copy (docs/design.md "Disk tier").

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from tokenlake.core.errors import ConfigError
 from tokenlake.deploy.driver import DriverSockets
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
+from tokenlake.deploy.tier import rejoin
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,7 @@ class InstanceLifecycle:
                 peer = self._endpoints[(key[0], instance)]
                 self._request(key, Peers(((instance, peer),)), Ack)
         self._reopen_sessions(instance)
-        self.control.add_instance(instance)
-        if self.control.tier_data_plane is not None:  # its tier directory kept what it wrote
-            self.control.tier_data_plane.adopt([instance])
+        rejoin(self.control, instance)
         self.write_state()
 
     def replace_failed(self, restart: bool = True) -> tuple[str, ...]:

@@ -40,6 +40,15 @@ def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
             "tier_bytes": config.tier_bytes + files * header, "tier_write_bw": config.tier_write_bw}
 
 
+def rejoin(control, instance: int) -> None:
+    """``instance``, started again, joins ``control``'s ring; with a tier, what its tier
+    held is adopted (a disk tier's directory keeps what it wrote; a host-memory tier
+    started again is empty)."""
+    control.add_instance(instance)
+    if control.tier_data_plane is not None:
+        control.tier_data_plane.adopt([instance])
+
+
 def check_host_tiers(config, share: float = 0.8) -> None:
     """``ConfigError`` when ``config``'s tiers in host memory (``tier_bytes`` without
     ``tier_path``) and, on a CPU pool, the slabs, every instance on this machine, would

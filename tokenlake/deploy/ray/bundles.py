@@ -40,6 +40,7 @@ from tokenlake.deploy.ray.orphans import (
 )
 from tokenlake.deploy.ray.relay import ActorTable, actor_error, gather
 from tokenlake.deploy.roles import ENGINE_ROLES
+from tokenlake.deploy.tier import tier_spec
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ class Bundles:
 
     def __init__(self, options: RayOptions, layout: BufferLayout, timeout_s: float,
                  peer_timeout_s: float, start_timeout_s: float, keys: ClusterKeys | None = None,
-                 grant_key: bytes | None = None, tier_bytes: int = 0) -> None:
+                 grant_key: bytes | None = None, config: Any = None) -> None:
         self.options, self.layout, self.keys, self.grant_key = options, layout, keys, grant_key
-        self.tier_bytes = tier_bytes  # each transfer engine's tier in host memory
+        self.config = config  # the ClusterConfig: each transfer engine's tier (tier_spec)
         self.peer_timeout_s, self.start_timeout_s = peer_timeout_s, start_timeout_s
         self.pg = None
         self.node = ""
@@ -158,7 +159,7 @@ class Bundles:
                               keys=None if self.keys is None
                               else self.keys.engine_view(with_owner=True).to_dict(),
                               grant_key=self.grant_key, orphan_grace_s=self.grace_s,
-                              tier_bytes=self.tier_bytes if role == "transfer" else 0)
+                              **({} if self.config is None else tier_spec(self.config, role, i)))
             starts[(role, i)] = actor.start.remote(spec.to_bytes())
         for key, started in gather(starts, "engine start-up", self.start_timeout_s).items():
             self.table.endpoints[key] = started.endpoint

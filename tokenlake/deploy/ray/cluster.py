@@ -54,6 +54,7 @@ from tokenlake.deploy.ray.compute import ComputeActors, RayComputeEngine
 from tokenlake.deploy.ray.liveness import ProcessRef
 from tokenlake.deploy.ray.options import ALL_ROLES, COMPUTE_ROLE, RayOptions, with_options
 from tokenlake.deploy.roles import ENGINE_ROLES
+from tokenlake.deploy.tier import rejoin
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +106,11 @@ class RayCluster(RayAdoptable, ClusterBase):
         **fields: Any,
     ) -> None:
         config, options = with_options(config, args, fields, options)
-        if config.tier_path is not None:  # its engines may be on other nodes' disks
-            raise ConfigError("a disk tier (tier_path) is LocalCluster's only; tier_bytes alone: in host memory")
         super().__init__(config, clock=clock)
         self.options = options
         self._owns_ray = False
         self._bundles = Bundles(options, self.layout, self.timeout_s, self.peer_timeout_s,
-                                self.start_timeout_s, self.keys, self.grant_key, config.tier_bytes)
+                                self.start_timeout_s, self.keys, self.grant_key, config)
         self._clients: dict[int, Any] = {}
         self._slabs: dict[int, Any] = {}
         self._compute_at_start = compute
@@ -139,11 +138,12 @@ class RayCluster(RayAdoptable, ClusterBase):
                 loader = None if self._compute_at_start is True else self._compute_at_start
                 self._compute = self._compute_actors(loader, None)
             self._bundles.start(list(range(self.n_instances)), self._compute)
+            self._ctx = zmq.Context()
+            self._attach_records(range(self.n_instances))
+            self.adopt_tiers()  # what a disk tier's directories held from before
         except BaseException:
             self.close()
             raise
-        self._ctx = zmq.Context()
-        self._attach_records(range(self.n_instances))
         self.write_state()
         log.info("pool ready: %d instances on Ray in %.1f s", self.n_instances, time.monotonic() - t0)
 
@@ -315,7 +315,7 @@ class RayCluster(RayAdoptable, ClusterBase):
             self._teardown([instance], tell_peers=True)
             raise
         self._attach_records([instance])
-        self.control.add_instance(instance)  # an empty instance joins the ring
+        rejoin(self.control, instance)  # an empty instance joins the ring, with its disk tier
         return lost
 
     @classmethod

@@ -13,6 +13,7 @@ import json
 import signal
 import threading
 from dataclasses import replace
+from typing import Any
 
 from tokenlake.core.control import KV_DTYPES
 from tokenlake.core.errors import TokenLakeError
@@ -102,6 +103,12 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run_serve)
 
 
+def tier_settings(cfg) -> dict[str, Any]:
+    """The ``ClusterConfig`` tier fields of ``tokenlake serve``'s settings (local or Ray)."""
+    return {"tier_bytes": cfg.tier_mb << 20, "tier_path": cfg.tier_path,
+            "tier_write_bw": cfg.tier_write_mbps << 20}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Runs until Ctrl-C or SIGTERM; a cluster that cannot start is a one-line error (2)."""
     cfg = cli_config.settings_from_args(args).settings
@@ -114,9 +121,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"serve --ray: --engine {cfg.engine} serves without --ray only")
     if cfg.kv_layout != "tokenlake":
         raise UsageError(f"serve --ray: --kv-layout {cfg.kv_layout} serves without --ray only")
-    if cfg.tier_path is not None:
-        raise UsageError("serve --ray: a disk tier (--tier-path) serves without --ray only, for now "
-                         "(--tier-mb alone gives a tier in host memory)")
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -141,7 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve(cfg.instances, cfg.model, cfg.pool_mb << 20, options, cfg.segment_tokens,
                      cfg.max_rows, restart=cfg.restart, json_lines=args.json,
                      page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype, state_file=state_file,
-                     tier_bytes=cfg.tier_mb << 20, out=lambda line: print(line, flush=True),
+                     tier=tier_settings(cfg), out=lambda line: print(line, flush=True),
                      attach=_ray_service(cfg, args.json))
     except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None
@@ -190,8 +194,7 @@ def serve_config(cfg):
     cluster = ClusterConfig(cfg.instances, load_model(cfg.model), cfg.pool_mb << 20, cfg.segment_tokens,
                             cfg.max_rows, host=cfg.bind, insecure=cfg.insecure, kv_layout=cfg.kv_layout,
                             page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype,
-                            tier_path=cfg.tier_path, tier_bytes=cfg.tier_mb << 20,
-                            tier_write_bw=cfg.tier_write_mbps << 20)
+                            **tier_settings(cfg))
     return ServeConfig(cluster, host=cfg.host, control_port=cfg.control_port, http_port=cfg.http_port,
                          engine=cfg.engine, compute=cfg.compute, credentials=cfg.credentials,
                          limits=cfg.http_limits(), orphan_grace_s=cfg.orphan_grace_s)

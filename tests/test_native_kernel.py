@@ -159,9 +159,9 @@ def test_results_go_into_given_buffers_and_q_of_any_strides_is_read(kernel, rows
 
     slab = _slab(6, 2, 3, 48, 64, torch.bfloat16)
     slots, tokens = [1, 3, 4], [48, 20, 0]
-    wide = torch.randn(rows, 9, 2, 64, generator=torch.Generator().manual_seed(rows))
-    q = wide[:, :, 1]  # every row, head and element 128 floats apart: not contiguous
-    assert not q.is_contiguous()
+    wide = torch.randn(rows, 9, 64, 2, generator=torch.Generator().manual_seed(rows))
+    q = wide[..., 1]  # strided in every dimension: elements 2 floats apart, heads 128, rows 1,152
+    assert q.stride() == (9 * 128, 128, 2)
     attention_slab.use_native(on)
     try:
         call = attention_slab.prepare_slabs_attention(rows, 9, [slab], [0] * 3, slots, tokens)
@@ -193,6 +193,15 @@ def test_buffers_that_do_not_fit_the_call_are_refused(kernel, o_shape, lse_shape
     with pytest.raises(RuntimeError, match="both"):
         kernel.slab_attention(torch.randn(1, 9, 64), [slab], 0, torch.tensor([1]), torch.tensor([16]),
                               0.125, torch.tensor([0]), o=torch.zeros(1, 9, 64))
+    if dtype == torch.float32:  # the torch path refuses a shape the same way (no broadcast)
+        attention_slab.use_native(False)
+        try:
+            torch_call = attention_slab.prepare_slabs_attention(1, 9, [slab], [0], [1], [16])
+            with pytest.raises(ValueError, match="must be"):
+                torch_call(torch.randn(1, 9, 64), 0, out)
+        finally:
+            attention_slab.use_native(True)
+        assert not out[0].any() and not out[1].any()
 
 
 @pytest.mark.parametrize("slots,tokens,layer,needle", [

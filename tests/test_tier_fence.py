@@ -59,7 +59,8 @@ def test_an_engine_refuses_tier_messages_older_than_its_fence(pool):
     free = cp.slots.allocate(0)  # taken here: nothing else is placed in it
     before = slab[free].clone()
     epoch = pool.control.tier_data_plane._epoch_of(0)  # what the driver sends now
-    assert pool._request(("transfer", 0), TierOps(epoch=epoch + 3), TierDone) == TierDone()
+    fence = pool._request(("transfer", 0), TierOps(epoch=epoch + 3), TierDone)
+    assert not fence.done and not fence.failed and fence.counters["answers"] >= 1
     late = pool._request(("transfer", 0), TierRead(((keys[0], free, -1),), epoch + 2), TierDone)
     assert late.failed == (keys[0],) and not late.done
     assert bool((slab[free] == before).all()), "a fenced-off read wrote its slot"
@@ -119,3 +120,25 @@ def test_a_stalled_engine_keeps_its_read_slots_taken_until_it_answers_a_fence(po
     tokens = {"q": doc + _doc(3, 5)}
     hits = check_iteration(pool, tokens, {"q": len(tokens["q"])}, {"q": 0})  # exact: nothing stale
     assert hits == {"q": 0}
+
+
+def test_the_driver_keeps_each_engines_newest_counters():
+    """An engine's answers reach the driver by three sockets (writes, reads, fences), so
+    an older one may come last: the counters it carries are kept only if newer (more
+    ``answers``), and a removed instance's are forgotten."""
+
+    class Control:
+        instances = [1]
+
+    class Cluster:
+        control = Control()
+
+    driver = tier_driver.TierDriver(Cluster(), background=False)
+    driver._answered(0, 1, TierDone(counters={"answers": 5.0, "reads": 3.0}))
+    driver._answered(0, 1, TierDone(counters={"answers": 4.0, "reads": 2.0}))  # late, older
+    driver._answered(1, 1, TierDone(counters={"answers": 1.0, "write_errors": 1.0}))
+    assert driver.counters() == {0: {"answers": 5.0, "reads": 3.0}, 1: {"answers": 1.0, "write_errors": 1.0}}
+    driver._answered(0, 2, TierDone(counters={"answers": 6.0, "reads": 4.0}))
+    assert driver.counters()[0]["reads"] == 4.0
+    driver._forget_gone()  # instance 0 left the pool
+    assert list(driver.counters()) == [1]

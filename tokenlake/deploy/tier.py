@@ -36,7 +36,8 @@ def tier_spec(config, role: str, inst: int) -> dict[str, Any]:
     # (key, layout, digest, the segment's place in the tree: its token ids included).
     files = config.tier_bytes // config.segment_bytes + 1
     header = 4096 + 8 * config.segment_tokens
-    return {"tier_path": os.path.join(config.tier_path, f"instance-{inst}"),
+    # absolute: an engine (a Ray actor above all) may run in another working directory
+    return {"tier_path": os.path.join(os.path.abspath(config.tier_path), f"instance-{inst}"),
             "tier_bytes": config.tier_bytes + files * header, "tier_write_bw": config.tier_write_bw}
 
 
@@ -46,7 +47,10 @@ def rejoin(control, instance: int) -> None:
     started again is empty)."""
     control.add_instance(instance)
     if control.tier_data_plane is not None:
-        control.tier_data_plane.adopt([instance])
+        try:
+            control.tier_data_plane.adopt([instance])
+        except Exception as exc:  # noqa: BLE001 - the instance serves all the same, its copies missed
+            log.warning("instance %d: its tier's copies were not adopted: %s", instance, exc)
 
 
 def check_host_tiers(config, share: float = 0.8) -> None:
@@ -194,8 +198,10 @@ class TierDriver:
         """``inst``'s engine answered a message of ``epoch`` (with ``done``, a ``TIER_DONE``)."""
         with self._state:
             self._fenced[inst] = max(self._fenced.get(inst, 0), epoch)
-            if done is not None and done.counters:
-                self._counters[inst] = dict(done.counters)
+            if done is not None and done.counters:  # the newest answer's: they come by three sockets
+                seen = self._counters.get(inst, {}).get("answers", -1.0)
+                if done.counters.get("answers", 0.0) >= seen:
+                    self._counters[inst] = dict(done.counters)
 
     def counters(self) -> dict[int, dict[str, float]]:
         """Per instance, its transfer engine's tier counters as of its last answer."""

@@ -273,4 +273,4 @@ class HostTier:
 
 
 def _counters(tier: TierStore | HostTier) -> dict[str, float]:
-    return {name: float(getattr(tier, name)) for name in TIER_COUNTERS}
+    return {name: float(getattr(tier, name)) for name in TIER_COUNTERS if hasattr(tier, name)}

@@ -98,6 +98,7 @@ class TransferEngine(EngineLoop):
         self.plans: dict[tuple[bytes, int], TransferPlanState] = {}  # (session, its plan id) -> plan
         self.tier: TierStore | HostTier | None = None
         self.tier_epoch = 0  # the highest epoch of a tier message seen (TierOps: the fence)
+        self.tier_answers = 0  # TIER_DONEs sent (their counters' order)
         if spec.tier_path is not None:
             layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
             self.tier = TierStore(spec.tier_path, spec.tier_bytes, layout, fsync=spec.tier_fsync,
@@ -343,7 +344,7 @@ class TransferEngine(EngineLoop):
             log.warning("instance %d: a tier message of epoch %d refused (fenced at %d)",
                         self.spec.instance, message.epoch, self.tier_epoch)
             return TierDone((), tuple(it[0] for it in message.items) if reading
-                            else tuple(e.key for _s, e in message.writes), tier.counters())
+                            else tuple(e.key for _s, e in message.writes), self._tier_counters())
         self.tier_epoch = message.epoch
         done, failed = [], []
         if reading:
@@ -357,7 +358,13 @@ class TransferEngine(EngineLoop):
             for slot, e in message.writes:
                 staged = tier.stage(e.key, slot_bytes(self.slab, slot), [e.parent, e.index, e.tokens])
                 (done if staged else failed).append(e.key)
-        return TierDone(tuple(done), tuple(failed), tier.counters())
+        return TierDone(tuple(done), tuple(failed), self._tier_counters())
+
+    def _tier_counters(self) -> dict[str, float]:
+        """The tier's counters for a ``TIER_DONE``, numbered (``answers``): answers that
+        reach the driver by several sockets, the newest is told apart."""
+        self.tier_answers += 1
+        return {**self.tier.counters(), "answers": float(self.tier_answers)}
 
     def close(self) -> None:
         if self.tier is not None:

@@ -71,6 +71,9 @@ def write_into(got: Partial | tuple[Tensor, Tensor], out: tuple[Tensor, Tensor] 
     """``got``, or else ``out`` (an ``(o, lse)`` pair of buffers) with ``got`` copied in."""
     if out is None:
         return Partial(*got)
+    if out[0].shape != got[0].shape or out[1].shape != got[1].shape:
+        raise ValueError(f"o and lse must be {tuple(got[0].shape)} and {tuple(got[1].shape)}, "
+                         f"got {tuple(out[0].shape)} and {tuple(out[1].shape)}")
     out[0].copy_(got[0])
     out[1].copy_(got[1])
     return Partial(*out)

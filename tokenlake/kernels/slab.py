@@ -191,7 +191,7 @@ def slabs_partial_attention(q: Tensor, slabs: Sequence[Tensor], layer: int, sour
 
 
 def prepare_slabs_attention(rows: int, q_heads: int, slabs: Sequence[Tensor], sources: Sequence[int],
-                            slots: Sequence[int], tokens: Sequence[int]) -> Callable[[Tensor, int], Partial]:
+                            slots: Sequence[int], tokens: Sequence[int]) -> Callable[..., Partial]:
     """:func:`slabs_partial_attention` of ``rows`` q rows over these slots, checked and
     set up once for every layer (a query engine's plan: plan once, run many): the call
     returned takes ``(q, layer)``, and ``out``, an ``(o, lse)`` pair of contiguous float32

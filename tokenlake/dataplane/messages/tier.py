@@ -22,12 +22,13 @@ from tokenlake.dataplane.messages.base import Fields, WireMessage
 from tokenlake.dataplane.wire import Kind
 
 #: What a transfer engine counts of its tier since it started, sent with every
-#: :class:`TierDone`: copies written (files, or rows of host memory), writes that failed,
-#: copies the staging memory had no room for, reads served and failed (missing, corrupt
-#: or truncated), bytes staged but not yet written, seconds the writer waited on the
-#: bandwidth limit.
+#: :class:`TierDone`: copies written (files, or rows of host memory), writes and removals
+#: that failed, copies the staging memory had no room for, reads served and failed
+#: (missing, corrupt or truncated), bytes staged but not yet written, seconds the writer
+#: waited on the bandwidth limit, and the ``TIER_DONE`` s it sent (``answers``: of two
+#: answers that came by different sockets, the one with more is the newer).
 TIER_COUNTERS = ("written", "write_errors", "refused", "reads", "read_failures",
-                 "staged_bytes", "paced_s")
+                 "staged_bytes", "paced_s", "answers")
 
 
 def _keys(f: Fields, name: str) -> tuple[bytes, ...]:

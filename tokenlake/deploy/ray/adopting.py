@@ -132,7 +132,7 @@ class RayAdoptable:
         self._start_heartbeat()
         self._attach_records(range(self.n_instances))
         self.adopted = rebuild(self, list(self._record_maps))  # the instances on this node
-        self.adopt_tiers()  # the copies the transfer engines still hold in host memory
+        self.adopt_tiers()  # the copies the transfer engines' tiers still hold
         self.write_state()
         return self.adopted
 

@@ -264,6 +264,7 @@ class TierMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool, self.clock = make_pool(slots=3, tier=3, instances=(0, 1))
+        self.pool.tier.promote_anywhere = True  # co-located slabs: a read may land in the peer's
         self.slab: dict[tuple[int, int], bytes] = {}  # what each slot holds
         self.files: dict[tuple[int, bytes], bytes] = {}  # what each tier file holds
         self.late: list = []  # data-plane work taken, not yet answered
@@ -393,9 +394,10 @@ class TierMachine(RuleBasedStateMachine):
             if gone is not None:
                 self.pool.tier.staged((), [w.key for w in gone.writes])
         self.late_answers()
-        # a removed instance's engines are stopped; reads into its slab go with it
-        # (a stalled reader writing into a removed peer's slab is not modelled)
-        self.stalled = [s for s in self.stalled if 1 not in (s[0], s[1])]
+        # a removed instance's engines are stopped: its own reads go with them; a
+        # stalled read of instance 0 into its slab may still land after it joined again
+        # on the same (zeroed) memory
+        self.stalled = [s for s in self.stalled if s[0] != 1]
         self.removals += 1
         self.pool.remove_instance(1)
         self.slab = {k: v for k, v in self.slab.items() if k[0] != 1}
@@ -623,3 +625,59 @@ def test_slots_an_unanswered_read_names_stay_taken_until_its_engine_is_fenced_or
         cp.remove_instance(r)  # its engines are stopped: what they held goes too
     assert cp.pool.tier.held_back() == []
     cp.check()
+
+
+def test_a_stalled_readers_slot_in_a_peer_that_joins_again_stays_taken_until_it_is_fenced():
+    """Co-located slabs: instance 0's transfer engine read into a slot of instance 1's
+    slab and did not answer. Instance 1 leaves and joins again on the same (zeroed)
+    memory: that slot is taken again, held back, until instance 0 is fenced; fenced
+    before the return, nothing is taken."""
+    from dataplane_util import TINY
+
+    from tokenlake.core.control import ControlPlane
+
+    cp = ControlPlane(PoolConfig(C, "t", 4, vnodes=8, page_tokens=C, tier_slots=8), TINY, [0, 1],
+                      clock=lambda: 0.0, rng=random.Random(0))
+
+    class Plane:
+        ready: dict[int, int] = {}
+
+        def tier_ops(self, ops):
+            return [w.key for op in ops.values() for w in op.writes], []
+
+        def tier_read(self, promotions):
+            return set(), {}
+
+        def fenced(self):
+            return dict(self.ready)
+
+        def counters(self):
+            return {}
+
+    plane = cp.tier_data_plane = Plane()
+    tier, slots = cp.pool.tier, cp.pool.slots
+    for fence_first in (False, True):
+        slot = slots.allocate(1)
+        tier._held_back[0] = [(1, slot, 3)]  # as hold_back records a silent read of 0 into 1's slab
+        cp.check()
+        cp.remove_instance(1)
+        assert tier.held_back() == []
+        if fence_first:
+            plane.ready = {0: 4}
+            cp.flush_tier()
+        cp.add_instance(1)
+        cp.check()
+        if fence_first:  # its late writes are refused now: nothing to guard
+            assert tier.held_back() == [] and slots.free_count(1) == slots.capacity(1)
+            continue
+        assert tier.held_back() == [(1, slot)] and slots.free_count(1) == slots.capacity(1) - 1
+        for i in range(3):  # the other slots fill; the held one is given to nobody
+            store(cp.pool, [20 + i] * (2 * C))
+        assert all(loc != (1, slot) for k in cp.pool.tree.keys()
+                   for loc in [(r.instance, r.slot) for r in cp.pool.tree.replicas(k, ready_only=False)])
+        cp.check()
+        plane.ready = {0: 4}  # fenced at a later epoch: the read can no longer land
+        cp.flush_tier()
+        assert tier.held_back() == []
+        cp.check()
+        plane.ready = {}

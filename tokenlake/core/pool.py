@@ -87,6 +87,8 @@ class CachePool:
         """Adds an empty instance; about 1/N of future homes move to it."""
         self.slots.add_instance(instance, self.config.slots_per_instance if slots is None else slots)
         self.ring.add(instance)
+        if self.tier is not None:
+            self.tier.instance_added(instance)
 
     def remove_instance(self, instance: int) -> InstanceRemoval:
         """Takes a (failed) instance out: its replicas go, and so does every segment

@@ -69,6 +69,9 @@ class TierManager:
         self._staging: dict[SegmentKey, int] = {}  # write-throughs in flight -> instance
         # per reading instance: slots (instance, slot) an unanswered read may still write
         self._held_back: dict[int, list[tuple[int, int, int]]] = {}  # (instance, slot, epoch)
+        # ... of those, the ones in the slab of an instance that left (its memory may be
+        # given back to it when it joins again: instance_added takes them once more)
+        self._held_gone: dict[int, list[tuple[int, int, int]]] = {}
         self.written = self.demotions = self.promotions = 0
         self.failed_promotions = self.dropped = 0
         self.engines: dict[int, dict[str, float]] = {}  # the engines' counters (TierStats.engines)
@@ -241,6 +244,9 @@ class TierManager:
                 keep.append((inst, slot, epoch))
         if keep:
             self._held_back[instance] = keep
+        gone = [loc for loc in self._held_gone.pop(instance, ()) if fenced is not None and loc[2] >= fenced]
+        if gone:
+            self._held_gone[instance] = gone
 
     def held_back(self) -> list[tuple[int, int]]:
         return [(inst, slot) for locs in self._held_back.values() for inst, slot, _ in locs]
@@ -302,8 +308,28 @@ class TierManager:
         for key in [k for k, i in self._staging.items() if i == instance]:
             self.staged((), (key,))
         self.release(instance)  # its engines are stopped: they write nothing more
-        for reader, locs in self._held_back.items():  # its slots go with it
+        for reader, locs in self._held_back.items():  # its slots go with it, but a
+            # stalled reader may still write there: taken again if it joins again
+            self._held_gone.setdefault(reader, []).extend(loc for loc in locs if loc[0] == instance)
             self._held_back[reader] = [loc for loc in locs if loc[0] != instance]
+
+    def instance_added(self, instance: int) -> None:
+        """``instance`` joins (again, on the memory its slab had: a co-located slab is
+        zeroed and reused): the slots there that an unfenced reader's late read may still
+        write are taken again, held back until that reader is fenced."""
+        for reader in list(self._held_gone):
+            mine = [loc for loc in self._held_gone[reader] if loc[0] == instance]
+            if not mine:
+                continue
+            self._held_gone[reader] = [loc for loc in self._held_gone[reader] if loc[0] != instance]
+            taken = []
+            for loc in mine:
+                try:
+                    self.pool.slots.take(loc[0], loc[1])
+                except ValueError:  # beyond a smaller slab: no slot to guard
+                    continue
+                taken.append(loc)
+            self._held_back.setdefault(reader, []).extend(taken)
 
     # -------------------------------------------------------------- stats
     def stats(self) -> TierStats:

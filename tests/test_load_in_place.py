@@ -226,3 +226,25 @@ def test_the_slab_is_mapped_once_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.setenv(vllm_reads.IN_PLACE_ENV, "0")
     pl = PageLoader(FakeControl(missing), 1, BLOCK)
     assert pl._slab(0) is None and pl.cp.asked == 0
+
+
+@pytest.mark.parametrize("dst, skip", [
+    ([4, 5, 6, 7], 0),     # one run of blocks
+    ([9, 2, 3, 11], 1),    # three runs, the first page computed by vLLM itself
+    ([6, 7], 0),           # a partial segment: its first two pages only
+    ([3, 1, 0, 2], 0),     # every block on its own
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_go_into_vllms_blocks_as_the_page_layout_says(dst, skip, dtype):
+    """``copy_pages`` (one strided copy per run of consecutive blocks) writes exactly what
+    scattering ``pages_of_slot``'s pages writes, and nothing else of the cache; a cache
+    of another dtype is filled the same way, by values."""
+    per_seg, block = 4, 2  # C = 8 tokens, four pages of two
+    slot = torch.randn(2, 3, per_seg * block, 4).to(dtype)  # [2, kv_heads, C, head_dim]
+    for cache_dtype in (dtype, torch.float32):
+        want = torch.full((12, 3, block, 8), 7.0, dtype=cache_dtype)
+        got = want.clone()
+        src = pages_of_slot(slot, per_seg, want.shape)
+        want[dst[skip:]] = src[skip:len(dst)].to(cache_dtype)
+        vllm_reads.copy_pages(slot, per_seg, got, dst, skip)
+        assert torch.equal(got, want)

@@ -189,10 +189,7 @@ class PageLoader:
             if block is None:
                 raise TokenLakeError(f"segment {i} of the load was not read")
             dst = ld.load.blocks[i]
-            skip = ld.load.skip if i == 0 else 0
-            if skip < len(dst):
-                src = pages_of_slot(block, self.per_seg, cache.shape)
-                cache[dst[skip:]] = src[skip:len(dst)]
+            copy_pages(block, self.per_seg, cache, dst, ld.load.skip if i == 0 else 0)
 
     def _load_failed(self, ld: _Loading, error: BaseException) -> None:
         """vLLM computes the load's blocks instead (never wrong tokens); the readers that
@@ -271,6 +268,26 @@ class PageLoader:
             if shared is not None:
                 shared.close()
         self._slabs.clear()
+
+
+def copy_pages(block: torch.Tensor, per_seg: int, cache: torch.Tensor, dst, skip: int = 0) -> None:
+    """Pages ``skip .. len(dst)`` of a slab slot's layer into vLLM's blocks ``dst[skip:]``
+    of ``cache``: what ``cache[dst[skip:]] = pages_of_slot(block, ...)[skip:len(dst)]``
+    does, in one strided pass per run of consecutive blocks (a layer of a long document
+    is copied once, not permuted into a temporary first and scattered from there)."""
+    rows = block.permute(2, 0, 1, 3)  # [C, 2, kv_heads, head_dim]: the pages' bytes, a view
+    per_page = rows.shape[0] // per_seg
+    p = skip
+    while p < len(dst):
+        q = p + 1
+        while q < len(dst) and dst[q] == dst[q - 1] + 1:
+            q += 1
+        out = cache[dst[p]:dst[p] + q - p]
+        if cache.dtype == block.dtype and out.is_contiguous():
+            out.view(-1, *rows.shape[1:]).copy_(rows[p * per_page:q * per_page])
+        else:  # another layout or dtype: as pages_of_slot gives them
+            out.copy_(pages_of_slot(block, per_seg, cache.shape)[p:q])
+        p = q
 
 
 def pages_of_slot(block: torch.Tensor, per_seg: int, cache_shape) -> torch.Tensor:

@@ -248,3 +248,9 @@ def test_pages_go_into_vllms_blocks_as_the_page_layout_says(dst, skip, dtype):
         want[dst[skip:]] = src[skip:len(dst)].to(cache_dtype)
         vllm_reads.copy_pages(slot, per_seg, got, dst, skip)
         assert torch.equal(got, want)
+    # a cache whose blocks are not contiguous (a view of a larger one): the same pages
+    wide = torch.full((12, 3, block, 16), 7.0, dtype=dtype)
+    got, want = wide[..., :8], wide.clone()[..., :8]
+    want[dst[skip:]] = pages_of_slot(slot, per_seg, want.shape)[skip:len(dst)]
+    vllm_reads.copy_pages(slot, per_seg, got, dst, skip)
+    assert torch.equal(got, want) and (wide[..., 8:] == 7.0).all()

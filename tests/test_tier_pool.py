@@ -261,10 +261,12 @@ DOCS = ([1, 1, 2, 2, 3, 3], [1, 1, 2, 2, 4, 4], [5, 5, 6, 6], [7, 7], [1, 1, 8, 
 
 
 class TierMachine(RuleBasedStateMachine):
+    colocated = True  # the slabs are shared memory (promote_anywhere)
+
     def __init__(self) -> None:
         super().__init__()
         self.pool, self.clock = make_pool(slots=3, tier=3, instances=(0, 1))
-        self.pool.tier.promote_anywhere = True  # co-located slabs: a read may land in the peer's
+        self.pool.tier.promote_anywhere = self.colocated  # a read may land in the peer's slab
         self.slab: dict[tuple[int, int], bytes] = {}  # what each slot holds
         self.files: dict[tuple[int, bytes], bytes] = {}  # what each tier file holds
         self.late: list = []  # data-plane work taken, not yet answered
@@ -417,8 +419,14 @@ class TierMachine(RuleBasedStateMachine):
                 assert all(r.lru_entry is not None for r in node.replicas if r.ready)
 
 
+class OwnSlabsMachine(TierMachine):
+    colocated = False  # each instance's reads into its own slab only (the default)
+
+
 TierMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+OwnSlabsMachine.TestCase.settings = TierMachine.TestCase.settings
 test_tier_machine = TierMachine.TestCase
+test_tier_machine_own_slabs = OwnSlabsMachine.TestCase
 
 
 def test_a_queued_write_through_goes_with_its_segment():
@@ -681,3 +689,59 @@ def test_a_stalled_readers_slot_in_a_peer_that_joins_again_stays_taken_until_it_
         assert tier.held_back() == []
         cp.check()
         plane.ready = {}
+
+
+def test_a_read_into_a_peer_that_leaves_and_joins_again_keeps_its_slot_until_it_ends():
+    """Co-located slabs, a read of instance 0 into instance 1's slab still running when
+    instance 1 leaves and joins again on the same memory: the slot is kept for the read
+    (given to no new segment) until it ends; unanswered, until the reader is fenced.
+    (The steps that lead there are drawn once, from a fixed seed.)"""
+    rng = random.Random(8616)
+    m = TierMachine()
+    for _ in range(20):
+        r = rng.random()
+        if r < .4:
+            m.store(rng.choice(DOCS), rng.choice([0.0, 1.0]))
+        elif r < .6:
+            m.data_plane(True)
+        elif r < .75:
+            m.evict(rng.choice([0, 1]))
+        else:
+            m.begin_promotion(rng.choice(DOCS))
+    cross = [i for i, (b, _) in enumerate(m.reading) if any(p.instance == 0 and p.to == 1 for p in b.promos)]
+    assert cross, "the seed no longer leads to a read into the peer's slab"
+    keep = m.reading.pop(cross[0])
+    while m.reading:  # the others end, answered
+        m.end_promotion(False, False)
+    m.reading = [keep]
+    m.remove_and_add()  # the read into its slab still running
+    for doc in DOCS:  # new segments fill the slab that joined again
+        m.store(doc, 1.0)
+    m.consistent()
+    m.end_promotion(False, True)  # unanswered: its engine may still write the slot
+    m.consistent()
+    assert m.pool.tier.held_back()
+    m.stalled_reads_land_then_fence()  # it lands, then a fence
+    m.consistent()
+    assert m.pool.tier.held_back() == []
+
+
+def test_a_promotion_that_ends_after_its_leased_segment_went_and_came_back_releases_nothing_of_it():
+    """A promotion leased the prompt's hit; the hit's instance left during the read and
+    the segment was stored again (its new node leased for its write-through): the end of
+    the promotion releases only the nodes it leased, not the new one's lease. (A step
+    sequence the tier machine once found, replayed.)"""
+    m = TierMachine()
+    steps = [("late",), ("store", [1, 1, 8, 8, 9, 9], 1.0), ("evict", 1), ("data_plane", True), ("evict", 1),
+             ("land",), ("late",), ("store", [1, 1, 2, 2, 4, 4], 0.0), ("evict", 1),
+             ("begin", [1, 1, 8, 8, 9, 9]), ("data_plane", True), ("store", [7, 7], 1.0),
+             ("begin", [1, 1, 2, 2, 3, 3]), ("late",), ("store", [5, 5, 6, 6], 1.0),
+             ("begin", [1, 1, 2, 2, 3, 3]), ("data_plane", True), ("store", [5, 5, 6, 6], 0.0),
+             ("store", [1, 1, 2, 2, 3, 3], 0.0), ("late",), ("remove_and_add",),
+             ("store", [1, 1, 2, 2, 4, 4], 0.0), ("end", False, False)]
+    run = {"late": m.late_answers, "store": m.store, "evict": m.evict, "data_plane": m.data_plane,
+           "land": m.stalled_reads_land_then_fence, "begin": m.begin_promotion,
+           "remove_and_add": m.remove_and_add, "end": m.end_promotion}
+    for name, *args in steps:
+        run[name](*args)
+        m.consistent()

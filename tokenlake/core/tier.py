@@ -46,6 +46,9 @@ from tokenlake.core.segments import SegmentKey
 from tokenlake.core.tier_types import Promotion, TierDataPlane, TierOps, TierStats, TierWrite
 from tokenlake.core.tree_nodes import TreeNode
 
+#: The epoch of a held slot whose read has not ended yet (above any fence).
+_IN_FLIGHT = 1 << 62
+
 __all__ = ["Promotion", "TierDataPlane", "TierManager", "TierOps", "TierStats", "TierWrite"]
 
 
@@ -72,6 +75,7 @@ class TierManager:
         # ... of those, the ones in the slab of an instance that left (its memory may be
         # given back to it when it joins again: instance_added takes them once more)
         self._held_gone: dict[int, list[tuple[int, int, int]]] = {}
+        self._reading: dict[int, Promotion] = {}  # id -> promotions begun, not ended
         self.written = self.demotions = self.promotions = 0
         self.failed_promotions = self.dropped = 0
         self.engines: dict[int, dict[str, float]] = {}  # the engines' counters (TierStats.engines)
@@ -191,9 +195,26 @@ class TierManager:
                 tree.add_replica(key, target, slot, pool.clock())
                 out.append(Promotion(key, inst, slot, -1 if target == inst else target,
                                      node.replica(target)))
+                self._reading[id(out[-1])] = out[-1]
         finally:
             tree.unlease(guard)
         return out
+
+    def read_over(self, p: Promotion, epoch: int | None) -> None:
+        """``p``'s read ended: answered or never sent (``epoch`` None), or unanswered
+        (sent at ``epoch``). If its target left meanwhile (a co-located peer), the slot
+        kept for it there (:meth:`forget_instance`) is freed, or held until the reader
+        is fenced."""
+        self._reading.pop(id(p), None)
+        loc = (p.to, p.slot, _IN_FLIGHT)
+        for table in (self._held_gone, self._held_back):
+            if loc in table.get(p.instance, ()):
+                table[p.instance].remove(loc)
+                if epoch is not None:
+                    table[p.instance].append((p.to, p.slot, epoch))
+                elif table is self._held_back:  # taken again when its instance joined
+                    self.pool.slots.free(p.to, p.slot)
+                return
 
     def _own(self, p: Promotion) -> bool:
         """Whether ``p``'s pending replica is still in the tree (not gone with an
@@ -312,6 +333,9 @@ class TierManager:
             # stalled reader may still write there: taken again if it joins again
             self._held_gone.setdefault(reader, []).extend(loc for loc in locs if loc[0] == instance)
             self._held_back[reader] = [loc for loc in locs if loc[0] != instance]
+        for p in list(self._reading.values()):  # a peer's read into its slab, still running
+            if p.to == instance and p.instance != instance:
+                self._held_gone.setdefault(p.instance, []).append((instance, p.slot, _IN_FLIGHT))
 
     def instance_added(self, instance: int) -> None:
         """``instance`` joins (again, on the memory its slab had: a co-located slab is

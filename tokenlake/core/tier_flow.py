@@ -7,7 +7,7 @@ move counts as done at once."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenlake.core.tier import Promotion, TierDataPlane
 
@@ -37,6 +37,7 @@ class PromotionBatch:
     promos: list[Promotion]
     leased: list[bytes]
     prompts: list[int]
+    leased_nodes: list = field(default_factory=list)  # the tree nodes leased (``leased``'s)
 
 
 def begin(pool, prompts: Iterable[tuple[Sequence[int], str | None]]) -> PromotionBatch | None:
@@ -55,6 +56,7 @@ def begin(pool, prompts: Iterable[tuple[Sequence[int], str | None]]) -> Promotio
             if keys:
                 pool.lease(m.keys)
                 batch.leased += m.keys
+                batch.leased_nodes += [pool.tree.node(k) for k in m.keys]
                 promos = tier.promote(keys)
                 batch.promos += promos
                 if promos:
@@ -76,6 +78,8 @@ def end(pool, batch: PromotionBatch, outcome: tuple[set[bytes], dict[bytes, int]
     many came back. Promotions whose segment went meanwhile (its instance left) are
     skipped. :func:`flush` is still to run: the failed ones' copies go."""
     tier = pool.tier
+    for p in batch.promos:  # no engine writes their slots any more, or they are held back
+        tier.read_over(p, None if outcome is None else outcome[1].get(p.key))
     try:
         if outcome is None:
             for p in reversed(batch.promos):
@@ -89,8 +93,10 @@ def end(pool, batch: PromotionBatch, outcome: tuple[set[bytes], dict[bytes, int]
         for p in batch.promos:  # parent first: a failed parent takes its children along
             (tier.promotion_failed if p.key in failed else tier.promoted)(p)
         return tier.promotions - before
-    finally:
-        pool.unlease(batch.leased, missing_ok=True)
+    finally:  # only the very nodes leased: a key that went with its instance may be back
+        tree = pool.tree
+        pool.unlease([k for k, n in zip(batch.leased, batch.leased_nodes)
+                      if k in tree and tree.node(k) is n], missing_ok=True)
 
 
 def promote(pool, data_plane: TierDataPlane | None,

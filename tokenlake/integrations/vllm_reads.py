@@ -277,6 +277,7 @@ def copy_pages(block: torch.Tensor, per_seg: int, cache: torch.Tensor, dst, skip
     is copied once, not permuted into a temporary first and scattered from there)."""
     rows = block.permute(2, 0, 1, 3)  # [C, 2, kv_heads, head_dim]: the pages' bytes, a view
     per_page = rows.shape[0] // per_seg
+    pages = None  # pages_of_slot's, made once if a run needs them
     p = skip
     while p < len(dst):
         q = p + 1
@@ -286,7 +287,8 @@ def copy_pages(block: torch.Tensor, per_seg: int, cache: torch.Tensor, dst, skip
         if cache.dtype == block.dtype and out.is_contiguous():
             out.view(-1, *rows.shape[1:]).copy_(rows[p * per_page:q * per_page])
         else:  # another layout or dtype: as pages_of_slot gives them
-            out.copy_(pages_of_slot(block, per_seg, cache.shape)[p:q])
+            pages = pages_of_slot(block, per_seg, cache.shape) if pages is None else pages
+            out.copy_(pages[p:q])
         p = q
 
 

@@ -38,6 +38,7 @@ from tokenlake.service.serve import SERVED_MODEL
 
 POISON = 4242  # a token-id prompt starting with it gets a token the tokenizer does not know
 HEALTH_S = 0.100  # the bound on /health, for the median of the probes in a window
+PROBE_S = 0.02  # health_probe.py's interval between probes
 QUIET_S = 0.4  # the idle window each Window measures first: what /health costs here now
 SLOWER = 3.0  # a loaded machine may answer this much slower than its own quiet window
 INNOCENT = {"model": SERVED_MODEL, "prompt": "The river Lumen runs to the sea.",
@@ -188,7 +189,7 @@ class Window:
         return self
 
     def __exit__(self, *exc) -> None:
-        end = time.monotonic()
+        end = self.end = time.monotonic()
         gc.unfreeze()
         out, _ = self.proc.communicate("stop\n", timeout=60)
         probes = json.loads(out)
@@ -197,8 +198,10 @@ class Window:
 
     def assert_fast(self) -> None:
         lat = sorted(self.latencies)
-        assert len(lat) >= 5 and len(self.quiet) >= 5, \
-            f"only {len(lat)} probes in the window, {len(self.quiet)} before it"
+        # five probes, or as many as a short window (an abuse over quickly) had room for
+        room = min(5, max(2, int((self.end - self.start) / PROBE_S)))
+        assert len(lat) >= room and len(self.quiet) >= 5, \
+            f"only {len(lat)} probes in the window of {self.end - self.start:.3f} s, {len(self.quiet)} before it"
         bound = max(HEALTH_S, SLOWER * statistics.median(self.quiet))
         assert statistics.median(lat) < bound, (
             f"/health median {statistics.median(lat) * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms"

@@ -162,22 +162,44 @@ def _live(served) -> tuple[tuple[str, ...], int]:
     return cp.live_requests, cp.stats().pool.private_slots
 
 
-def test_cancelled_stream_frees_its_request_within_a_second(served):
-    body = {"model": SERVED_MODEL, "prompt": DOC + " Tell me a long story.", "max_tokens": 400,
+def test_cancelled_stream_frees_its_request_within_a_second(served, monkeypatch):
+    """A client that leaves mid-stream: its request, live while it streamed, holds nothing
+    a second later. The compute engine is held after the request's fifth iteration until
+    the client has looked and left (a tiny model decodes 400 tokens in about a second, so
+    a loaded machine could otherwise see the request end before the client looks)."""
+    server = served.http.loop.server
+    prompt = DOC + " Tell me a long story."
+    run, gate, seen = server.engine.run, threading.Event(), []
+
+    def held(plans, batches):
+        out = run(plans, batches)
+        if out.logits:  # (this request is the only one in these iterations)
+            seen.append(1)
+            if len(seen) >= 5:
+                gate.wait(60)
+        return out
+
+    monkeypatch.setattr(server.engine, "run", held)
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 400,
             "temperature": 0, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", served.http.url + "/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        chunks = []
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                chunks.append(json.loads(line.removeprefix("data:")))
-            if len(chunks) == 3:  # three tokens out: leave mid-stream
-                break
-        # Three token chunks, not an error and [DONE] (an ended request holds nothing).
-        assert all(c.get("choices") and c["choices"][0]["finish_reason"] is None for c in chunks), chunks
-        live = _live(served)
-        assert live[0], ("the request holds the pool while it streams", live,
-                         "recoveries", served.http.loop.recoveries)
+    try:
+        with httpx.stream("POST", served.http.url + "/v1/completions", json=body,
+                          timeout=60) as r:
+            assert r.status_code == 200
+            chunks = []
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    chunks.append(json.loads(line.removeprefix("data:")))
+                if len(chunks) == 3:  # three tokens out: leave mid-stream
+                    break
+            # Three token chunks, not an error and [DONE] (an ended request holds nothing).
+            assert all(c.get("choices") and c["choices"][0]["finish_reason"] is None
+                       for c in chunks), chunks
+            live = _live(served)
+            assert live[0], ("the request holds the pool while it streams", live,
+                             "recoveries", served.http.loop.recoveries)
+    finally:
+        gate.set()
     closed = time.monotonic()  # the client went away mid-stream
     while _live(served) != ((), 0):
         assert time.monotonic() - closed < 1.0, f"still held: {_live(served)}"

@@ -108,7 +108,9 @@ class Worker:
                 json.dumps(kv_config), json.dumps(kwargs)]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=self._log,
                                      stderr=subprocess.STDOUT, pass_fds=(write,),
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     # vLLM's rendezvous file goes with the log, not into /tmp
+                                     env={**os.environ, "TMPDIR": os.path.dirname(self.log_path),
+                                          **(env or {})}, start_new_session=True)
         os.close(write)
         self._answers = os.fdopen(read, "r")
 

@@ -59,7 +59,10 @@ def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: st
                                           "instance": instance}})]
         if mode == "query":
             args += ["--no-enable-prefix-caching", "--no-async-scheduling"]
-    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=vllm_env(os.environ))
+    # vLLM leaves the file of its torch.distributed rendezvous in the temporary directory:
+    # this one goes with the log's (a temporary directory of the caller's)
+    env = {**vllm_env(os.environ), "TMPDIR": str(Path(log).parent)}
+    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
 def vllm_env(environ) -> dict[str, str]:

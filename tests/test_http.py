@@ -7,6 +7,7 @@ the small Llama of ``tests/tiny_model.py``: the claims are the service's, not th
 
 from __future__ import annotations
 
+import collections
 import json
 import socket
 import threading
@@ -162,25 +163,32 @@ def _live(served) -> tuple[tuple[str, ...], int]:
     return cp.live_requests, cp.stats().pool.private_slots
 
 
-def test_cancelled_stream_frees_its_request_within_a_second(served, monkeypatch):
-    """A client that leaves mid-stream: its request, live while it streamed, holds nothing
-    a second later. The compute engine is held after the request's fifth iteration until
-    the client has looked and left (a tiny model decodes 400 tokens in about a second, so
-    a loaded machine could otherwise see the request end before the client looks)."""
-    server = served.http.loop.server
-    prompt = DOC + " Tell me a long story."
+def _hold_after(server, monkeypatch, n: int) -> threading.Event:
+    """Holds ``server``'s compute engine after its ``n``-th iteration that produced a
+    token until the returned event is set (or a minute passes): a request that is to be
+    seen live, or cancelled, is then still running whatever the machine's load (a tiny
+    model decodes 400 tokens in about a second)."""
     run, gate, seen = server.engine.run, threading.Event(), []
 
     def held(plans, batches):
         out = run(plans, batches)
-        if out.logits:  # (this request is the only one in these iterations)
+        if out.logits:
             seen.append(1)
-            if len(seen) >= 5:
+            if len(seen) >= n:
                 gate.wait(60)
         return out
 
     monkeypatch.setattr(server.engine, "run", held)
-    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 400,
+    return gate
+
+
+def test_cancelled_stream_frees_its_request_within_a_second(served, monkeypatch):
+    """A client that leaves mid-stream: its request, live while it streamed, holds nothing
+    a second later (the engine is held after its fifth token until the client has looked
+    and left: ``_hold_after``)."""
+    gate = _hold_after(served.http.loop.server, monkeypatch, 5)
+    aborted = _metrics(served).get(("tokenlake_requests_total", (("outcome", "abort"),)), 0)
+    body = {"model": SERVED_MODEL, "prompt": DOC + " Tell me a long story.", "max_tokens": 400,
             "temperature": 0, "stream": True, "ignore_eos": True}
     try:
         with httpx.stream("POST", served.http.url + "/v1/completions", json=body,
@@ -204,28 +212,42 @@ def test_cancelled_stream_frees_its_request_within_a_second(served, monkeypatch)
     while _live(served) != ((), 0):
         assert time.monotonic() - closed < 1.0, f"still held: {_live(served)}"
         time.sleep(0.01)
-    m = _metrics(served)
-    assert m[("tokenlake_requests_total", (("outcome", "abort"),))] >= 1
+    assert _aborts_after(served, aborted) == aborted + 1, "cancelled once, not run to its end"
 
 
-def test_a_non_streamed_client_that_hangs_up_frees_its_request_within_a_second(served):
+def _aborts_after(served, before: float) -> float:
+    """The requests counted as aborted, once more than ``before`` are (within 10 s)."""
+    deadline = time.monotonic() + 10
+    while (n := _metrics(served).get(("tokenlake_requests_total", (("outcome", "abort"),)), 0)) <= before:
+        assert time.monotonic() < deadline, "no request was counted as aborted"
+        time.sleep(0.01)
+    return n
+
+
+def test_a_non_streamed_client_that_hangs_up_frees_its_request_within_a_second(served, monkeypatch):
     """The issue's 899 of 900: a non-streamed request whose client goes away is cancelled
     (its handler saw the disconnect but waited for tokens that never came)."""
     body = json.dumps({"model": SERVED_MODEL, "prompt": DOC + " Tell me a long story.",
                        "max_tokens": 400, "temperature": 0, "ignore_eos": True}).encode()
     u = urlsplit(served.http.url)
     in_flight = served.http.metrics.in_flight
-    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        deadline = time.monotonic() + 60
-        while not served.http.loop.server.results or not _live(served)[0]:
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.01)
+    gate = _hold_after(served.http.loop.server, monkeypatch, 5)
+    aborted = _metrics(served).get(("tokenlake_requests_total", (("outcome", "abort"),)), 0)
+    try:
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 60
+            while not served.http.loop.server.results or not _live(served)[0]:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.01)
+    finally:
+        gate.set()
     closed = time.monotonic()
     while _live(served) != ((), 0) or in_flight._value.get():
         assert time.monotonic() - closed < 1.0, (_live(served), in_flight._value.get())
         time.sleep(0.01)
+    assert _aborts_after(served, aborted) == aborted + 1, "cancelled once, not run to its end"
 
 
 def test_a_request_that_fails_in_sampling_fails_alone(model, served, monkeypatch):
@@ -237,20 +259,30 @@ def test_a_request_that_fails_in_sampling_fails_alone(model, served, monkeypatch
     from test_http_limits import Window  # tests/ is on the path (conftest)
 
     _, tok, ref = model
-    server = served.http.loop.server
+    server, loop = served.http.loop.server, served.http.loop
     poison = (7, 7, 7, 7, 7, 7)  # a prompt starting so gets NaN logits
     run = server.engine.run
+    long = 256  # tokens: still streaming while the failing requests come and go
+    failures_over, greedy_tokens = threading.Event(), collections.Counter()
 
     def poisoned(plans, batches):
         out = run(plans, batches)
         for rid, logits in out.logits.items():
             if server.tracker[rid].req.prompt_ids[:len(poison)] == poison:
                 out.logits[rid] = torch.full_like(logits, float("nan"))
+            elif server.tracker[rid].req.max_new_tokens == long:
+                greedy_tokens[rid] += 1
+        # The greedy request alone, near its end: held until the failures are over, or
+        # until a request is posted (it is admitted between iterations), so it overlaps
+        # them however slowly this test's thread runs.
+        if len(out.logits) == 1 and max(greedy_tokens.values(), default=0) >= long - 32:
+            deadline = time.monotonic() + 120
+            while not failures_over.is_set() and not loop.posted and time.monotonic() < deadline:
+                failures_over.wait(0.005)
         return out
 
     monkeypatch.setattr(server.engine, "run", poisoned)
     long_prompt = DOC + " Tell me a long story."
-    long = 256  # tokens: still streaming while the failing requests come and go
     want = tok.decode(ref.generate(tok.encode(long_prompt), long, stop_ids=()).output_ids,
                       skip_special_tokens=True)
     count = "One, two, three, four,"
@@ -281,6 +313,7 @@ def test_a_request_that_fails_in_sampling_fails_alone(model, served, monkeypatch
                                          "max_tokens": 6, "temperature": 1e-40}, timeout=120)
         assert not done.is_set(), "the greedy request ended before the failures: no overlap"
     finally:
+        failures_over.set()
         thread.join(120)
     window.assert_fast()
     assert plain.status_code == 500, plain.text
@@ -328,10 +361,24 @@ def test_the_reference_server_ends_a_failing_request_alone(model):
         assert server.results[rid].output_ids == ref.generate(list(prompts[rid]), 6, ()).output_ids
 
 
-def test_concurrent_requests_are_batched(model, served):
-    server = served.http.loop.server
+def test_concurrent_requests_are_batched(model, served, monkeypatch):
+    server, loop = served.http.loop.server, served.http.loop
     seen = len(server.decisions)
     results = {}
+    run, first = server.engine.run, threading.Event()
+
+    def together(plans, batches):
+        """The first iteration ends once all three requests are live or posted (each
+        thread makes its own HTTP client: they arrive tens of milliseconds apart), so the
+        next admits the others beside the first."""
+        out = run(plans, batches)
+        deadline = time.monotonic() + 60
+        while not first.is_set() and len(server.tracker) + loop.posted < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        first.set()
+        return out
+
+    monkeypatch.setattr(server.engine, "run", together)
 
     def ask(i: int) -> None:
         body = {"model": SERVED_MODEL, "prompt": f"Count to ten in language {i}:",
@@ -458,7 +505,7 @@ def test_reference_server_batches_and_equals_generate(model):
         assert server.results[rid].output_ids == ref.generate(list(p), 5).output_ids
 
 
-def test_a_dead_engine_is_replaced_and_serving_goes_on(model):
+def test_a_dead_engine_is_replaced_and_serving_goes_on(model, monkeypatch):
     """Engines die under the served pool, while idle and in the middle of a stream: the
     watcher sees each death at once, the instances are replaced (empty) between
     iterations, the streaming request computes what it lost again, and every answer,
@@ -495,17 +542,22 @@ def test_a_dead_engine_is_replaced_and_serving_goes_on(model):
         stream_body = {"model": SERVED_MODEL, "prompt": long_prompt, "max_tokens": 24,
                        "temperature": 0, "stream": True, "ignore_eos": True}
         text, got = [], 0
-        with httpx.stream("POST", svc.http.url + "/v1/completions", json=stream_body,
-                          timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                text.append(json.loads(line[5:])["choices"][0]["text"])
-                got += 1
-                if got == 4:  # four tokens out: both instances lose an engine
-                    cluster.kill("query", 1)
-                    cluster.kill("transfer", 0)
+        gate = _hold_after(svc.http.loop.server, monkeypatch, 4)  # still running at the kills
+        try:
+            with httpx.stream("POST", svc.http.url + "/v1/completions", json=stream_body,
+                              timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    text.append(json.loads(line[5:])["choices"][0]["text"])
+                    got += 1
+                    if got == 4:  # four tokens out: both instances lose an engine
+                        cluster.kill("query", 1)
+                        cluster.kill("transfer", 0)
+                        gate.set()
+        finally:
+            gate.set()
         assert "".join(text) == long_want
         assert cluster.alive("query", 1) and cluster.alive("transfer", 0)
         assert svc.http.loop.recoveries >= 2

@@ -234,7 +234,7 @@ def test_the_server_stops_and_a_client_then_times_out(served):
     assert server.address == ""  # the constructor only stores
     with server:
         address = server.address
-        with tokenlake.connect(address, timeout_s=0.3, credentials=server.credentials()) as cp:
+        with tokenlake.connect(address, credentials=server.credentials()) as cp:
             assert cp.instances == (0, 1)
     with tokenlake.connect(address, timeout_s=0.3, credentials=server.credentials()) as cp:
         with pytest.raises(EngineUnavailable):

@@ -119,7 +119,7 @@ def test_other_requests_go_on_while_a_document_is_read_back_from_the_tier(tiny_l
         while server.results["c"].finish_reason is None:
             assert time.monotonic() < deadline, "the other request was not served meanwhile"
             server.step()
-        assert started.is_set() and not server.results["a2"].output_ids, "a2 went on unread"
+        assert started.wait(60) and not server.results["a2"].output_ids, "a2 went on unread"
         gate.set()
         while server.busy:
             server.step()

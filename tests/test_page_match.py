@@ -96,6 +96,25 @@ def test_a_page_hit_needs_a_ready_segment_and_max_tokens_caps_it():
     assert tree.match(doc[: C + 5], max_tokens=C + 3).hit_tokens == C + 2
 
 
+def test_a_page_hit_finds_the_ready_segment_among_pending_ones_that_share_its_pages():
+    """Three segments start with the same page; the middle one in token order is ready,
+    the others are being stored. Every prompt starting with that page hits it, however
+    short: the children next to the prompt in token order are the pending ones, and the
+    ready one lies further (it used to be missed, so that a request admitted with the hit
+    its whole prompt gave was refused for the same hit on its prefix alone)."""
+    cp = _control(page=2)
+    page = (5, 6)
+    ready = page + (2,) * (C - 2)
+    _store(cp, "ready", ready + (9,))
+    for rid, x in (("low", 1), ("high", 3)):  # their prefills in flight: pending segments
+        cp.gen_plans([Batch((BatchRequest(rid, page + (x,) * (C - 2)),))], [1])
+    tree = cp.get_prefix_tree()
+    for q in (page, page + (0,), page + (1,), page + (1, 1), page + (3, 3, 3), page + (4,)):
+        m = tree.match(q)
+        assert (m.hit_tokens, m.partial_key) == (2, tree.match(ready).keys[0]), q
+    assert tree.match(page + (2, 2, 7)).hit_tokens == 4
+
+
 def test_page_tokens_must_divide_the_segment_and_default_to_16():
     assert PoolConfig(64, "x", 4).page_tokens == 16
     assert PoolConfig(24, "x", 4).page_tokens == 24  # 16 does not divide 24: whole segments

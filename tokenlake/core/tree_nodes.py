@@ -218,11 +218,22 @@ def best_partial(pnode: TreeNode, seg: bytes, page_tokens: int, width: int, max_
     """The ready child of ``pnode`` (``tier_only``: the child held only in the tier)
     whose leading pages equal the most leading pages of ``seg`` (tokens encoded ``width``
     bytes each; at most ``max_pages``), as ``(key, tokens, ready replicas)``, or
-    ``None``. In the sorted order of the children's tokens the best child is one of the
-    two neighbours of ``seg``; pages are compared exactly."""
+    ``None``. In the sorted order of the children's tokens the children sharing most
+    pages with ``seg`` lie next to its place, and fewer are shared the farther one goes;
+    some of them may not be usable (pending, or not held only in the tier), so on each
+    side the nearest usable child that shares a page is the candidate. Pages are
+    compared exactly."""
     if pnode.order is not None:
-        i = bisect.bisect_left(pnode.order, (seg,))
-        cands = [pnode.kids[pnode.order[j][0]] for j in (i - 1, i) if 0 <= j < len(pnode.order)]
+        order, cands = pnode.order, []
+        i = bisect.bisect_left(order, (seg,))
+        for side in (range(i - 1, -1, -1), range(i, len(order))):
+            for j in side:
+                node = pnode.kids[order[j][0]]
+                if not common_pages(seg, node.tokens, width * page_tokens, max_pages):
+                    break  # nothing farther on this side shares a page either
+                if node.tier_only if tier_only else node.locs:
+                    cands.append(node)
+                    break
     else:
         cands = pnode.token_children()
     best: tuple[SegmentKey, int, tuple[SegmentLocation, ...]] | None = None

@@ -314,3 +314,31 @@ def test_decode_batches_on_engines_per_instance_stay_where_they_ran(model, rule)
         _same(res, ref.generate(list(p), 12, stop_ids=()))
     moves = server.decode_moves
     assert (moves == 0) if rule == "keep" else (moves > 0), moves
+
+
+def test_a_prefix_evicted_between_its_match_and_its_admission_is_computed_again(model):
+    """Another client's placement may evict what the loop matched for a waiting request
+    before it admits it (injected here: the policy, which runs between the two, evicts
+    every evictable segment once). The request is neither failed nor is the iteration:
+    it goes back to waiting, is admitted without a hit, and answers as the reference."""
+    weights, tok, ref = model
+    prompts = _prompts(tok)
+    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_16M), segment_tokens=C,
+                      max_rows=512) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True)
+        server.run([GenerationRequest("p0", prompts[0], NEW, (tok.eos_id,))])
+        pool, schedule, evicted = cluster.control.pool, server.policy.schedule, []
+
+        def evicting(snap):
+            if not evicted:
+                assert [v.context_tokens > 0 for v in snap.waiting] == [True], "p1 matched a prefix"
+                while (e := pool.evict_one()) is not None:
+                    evicted.append(e)
+            return schedule(snap)
+
+        server.policy.schedule = evicting
+        results = server.run([GenerationRequest("p1", prompts[1], NEW, (tok.eos_id,))])
+        assert evicted and server.prefixes_lost == 1
+        assert results["p1"].hit_tokens == 0
+        _same(results["p1"], ref.generate(list(prompts[1]), NEW, stop_ids=(tok.eos_id,)))
+        cluster.control.check()

@@ -19,7 +19,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenlake.core.errors import CapacityError, SegmentNotFound, TokenLakeError
+from tokenlake.core.errors import (
+    CapacityError,
+    PrefixNotCached,
+    SegmentInFlight,
+    SegmentNotFound,
+    TokenLakeError,
+)
 from tokenlake.dataplane import messages, sockets, tensor_frames, wire
 from tokenlake.dataplane.tensor_frames import DTYPES, CopyStats, TensorMeta, WireError
 from tokenlake.dataplane.wire import (
@@ -388,6 +394,17 @@ def test_error_message_round_trips_to_the_typed_exception():
         with pytest.raises(type(exc)) as info:
             raise_if_error(msg)
         assert str(info.value) == str(exc)
+
+
+def test_errors_that_name_requests_keep_them_across_the_wire():
+    """A serving loop on a served pool takes the requests an error names out of the
+    iteration (the rest is planned): ``SegmentInFlight`` and ``PrefixNotCached``."""
+    for exc in (SegmentInFlight("stored by another", ("r1", "r2")),
+                PrefixNotCached("only 0 of 32", ("r3",))):
+        msg = decode(error_message(5, exc))
+        with pytest.raises(type(exc)) as info:
+            raise_if_error(msg)
+        assert info.value.request_ids == exc.request_ids and str(info.value) == str(exc)
 
 
 def test_unknown_remote_types_become_remote_error():

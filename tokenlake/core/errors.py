@@ -34,7 +34,13 @@ class SegmentNotFound(TokenLakeError, KeyError):
 
 
 class PrefixNotCached(TokenLakeError):
-    """A batch declares a prefix that the pool does not hold for that request."""
+    """A batch declares a prefix that the pool does not hold for that request.
+    ``request_ids``: the requests whose prefix it is, where one is named (a serving loop
+    matches them again: another client may have evicted what it matched)."""
+
+    def __init__(self, message: str, request_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.request_ids = tuple(request_ids)
 
 
 class TierCorrupt(TokenLakeError):

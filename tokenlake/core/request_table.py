@@ -330,13 +330,13 @@ class RequestTable:
             what = "page" if pages and unit < c else "segment"
             raise PrefixNotCached(
                 f"request {rid!r}: prefix of {len(prefix)} tokens is not a whole "
-                f"number of {unit}-token {what}s"
+                f"number of {unit}-token {what}s", (rid,)
             )
         match = pool.tree.match(prefix, salt=salt)
         if match.hit_tokens != len(prefix):
             raise PrefixNotCached(
                 f"request {rid!r}: only {match.hit_tokens} of {len(prefix)} prefix "
-                "tokens are cached and ready" + (" under its cache salt" if salt else "")
+                "tokens are cached and ready" + (" under its cache salt" if salt else ""), (rid,)
             )
         root = None if salt is None else pool.hasher.salt_root(salt)
         state = RequestState(rid, chain=list(match.keys), salt=salt, root=root)

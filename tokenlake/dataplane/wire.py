@@ -350,7 +350,8 @@ MAX_ERROR_REQUEST_IDS = 4096
 
 def error_message(msg_id: int, exc: BaseException) -> list:
     """``ERROR`` frames answering ``msg_id`` with ``{"type": class name, "message": str}``
-    and, for an error that names requests (``SegmentInFlight.request_ids``),
+    and, for an error that names requests (``SegmentInFlight.request_ids``,
+    ``PrefixNotCached.request_ids``),
     ``"request_ids": [str]``.
 
     A :class:`RemoteError` being passed on keeps the type name of its origin.
@@ -394,7 +395,8 @@ def remote_exception(name: Any, text: Any, request_ids: Any = None) -> TokenLake
         raise WireError(f"ERROR body's request_ids must be a list of str, got {short(request_ids)}")
     cls = _known_errors().get(name)
     try:
-        if cls is not None and request_ids is not None and cls is errors.SegmentInFlight:
+        if cls is not None and request_ids is not None and cls in (errors.SegmentInFlight,
+                                                                    errors.PrefixNotCached):
             return cls(text, tuple(request_ids))
         return RemoteError(name, text) if cls is None else cls(text)
     except Exception:  # a known class whose constructor wants more than a message

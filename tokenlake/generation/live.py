@@ -1,14 +1,14 @@
 """What the serving loop keeps of a request while it lives (:class:`Live`), how it
 joins the policy's batches for one engine that computes them in turn
 (:func:`one_per_phase`), and how it plans an iteration around requests that must wait
-for another client (:func:`plan_without_waiting`)."""
+for another client or match again (:func:`plan_without_waiting`, :func:`take_out`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 from scheduler.api import BatchDecision
-from tokenlake.core.errors import SegmentInFlight
+from tokenlake.core.errors import PrefixNotCached, SegmentInFlight
 from tokenlake.core.plans import Batch, Plans
 from tokenlake.generation.requests import GenerationRequest, RequestResult
 from tokenlake.generation.tracker import TrackedRequest
@@ -35,7 +35,7 @@ def one_per_phase(batches: Sequence[BatchDecision]) -> list[BatchDecision]:
 class Live(TrackedRequest):
     """A request's progress (tracked) plus what the server keeps of it."""
 
-    __slots__ = ("req", "result", "generator", "prompt", "preemptions")
+    __slots__ = ("req", "result", "generator", "prompt", "preemptions", "lost_hit")
 
     def __init__(self, req: GenerationRequest, result: RequestResult, arrival_s: float,
                  tbt_slo_s: float | None) -> None:
@@ -45,6 +45,7 @@ class Live(TrackedRequest):
         # what the next prefill computes: the prompt, plus the outputs after a preemption
         self.prompt: tuple[int, ...] = req.prompt_ids
         self.preemptions = 0
+        self.lost_hit = False  # its matched prefix went before it was admitted: no hit
 
 
 def plan_without_waiting(control, batches: list[Batch], dops: list[int],
@@ -55,15 +56,17 @@ def plan_without_waiting(control, batches: list[Batch], dops: list[int],
     this iteration (its admission, if new, back) and the rest is planned without it
     (``batches`` and ``dops`` are changed in place). The next iteration matches it
     again, so it reuses the segment once stored, or stores it itself if that client's
-    iteration was aborted (its session ended). None when every request waits."""
+    iteration was aborted (its session ended). So does a new request whose matched prefix
+    is no longer cached (``PrefixNotCached``: another client's placement evicted it since
+    the match). None when every request waits."""
     while True:
         try:
             return control.gen_plans(batches, dops, homes)
-        except SegmentInFlight as e:
+        except (SegmentInFlight, PrefixNotCached) as e:
             waiting = set(e.request_ids)
             if not waiting & {r.request_id for b in batches for r in b.requests}:
                 raise  # names none of this iteration's requests: nothing to take out
-            defer(waiting)
+            defer(waiting, isinstance(e, PrefixNotCached))
             pinned = homes if homes is not None else [None] * len(batches)
             kept = [(Batch(tuple(r for r in b.requests if r.request_id not in waiting), b.phase), d, h)
                     for b, d, h in zip(batches, dops, pinned)]
@@ -73,3 +76,20 @@ def plan_without_waiting(control, batches: list[Batch], dops: list[int],
             batches[:], dops[:] = [b for b, _, _ in kept], [d for _, d, _ in kept]
             if homes is not None:
                 homes[:] = [h for _, _, h in kept]
+
+
+def take_out(tracker, admitted_now: list[Live], request_ids: set[str], prefilling: dict[str, int],
+             lost: bool = False) -> None:
+    """Takes ``request_ids`` out of this iteration (before its plans exist): the new ones
+    back to waiting (with ``lost``, admitted without a hit next time: what they matched
+    went, and a request must not wait on a match that keeps failing), a later chunk's
+    count undone."""
+    for live in [a for a in admitted_now if a.req.request_id in request_ids]:
+        admitted_now.remove(live)
+        tracker.requeue(live)
+        live.lost_hit |= lost
+        if not live.preemptions:
+            live.result.hit_tokens = live.result.prefill_tokens = 0
+        prefilling.pop(live.req.request_id, None)
+    for rid in request_ids & prefilling.keys():  # a later chunk: undo its count only
+        tracker[rid].result.prefill_tokens -= prefilling.pop(rid)

@@ -35,7 +35,7 @@ from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.specs import load_hardware
 from tokenlake.engines.compute import ComputeEngine
 from tokenlake.generation.live import Live as _Live
-from tokenlake.generation.live import one_per_phase, plan_without_waiting
+from tokenlake.generation.live import one_per_phase, plan_without_waiting, take_out
 from tokenlake.generation.recovery import Recovery
 from tokenlake.generation.requests import GenerationRequest, RequestResult, check_request
 from tokenlake.generation.sampling import next_token
@@ -140,6 +140,7 @@ class GenerationLoop(Recovery):
         self.admission_patience_s = 30.0  # then a waiting request goes first (scheduler/admission.py)
         self.admission_holds = 0  # iterations skipped because the pool was full
         self.waits_in_flight = 0  # requests that waited for a segment another client stored
+        self.prefixes_lost = 0  # new requests whose matched prefix went before admission
         self.in_flight_poll_s = 0.005  # how often an iteration of waiting requests is retried
         self._admitted_now: list[_Live] = []
 
@@ -186,6 +187,8 @@ class GenerationLoop(Recovery):
             if plans is None:  # every request waits for segments another client stores:
                 time.sleep(self.in_flight_poll_s)  # no signal tells when it is done; poll
                 return
+            for live in self._admitted_now:  # admitted: a preemption later matches again
+                live.lost_hit = False
         except CapacityError:
             new = len(self._admitted_now)
             self._take_back_admissions()
@@ -234,22 +237,14 @@ class GenerationLoop(Recovery):
         instance pinned there, ``homes``), the requests that must wait for a segment
         another client is storing taken out (:func:`plan_without_waiting`)."""
 
-        def defer(waiting: set[str]) -> None:
-            self.waits_in_flight += len(waiting)
-            self._defer(waiting, prefilling)
+        def defer(waiting: set[str], lost: bool) -> None:
+            if lost:  # their hit went since the match: computed whole next time
+                self.prefixes_lost += len(waiting)
+            else:
+                self.waits_in_flight += len(waiting)
+            take_out(self.tracker, self._admitted_now, waiting, prefilling, lost)
 
         return plan_without_waiting(self.control, batches, dops, defer, homes)
-
-    def _defer(self, request_ids: set[str], prefilling: dict[str, int]) -> None:
-        """Takes ``request_ids`` out of this iteration (before its plans exist)."""
-        for live in [a for a in self._admitted_now if a.req.request_id in request_ids]:
-            self._admitted_now.remove(live)
-            self.tracker.requeue(live)
-            if not live.preemptions:
-                live.result.hit_tokens = live.result.prefill_tokens = 0
-            prefilling.pop(live.req.request_id, None)
-        for rid in request_ids & prefilling.keys():  # a later chunk: undo its count only
-            self.tracker[rid].result.prefill_tokens -= prefilling.pop(rid)
 
     def _take_back_admissions(self) -> None:
         for live in self._admitted_now:
@@ -271,7 +266,7 @@ class GenerationLoop(Recovery):
         for live in tracker.waiting():
             if live.request_id not in reading:  # the last token is always computed (its logits)
                 m = tree.match(live.prompt, max_tokens=len(live.prompt) - 1, salt=live.req.cache_salt)
-                tracker.set_hit(live, m.hit_tokens)
+                tracker.set_hit(live, 0 if live.lost_hit else m.hit_tokens)
         waiting, running = tracker.views()
         waiting = tuple(v for v in waiting if v.request_id not in reading)
         if self._decode_at:  # where each decode batch ran last (scheduler/keep.py)

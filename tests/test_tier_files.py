@@ -106,6 +106,38 @@ def test_an_altered_file_is_refused_when_read_and_never_returned(tmp_path):
     assert key(0) not in again and not path.exists() and again.used_bytes == 0
 
 
+def test_a_read_into_a_buffer_gives_the_bytes_or_refuses_the_file(tmp_path, monkeypatch):
+    """``get_into`` (a promotion's read straight into its slot), in chunks smaller than
+    the segment: the exact bytes; a bit flipped in the last chunk, a file cut or padded
+    after it was adopted: TierCorrupt and the file removed; a buffer of another length:
+    ValueError, the file kept."""
+    import tokenlake.engines.tier_files as tier_files
+
+    monkeypatch.setattr(tier_files, "READ_CHUNK", 1000)  # five chunks of a 4,096-byte segment
+    t = tier(tmp_path)
+    for i in range(4):
+        t.put(key(i), payload(i))
+    buf = bytearray(4096)
+    t.get_into(key(0), buf)
+    assert bytes(buf) == payload(0)
+    with pytest.raises(ValueError, match="4096 bytes, the buffer 4095"):
+        t.get_into(key(0), bytearray(4095))
+    assert key(0) in t
+    path = {i: tmp_path / (key(i).hex() + SUFFIX) for i in range(4)}
+    raw = bytearray(path[1].read_bytes())
+    raw[-3] ^= 0x40
+    path[1].write_bytes(bytes(raw))
+    with open(path[2], "r+b") as f:
+        f.truncate(path[2].stat().st_size - 1)
+    with open(path[3], "ab") as f:
+        f.write(b"x")
+    for i, why in ((1, "digest"), (2, "truncated"), (3, "longer")):
+        with pytest.raises(TierCorrupt, match=why):
+            t.get_into(key(i), bytearray(4096))
+        assert key(i) not in t and not path[i].exists()
+    assert list(t.keys()) == [key(0)]
+
+
 def test_garbage_and_foreign_layouts_are_not_adopted(tmp_path):
     tier(tmp_path).put(key(0), payload(0))
     (tmp_path / (key(5).hex() + SUFFIX)).write_bytes(b"not a tier file at all")

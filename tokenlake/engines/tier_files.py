@@ -34,7 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 
@@ -47,6 +47,10 @@ TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
 #: Header fields every file has.
 _FIELDS = ("key", "layout", "nbytes", "digest")
+
+
+#: Bytes :meth:`TierFiles.get_into` reads and hashes at a time, while the disk reads ahead.
+READ_CHUNK = 4 << 20
 
 
 def _digest(data) -> str:
@@ -239,11 +243,48 @@ class TierFiles:
                 if _digest(data) != header["digest"]:
                     raise ValueError("its bytes do not match their digest")
             except (FileNotFoundError, ValueError) as exc:
-                self._forget(key)
-                path.unlink(missing_ok=True)
-                raise TierCorrupt(f"tier file {path.name} refused: {exc}") from None
+                self._corrupt(key, path, exc)
             self._sizes.move_to_end(key)
             return data
+
+    def get_into(self, key: bytes, out) -> None:
+        """Reads the bytes kept under ``key`` into ``out`` (a writable buffer of exactly
+        their length), checked against their digest: as :meth:`get` without a copy of
+        them. The disk is asked for the whole file at once and the bytes are hashed a
+        chunk at a time as they arrive, so hashing overlaps the reading. Raises as
+        :meth:`get` (``out`` then holds some of the bytes, or none: a caller trusts it
+        only after a return), and ValueError if ``out`` is not the segment's length (the
+        file is kept)."""
+        view = memoryview(out).cast("B")
+        with self._mutex:
+            self._check_open()
+            if key not in self._sizes:
+                raise KeyError(key.hex())
+            path = self._file(key)
+            try:
+                f = open(path, "rb", buffering=0)
+            except FileNotFoundError as exc:
+                self._corrupt(key, path, exc)
+            with f:
+                try:
+                    header, offset = _read_header(f)
+                    if header["key"] != key.hex():
+                        raise ValueError("not this segment")
+                except ValueError as exc:
+                    self._corrupt(key, path, exc)
+                if header["nbytes"] != view.nbytes:
+                    raise ValueError(f"segment {key.hex()} has {header['nbytes']} bytes, the buffer {view.nbytes}")
+                try:
+                    _read_checked(f, offset, view, header["digest"])
+                except ValueError as exc:
+                    self._corrupt(key, path, exc)
+            self._sizes.move_to_end(key)
+
+    def _corrupt(self, key: bytes, path: Path, exc: Exception) -> NoReturn:
+        """A file found not to be what was written: forgotten, removed, TierCorrupt."""
+        self._forget(key)
+        path.unlink(missing_ok=True)
+        raise TierCorrupt(f"tier file {path.name} refused: {exc}") from None
 
     def remove(self, key: bytes) -> bool:
         """Drops the segment (its file too); False if the tier did not hold it."""
@@ -271,6 +312,26 @@ class TierFiles:
         self._remove_key(key)
         self.evictions += 1
         return key
+
+
+def _read_checked(f, offset: int, view: memoryview, digest: str) -> None:
+    """Reads an open file's bytes from ``offset`` into ``view`` (all of them: ValueError
+    if there are fewer or more), hashing each chunk once it is in; ValueError if they do
+    not match ``digest``."""
+    if hasattr(os, "posix_fadvise"):  # the whole file in flight while the chunks are hashed
+        os.posix_fadvise(f.fileno(), offset, view.nbytes, os.POSIX_FADV_WILLNEED)
+    h = hashlib.blake2b(digest_size=16)
+    done = 0
+    while done < view.nbytes:
+        n = f.readinto(view[done:done + READ_CHUNK])
+        if not n:
+            raise ValueError("truncated")
+        h.update(view[done:done + n])
+        done += n
+    if f.read(1):
+        raise ValueError("longer than its header says")
+    if h.hexdigest() != digest:
+        raise ValueError("its bytes do not match their digest")
 
 
 def _read_header(f) -> tuple[dict, int]:

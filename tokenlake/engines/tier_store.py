@@ -27,6 +27,7 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from tokenlake.core.errors import TierCorrupt
@@ -118,23 +119,23 @@ class TierStore:
         return True
 
     def read_into(self, key: bytes, out: torch.Tensor) -> bool:
-        """Writes segment ``key``'s bytes into ``out`` (:func:`slot_bytes`); False if the
-        tier does not hold it whole and intact (``out`` is left as it was)."""
+        """Writes segment ``key``'s bytes into ``out`` (:func:`slot_bytes`: a slot taken
+        for this read); False if the tier does not hold it whole and intact (``out``'s
+        bytes are then not to be used). A file is read straight into a slot in host
+        memory, its digest checked as it arrives."""
         with self._cond:
             entry = self._staged.get(key)
-        data = None if entry is None else entry[0]
-        if data is None:
-            try:
-                data = self.files.get(key)
-            except (KeyError, TierCorrupt) as exc:
-                log.warning("tier read of %s failed: %s", key.hex(), exc)
-                self.read_failures += 1
-                return False
-        if len(data) != out.numel():
-            log.warning("tier file of %s has %d bytes, a slot %d", key.hex(), len(data), out.numel())
+        try:
+            if entry is not None:
+                _copy_in(entry[0], out)
+            elif out.device.type == "cpu":
+                self.files.get_into(key, out.numpy())
+            else:  # a GPU slot: through host memory
+                _copy_in(self.files.get(key), out)
+        except (KeyError, TierCorrupt, ValueError) as exc:
+            log.warning("tier read of %s failed: %s", key.hex(), exc)
             self.read_failures += 1
             return False
-        out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.reads += 1
         return True
 
@@ -204,6 +205,16 @@ class TierStore:
         entry = self._staged.pop(key, None)
         if entry is not None:
             self._staged_bytes -= len(entry[0])
+
+
+def _copy_in(data: bytes, out: torch.Tensor) -> None:
+    """``data`` (a segment's bytes) into ``out``; ValueError if the lengths differ."""
+    if len(data) != out.numel():
+        raise ValueError(f"{len(data)} bytes for a slot of {out.numel()}")
+    if out.device.type == "cpu":
+        out.numpy()[:] = numpy.frombuffer(data, dtype=numpy.uint8)
+    else:
+        out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
 class HostTier:

@@ -1,12 +1,10 @@
-"""Session-wide hygiene: no test may leave engine processes, shared memory or temporary files behind."""
+"""Session-wide hygiene: no test may leave engine processes or shared memory behind."""
 
 from __future__ import annotations
 
-import glob
 import multiprocessing
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -131,7 +129,7 @@ def pytest_sessionstart(session) -> None:
     if _xdist(session.config) and not hasattr(session.config, "workerinput"):
         from tokenlake.dataplane.shm_files import list_buffers
 
-        session.config.stash[_BUFFERS] = set(list_buffers(fifos=True)) | _temp_files()
+        session.config.stash[_BUFFERS] = set(list_buffers(fifos=True))
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has stopped its workers
@@ -147,7 +145,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     leaked = _leaked(before)
     if leaked:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        reporter.write_line(f"\nshared memory or temporary files left behind: {leaked}", red=True)  # after xdist's progress
+        reporter.write_line(f"\nshared memory left behind: {leaked}", red=True)  # after xdist's progress
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -158,28 +156,21 @@ _BUFFERS = pytest.StashKey[set]()
 def no_leftovers(request):
     from tokenlake.dataplane.shm_files import list_buffers
 
-    before = set(list_buffers(fifos=True)) | _temp_files()
+    before = set(list_buffers(fifos=True))
     yield
     children = [p for p in multiprocessing.active_children() if p.name.startswith("tokenlake-")]
     assert not children, f"engine processes still running after the tests: {children}"
     if _xdist(request.config):
         return  # the controller checks the buffers (pytest_sessionfinish)
     leaked = _leaked(before)
-    assert not leaked, f"shared memory or temporary files left behind: {leaked}"
+    assert not leaked, f"shared memory left behind: {leaked}"
 
 
 def _leaked(before: set[str]) -> list[str]:
     """This run's buffers that are still there, of the ones made since ``before``."""
     from tokenlake.dataplane.shm_files import list_buffers
 
-    now = set(list_buffers(fifos=True)) | _temp_files()
-    return sorted(name for name in now - before if _ours_or_orphaned(name))
-
-
-def _temp_files() -> set[str]:
-    """What vLLM's engines leave in the temporary directory (the file of their
-    torch.distributed rendezvous) when they are not given one of their own."""
-    return {os.path.basename(p) for p in glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*"))}
+    return sorted(name for name in set(list_buffers(fifos=True)) - before if _ours_or_orphaned(name))
 
 
 def _ours_or_orphaned(name: str) -> bool:

@@ -22,9 +22,11 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 #: vLLM's engine core in the process that calls ``LLM`` (``InprocClient``), not a process
 #: of its own; with :data:`IN_PROCESS_KWARGS`, the model's worker too.
@@ -100,6 +102,7 @@ class Worker:
     def __init__(self, model_dir, log_path, kv_config=None, kwargs=None, env=None,
                  in_process: bool = True) -> None:
         read, write = os.pipe()
+        self._tmp = tempfile.mkdtemp(prefix="tokenlake-vllm-")
         self.log_path = str(log_path)
         self._log = open(self.log_path, "wb")
         if in_process:
@@ -108,9 +111,10 @@ class Worker:
                 json.dumps(kv_config), json.dumps(kwargs)]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=self._log,
                                      stderr=subprocess.STDOUT, pass_fds=(write,),
-                                     # vLLM's rendezvous file goes with the log, not into /tmp
-                                     env={**os.environ, "TMPDIR": os.path.dirname(self.log_path),
-                                          **(env or {})}, start_new_session=True)
+                                     # vLLM's rendezvous file (and IPC sockets) in a
+                                     # directory of its own, removed by close()
+                                     env={**os.environ, "TMPDIR": self._tmp, **(env or {})},
+                                     start_new_session=True)
         os.close(write)
         self._answers = os.fdopen(read, "r")
 
@@ -148,6 +152,7 @@ class Worker:
             self.proc.wait()
         self._answers.close()
         self._log.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
         return self.proc.returncode
 
     def end_input(self) -> None:

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,9 +61,12 @@ def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: st
         if mode == "query":
             args += ["--no-enable-prefix-caching", "--no-async-scheduling"]
     # vLLM leaves the file of its torch.distributed rendezvous in the temporary directory:
-    # this one goes with the log's (a temporary directory of the caller's)
-    env = {**vllm_env(os.environ), "TMPDIR": str(Path(log).parent)}
-    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    # it gets one of its own, removed by _stop (short: its IPC socket paths go there too)
+    tmp = tempfile.mkdtemp(prefix="tokenlake-vllm-")
+    proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**vllm_env(os.environ), "TMPDIR": tmp})
+    proc.tokenlake_tmp = tmp  # type: ignore[attr-defined]
+    return proc
 
 
 def vllm_env(environ) -> dict[str, str]:
@@ -230,4 +234,5 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+    shutil.rmtree(getattr(proc, "tokenlake_tmp", ""), ignore_errors=True)
 

@@ -163,19 +163,18 @@ def _live(served) -> tuple[tuple[str, ...], int]:
     return cp.live_requests, cp.stats().pool.private_slots
 
 
-def _hold_after(server, monkeypatch, n: int) -> threading.Event:
-    """Holds ``server``'s compute engine after its ``n``-th iteration that produced a
-    token until the returned event is set (or a minute passes): a request that is to be
-    seen live, or cancelled, is then still running whatever the machine's load (a tiny
-    model decodes 400 tokens in about a second)."""
-    run, gate, seen = server.engine.run, threading.Event(), []
+def _hold_after(server, monkeypatch, tokens: int) -> threading.Event:
+    """Holds ``server``'s compute engine, once a request in its iteration has emitted
+    ``tokens`` tokens (sent to its client: an iteration's own token goes out after it),
+    until the returned event is set (or a minute passes): a request that is to be seen
+    live, or cancelled, is then still running whatever the machine's load (a tiny model
+    decodes 400 tokens in about a second)."""
+    run, gate = server.engine.run, threading.Event()
 
     def held(plans, batches):
         out = run(plans, batches)
-        if out.logits:
-            seen.append(1)
-            if len(seen) >= n:
-                gate.wait(60)
+        if any(len(getattr(server.results.get(rid), "output_ids", ())) >= tokens for rid in out.logits):
+            gate.wait(60)
         return out
 
     monkeypatch.setattr(server.engine, "run", held)
@@ -184,9 +183,9 @@ def _hold_after(server, monkeypatch, n: int) -> threading.Event:
 
 def test_cancelled_stream_frees_its_request_within_a_second(served, monkeypatch):
     """A client that leaves mid-stream: its request, live while it streamed, holds nothing
-    a second later (the engine is held after its fifth token until the client has looked
-    and left: ``_hold_after``)."""
-    gate = _hold_after(served.http.loop.server, monkeypatch, 5)
+    a second later (the engine is held once it has sent three tokens, until the client
+    has looked and left: ``_hold_after``)."""
+    gate = _hold_after(served.http.loop.server, monkeypatch, 3)
     aborted = _metrics(served).get(("tokenlake_requests_total", (("outcome", "abort"),)), 0)
     body = {"model": SERVED_MODEL, "prompt": DOC + " Tell me a long story.", "max_tokens": 400,
             "temperature": 0, "stream": True, "ignore_eos": True}
@@ -231,7 +230,7 @@ def test_a_non_streamed_client_that_hangs_up_frees_its_request_within_a_second(s
                        "max_tokens": 400, "temperature": 0, "ignore_eos": True}).encode()
     u = urlsplit(served.http.url)
     in_flight = served.http.metrics.in_flight
-    gate = _hold_after(served.http.loop.server, monkeypatch, 5)
+    gate = _hold_after(served.http.loop.server, monkeypatch, 1)
     aborted = _metrics(served).get(("tokenlake_requests_total", (("outcome", "abort"),)), 0)
     try:
         with socket.create_connection((u.hostname, u.port), timeout=30) as sock:

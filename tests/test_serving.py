@@ -51,6 +51,7 @@ def serve_two_waves(cluster, weights, tok, prompts):
     server = GenerationLoop(cluster, weights, chunk_tokens=64, keep_logits=True)
     server.run([GenerationRequest("p0", prompts[0], NEW, (tok.eos_id,))])
     server.run([GenerationRequest(f"p{i}", p, NEW, (tok.eos_id,)) for i, p in enumerate(prompts[1:], 1)])
+    assert server.prefixes_lost == 0, "one client: what a request matched is there at its admission"
     return server.results
 
 

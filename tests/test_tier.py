@@ -44,6 +44,7 @@ def _config(weights, tmp_path, instances: int = 1, slots: int = SLOTS, medium: s
 
 def _ask(server, rid, prompt, tok):
     server.run([GenerationRequest(rid, prompt, NEW, (tok.eos_id,))])
+    assert server.prefixes_lost == 0, "one client: what a request matched is there at its admission"
     return server.results[rid]
 
 

@@ -49,7 +49,7 @@ class Live(TrackedRequest):
 
 
 def plan_without_waiting(control, batches: list[Batch], dops: list[int],
-                         defer: Callable[[set[str]], None],
+                         defer: Callable[[set[str], bool], None],
                          homes: list[int | None] | None = None) -> Plans | None:
     """``control.gen_plans(batches, dops, homes)``; a request whose new tokens complete a segment
     another client is still storing (``SegmentInFlight``) waits: ``defer`` takes it out of
@@ -88,8 +88,10 @@ def take_out(tracker, admitted_now: list[Live], request_ids: set[str], prefillin
         admitted_now.remove(live)
         tracker.requeue(live)
         live.lost_hit |= lost
+        counted = prefilling.pop(live.req.request_id, 0)
         if not live.preemptions:
             live.result.hit_tokens = live.result.prefill_tokens = 0
-        prefilling.pop(live.req.request_id, None)
+        else:  # a preempted one computes again: only this chunk's count is undone
+            live.result.prefill_tokens -= counted
     for rid in request_ids & prefilling.keys():  # a later chunk: undo its count only
         tracker[rid].result.prefill_tokens -= prefilling.pop(rid)

@@ -19,6 +19,7 @@ what is new.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from tokenlake.generation.tier_reads import TierReads
 from tokenlake.generation.tracker import DECODE, WAITING, RequestTracker
 
 __all__ = ["GenerationLoop", "one_per_phase"]
+log = logging.getLogger(__name__)
 
 #: The measured latency model of the CPU compute engine (``tokenlake profile-latency``).
 DEFAULT_LATENCY = "cpu_smollm2-135m"
@@ -240,6 +242,8 @@ class GenerationLoop(Recovery):
         def defer(waiting: set[str], lost: bool) -> None:
             if lost:  # their hit went since the match: computed whole next time
                 self.prefixes_lost += len(waiting)
+                log.warning("requests %s: their matched prefix went before admission; "
+                            "computed without a hit", sorted(waiting))
             else:
                 self.waits_in_flight += len(waiting)
             take_out(self.tracker, self._admitted_now, waiting, prefilling, lost)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from token_util import common_prefix
 
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.control import ControlPlane
-from tokenlake.core.errors import ConfigError
+from tokenlake.core.errors import ConfigError, PlanError
 from tokenlake.core.plans import Batch, BatchRequest
 from tokenlake.core.pool import CachePool
 from tokenlake.core.specs import load_model
@@ -94,6 +94,35 @@ def test_a_page_hit_needs_a_ready_segment_and_max_tokens_caps_it():
     tree = cp.get_prefix_tree()
     assert tree.match(doc[: C + 5]).hit_tokens == C + 4  # whole pages only
     assert tree.match(doc[: C + 5], max_tokens=C + 3).hit_tokens == C + 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(stored=st.lists(SEQ, min_size=1, max_size=5), pending=st.lists(SEQ, min_size=1, max_size=5),
+       queries=st.lists(SEQ, min_size=1, max_size=6), page=st.sampled_from([1, 2, 4]))
+# what it found in the page search before the fix: the ready tail [2, 2] beyond a pending [2, 0, ...]
+@example(stored=[[2, 2]], pending=[[2] + [0] * (C - 1)], queries=[[2, 1]], page=1)
+def test_segments_being_stored_change_no_match_and_a_hit_holds_for_its_own_prefix(
+        stored, pending, queries, page):
+    """Beside segments being stored (prefills in flight), a match is still the longest
+    common prefix with what is ready, in whole pages; and the prefix a match gives is
+    matched whole again on its own (a serving loop admits a request with the hit of its
+    whole prompt by matching that prefix alone)."""
+    cp = _control(page)
+    for i, s in enumerate(stored):
+        _store(cp, f"s{i}", s)
+    tree = cp.get_prefix_tree()
+    for i, p in enumerate(pending):  # their new segments stay pending
+        p = tuple(p)
+        hit = tree.match(p, max_tokens=len(p) - 1).hit_tokens
+        try:
+            cp.gen_plans([Batch((BatchRequest(f"p{i}", p[hit:], p[:hit]),))], [1])
+        except PlanError:  # its new tokens complete a segment another prefill stores
+            pass
+    for q in queries:
+        m = tree.match(q)
+        longest = max(common_prefix(q, s) for s in stored)
+        assert m.hit_tokens == longest // page * page, (q, stored, pending, page)
+        assert tree.match(tuple(q)[: m.hit_tokens]).hit_tokens == m.hit_tokens, (q, stored, pending)
 
 
 def test_a_page_hit_finds_the_ready_segment_among_pending_ones_that_share_its_pages():

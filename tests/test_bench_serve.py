@@ -54,8 +54,12 @@ class Stub:
     with ``metrics`` the pool counters count half of every prompt as hits."""
 
     def __init__(self, gap_s: float = 0.002, metrics: bool = True, reject_mod: int = 0,
-                 drop_mod: int = 0, hang_token: int | None = None, odd_mod: int = 0) -> None:
+                 drop_mod: int = 0, hang_token: int | None = None, odd_mod: int = 0,
+                 together: tuple[int, int] | None = None) -> None:
         self.gap_s, self.reject_mod, self.drop_mod = gap_s, reject_mod, drop_mod
+        # (skip, n): after the first ``skip`` requests (warm-ups), streams start once n
+        # are in flight at once (the first wave's: the client's concurrency, not timing)
+        self.together, self._wave = together, None
         self.odd_mod = odd_mod  # answers "y" instead of "x" to these prompts
         self.hang_token = hang_token
         self.bodies: list[dict] = []
@@ -92,6 +96,12 @@ class Stub:
 
     async def _stream(self, prompt: list[int], max_tokens: int):
         try:
+            if self.together and len(self.bodies) > self.together[0]:
+                if self._wave is None:
+                    self._wave = asyncio.Event()
+                if self.in_flight >= self.together[1]:
+                    self._wave.set()
+                await asyncio.wait_for(self._wave.wait(), 30)
             if prompt[-1] == self.hang_token:
                 await asyncio.Event().wait()
             for i in range(max_tokens):
@@ -194,7 +204,7 @@ def test_one_request_counts_tokens_gaps_and_usage(serve_stub):
 
 
 def test_closed_loop_counts_respects_concurrency_and_reads_metrics(serve_stub):
-    stub = Stub()
+    stub = Stub(together=(2, 3))
     result = run_bench(config(warmup=2), serve_stub(stub))
     assert (result["requests"], result["completed"], result["errors"]) == (12, 12, 0)
     assert result["output_tokens"] == 12 * SPEC.max_tokens

@@ -198,8 +198,9 @@ class Window:
 
     def assert_fast(self) -> None:
         lat = sorted(self.latencies)
-        # five probes, or as many as a short window (an abuse over quickly) had room for
-        room = min(5, max(2, int((self.end - self.start) / PROBE_S)))
+        # five probes, or as many as a short window (an abuse over quickly) had room for,
+        # less two (the probe in flight at each end)
+        room = min(5, max(2, int((self.end - self.start) / PROBE_S) - 2))
         assert len(lat) >= room and len(self.quiet) >= 5, \
             f"only {len(lat)} probes in the window of {self.end - self.start:.3f} s, {len(self.quiet)} before it"
         bound = max(HEALTH_S, SLOWER * statistics.median(self.quiet))

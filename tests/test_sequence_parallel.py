@@ -89,14 +89,17 @@ def test_the_server_s_default_policy_splits_prefill_when_engines_compute_at_once
 
 def test_the_sub_batches_of_a_dop_2_batch_compute_at_the_same_time(smollm2):
     """The two sub-batches run on two threads whose runs overlap in time (the second
-    waits for the first's K/V layer by layer, so it cannot end before the first ends)."""
+    waits for the first's K/V layer by layer, so it cannot end before the first ends):
+    both are inside their run at once (a barrier of two at the entry, which breaks after
+    a minute if the engine ran them one after the other)."""
     weights, tok, _ = smollm2
-    runs = []
+    runs, both = [], threading.Barrier(2, timeout=60)
     with LocalCluster(2, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C, max_rows=512) as cluster:
         engine = ParallelComputeEngine(weights, cluster)
         inner = engine.run_part
 
         def timed(batch, qp, tp, exchange):
+            both.wait()
             t0 = time.perf_counter()
             try:
                 return inner(batch, qp, tp, exchange)

@@ -284,7 +284,8 @@ def test_a_client_that_stops_heartbeating_is_ended_and_told_so(cluster):
     import tokenlake
     from tokenlake.service.server import ControlServer
 
-    with ControlServer(cluster, session_timeout_s=0.6, heartbeat_s=0.2) as server:
+    clock = ManualClock(1000.0)  # the sessions' time moves only when the test says so
+    with ControlServer(cluster, session_timeout_s=0.6, heartbeat_s=0.2, clock=clock) as server:
         cp = tokenlake.connect(server.address, credentials=server.credentials(), label="silent")
         try:
             plans = cp.gen_plans([Batch((BatchRequest("quiet", tuple(range(40, 60))),))], [1])
@@ -292,6 +293,7 @@ def test_a_client_that_stops_heartbeating_is_ended_and_told_so(cluster):
             number = cp.session.session
             assert f"{number}/quiet" in cluster.control.live_requests
             cp._stop_heartbeat()  # as a hung process: no more heartbeats
+            clock.now += 1.0  # ... for longer than the session timeout
             deadline = time.monotonic() + 5.0
             while server.sessions.find(cp.token) is not None:
                 assert time.monotonic() < deadline, "the silent session was never ended"

@@ -255,6 +255,9 @@ def test_a_full_pool_makes_new_requests_wait_not_fail(model):
         server = GenerationLoop(cluster, weights, policy=ContinuousBatching(256), compute_slots=1, keep_logits=True)
         results = server.run([GenerationRequest(f"f{i}", p, NEW, ()) for i, p in enumerate(prompts)])
         assert server.admission_holds > 0, "the pool was full at least once"
+        # admissions taken back count nothing: each prompt token once, as a hit or computed
+        assert [r.hit_tokens + r.prefill_tokens for r in (results[f"f{i}"] for i in range(4))] == \
+            [len(p) for p in prompts]
         cluster.control.check()
         assert cluster.control.live_requests == ()
     for i, p in enumerate(prompts):
@@ -342,4 +345,35 @@ def test_a_prefix_evicted_between_its_match_and_its_admission_is_computed_again(
         assert evicted and server.prefixes_lost == 1
         assert results["p1"].hit_tokens == 0
         _same(results["p1"], ref.generate(list(prompts[1]), NEW, stop_ids=(tok.eos_id,)))
+        cluster.control.check()
+
+
+def test_an_iteration_that_fails_mid_prefill_counts_its_chunk_once(model):
+    """The compute engine fails once, on the second chunk of a prompt (the request is
+    running: its first chunk is stored): the step raises, the iteration is undone, and
+    the next steps compute that chunk again. The request's answer is the reference's and
+    its prompt tokens are counted once (the failed chunk's count was undone)."""
+    weights, tok, ref = model
+    prompt = _prompts(tok)[0]
+    assert len(prompt) > 2 * 16
+    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_16M), segment_tokens=C,
+                      max_rows=512) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=16, keep_logits=True)
+        run, calls = server.engine.run, []
+
+        def fails_once(plans, batches):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected: the engine failed on the second chunk")
+            return run(plans, batches)
+
+        server.engine.run = fails_once
+        server.submit(GenerationRequest("r", prompt, NEW, (tok.eos_id,)))
+        with pytest.raises(RuntimeError, match="injected"):
+            while server.tracker:
+                server.step()
+        result = server.run()["r"]
+        assert len(calls) > 2 and result.hit_tokens == 0
+        assert result.prefill_tokens == len(prompt)
+        _same(result, ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,)))
         cluster.control.check()

@@ -193,7 +193,7 @@ class GenerationLoop(Recovery):
                 live.lost_hit = False
         except CapacityError:
             new = len(self._admitted_now)
-            self._take_back_admissions()
+            self._take_back(prefilling)
             if self._tier_reads.drain():  # reads were in flight: their slots are segments now
                 return
             running = any(live.admitted for live in self.tracker.values())
@@ -203,13 +203,13 @@ class GenerationLoop(Recovery):
             self.admission_holds += 1
             return
         except BaseException:
-            self._take_back_admissions()
+            self._take_back(prefilling)
             raise
         try:
             out = self.engine.run(plans, batches)
         except BaseException:
             cp.abort(plans)
-            self._take_back_admissions()
+            self._take_back(prefilling)
             raise
         cp.complete(plans)
         if self.parallel:  # where each decode batch ran (one engine: nothing to keep)
@@ -250,12 +250,10 @@ class GenerationLoop(Recovery):
 
         return plan_without_waiting(self.control, batches, dops, defer, homes)
 
-    def _take_back_admissions(self) -> None:
-        for live in self._admitted_now:
-            self.tracker.requeue(live)
-            if not live.preemptions:
-                live.result.hit_tokens = live.result.prefill_tokens = 0
-        self._admitted_now = []
+    def _take_back(self, prefilling: dict[str, int]) -> None:
+        """The iteration did not run: its admissions back to waiting, every chunk's count undone."""
+        take_out(self.tracker, self._admitted_now,
+                 {a.req.request_id for a in self._admitted_now} | prefilling.keys(), prefilling)
 
     # ------------------------------------------------------------ policies
     def snapshot(self):

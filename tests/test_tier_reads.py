@@ -35,8 +35,9 @@ class Control:
         return len(batch.promos)
 
 
-def live(rid, first):
-    return SimpleNamespace(request_id=rid, prompt=(first, 1, 2), req=SimpleNamespace(cache_salt=None))
+def live(rid, first, lost_hit=False):
+    return SimpleNamespace(request_id=rid, prompt=(first, 1, 2), req=SimpleNamespace(cache_salt=None),
+                           lost_hit=lost_hit)
 
 
 def test_a_request_waits_out_of_sight_while_its_read_runs_and_the_rest_go_on():
@@ -49,6 +50,17 @@ def test_a_request_waits_out_of_sight_while_its_read_runs_and_the_rest_go_on():
     assert reads.step([a], idle=True) == set()  # idle: waits for the read, then ends it
     assert len(control.ended) == 1 and reads.promoted == 1
     assert reads.drain() is False  # nothing left in flight
+    reads.close()
+
+
+def test_a_request_whose_matched_prefix_went_reads_nothing_back():
+    """A request the loop admits next without a hit (its matched prefix was evicted
+    before its admission: ``lost_hit``) computes its prompt whole: no read is begun for
+    it, and it is not kept out of the scheduler's sight."""
+    control = Control()
+    reads = TierReads(control)
+    assert reads.step([live("a", 7, lost_hit=True)], idle=True) == set()
+    assert reads.reading() == set() and control.ended == []
     reads.close()
 
 

@@ -50,7 +50,8 @@ class TierReads:
         self._end(wait=False)
         waiting = list(waiting)
         busy = self.reading()
-        todo = [live for live in waiting if live.request_id not in busy]
+        # (one whose matched prefix went before its admission computes it all: no read)
+        todo = [live for live in waiting if live.request_id not in busy and not live.lost_hit]
         if todo:
             self._begin(todo)
         busy = self.reading()

@@ -330,8 +330,8 @@ class TierMachine(RuleBasedStateMachine):
                 src = None
             if src is None:
                 self.pool.tier.promotion_failed(p)
-            else:
-                self.slab[(p.instance, p.slot)] = src
+            else:  # into the slot of the instance it was taken on (a co-located peer's, maybe)
+                self.slab[(p.to, p.slot)] = src
                 self.pool.tier.promoted(p)
 
     @rule(doc=st.sampled_from(DOCS))

@@ -224,38 +224,32 @@ class TierFiles:
             self.used_bytes += size
             return evicted
 
-    def get(self, key: bytes) -> bytes:
+    def get(self, key: bytes) -> bytearray:
         """The bytes kept under ``key``, checked against their digest. Raises KeyError if
         the tier does not hold it, and TierCorrupt (removing the file) if the file is not
         what was written; another OSError (the disk, the descriptors) is raised as it is
         and the file kept."""
-        with self._mutex:
-            self._check_open()
-            if key not in self._sizes:
-                raise KeyError(key.hex())
-            path = self._file(key)
-            try:
-                with open(path, "rb") as f:
-                    header, _ = _read_header(f)
-                    data = f.read()
-                if header["key"] != key.hex() or len(data) != header["nbytes"]:
-                    raise ValueError("truncated or not this segment")
-                if _digest(data) != header["digest"]:
-                    raise ValueError("its bytes do not match their digest")
-            except (FileNotFoundError, ValueError) as exc:
-                self._corrupt(key, path, exc)
-            self._sizes.move_to_end(key)
-            return data
+        return self._read(key, bytearray)
 
     def get_into(self, key: bytes, out) -> None:
         """Reads the bytes kept under ``key`` into ``out`` (a writable buffer of exactly
         their length), checked against their digest: as :meth:`get` without a copy of
-        them. The disk is asked for the whole file at once and the bytes are hashed a
-        chunk at a time as they arrive, so hashing overlaps the reading. Raises as
-        :meth:`get` (``out`` then holds some of the bytes, or none: a caller trusts it
-        only after a return), and ValueError if ``out`` is not the segment's length (the
-        file is kept)."""
+        them. Raises as :meth:`get` (``out`` then holds some of the bytes, or none: a
+        caller trusts it only after a return), and ValueError if ``out`` is not the
+        segment's length (the file is kept)."""
         view = memoryview(out).cast("B")
+
+        def this_buffer(nbytes: int) -> memoryview:
+            if nbytes != view.nbytes:
+                raise ValueError(f"segment {key.hex()} has {nbytes} bytes, the buffer {view.nbytes}")
+            return view
+
+        self._read(key, this_buffer)
+
+    def _read(self, key: bytes, buffer_for):
+        """Reads segment ``key`` into ``buffer_for(its length)`` and returns that buffer:
+        the disk is asked for the whole file at once and the bytes are hashed a chunk at
+        a time as they arrive, so hashing overlaps the reading (:meth:`get`)."""
         with self._mutex:
             self._check_open()
             if key not in self._sizes:
@@ -272,13 +266,13 @@ class TierFiles:
                         raise ValueError("not this segment")
                 except ValueError as exc:
                     self._corrupt(key, path, exc)
-                if header["nbytes"] != view.nbytes:
-                    raise ValueError(f"segment {key.hex()} has {header['nbytes']} bytes, the buffer {view.nbytes}")
+                buf = buffer_for(header["nbytes"])  # (a ValueError here keeps the file)
                 try:
-                    _read_checked(f, offset, view, header["digest"])
+                    _read_checked(f, offset, memoryview(buf).cast("B"), header["digest"])
                 except ValueError as exc:
                     self._corrupt(key, path, exc)
             self._sizes.move_to_end(key)
+            return buf
 
     def _corrupt(self, key: bytes, path: Path, exc: Exception) -> NoReturn:
         """A file found not to be what was written: forgotten, removed, TierCorrupt."""

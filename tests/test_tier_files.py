@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import msgpack
 import pytest
 
 from tokenlake.core.errors import ConfigError, TierCorrupt
@@ -38,12 +39,13 @@ def _close_tiers():
         OPEN.pop().close()
 
 
-def tier(path, capacity=1 << 20, layout=LAYOUT) -> TierFiles:
-    """A tier on ``path``; the one opened before on it is closed first (a stop)."""
+def tier(path, capacity=1 << 20, layout=LAYOUT, chunk_bytes=1024) -> TierFiles:
+    """A tier on ``path`` (four chunks to a 4,096-byte segment); the one opened before
+    on it is closed first (a stop)."""
     for t in [t for t in OPEN if t.path == path]:
         t.close()
         OPEN.remove(t)
-    OPEN.append(TierFiles(path, capacity, layout, fsync=False))
+    OPEN.append(TierFiles(path, capacity, layout, fsync=False, chunk_bytes=chunk_bytes))
     return OPEN[-1]
 
 
@@ -63,7 +65,7 @@ def test_bytes_come_back_exactly_and_outlive_the_process_that_wrote_them(tmp_pat
 
 
 def test_a_full_tier_evicts_the_least_recently_used(tmp_path):
-    one = len(MAGIC) + 200 + 4096  # a file: its header is under 200 bytes
+    one = len(MAGIC) + 400 + 4096  # a file: its header (four digests) is under 400 bytes
     t = tier(tmp_path, capacity=3 * one)
     for i in range(3):
         t.put(key(i), payload(i))
@@ -106,15 +108,12 @@ def test_an_altered_file_is_refused_when_read_and_never_returned(tmp_path):
     assert key(0) not in again and not path.exists() and again.used_bytes == 0
 
 
-def test_a_read_into_a_buffer_gives_the_bytes_or_refuses_the_file(tmp_path, monkeypatch):
+def test_a_read_into_a_buffer_gives_the_bytes_or_refuses_the_file(tmp_path):
     """``get_into`` (a promotion's read straight into its slot), in chunks smaller than
-    the segment: the exact bytes; a bit flipped in the last chunk, a file cut or padded
-    after it was adopted: TierCorrupt and the file removed; a buffer of another length:
-    ValueError, the file kept."""
-    import tokenlake.engines.tier_files as tier_files
-
-    monkeypatch.setattr(tier_files, "READ_CHUNK", 1000)  # five chunks of a 4,096-byte segment
-    t = tier(tmp_path)
+    the segment, the last one short: the exact bytes; a bit flipped in the last chunk, a
+    file cut or padded after it was adopted: TierCorrupt and the file removed; a buffer
+    of another length: ValueError, the file kept."""
+    t = tier(tmp_path, chunk_bytes=1000)  # five chunks of a 4,096-byte segment
     for i in range(4):
         t.put(key(i), payload(i))
     buf = bytearray(4096)
@@ -131,11 +130,58 @@ def test_a_read_into_a_buffer_gives_the_bytes_or_refuses_the_file(tmp_path, monk
         f.truncate(path[2].stat().st_size - 1)
     with open(path[3], "ab") as f:
         f.write(b"x")
-    for i, why in ((1, "digest"), (2, "truncated"), (3, "longer")):
+    for i, why in ((1, r"digest \(chunk 4 of 5\)"), (2, "truncated"), (3, "longer")):
         with pytest.raises(TierCorrupt, match=why):
             t.get_into(key(i), bytearray(4096))
         assert key(i) not in t and not path[i].exists()
     assert list(t.keys()) == [key(0)]
+
+
+def _rewrite(path, edit) -> None:
+    """Rewrites a tier file's header through ``edit(header)`` (a dict), bytes unchanged."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[len(MAGIC):len(MAGIC) + 4], "little")
+    header = msgpack.unpackb(raw[len(MAGIC) + 4:len(MAGIC) + 4 + n])
+    edit(header)
+    packed = msgpack.packb(header)
+    path.write_bytes(MAGIC + len(packed).to_bytes(4, "little") + packed + raw[len(MAGIC) + 4 + n:])
+
+
+def test_every_chunk_is_checked_and_a_file_of_one_digest_is_still_read(tmp_path):
+    """A bit flipped in a middle chunk is refused like one in the last; a header whose
+    digests do not cover the bytes is refused on opening; a file written before chunks
+    (one digest of all its bytes, as earlier versions wrote) is adopted and read, and
+    refused when altered."""
+    t = tier(tmp_path)
+    for i in range(4):
+        t.put(key(i), payload(i))
+    path = {i: tmp_path / (key(i).hex() + SUFFIX) for i in range(4)}
+    raw = bytearray(path[0].read_bytes())
+    raw[-4096 + 1500] ^= 0x01  # chunk 1 of 4
+    path[0].write_bytes(bytes(raw))
+    with pytest.raises(TierCorrupt, match=r"chunk 1 of 4"):
+        t.get(key(0))
+    _rewrite(path[1], lambda h: h["digests"].pop())
+
+    def one_digest(h, data):
+        del h["chunk"], h["digests"]
+        h["digest"] = hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    _rewrite(path[2], lambda h: one_digest(h, payload(2)))
+    _rewrite(path[3], lambda h: one_digest(h, payload(3)))
+    raw = bytearray(path[3].read_bytes())
+    raw[-10] ^= 0x80
+    path[3].write_bytes(bytes(raw))
+    again = tier(tmp_path)
+    assert key(1) not in again and not path[1].exists()
+    assert any("3 digests for 4096 bytes" in why for why in again.refused)
+    assert again.get(key(2)) == payload(2)
+    buf = bytearray(4096)
+    again.get_into(key(2), buf)
+    assert bytes(buf) == payload(2)
+    with pytest.raises(TierCorrupt, match="digest"):
+        again.get(key(3))
+    assert list(again.keys()) == [key(2)]
 
 
 def test_garbage_and_foreign_layouts_are_not_adopted(tmp_path):

@@ -9,9 +9,12 @@ plans; the engines give it a segment's bytes (all its layers, as the slab holds 
 slot-major) and its key.
 
 A file is ``<key hex>.seg``: a magic line, the length of a msgpack header, the header
-(the key, the pool layout the bytes are in, their length and their blake2b digest, and
-the caller's ``meta``: what a restart needs to put the segment back in its place) and
-the bytes. It is written to a temporary name in the same directory, flushed to the
+(the key, the pool layout the bytes are in, their length, the blake2b digest of each
+chunk of them, and the caller's ``meta``: what a restart needs to put the segment back
+in its place) and the bytes. The chunks (``chunk_bytes``; the transfer engine makes
+them one layer of the segment each) are hashed on threads of their own, several at
+once, while the next ones are read; a file written before chunks (one ``digest`` of all
+its bytes) is still read and checked. It is written to a temporary name in the same directory, flushed to the
 disk and renamed, so a reader sees the whole file or none; a temporary file left by a
 killed writer is removed when the directory is opened, never adopted. On opening, every
 file's header is read and its length checked against the header (a truncated file is
@@ -26,6 +29,7 @@ use; on opening, the files' modification times give the order.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import hashlib
 import os
@@ -45,12 +49,17 @@ _LEN = struct.Struct("<I")
 SUFFIX = ".seg"
 TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
-#: Header fields every file has.
-_FIELDS = ("key", "layout", "nbytes", "digest")
+#: Header fields every file has (and either ``chunk`` and ``digests``, or, written
+#: before chunks, one ``digest``).
+_FIELDS = ("key", "layout", "nbytes")
 
 
-#: Bytes :meth:`TierFiles.get_into` reads and hashes at a time, while the disk reads ahead.
+#: Bytes a file's chunk has when its writer names no size (each chunk has a digest).
+CHUNK_BYTES = 4 << 20
+#: Bytes a file written with one digest is read and hashed at a time.
 READ_CHUNK = 4 << 20
+#: Threads that hash chunks at once (while the next chunk is read).
+HASH_THREADS = 2
 
 
 def _digest(data) -> str:
@@ -62,7 +71,8 @@ class TierFiles:
 
     ``layout``: what identifies the bytes' format (for example the slab's shape per
     segment and its dtype, the model and the segment size); files written with another
-    layout are not adopted. ``fsync``: flush each file to the disk before it is renamed
+    layout are not adopted. ``chunk_bytes``: the bytes of each digest's chunk in the files
+    it writes. ``fsync``: flush each file to the disk before it is renamed
     into place (off only where durability does not matter, as in tests). One process owns
     a directory at a time (a lock, released by :meth:`close` or the process's end);
     another that opens it meanwhile gets ConfigError. Its methods may be called from
@@ -72,9 +82,14 @@ class TierFiles:
     """
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, layout: Mapping[str, Any],
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"the tier's capacity must be > 0 bytes, got {capacity_bytes}")
+        if chunk_bytes <= 0:
+            raise ConfigError(f"the tier's chunks must have > 0 bytes, got {chunk_bytes}")
+        self.chunk_bytes = int(chunk_bytes)
+        # threads come with the first digest (hashlib lets go of the GIL)
+        self._hashers = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="tier-hash")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = open(self.path / LOCK_NAME, "a+b")  # noqa: SIM115 - held until close()
@@ -102,6 +117,7 @@ class TierFiles:
         """Releases the directory (the files stay)."""
         if not self._lock.closed:
             self._lock.close()  # closing the file releases the lock
+        self._hashers.shutdown()
 
     def __enter__(self) -> TierFiles:
         return self
@@ -184,8 +200,11 @@ class TierFiles:
         recently used segments to make room and returns their keys. Raises ConfigError
         if the segment alone exceeds the tier. The new file is complete on disk before
         anything is evicted or replaced."""
+        self._check_open()
         view = memoryview(data).cast("B")
-        head = {"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes, "digest": _digest(view)}
+        digests = [f.result() for f in self._hash(view, range(0, view.nbytes, self.chunk_bytes))]
+        head = {"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes,
+                "chunk": self.chunk_bytes, "digests": digests}
         if meta is not None:
             head["meta"] = meta
         header = msgpack.packb(head)
@@ -268,11 +287,45 @@ class TierFiles:
                     self._corrupt(key, path, exc)
                 buf = buffer_for(header["nbytes"])  # (a ValueError here keeps the file)
                 try:
-                    _read_checked(f, offset, memoryview(buf).cast("B"), header["digest"])
+                    if "digests" in header:
+                        self._read_chunks(f, offset, memoryview(buf).cast("B"), header)
+                    else:  # written before chunks
+                        _read_checked(f, offset, memoryview(buf).cast("B"), header["digest"])
                 except ValueError as exc:
                     self._corrupt(key, path, exc)
             self._sizes.move_to_end(key)
             return buf
+
+    def _hash(self, view: memoryview, starts) -> list[concurrent.futures.Future]:
+        """The digests of ``view``'s chunks that begin at ``starts``, hashed on the
+        tier's threads: one future each, in order."""
+        return [self._hashers.submit(_digest, view[a:a + self.chunk_bytes]) for a in starts]
+
+    def _read_chunks(self, f, offset: int, view: memoryview, header: dict) -> None:
+        """Reads an open file's bytes from ``offset`` into ``view`` (ValueError if
+        there are fewer or more), a chunk at a time: each is hashed on the tier's
+        threads while the next is read; ValueError if any does not match its digest."""
+        chunk, digests = header["chunk"], header["digests"]
+        if hasattr(os, "posix_fadvise"):  # the whole file in flight while the chunks are hashed
+            os.posix_fadvise(f.fileno(), offset, view.nbytes, os.POSIX_FADV_WILLNEED)
+        hashed = []
+        try:
+            for start in range(0, view.nbytes, chunk):
+                end = min(start + chunk, view.nbytes)
+                done = start
+                while done < end:
+                    n = f.readinto(view[done:end])
+                    if not n:
+                        raise ValueError("truncated")
+                    done += n
+                hashed += self._hash(view, [start])
+            if f.read(1):
+                raise ValueError("longer than its header says")
+        finally:
+            concurrent.futures.wait(hashed)  # none still reads the buffer once this returns
+        for i, (got, want) in enumerate(zip(hashed, digests)):
+            if got.result() != want:
+                raise ValueError(f"its bytes do not match their digest (chunk {i} of {len(digests)})")
 
     def _corrupt(self, key: bytes, path: Path, exc: Exception) -> NoReturn:
         """A file found not to be what was written: forgotten, removed, TierCorrupt."""
@@ -344,9 +397,18 @@ def _read_header(f) -> tuple[dict, int]:
         header = msgpack.unpackb(packed)
     except Exception as exc:  # noqa: BLE001 - any malformed header is a refusal
         raise ValueError(f"unreadable header ({type(exc).__name__})") from None
-    if not isinstance(header, dict) or any(k not in header for k in _FIELDS):
+    if not isinstance(header, dict) or any(k not in header for k in _FIELDS) or not (
+            "digest" in header or ("chunk" in header and "digests" in header)):
         raise ValueError("header without its fields")
-    if not (isinstance(header["key"], str) and isinstance(header["digest"], str)
-            and isinstance(header["nbytes"], int) and header["nbytes"] >= 0):
+    if not (isinstance(header["key"], str) and isinstance(header["nbytes"], int) and header["nbytes"] >= 0):
+        raise ValueError("header with fields of the wrong type")
+    if "digests" in header:
+        if not (isinstance(header["chunk"], int) and header["chunk"] > 0 and isinstance(header["digests"], list)
+                and all(isinstance(d, str) for d in header["digests"])):
+            raise ValueError("header with fields of the wrong type")
+        if len(header["digests"]) != -(-header["nbytes"] // header["chunk"]):
+            raise ValueError(f"{len(header['digests'])} digests for {header['nbytes']} bytes"
+                             f" in chunks of {header['chunk']}")
+    elif not isinstance(header["digest"], str):
         raise ValueError("header with fields of the wrong type")
     return header, len(MAGIC) + _LEN.size + n

@@ -32,7 +32,7 @@ import torch
 
 from tokenlake.core.errors import TierCorrupt
 from tokenlake.dataplane.messages.tier import TIER_COUNTERS
-from tokenlake.engines.tier_files import TierFiles
+from tokenlake.engines.tier_files import CHUNK_BYTES, TierFiles
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +74,13 @@ class TierStore:
     ``path``: this instance's tier directory; ``capacity_bytes``: what its files may
     take; ``layout``: what identifies the slab's format (files of another are not
     adopted); ``write_bw``: the writer's bytes a second (0: unbounded; or a
-    :class:`Pacer`)."""
+    :class:`Pacer`); ``chunk_bytes``: what each digest of a file covers (the engine
+    gives one layer of a slot)."""
 
     def __init__(self, path: str | Path, capacity_bytes: int, layout: dict[str, Any],
                  staging_bytes: int = DEFAULT_STAGING_BYTES, fsync: bool = True,
-                 write_bw: float | Pacer = DEFAULT_WRITE_BW) -> None:
-        self.files = TierFiles(path, capacity_bytes, layout, fsync=fsync)
+                 write_bw: float | Pacer = DEFAULT_WRITE_BW, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.files = TierFiles(path, capacity_bytes, layout, fsync=fsync, chunk_bytes=chunk_bytes)
         self.staging_bytes = staging_bytes
         self.pacer = write_bw if isinstance(write_bw, Pacer) else Pacer(write_bw)
         # key -> (its bytes, its meta), until written; a write job holds the same tuple

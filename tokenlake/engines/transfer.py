@@ -102,7 +102,8 @@ class TransferEngine(EngineLoop):
         if spec.tier_path is not None:
             layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
             self.tier = TierStore(spec.tier_path, spec.tier_bytes, layout, fsync=spec.tier_fsync,
-                                  write_bw=spec.tier_write_bw)
+                                  write_bw=spec.tier_write_bw,  # a digest per layer
+                                  chunk_bytes=slot_bytes(self.slab, 0).numel() // self.num_layers)
         elif spec.tier_bytes:
             self.tier = HostTier(spec.tier_bytes, slot_bytes(self.slab, 0).numel(),
                                  pin=self.slab.device.type == "cuda")

@@ -176,9 +176,10 @@ def measure_transfer(mib: int = 64, repeats: int = 3, mode: str = "auto") -> tup
     return bw, lat, f"numpy memcpy of {mib} MiB; latency is the fixed estimate {FALLBACK_LATENCY_S}"
 
 
-def measure_tier_read(mib: int = 64, file_mib: int = 4, repeats: int = 3) -> float:
+def measure_tier_read(mib: int = 64, file_mib: int = 16, layers: int = 32, repeats: int = 3) -> float:
     """Bytes/s of reading ``mib`` MiB of tier files of ``file_mib`` MiB each from the disk
-    (page cache dropped before each pass), digests checked: best of ``repeats``."""
+    (page cache dropped before each pass), digests checked (one per ``1 / layers`` of a
+    file, as the engines write them: one per layer of a segment): best of ``repeats``."""
     import tempfile
     from pathlib import Path
 
@@ -187,7 +188,8 @@ def measure_tier_read(mib: int = 64, file_mib: int = 4, repeats: int = 3) -> flo
     data = os.urandom(file_mib * _MIB)
     n = max(1, mib // file_mib)
     with tempfile.TemporaryDirectory(prefix="tokenlake-tier-profile-") as tmp, \
-            TierFiles(tmp, 2 * n * (file_mib * _MIB + 4096), {"profile": 1}) as files:
+            TierFiles(tmp, 2 * n * (file_mib * _MIB + 4096), {"profile": 1},
+                      chunk_bytes=file_mib * _MIB // layers) as files:
         keys = [i.to_bytes(16, "big") for i in range(n)]
         for key in keys:
             files.put(key, data)
@@ -248,7 +250,7 @@ def profile_cpu(mem_mib: int = 256, matmul_n: int = 2048, transfer_mib: int = 64
         f"Measured by tokenlake profile-cpu on {os.cpu_count()} logical CPUs on "
         f"{time.strftime('%Y-%m-%d')}: mem_bw = best sum over a {mem_mib} MiB float32 array "
         f"({mem_lib}); flops = best float32 {matmul_n}x{matmul_n} matmul ({mm_lib}); "
-        f"net = {how}; tier_read_bw = tier files of 4 MiB read back from the disk (page cache "
+        f"net = {how}; tier_read_bw = tier files of 16 MiB (32 digests each) read back from the disk (page cache "
         f"dropped), digests checked; host_tier_bw = slots of 4 MiB copied from a host-memory "
         f"tier's buffer into a slab; mem_bytes = physical RAM. Regenerate with: "
         "tokenlake profile-cpu --out tokenlake/data/hardware.json --merge"

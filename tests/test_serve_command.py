@@ -148,3 +148,49 @@ def test_status_without_a_pool_is_one_line_and_exit_2():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("tokenlake: error: status:")
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (Linux ``/proc``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def test_a_command_stopped_by_sigterm_stops_what_it_started():
+    """Any command (here a benchmark that runs a pool) unwinds on SIGTERM as on Ctrl-C:
+    exit code 143, its engines stopped by it (not left to notice that their owner is
+    gone), no process and no shared memory left. Before, SIGTERM killed the command
+    where it stood, and ``bench vllm`` left its three vLLM servers running."""
+    before = set(list_buffers())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenlake.tools.cli", "bench", "roundtrip", "--repeats", "100000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # the pool is up once the measured passes begin
+            seen.append(line)
+            if "rows:" in line:
+                break
+        assert proc.poll() is None, "".join(seen)
+        engines = _children(proc.pid)
+        assert len(engines) >= 2, "a one-instance pool runs a query and a transfer engine"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(60) == 143, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stderr.close()
+    assert "Traceback" not in rest and "is gone" not in rest, rest
+    assert [pid for pid in engines if pid_alive(pid)] == []
+    assert [b for b in set(list_buffers()) - before if b.startswith(f"tokenlake-{proc.pid}-")] == []

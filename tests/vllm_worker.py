@@ -150,6 +150,9 @@ class Worker:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        from tokenlake.tools.bench.vllm import end_group
+
+        end_group(self.proc.pid)  # an engine process it left behind
         self._answers.close()
         self._log.close()
         shutil.rmtree(self._tmp, ignore_errors=True)

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,7 +65,8 @@ def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: st
     # it gets one of its own, removed by _stop (short: its IPC socket paths go there too)
     tmp = tempfile.mkdtemp(prefix="tokenlake-vllm-")
     proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env={**vllm_env(os.environ), "TMPDIR": tmp})
+                            env={**vllm_env(os.environ), "TMPDIR": tmp},
+                            start_new_session=True)  # a group of its own: _stop ends its engine core too
     proc.tokenlake_tmp = tmp  # type: ignore[attr-defined]
     return proc
 
@@ -226,7 +228,10 @@ def _summary(xs: list[float]) -> dict:
     return {"p50": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stops a vLLM server (SIGTERM, then SIGKILL after 30 s) and whatever is left of its
+    process group ``grace_s`` after it: a server stopped while it starts leaves its
+    engine core running otherwise. Removes its temporary directory."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -234,5 +239,19 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+    end_group(proc.pid, grace_s)
     shutil.rmtree(getattr(proc, "tokenlake_tmp", ""), ignore_errors=True)
+
+
+def end_group(pgid: int, grace_s: float = 10.0) -> None:
+    """Waits up to ``grace_s`` for the processes of group ``pgid`` (a stopped vLLM
+    server's: its engine core ends after it) to end, then kills those left."""
+    deadline = time.monotonic() + grace_s
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(pgid, 0)  # ProcessLookupError once none of the group is left
+            time.sleep(0.1)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 

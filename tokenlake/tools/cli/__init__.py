@@ -16,8 +16,10 @@
 Exit codes: 0 success; 2 a mistake in the command line or its input (one line on stderr,
 ``tokenlake: error: ...``, no traceback); 1 a run whose result is wrong (``demo``: an answer
 differs from the reference engine; ``eval validate``: the simulator disagrees with the
-engines; ``sim``: the simulation could not finish); 130 interrupted. Any other failure is
-a bug and shows its traceback.
+engines; ``sim``: the simulation could not finish); 130 interrupted (Ctrl-C); 143 stopped by
+SIGTERM (``serve``: 0, a clean stop). Either unwinds the command as an exception does: the
+pools, servers and vLLM processes it started are stopped and their shared memory and
+temporary files removed. Any other failure is a bug and shows its traceback.
 
 Building the tree imports no torch, numpy, zmq, Ray or :mod:`evals`: each command
 imports what it needs when it runs, so ``tokenlake --help`` stays fast.
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 import tokenlake
@@ -58,6 +62,15 @@ def build_parser() -> Parser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that a command unwinds as from Ctrl-C."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``tokenlake ARGV``; returns the exit code (parse errors raise ``SystemExit(2)``)."""
     # Idle OpenMP workers of torch spin by default and take the CPU from the engine
@@ -72,10 +85,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = f"{PROG} {shlex.join(argv)}"  # recorded in the files a command writes
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # (a command may set its own)
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.run(args)
     except (UsageError, ConfigError) as exc:  # ConfigError: a value from the command line
         return report(str(exc))
+    except Terminated:
+        return 143
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 

@@ -20,10 +20,10 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
 // slab_attention_cpu.cpp: the path it takes for a dtype, grouped rows and head dim.
 std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64_t head_dim);
 
-// slab_attention_cpu.cpp: the fewest grouped rows the panel path takes (forced to compare
-// paths; 0: the instruction set's own).
+// slab_attention_cpu.cpp: the fewest grouped rows the panel path takes for a K/V dtype
+// (forced to compare paths, for every dtype; 0: the instruction set's own).
 void set_panel_rows(int64_t rows);
-int64_t get_panel_rows();
+int64_t get_panel_rows(const std::string& dtype);
 
 // linear_cpu.cpp: x @ w.T for a few rows of x.
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);

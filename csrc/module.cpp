@@ -44,7 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("sources"), py::arg("o") = py::none(), py::arg("lse") = py::none());
   m.def("attention_path", &attention_path, "slab_attention's path: tile, panel, vector or scalar");
   m.def("set_panel_rows", &set_panel_rows, "force the fewest grouped rows the panel path takes (0: the isa's)");
-  m.def("panel_rows", &get_panel_rows, "the fewest grouped rows the panel path takes");
+  m.def("panel_rows", &get_panel_rows, "the fewest grouped rows the panel path takes for a K/V dtype",
+        py::arg("dtype") = "float32");
   m.def("small_linear", &small_linear, "x @ w.T for a few rows of x (CPU, float32)");
   m.def("roof_stream", &roof_stream, "a stream read with W multiply-adds per 64-byte line (CPU)");
   m.def("isa", &isa_name, "the instruction set in use");

@@ -829,7 +829,7 @@ __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t
 template <typename T, int kE, int kL>
 inline __attribute__((always_inline)) void dispatch_task(const Task& t) {
   if constexpr (kE > 0 && kE % 32 == 0) {
-    if (t.rows >= panel_rows()) run_task_panel<T, kE, kL>(t);
+    if (t.rows >= panel_rows(sizeof(T))) run_task_panel<T, kE, kL>(t);
     else run_task_v<T, kE>(t);
   } else {
     run_task<T, kE>(t);
@@ -875,8 +875,8 @@ bool uses_tiles(Isa isa, at::ScalarType dtype, int64_t grouped_rows, int64_t hea
 }
 
 // Whether a call not on the tile path takes the panel path.
-bool uses_panel(int64_t grouped_rows, int64_t head_dim) {
-  return grouped_rows >= panel_rows() && (head_dim == 64 || head_dim == 128);
+bool uses_panel(int64_t grouped_rows, int64_t head_dim, at::ScalarType dtype) {
+  return grouped_rows >= panel_rows(c10::elementSize(dtype)) && (head_dim == 64 || head_dim == 128);
 }
 
 }  // namespace
@@ -886,7 +886,7 @@ std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64
   const at::ScalarType t = dtype == "bfloat16" ? torch::kBFloat16 : dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
   TORCH_CHECK(dtype == "bfloat16" || dtype == "float16" || dtype == "float32", "unknown dtype ", dtype);
   if (uses_tiles(forced_isa(), t, grouped_rows, head_dim)) return "tile";
-  if (uses_panel(grouped_rows, head_dim)) return "panel";
+  if (uses_panel(grouped_rows, head_dim, t)) return "panel";
   return (head_dim == 64 || head_dim == 128) ? "vector" : "scalar";
 }
 
@@ -895,7 +895,10 @@ void set_panel_rows(int64_t rows) {
   panel_rows_forced() = rows;
 }
 
-int64_t get_panel_rows() { return panel_rows(); }
+int64_t get_panel_rows(const std::string& dtype) {
+  TORCH_CHECK(dtype == "bfloat16" || dtype == "float16" || dtype == "float32", "unknown dtype ", dtype);
+  return panel_rows(dtype == "float32" ? 4 : 2);
+}
 
 // Returns (o, lse); see the file comment. Slot i lives in slabs[sources[i]] (slabs of one
 // shape and dtype: an instance's own and the co-located peers' it maps). tokens[i] == 0
@@ -995,7 +998,7 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
   if (dtype == torch::kFloat32) fn = pick<float>(isa, E);
   else if (dtype == torch::kBFloat16) fn = pick<c10::BFloat16>(isa, E);
   else fn = pick<c10::Half>(isa, E);
-  if (uses_panel(R, E)) scratch = std::max(scratch, panel_floats(R, E));
+  if (uses_panel(R, E, dtype)) scratch = std::max(scratch, panel_floats(R, E));
 #if defined(__x86_64__)
   if (uses_tiles(isa, dtype, R, E)) {
     fn = E == 128 ? &run_task_amx<128> : &run_task_amx<64>;

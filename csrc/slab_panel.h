@@ -23,19 +23,25 @@
 // Float32 accumulation and the exp polynomial of the vector path: the answers agree with
 // the float64 reference as the other paths do.
 
-// The panel path from this many grouped rows. AVX2 (2-core AMD EPYC, 16K tokens, 2
-// threads, against the vector path alternately in one process): 4 rows 0.93-1.33x, 6
-// 1.49-1.81x, 12 2.2-2.6x, 32 3.6-4.2x; 1-3 rows 0.47-0.94x. AVX-512 keeps 16 (the vector
-// path does not spill there; not measured). set_panel_rows overrides it (tests and
-// benchmarks compare the paths); 0 goes back to these.
+// The panel path from this many grouped rows, for K/V elements of `elem_bytes`. AVX2
+// (2-core AMD EPYC, 16K tokens, 2 threads, against the vector path alternately in one
+// process): 4 rows 0.93-1.33x, 6 1.49-1.81x, 12 2.2-2.6x, 32 3.6-4.2x; 1-3 rows
+// 0.47-0.94x. AVX-512 (2-core Intel Xeon, 16K and 64K tokens, the same way; its vector
+// path does not spill; 32/8 heads x 128): bfloat16 16 rows 0.83-0.89x, 24 0.80-0.91x, 32
+// 1.12x, 40 0.97-1.10x, 48 1.17-1.30x, 64 1.33x; float32 16 rows 0.74-0.86x, 32
+// 0.85-1.03x, 48 0.91-1.06x, 64 1.05-1.13x (rows are padded to 32: a count just past a
+// multiple of 32 pays for lanes it does not use). SmolLM2's 9/3 x 64 agrees (float32 66
+// rows 1.17-1.20x, 33 0.94x). set_panel_rows overrides it (tests and benchmarks compare
+// the paths); 0 goes back to these.
 inline int64_t& panel_rows_forced() {
   static int64_t rows = 0;
   return rows;
 }
 
-inline int64_t panel_rows() {
+inline int64_t panel_rows(int64_t elem_bytes) {
   if (panel_rows_forced() > 0) return panel_rows_forced();
-  return forced_isa() == Isa::kAvx512 || forced_isa() == Isa::kAmx ? 16 : 6;
+  if (forced_isa() == Isa::kAvx512 || forced_isa() == Isa::kAmx) return elem_bytes >= 4 ? 64 : 32;
+  return 6;
 }
 
 constexpr int64_t kPB = 24;  // tokens per block

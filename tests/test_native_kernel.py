@@ -110,7 +110,7 @@ def test_the_tile_path_takes_many_bfloat16_rows(kernel, isas):
     path = kernel.attention_path
     assert path("bfloat16", 32, 128) == "tile" and path("bfloat16", 16, 64) == "tile"
     assert path("bfloat16", 15, 128) == "vector"  # fewer rows than a tile pays for
-    assert path("float32", 32, 128) == "panel" and path("float16", 32, 128) == "panel"
+    assert path("float32", 64, 128) == "panel" and path("float16", 32, 128) == "panel"
     assert path("bfloat16", 32, 96) == "scalar"
     kernel.set_isa("avx512")
     assert path("bfloat16", 32, 128) == "panel"
@@ -120,21 +120,25 @@ def test_the_tile_path_takes_many_bfloat16_rows(kernel, isas):
 
 def test_many_rows_take_the_panel_path(kernel, isas, paths):
     """Without tiles, calls of many grouped rows and head dim 64 or 128 take the panel
-    path: from 6 rows with AVX2 and the baseline (where it was measured faster), from 16
-    with AVX-512; a forced threshold moves it, 0 gives the instruction set's back, and a
-    negative one is refused."""
+    path where it was measured faster than the vector path: from 6 rows with AVX2 and the
+    baseline; with AVX-512 from 32 for 2-byte K/V and 64 for float32. A forced threshold
+    moves it for every dtype, 0 gives the instruction set's back, and a negative one is
+    refused."""
     path = kernel.attention_path
     for isa in isas:
         kernel.set_isa(isa)
-        fewest = 16 if isa in ("avx512", "amx") else 6
+        wide = isa in ("avx512", "amx")
         for dtype in ("float32", "float16") + (() if isa == "amx" else ("bfloat16",)):
+            fewest = (64 if dtype == "float32" else 32) if wide else 6
+            assert kernel.panel_rows(dtype) == fewest
             assert path(dtype, fewest, 64) == "panel" and path(dtype, 300, 128) == "panel"
             assert path(dtype, fewest - 1, 128) == "vector"
             assert path(dtype, 300, 96) == "scalar"  # the vector width only
         kernel.set_panel_rows(1)
         assert path("float32", 1, 128) == "panel" and kernel.panel_rows() == 1
+        assert kernel.panel_rows("bfloat16") == 1
         kernel.set_panel_rows(0)
-        assert kernel.panel_rows() == fewest
+        assert kernel.panel_rows() == (64 if wide else 6)
     with pytest.raises(RuntimeError, match="at least 1"):
         kernel.set_panel_rows(-1)
 
@@ -229,14 +233,14 @@ def test_an_instruction_set_above_the_cpus_is_refused(kernel):
 
 
 def test_bench_kernel_runs_as_a_cpu_without_tiles_would(kernel):
-    """``--isa avx512`` on a CPU with AMX: 16 grouped rows take the panel path, not the
+    """``--isa avx512`` on a CPU with AMX: 32 grouped rows take the panel path, not the
     tiles, and the CPU's own instruction set is back afterwards."""
     from tokenlake.tools.bench.kernel import bench_kernel
 
     best = kernel.isa()
     if best not in ("amx", "avx512"):
         pytest.skip("needs AVX-512")
-    out = bench_kernel(tokens=(1024,), rows=(4,), dtypes=("bfloat16",), repeats=1, buffer_gib=0.05,
+    out = bench_kernel(tokens=(1024,), rows=(8,), dtypes=("bfloat16",), repeats=1, buffer_gib=0.05,
                        linear_rows=(1,), linear_layers=1, isa="avx512")
     assert out["isa"] == "avx512" and [r["path"] for r in out["results"]] == ["panel"]
     assert kernel.isa() == best
@@ -248,31 +252,35 @@ def test_bench_kernel_reports_the_fields_the_readme_quotes(kernel, capsys):
     rows with the projection kernel's and BLAS's."""
     from tokenlake.tools.bench.kernel import bench_kernel
 
-    out = bench_kernel(tokens=(1024,), rows=(1, 4), dtypes=("float32", "bfloat16"), repeats=1,
+    out = bench_kernel(tokens=(1024,), rows=(1, 16), dtypes=("float32", "bfloat16"), repeats=1,
                        buffer_gib=0.05, linear_rows=(1, 3), linear_layers=1)
     assert out["memory_read_gbps"] > 0 and out["compute_gflops"] > 0 and out["isa"] == kernel.isa()
     assert [(r["dtype"], r["rows"], r["tokens"]) for r in out["results"]] == [
-        ("float32", 1, 1024), ("float32", 4, 1024), ("bfloat16", 1, 1024), ("bfloat16", 4, 1024)]
+        ("float32", 1, 1024), ("float32", 16, 1024), ("bfloat16", 1, 1024), ("bfloat16", 16, 1024)]
     for r in out["results"]:
         assert r["kernel_gbps"] > 0 and r["torch_gbps"] > 0 and r["torch_slab_gbps"] > 0
         assert r["kernel_vs_torch"] == pytest.approx(r["kernel_gbps"] / r["torch_gbps"])
         per_byte = 2 * 4 * r["rows"] / (4 if r["dtype"] == "float32" else 2)  # 32 / 8 heads
         assert r["flops_per_byte"] == per_byte
-        # rows=4 is 16 grouped rows: bfloat16 takes the tile path where the CPU has tiles,
+        # rows=16 is 64 grouped rows: bfloat16 takes the tile path where the CPU has tiles,
         # whose roof is the bandwidth (the compute peak measured is the vector units'),
         # the rest the panel path
         assert r["path"] == kernel.attention_path(r["dtype"], 4 * r["rows"], 128)
         tiles = kernel.isa() == "amx" and r["dtype"] == "bfloat16"
         assert r["path"] == ("vector" if r["rows"] == 1 else "tile" if tiles else "panel")
-        # a panel row also times the vector path on the same call
+        # a panel row also times the vector path on the same call, a vector row the panel path
         assert ("kernel_vs_vector" in r) == (r["path"] == "panel")
+        assert ("panel_vs_kernel" in r) == (r["path"] == "vector")
+        if r["path"] == "vector":
+            assert r["panel_gbps"] > 0 and r["panel_vs_kernel"] == pytest.approx(r["panel_gbps"] / r["kernel_gbps"])
         if r["path"] == "panel":
             assert r["vector_gbps"] > 0 and r["kernel_vs_vector"] == pytest.approx(r["kernel_gbps"] / r["vector_gbps"])
         vector_roof = min(out["memory_read_gbps"], out["compute_gflops"] / per_byte)
         assert r["roof_gbps"] == pytest.approx(out["memory_read_gbps"] if r["path"] == "tile" else vector_roof)
         assert r["bound"] == ("memory" if r["roof_gbps"] == out["memory_read_gbps"] else "compute")
-        # the stream loop does the attention's multiply-adds per 64-byte line (2 per FLOP-byte)
-        assert r["stream_fmas_per_line"] == 2 * per_byte and r["stream_gbps"] > 0
+        # the stream loop does the attention's multiply-adds per 64-byte line (2 per
+        # FLOP-byte), at most the 64 it takes
+        assert r["stream_fmas_per_line"] == min(64, 2 * per_byte) and r["stream_gbps"] > 0
         assert r["kernel_vs_stream"] == pytest.approx(r["kernel_gbps"] / r["stream_gbps"])
     assert [r["rows"] for r in out["linear"]] == [1, 3]
     for r in out["linear"]:

@@ -26,9 +26,12 @@ else: ``stream_gbps`` is the read rate a kernel doing that arithmetic reaches he
 
 ``path``: the kernel's path for the row (``native.attention_path``): "tile" (the AMX
 matrix unit; bfloat16 with 16 or more grouped rows on CPUs that have it), "panel" (many
-grouped rows otherwise: from 6 with AVX2, 16 with AVX-512) or "vector". A row on the panel
+grouped rows otherwise: from 6 with AVX2; with AVX-512 from 32 in bfloat16, 64 in float32) or "vector". A row on the panel
 path also times the same call on the vector path, alternately with the others
-(``vector_gbps``, and ``kernel_vs_vector``: how much faster the panel path is).
+(``vector_gbps``, and ``kernel_vs_vector``: how much faster the panel path is); a row on
+the vector path, the same call forced onto the panel path (``panel_gbps``, and
+``panel_vs_kernel``: how much faster the panel path would be), which is how the
+thresholds were chosen.
 
 ``linear``: the projections of one decode step of SmolLM2-135M (30 layers of q, k, v, o,
 gate, up and down; random float32 weights, 425 MB) on ``linear_rows`` rows, by the csrc kernel
@@ -158,14 +161,18 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
         "torch": lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True),
         "torch_slab": lambda: _torch_slab(slab_partial_attention, q, slab, ids, counts, scale),
     }
+    mod = native.load()
     if path == "panel":
-        mod = native.load()
-        calls["vector"] = lambda: _vector_path(native, mod, q, slab, ids, counts, scale)
+        calls["vector"] = lambda: _forced(native, mod, 1 << 30, q, slab, ids, counts, scale)
+    elif path == "vector":
+        calls["panel"] = lambda: _forced(native, mod, 1, q, slab, ids, counts, scale)
     times = interleaved_times(calls, repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     extra = {}
     if path == "panel":
         extra = {"vector_gbps": kv_bytes / med["vector"] / 1e9, "kernel_vs_vector": med["vector"] / med["kernel"]}
+    elif path == "vector":
+        extra = {"panel_gbps": kv_bytes / med["panel"] / 1e9, "panel_vs_kernel": med["kernel"] / med["panel"]}
     return {"rows": rows, "tokens": slots * CAPACITY, "path": path, **extra,
             "kernel_gbps": kv_bytes / med["kernel"] / 1e9,
             "torch_gbps": kv_bytes / med["torch"] / 1e9,
@@ -210,11 +217,11 @@ def _measure_linear(native, rows: int, repeats: int, layers: int = LINEAR_LAYERS
             "kernel_vs_blas": med["blas"] / med["kernel"]}
 
 
-def _vector_path(native, mod, q, slab, ids, counts, scale):
-    """The kernel's call with every row count on its vector path (the panel path's
-    threshold, in the built module ``mod``, moved out of reach, then back to the
-    instruction set's own)."""
-    mod.set_panel_rows(1 << 30)
+def _forced(native, mod, panel_rows, q, slab, ids, counts, scale):
+    """The kernel's call with the panel path's threshold (in the built module ``mod``)
+    at ``panel_rows`` (1: every row count on the panel path; out of reach: on the vector
+    path), then back to the instruction set's own."""
+    mod.set_panel_rows(panel_rows)
     try:
         return native.slab_attention(q, slab, 0, ids, counts, scale)
     finally:
@@ -269,6 +276,10 @@ def run_kernel(args: argparse.Namespace) -> int:
             print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: panel path "
                   f"{row['kernel_gbps']:5.1f} GB/s, vector path {row['vector_gbps']:5.1f} GB/s: "
                   f"{row['kernel_vs_vector']:.2f}x")
+        if "panel_vs_kernel" in row:
+            print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: vector path "
+                  f"{row['kernel_gbps']:5.1f} GB/s, panel path {row['panel_gbps']:5.1f} GB/s: "
+                  f"{row['panel_vs_kernel']:.2f}x")
         print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: kernel ({row['path']}) "
               f"{row['kernel_gbps']:5.1f} GB/s ({row['kernel_vs_bandwidth']:.0%} of bandwidth, "
               f"{row['kernel_vs_roof']:.0%} of the {row['bound']} roof {row['roof_gbps']:.1f}, "

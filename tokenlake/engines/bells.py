@@ -7,7 +7,8 @@ opens a session's bell with its buffers (the owner's at start, a client session'
 serves each entry as the message it stands for (:meth:`handle_bell`: a ``QUERY`` for a
 query engine, a ``PUT`` for a transfer engine), in the session's order: before a
 request of a session is served from the socket, what the session posted on its bell
-first is taken.
+first is taken. Other fds the loop polls (work done on a thread beside it: a disk tier's
+reads) are served through :meth:`EngineBells.add_waker`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,24 @@ class EngineBells:
     def _init_bells(self) -> None:
         self.bells: dict[bytes, EngineBell] = {}  # session token -> its bell here
         self._bell_fds: dict[int, bytes] = {}  # FIFO fd -> session token
+        self._wakers: dict[int, Callable[[], None]] = {}  # other fds the loop polls -> what serves them
         self.bell_handoffs = 0  # entries served (read by tests and PING)
+
+    def add_waker(self, fd: int, serve: Callable[[], None]) -> None:
+        """Has the loop call ``serve()`` whenever ``fd`` is readable (work done beside it)."""
+        self._wakers[fd] = serve
+        self._peers_changed = True
+
+    def polled_fds(self) -> list[int]:
+        """The raw fds the loop polls: the bells' FIFOs and the wakers'."""
+        return [*self._bell_fds, *self._wakers]
+
+    def serve_fd(self, fd: int) -> None:
+        """Serves a readable fd of :meth:`polled_fds`."""
+        if fd in self._wakers:
+            self._wakers[fd]()
+        else:
+            self.serve_bell(self._bell_fds[fd])
 
     def open_bell(self, token: bytes, tensor: torch.Tensor | None, spec: BufferSpec | None) -> None:
         """Opens session ``token``'s bell (its ``bell`` buffer, if the layout has one)."""

@@ -222,7 +222,7 @@ class EngineLoop(OwnerWatch, EngineSessions, EngineBells):
         for inst, sock in self.peers.items():
             poller.register(sock, zmq.POLLIN)
             by_socket[sock] = inst
-        for fd in self._bell_fds:  # the sessions' doorbells (raw FIFO fds)
+        for fd in self.polled_fds():  # the sessions' doorbells (raw FIFO fds), the wakers
             poller.register(fd, zmq.POLLIN)
         self._peers_changed = False
         return poller, by_socket
@@ -241,7 +241,7 @@ class EngineLoop(OwnerWatch, EngineSessions, EngineBells):
                     self._on_request(sock.recv_multipart(copy=False))
                     self._handled += 1
                 elif isinstance(sock, int):
-                    self.serve_bell(self._bell_fds[sock])
+                    self.serve_fd(sock)
                 else:
                     self._on_reply(by_socket[sock], sock.recv_multipart(copy=False))
                 self._busy_s += time.perf_counter() - t0

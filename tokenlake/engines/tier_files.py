@@ -30,6 +30,7 @@ use; on opening, the files' modification times give the order.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -305,14 +306,11 @@ class TierFiles:
         """Reads an open file's bytes from ``offset`` into ``view`` (ValueError if
         there are fewer or more), a chunk at a time: each is hashed on the tier's
         threads while the next is read; ValueError if any does not match its digest."""
-        chunk, digests = header["chunk"], header["digests"]
-        if hasattr(os, "posix_fadvise"):  # the whole file in flight while the chunks are hashed
-            os.posix_fadvise(f.fileno(), offset, view.nbytes, os.POSIX_FADV_WILLNEED)
-        hashed = []
+        chunk, digests, hashed = header["chunk"], header["digests"], []
+        _read_ahead(f, offset, view.nbytes)
         try:
             for start in range(0, view.nbytes, chunk):
-                end = min(start + chunk, view.nbytes)
-                done = start
+                end, done = min(start + chunk, view.nbytes), start
                 while done < end:
                     n = f.readinto(view[done:end])
                     if not n:
@@ -365,8 +363,7 @@ def _read_checked(f, offset: int, view: memoryview, digest: str) -> None:
     """Reads an open file's bytes from ``offset`` into ``view`` (all of them: ValueError
     if there are fewer or more), hashing each chunk once it is in; ValueError if they do
     not match ``digest``."""
-    if hasattr(os, "posix_fadvise"):  # the whole file in flight while the chunks are hashed
-        os.posix_fadvise(f.fileno(), offset, view.nbytes, os.POSIX_FADV_WILLNEED)
+    _read_ahead(f, offset, view.nbytes)
     h = hashlib.blake2b(digest_size=16)
     done = 0
     while done < view.nbytes:
@@ -379,6 +376,15 @@ def _read_checked(f, offset: int, view: memoryview, digest: str) -> None:
         raise ValueError("longer than its header says")
     if h.hexdigest() != digest:
         raise ValueError("its bytes do not match their digest")
+
+
+def _read_ahead(f, offset: int, nbytes: int) -> None:
+    """Asks the disk for ``nbytes`` of an open file from ``offset`` at once (the whole
+    file in flight while its chunks are hashed); advice only: nothing where it is not
+    taken (a pipe, a file system without it)."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(f.fileno(), offset, nbytes, os.POSIX_FADV_WILLNEED)
 
 
 def _read_header(f) -> tuple[dict, int]:

@@ -51,10 +51,7 @@ from tokenlake.dataplane.messages import (
     SegmentData,
     SlotCopy,
     SlotWrite,
-    TierDone,
-    TierEntry,
     TierList,
-    TierListing,
     TierOps,
     TierRead,
     WireMessage,
@@ -63,7 +60,7 @@ from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
-from tokenlake.engines.tier_store import HostTier, TierStore, slot_bytes
+from tokenlake.engines.tier_serving import TierServing
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +84,7 @@ class TransferPlanState:
     expiry: float = float("inf")  # wall-clock seconds after which it may not put (its grant's)
 
 
-class TransferEngine(EngineLoop):
+class TransferEngine(TierServing, EngineLoop):
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
         bufs = self.map_buffers()
@@ -96,17 +93,7 @@ class TransferEngine(EngineLoop):
         self.kv = bufs["kv"]  # [layers, max_rows, 2, kv_heads, head_dim]
         self.shared = self.map_shared_slabs(self.slab)  # co-located peers' slabs: copies go straight in
         self.plans: dict[tuple[bytes, int], TransferPlanState] = {}  # (session, its plan id) -> plan
-        self.tier: TierStore | HostTier | None = None
-        self.tier_epoch = 0  # the highest epoch of a tier message seen (TierOps: the fence)
-        self.tier_answers = 0  # TIER_DONEs sent (their counters' order)
-        if spec.tier_path is not None:
-            layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
-            self.tier = TierStore(spec.tier_path, spec.tier_bytes, layout, fsync=spec.tier_fsync,
-                                  write_bw=spec.tier_write_bw,  # a digest per layer
-                                  chunk_bytes=slot_bytes(self.slab, 0).numel() // self.num_layers)
-        elif spec.tier_bytes:
-            self.tier = HostTier(spec.tier_bytes, slot_bytes(self.slab, 0).numel(),
-                                 pin=self.slab.device.type == "cuda")
+        self._init_tier()  # tier_serving.py
 
     def handle(self, identity, msg_id: int, message: WireMessage, caller: Caller) -> None:
         match message:
@@ -130,7 +117,7 @@ class TransferEngine(EngineLoop):
                 self._store_segment(message)
                 self.reply(identity, CopyDone(message.slot).encode(msg_id))
             case TierOps() | TierRead() | TierList():
-                self.reply(identity, self._tier(message).encode(msg_id))
+                self.tier_request(identity, msg_id, message)
             case _:
                 raise WireError(f"transfer engine cannot handle {message.KIND.name}")
 
@@ -330,46 +317,8 @@ class TransferEngine(EngineLoop):
         blocks = tuple(self.slab[s, layer] for s in message.slots)
         self.reply(identity, SegmentData(layer, message.slots, blocks).encode(msg_id))
 
-    def _tier(self, message: TierOps | TierRead | TierList) -> TierDone | TierListing:
-        tier = self.tier
-        if tier is None:
-            raise PlanError(f"instance {self.spec.instance} has no tier")
-        if isinstance(message, TierList):
-            return TierListing(tuple(TierEntry(k, *meta) for k, meta in tier.listing()
-                                     if isinstance(meta, list) and len(meta) == 3))
-        reading = isinstance(message, TierRead)
-        slots = [it[1] for it in message.items] if reading else [s for s, _e in message.writes]
-        if any(not 0 <= slot < self.num_slots for slot in slots):
-            raise PlanError(f"slot out of range [0, {self.num_slots})")
-        if message.epoch < self.tier_epoch:  # the driver gave up on it: its slots may be others' now
-            log.warning("instance %d: a tier message of epoch %d refused (fenced at %d)",
-                        self.spec.instance, message.epoch, self.tier_epoch)
-            return TierDone((), tuple(it[0] for it in message.items) if reading
-                            else tuple(e.key for _s, e in message.writes), self._tier_counters())
-        self.tier_epoch = message.epoch
-        done, failed = [], []
-        if reading:
-            for key, slot, target in message.items:
-                slab = self.slab if target in (-1, self.spec.instance) else self.shared.get(target)
-                ok = slab is not None and tier.read_into(key, slot_bytes(slab, slot))
-                (done if ok else failed).append(key)
-        else:
-            for key in message.drops:
-                tier.drop(key)
-            for slot, e in message.writes:
-                staged = tier.stage(e.key, slot_bytes(self.slab, slot), [e.parent, e.index, e.tokens])
-                (done if staged else failed).append(e.key)
-        return TierDone(tuple(done), tuple(failed), self._tier_counters())
-
-    def _tier_counters(self) -> dict[str, float]:
-        """The tier's counters for a ``TIER_DONE``, numbered (``answers``): answers that
-        reach the driver by several sockets, the newest is told apart."""
-        self.tier_answers += 1
-        return {**self.tier.counters(), "answers": float(self.tier_answers)}
-
     def close(self) -> None:
-        if self.tier is not None:
-            self.tier.close()  # what was staged is written first
+        self.close_tier()
         super().close()
 
     def _store_segment(self, message: PeerSegment) -> None:

@@ -121,7 +121,8 @@ def test_the_tile_path_takes_many_bfloat16_rows(kernel, isas):
 def test_many_rows_take_the_panel_path(kernel, isas, paths):
     """Without tiles, calls of many grouped rows and head dim 64 or 128 take the panel
     path where it was measured faster than the vector path: from 6 rows with AVX2 and the
-    baseline; with AVX-512 from 32 for 2-byte K/V and 64 for float32. A forced threshold
+    baseline; with AVX-512 from 32 for 2-byte K/V (bfloat16 measured, float16 alike) and
+    64 for float32. A forced threshold
     moves it for every dtype, 0 gives the instruction set's back, and a negative one is
     refused."""
     path = kernel.attention_path

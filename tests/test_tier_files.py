@@ -184,6 +184,31 @@ def test_every_chunk_is_checked_and_a_file_of_one_digest_is_still_read(tmp_path)
     assert list(again.keys()) == [key(2)]
 
 
+def test_chunks_are_read_as_their_file_says_and_hostile_headers_are_refused(tmp_path, monkeypatch):
+    """A file is checked in the chunks its header names, whatever the reader writes (a
+    tier opened with another chunk size reads it whole, keeps it); a writer past
+    ``MAX_CHUNKS`` makes its chunks larger; headers with digests but no chunk, a chunk
+    that is not an integer, or more digests than allowed are refused on opening, and the
+    other files are adopted."""
+    import tokenlake.engines.tier_files as tier_files
+
+    t = tier(tmp_path, chunk_bytes=1000)
+    for i in range(5):
+        t.put(key(i), payload(i))
+    monkeypatch.setattr(tier_files, "MAX_CHUNKS", 3)
+    t.put(key(5), payload(5))  # 4,096 bytes in at most 3 chunks: 1,366 bytes each
+    path = {i: tmp_path / (key(i).hex() + SUFFIX) for i in range(6)}
+    monkeypatch.setattr(tier_files, "MAX_CHUNKS", 100)
+    _rewrite(path[1], lambda h: h.pop("chunk"))
+    _rewrite(path[2], lambda h: h.update(chunk=True))
+    _rewrite(path[3], lambda h: h.update(chunk=1, digests=["00" * 16] * 4096))  # 4,096 > 100
+    _rewrite(path[4], lambda h: h.update(digest="00" * 16, chunk="1000"))
+    again = tier(tmp_path, chunk_bytes=2048)
+    assert sorted(again.keys()) == sorted([key(0), key(5)]), again.refused
+    assert again.get(key(0)) == payload(0) and again.get(key(5)) == payload(5)
+    assert len([why for why in again.refused if "digests" in why or "wrong type" in why]) == 4
+
+
 def test_garbage_and_foreign_layouts_are_not_adopted(tmp_path):
     tier(tmp_path).put(key(0), payload(0))
     (tmp_path / (key(5).hex() + SUFFIX)).write_bytes(b"not a tier file at all")

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 FENCE_RETRY_S = 5.0
 
 #: Bytes of segments one ``TIER_READ`` reads at most (one segment if larger): about a
-#: tenth of a second from a disk, well within the driver's timeout, and the longest the
-#: transfer engine keeps the instance's puts waiting for a read.
+#: tenth of a second from a disk, well within the driver's timeout, and the longest a
+#: fence, or a drop of a copy being read, waits for a read (the engine's puts do not:
+#: it reads beside its loop, ``tokenlake/engines/tier_serving.py``).
 READ_BYTES = 32 << 20
 
 

@@ -61,6 +61,9 @@ CHUNK_BYTES = 4 << 20
 READ_CHUNK = 4 << 20
 #: Threads that hash chunks at once (while the next chunk is read).
 HASH_THREADS = 2
+#: Digests a file has at most (a writer makes its chunks larger beyond; a header with
+#: more is refused).
+MAX_CHUNKS = 4096
 
 
 def _digest(data) -> str:
@@ -203,9 +206,9 @@ class TierFiles:
         anything is evicted or replaced."""
         self._check_open()
         view = memoryview(data).cast("B")
-        digests = [f.result() for f in self._hash(view, range(0, view.nbytes, self.chunk_bytes))]
-        head = {"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes,
-                "chunk": self.chunk_bytes, "digests": digests}
+        chunk = max(self.chunk_bytes, -(-view.nbytes // MAX_CHUNKS))
+        digests = [f.result() for f in self._hash(view, range(0, view.nbytes, chunk), chunk)]
+        head = {"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes, "chunk": chunk, "digests": digests}
         if meta is not None:
             head["meta"] = meta
         header = msgpack.packb(head)
@@ -297,10 +300,10 @@ class TierFiles:
             self._sizes.move_to_end(key)
             return buf
 
-    def _hash(self, view: memoryview, starts) -> list[concurrent.futures.Future]:
-        """The digests of ``view``'s chunks that begin at ``starts``, hashed on the
-        tier's threads: one future each, in order."""
-        return [self._hashers.submit(_digest, view[a:a + self.chunk_bytes]) for a in starts]
+    def _hash(self, view: memoryview, starts, chunk: int) -> list[concurrent.futures.Future]:
+        """The digests of ``view``'s chunks of ``chunk`` bytes that begin at ``starts``,
+        hashed on the tier's threads: one future each, in order."""
+        return [self._hashers.submit(_digest, view[a:a + chunk]) for a in starts]
 
     def _read_chunks(self, f, offset: int, view: memoryview, header: dict) -> None:
         """Reads an open file's bytes from ``offset`` into ``view`` (ValueError if
@@ -316,7 +319,7 @@ class TierFiles:
                     if not n:
                         raise ValueError("truncated")
                     done += n
-                hashed += self._hash(view, [start])
+                hashed += self._hash(view, [start], chunk)
             if f.read(1):
                 raise ValueError("longer than its header says")
         finally:
@@ -403,18 +406,13 @@ def _read_header(f) -> tuple[dict, int]:
         header = msgpack.unpackb(packed)
     except Exception as exc:  # noqa: BLE001 - any malformed header is a refusal
         raise ValueError(f"unreadable header ({type(exc).__name__})") from None
-    if not isinstance(header, dict) or any(k not in header for k in _FIELDS) or not (
-            "digest" in header or ("chunk" in header and "digests" in header)):
+    if not isinstance(header, dict) or any(k not in header for k in _FIELDS):
         raise ValueError("header without its fields")
-    if not (isinstance(header["key"], str) and isinstance(header["nbytes"], int) and header["nbytes"] >= 0):
-        raise ValueError("header with fields of the wrong type")
-    if "digests" in header:
-        if not (isinstance(header["chunk"], int) and header["chunk"] > 0 and isinstance(header["digests"], list)
-                and all(isinstance(d, str) for d in header["digests"])):
-            raise ValueError("header with fields of the wrong type")
-        if len(header["digests"]) != -(-header["nbytes"] // header["chunk"]):
-            raise ValueError(f"{len(header['digests'])} digests for {header['nbytes']} bytes"
-                             f" in chunks of {header['chunk']}")
-    elif not isinstance(header["digest"], str):
-        raise ValueError("header with fields of the wrong type")
+    h, chunked = header, "digests" in header
+    if not (isinstance(h["key"], str) and type(h["nbytes"]) is int and h["nbytes"] >= 0 and (
+            isinstance(h.get("digest"), str) if not chunked else type(h.get("chunk")) is int
+            and h["chunk"] > 0 and isinstance(h["digests"], list) and all(isinstance(d, str) for d in h["digests"]))):
+        raise ValueError("header with fields missing or of the wrong type")
+    if chunked and not len(h["digests"]) == -(-h["nbytes"] // h["chunk"]) <= MAX_CHUNKS:
+        raise ValueError(f"{len(h['digests'])} digests for {h['nbytes']} bytes in chunks of {h['chunk']}")
     return header, len(MAGIC) + _LEN.size + n

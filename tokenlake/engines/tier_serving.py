@@ -11,12 +11,12 @@ host memory is a copy and is served at once.
 
 Tier requests are served in the order they came, with one exception: while a read is
 in flight, the ``TIER_OPS`` and ``TIER_LIST`` behind it are served at once as long as
-none is a fence (a ``TIER_OPS`` of a higher epoch than the read's) or another read.
-They touch no slot the read writes (the control plane stages and drops other
-segments; a drop of the key being read waits for the read in the file store), and a
-control plane call that queued tier work (a put's write-through, a promotion's drops)
-so no longer waits for another request's read. A fence, and everything after it, waits
-until the read is over: once a fence is answered, no older read writes a slot.
+none is a fence (a ``TIER_OPS`` of a higher epoch than the read's), drops a copy the
+read has still to read, or is another read. They touch no slot the read writes (the
+control plane stages other segments), and a control plane call that queued tier work
+(a put's write-through, an eviction's drops) so no longer waits for another request's
+read. The others, and everything after them, wait until the read is over: once a fence
+is answered no older read writes a slot, and a copy being read is not dropped under it.
 """
 
 from __future__ import annotations
@@ -78,10 +78,12 @@ class OffLoop:
             then(future)
 
     def close(self) -> None:
-        """Waits for the job in flight, then closes the wake-up pipe."""
+        """Waits for the job in flight, then closes the wake-up pipe (once)."""
         self._threads.shutdown(wait=True)
-        os.close(self._wake)
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self._wake)
+            os.close(self.fd)
+            self.fd = self._wake = -1
 
 
 class TierServing:
@@ -95,7 +97,7 @@ class TierServing:
         self.tier_answers = 0  # TIER_DONEs sent (their counters' order)
         self._tier_queue: collections.deque = collections.deque()  # (identity, msg id, request)
         self._tier_busy = False  # a read in flight on the reader's thread
-        self._read_epoch = 0  # ... sent at this epoch
+        self._read_epoch, self._read_keys = 0, frozenset()  # ... sent at this epoch, of these copies
         self._reader: OffLoop | None = None
         if spec.tier_path is not None:
             layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
@@ -116,9 +118,9 @@ class TierServing:
     def _tier_next(self) -> None:
         while self._tier_queue:
             identity, msg_id, message = self._tier_queue[0]
-            if self._tier_busy and (isinstance(message, TierRead) or (
-                    isinstance(message, TierOps) and message.epoch > self._read_epoch)):
-                return  # another read, or a fence: after the read in flight (and what follows it too)
+            if self._tier_busy and (isinstance(message, TierRead) or isinstance(message, TierOps) and (
+                    message.epoch > self._read_epoch or not self._read_keys.isdisjoint(message.drops))):
+                return  # another read, a fence, a drop of what is read: after it (and what follows too)
             self._tier_queue.popleft()
             try:
                 refused = self._tier_check(message)
@@ -180,8 +182,9 @@ class TierServing:
                 self._tier_refuse(identity, msg_id, exc)
             self._tier_next()
 
+        self._reader.submit(lambda: self._read_items(message), then)  # (may raise: then not busy)
         self._tier_busy, self._read_epoch = True, message.epoch
-        self._reader.submit(lambda: self._read_items(message), then)
+        self._read_keys = frozenset(item[0] for item in message.items)
 
     def _tier_done(self, outcome: list[tuple[bytes, bool]]) -> TierDone:
         return TierDone(tuple(k for k, ok in outcome if ok), tuple(k for k, ok in outcome if not ok),

@@ -31,6 +31,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from tokenlake.tools.interrupt import sigterm_raises
+
 WORKLOAD_NAMES = ("loogle", "sharegpt", "mooncake")
 RESERVED_IDS = 17  # SmolLM2's control tokens: never sent as prompt tokens
 _MIX = 2654435761  # Knuth's multiplicative hash constant
@@ -264,12 +266,9 @@ def launch_servers(stack: ExitStack, instances: int, extra: list[str],
 
 
 def sigterm_as_interrupt(stack: ExitStack) -> None:
-    """While ``stack`` is open, SIGTERM unwinds like Ctrl-C, so launched servers stop."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    stack.callback(signal.signal, signal.SIGTERM, previous)
+    """While ``stack`` is open, SIGTERM unwinds like Ctrl-C, so launched servers stop
+    (:mod:`tokenlake.tools.interrupt`; the command line does it for every command, this
+    for a benchmark called from Python)."""
+    restore = sigterm_raises()
+    if restore is not None:
+        stack.callback(restore)

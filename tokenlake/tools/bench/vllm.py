@@ -252,6 +252,6 @@ def end_group(pgid: int, grace_s: float = 10.0) -> None:
             os.killpg(pgid, 0)  # ProcessLookupError once none of the group is left
             time.sleep(0.1)
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # none left (or not ours any more)
         pass
 

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 import tokenlake
@@ -44,6 +42,7 @@ from tokenlake.tools.cli import model as cli_model
 from tokenlake.tools.cli import pool as cli_pool
 from tokenlake.tools.cli import status as cli_status
 from tokenlake.tools.cli.args import PROG, Parser, UsageError, report
+from tokenlake.tools.interrupt import Terminated, sigterm_raises
 
 
 def build_parser() -> Parser:
@@ -62,15 +61,6 @@ def build_parser() -> Parser:
     return parser
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that a command unwinds as from Ctrl-C."""
-
-
-def _terminate(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
-    raise Terminated
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``tokenlake ARGV``; returns the exit code (parse errors raise ``SystemExit(2)``)."""
     # Idle OpenMP workers of torch spin by default and take the CPU from the engine
@@ -85,9 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = f"{PROG} {shlex.join(argv)}"  # recorded in the files a command writes
-    previous = None
-    if threading.current_thread() is threading.main_thread():  # (a command may set its own)
-        previous = signal.signal(signal.SIGTERM, _terminate)
+    restore = sigterm_raises()  # (a command may set its own)
     try:
         return args.run(args)
     except (UsageError, ConfigError) as exc:  # ConfigError: a value from the command line
@@ -97,6 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if restore is not None:
+            restore()
 

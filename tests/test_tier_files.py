@@ -320,3 +320,23 @@ def test_a_host_memory_tier_keeps_copies_until_dropped_and_refuses_beyond_its_ro
     assert tier.read_into(b"\x00", out) and torch.equal(out, slots[0]), "no row was shared"
     assert dict(tier.listing())[b"\x00"] == [0]
     tier.close()
+
+
+def test_a_copy_for_a_gpu_slot_wraps_the_files_bytes_without_copying_them(monkeypatch):
+    """``_copy_in`` towards a slot off the CPU (here a ``meta`` tensor standing in for a
+    GPU's): the bytearray a file was read into is handed to torch as it is; staged bytes
+    (immutable) are copied once; a length that differs is refused."""
+    import torch
+
+    import tokenlake.engines.tier_store as tier_store
+
+    seen = []
+    real = torch.frombuffer
+    monkeypatch.setattr(tier_store.torch, "frombuffer", lambda buf, **kw: seen.append(buf) or real(buf, **kw))
+    out = torch.empty(4096, dtype=torch.uint8, device="meta")
+    data = bytearray(payload(0))
+    tier_store._copy_in(data, out)
+    tier_store._copy_in(payload(1), out)
+    assert seen[0] is data and isinstance(seen[1], bytearray) and bytes(seen[1]) == payload(1)
+    with pytest.raises(ValueError, match="4095 bytes for a slot of 4096"):
+        tier_store._copy_in(bytearray(4095), out)

@@ -214,8 +214,8 @@ def _copy_in(data: bytes, out: torch.Tensor) -> None:
         raise ValueError(f"{len(data)} bytes for a slot of {out.numel()}")
     if out.device.type == "cpu":
         out.numpy()[:] = numpy.frombuffer(data, dtype=numpy.uint8)
-    else:
-        out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    else:  # a file's bytes come as a bytearray already: wrapped, not copied again
+        out.copy_(torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8))
 
 
 class HostTier:

@@ -377,3 +377,32 @@ def test_an_iteration_that_fails_mid_prefill_counts_its_chunk_once(model):
         assert result.prefill_tokens == len(prompt)
         _same(result, ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,)))
         cluster.control.check()
+
+
+def test_one_compute_slot_admits_a_request_that_arrives_while_another_decodes(model):
+    """A loop on one instance (one compute slot, the default policy, no TBT SLO): a
+    request that arrives while another decodes gets its first token within a few
+    iterations, the other still decoding (the phases take turns; the DP alone runs no
+    prefill while anything decodes, so it waited for the other to end). Both answers
+    equal the reference."""
+    weights, tok, _ = model
+    ref = reference(weights)
+    prompts = _prompts(tok)
+    long_new = 40
+    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
+                      max_rows=512) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=32)
+        first = server.submit(GenerationRequest("long", prompts[0], long_new, ()))
+        while len(first.output_ids) < 3:
+            server.step()
+        second = server.submit(GenerationRequest("new", prompts[1], NEW, (tok.eos_id,)))
+        chunks, steps = -(-len(prompts[1]) // 32), 0
+        while not second.output_ids:
+            server.step()
+            steps += 1
+        assert not first.done and len(first.output_ids) < long_new
+        assert steps <= 2 * chunks, (steps, chunks)  # a chunk every other iteration
+        while server.busy:
+            server.step()
+    _same(first, ref.generate(list(prompts[0]), long_new, stop_ids=()))
+    _same(second, ref.generate(list(prompts[1]), NEW, stop_ids=(tok.eos_id,)))

@@ -123,6 +123,8 @@ class GenerationLoop(Recovery):
         # One engine computing every batch in turn gains nothing from spreading a prefill
         # over k instances (more messages, the same work); engines that compute at once
         # (one per instance) run a DoP k prefill's k sub-batches in parallel.
+        self._alternate = policy is None and compute_slots == 1 and tbt_slo_s is None  # (snapshot)
+        self._decoded = False  # the last iteration ran a decode batch
         if policy is None:
             policy = GoodputScheduler(chunk_tokens=chunk_tokens, max_prefill_dop=None if self.parallel else 1)
         self.policy = policy
@@ -177,8 +179,7 @@ class GenerationLoop(Recovery):
         requests run, no new request is admitted until one of those finishes: the
         iteration is skipped, not failed: it is tried again with half as many new
         admissions (cache-first: :mod:`scheduler.admission`), and with none (admission waits
-        for room) once a single one does not fit beside the running requests; a request
-        that finishes lifts the limit."""
+        for room) once a single one does not fit beside the running requests (lifted when one finishes)."""
         self._admitted_now = []
         batches, dops, prefilling, homes = self._ask_policy()
         if not batches:
@@ -212,6 +213,7 @@ class GenerationLoop(Recovery):
             self._take_back(prefilling)
             raise
         cp.complete(plans)
+        self._decoded = any(b.phase == DECODE for b in batches)
         if self.parallel:  # where each decode batch ran (one engine: nothing to keep)
             last, self._decode_at = self._decode_at, {
                 r.request_id: group[0] for b, group in zip(batches, plans.groups)
@@ -261,8 +263,10 @@ class GenerationLoop(Recovery):
 
         Every waiting request's prompt is matched here, once, under its cache salt (one
         whose segments are being read back from a tier is left out); the tracker keeps
-        the hit for its view, its cache load and its admission.
-        """
+        the hit for its view, its cache load and its admission. With one compute slot,
+        the default policy and no TBT SLO the phases take turns: after an iteration that
+        decoded, the decodes sit out one while a request waits or prefills (the DP alone
+        runs no prefill while anything decodes: a new request would wait for them all)."""
         tracker, tree = self.tracker, self.control.get_prefix_tree()
         reading = self._tier_reads.for_snapshot(tracker)
         for live in tracker.waiting():
@@ -271,6 +275,8 @@ class GenerationLoop(Recovery):
                 tracker.set_hit(live, 0 if live.lost_hit else m.hit_tokens)
         waiting, running = tracker.views()
         waiting = tuple(v for v in waiting if v.request_id not in reading)
+        if self._alternate and self._decoded and any(v.phase == "prefill" for v in (*waiting, *running)):
+            running = tuple(v for v in running if v.phase != "decode")  # prefill's turn: decodes sit out
         if self._decode_at:  # where each decode batch ran last (scheduler/keep.py)
             at = self._decode_at
             running = tuple(replace(v, decode_instance=at[v.request_id])
@@ -288,8 +294,7 @@ class GenerationLoop(Recovery):
     def _ask_policy(self) -> tuple[list[Batch], list[int], dict[str, int], list[int | None] | None]:
         """The policy's batches for this iteration, trimmed to the buffers, the prompt
         tokens each prefilling request computes in them, and the instance each batch is
-        pinned to (when the engine computes batches in parallel, a decode batch the
-        policy keeps where it ran; else None)."""
+        pinned to (engines computing in parallel: a decode batch kept where it ran; else None)."""
         snap = self.snapshot()
         if not snap.requests:
             self.phase_instances = dict.fromkeys(PHASES, 0)
@@ -396,8 +401,7 @@ class GenerationLoop(Recovery):
 
     def counts(self) -> tuple[int, int]:
         """``(waiting, running)`` requests: not admitted yet, and admitted."""
-        waiting = sum(1 for _ in self.tracker.waiting())
-        return waiting, len(self.tracker) - waiting
+        return (waiting := sum(1 for _ in self.tracker.waiting())), len(self.tracker) - waiting
 
     def cancel(self, request_id: str) -> bool:
         """Stops a live request between iterations (its client went away): its prefix
@@ -412,6 +416,4 @@ class GenerationLoop(Recovery):
     def pop_result(self, request_id: str) -> RequestResult | None:
         """Forgets a done request's result (a long-running service keeps none)."""
         res = self.results.get(request_id)
-        if res is None or not res.done:
-            return None
-        return self.results.pop(request_id)
+        return self.results.pop(request_id) if res is not None and res.done else None

@@ -402,6 +402,7 @@ def test_one_compute_slot_admits_a_request_that_arrives_while_another_decodes(mo
             steps += 1
         assert not first.done and len(first.output_ids) < long_new
         assert steps <= 2 * chunks, (steps, chunks)  # a chunk every other iteration
+        assert chunks > 1 and len(first.output_ids) >= 3 + chunks - 1  # ... and a decode step between
         while server.busy:
             server.step()
     _same(first, ref.generate(list(prompts[0]), long_new, stop_ids=()))

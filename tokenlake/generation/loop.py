@@ -275,8 +275,6 @@ class GenerationLoop(Recovery):
                 tracker.set_hit(live, 0 if live.lost_hit else m.hit_tokens)
         waiting, running = tracker.views()
         waiting = tuple(v for v in waiting if v.request_id not in reading)
-        if self._alternate and self._decoded and any(v.phase == "prefill" for v in (*waiting, *running)):
-            running = tuple(v for v in running if v.phase != "decode")  # prefill's turn: decodes sit out
         if self._decode_at:  # where each decode batch ran last (scheduler/keep.py)
             at = self._decode_at
             running = tuple(replace(v, decode_instance=at[v.request_id])
@@ -286,6 +284,9 @@ class GenerationLoop(Recovery):
             late = self.clock() - self.admission_patience_s
             waiting = tuple(admission_order(waiting, lambda v: v.context_tokens,
                                             lambda v: v.arrival_s < late))[: self.admit_limit]
+        if self._alternate and self._decoded and any(v.phase == "prefill" for v in (*waiting, *running)):
+            # prefill's turn: the decodes sit out this attempt (once: if nothing runs, theirs is next)
+            running, self._decoded = tuple(v for v in running if v.phase != "decode"), False
         load = tracker.cache_load(tracker.values(), self.cluster.n_instances,
                                   self.control.model, self.hardware, self.latency)
         instances = tuple(InstanceView(i) for i in range(self.compute_slots))

@@ -388,6 +388,9 @@ def test_one_compute_slot_admits_a_request_that_arrives_while_another_decodes(mo
     weights, tok, _ = model
     ref = reference(weights)
     prompts = _prompts(tok)
+    other = tuple(tok.apply_chat_template([{"role": "user", "content": (
+        "Kestrel Bay is a wide harbour of grey stone where boats from the north islands land "
+        "their catch each morning before the markets open. What do the boats bring?")}]))
     long_new = 40
     with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
                       max_rows=512) as cluster:
@@ -395,15 +398,16 @@ def test_one_compute_slot_admits_a_request_that_arrives_while_another_decodes(mo
         first = server.submit(GenerationRequest("long", prompts[0], long_new, ()))
         while len(first.output_ids) < 3:
             server.step()
-        second = server.submit(GenerationRequest("new", prompts[1], NEW, (tok.eos_id,)))
-        chunks, steps = -(-len(prompts[1]) // 32), 0
+        second = server.submit(GenerationRequest("new", other, NEW, (tok.eos_id,)))
+        steps = 0
         while not second.output_ids:
             server.step()
             steps += 1
+        chunks = -(-second.prefill_tokens // 32)
         assert not first.done and len(first.output_ids) < long_new
-        assert steps <= 2 * chunks, (steps, chunks)  # a chunk every other iteration
-        assert chunks > 1 and len(first.output_ids) >= 3 + chunks - 1  # ... and a decode step between
+        assert chunks >= 2 and steps <= 2 * chunks - 1, (steps, chunks)  # a chunk every other iteration
+        assert len(first.output_ids) == 3 + chunks - 1  # ... and one decode step between two
         while server.busy:
             server.step()
     _same(first, ref.generate(list(prompts[0]), long_new, stop_ids=()))
-    _same(second, ref.generate(list(prompts[1]), NEW, stop_ids=(tok.eos_id,)))
+    _same(second, ref.generate(list(other), NEW, stop_ids=(tok.eos_id,)))

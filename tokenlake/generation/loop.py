@@ -120,11 +120,11 @@ class GenerationLoop(Recovery):
         if not 1 <= compute_slots <= cluster.n_instances:
             raise ValueError(f"compute_slots must be in [1, {cluster.n_instances}], got {compute_slots}")
         self.compute_slots = compute_slots
+        self._alternate = policy is None and compute_slots == 1 and tbt_slo_s is None  # see snapshot
+        self._decoded = False  # the last iteration ran a decode batch
         # One engine computing every batch in turn gains nothing from spreading a prefill
         # over k instances (more messages, the same work); engines that compute at once
         # (one per instance) run a DoP k prefill's k sub-batches in parallel.
-        self._alternate = policy is None and compute_slots == 1 and tbt_slo_s is None  # (snapshot)
-        self._decoded = False  # the last iteration ran a decode batch
         if policy is None:
             policy = GoodputScheduler(chunk_tokens=chunk_tokens, max_prefill_dop=None if self.parallel else 1)
         self.policy = policy

@@ -113,11 +113,13 @@ class _Engine(TierServing):
         self.num_slots, self.num_layers, self.shared = 4, 2, {}
         self.replies: list = []
         self.wakers: dict = {}
-        self._rejected = SimpleNamespace(note=lambda line: None)
         self._init_tier()
 
     def reply(self, identity, frames) -> None:
         self.replies.append(wire.decode(frames))
+
+    def refuse(self, identity, msg_id: int, exc: BaseException) -> None:
+        self.reply(identity, wire.error_message(msg_id, exc))
 
     def add_waker(self, fd: int, serve) -> None:
         self.wakers[fd] = serve

@@ -296,12 +296,15 @@ class EngineLoop(OwnerWatch, EngineSessions, EngineBells):
                 self.serve_bell_first(caller.session)  # a session's hand-offs in its order
                 self.handle(identity, msg_id, message, caller)
         except Exception as exc:  # a bad request must not stop the engine
-            msg_id = getattr(exc, "msg_id", None) or msg_id  # WireError knows it if readable
-            if not isinstance(exc, TokenLakeError):  # a case no check caught: still typed
-                exc = WireError(f"request refused: {type(exc).__name__}: {exc}")
-            self._rejected.note(f"{self.spec.role} engine {self.spec.instance}: refused a "
-                                f"request: {type(exc).__name__}: {exc}")
-            self.reply(identity, wire.error_message(msg_id, exc))
+            self.refuse(identity, getattr(exc, "msg_id", None) or msg_id, exc)  # (WireError knows its id)
+
+    def refuse(self, identity, msg_id: int, exc: BaseException) -> None:
+        """Answers request ``msg_id`` with ``ERROR`` for ``exc`` and notes it (rate-limited)."""
+        if not isinstance(exc, TokenLakeError):  # a case no check caught: still typed
+            exc = WireError(f"request refused: {type(exc).__name__}: {exc}")
+        self._rejected.note(f"{self.spec.role} engine {self.spec.instance}: refused a "
+                            f"request: {type(exc).__name__}: {exc}")
+        self.reply(identity, wire.error_message(msg_id, exc))
 
     def _on_reply(self, instance: int, frames: list) -> None:
         self.peer_replies += 1  # read by tests: a peer's answer was taken in
@@ -345,16 +348,14 @@ class EngineLoop(OwnerWatch, EngineSessions, EngineBells):
     def ask(self, instance: int, message: WireMessage, pending: Pending) -> None:
         """Sends ``message`` to a peer; its reply will complete ``pending``."""
         sock = self._peer(instance)
-        msg_id = self._next_id
-        self._next_id += 1
+        msg_id, self._next_id = self._next_id, self._next_id + 1
         pending.waiting.add(msg_id)
         pending.asked[msg_id] = instance
         self._pending[msg_id] = pending
         send_frames(sock, message.encode(msg_id))
 
     def _peer(self, instance: int) -> zmq.Socket:
-        sock = self.peers.get(instance)
-        if sock is None:
+        if (sock := self.peers.get(instance)) is None:
             raise ConfigError(f"instance {instance} is not a peer of instance {self.spec.instance}")
         return sock
 
@@ -369,9 +370,8 @@ class EngineLoop(OwnerWatch, EngineSessions, EngineBells):
             if pending.deadline < now and msg_id in self._pending:
                 silent = sorted({pending.asked.get(m, -1) for m in pending.waiting})
                 self._fail(pending, EngineUnavailable(
-                    f"the {self.spec.role} engine of instance {self.spec.instance}: the "
-                    f"{self.spec.role} engine of instance "
-                    f"{', '.join(map(str, silent))} did not answer within "
+                    f"the {self.spec.role} engine of instance {self.spec.instance}: the {self.spec.role} "
+                    f"engine of instance {', '.join(map(str, silent))} did not answer within "
                     f"{self.spec.peer_timeout_s:.1f} s"))
 
     def _fail(self, pending: Pending, exc: BaseException) -> None:

@@ -27,7 +27,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from tokenlake.core.errors import PlanError, TokenLakeError
+from tokenlake.core.errors import PlanError
 from tokenlake.dataplane.messages import (
     TierDone,
     TierEntry,
@@ -36,8 +36,6 @@ from tokenlake.dataplane.messages import (
     TierOps,
     TierRead,
 )
-from tokenlake.dataplane.tensor_frames import WireError
-from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.tier_store import HostTier, TierStore, slot_bytes
 
 log = logging.getLogger(__name__)
@@ -88,7 +86,7 @@ class OffLoop:
 
 class TierServing:
     """The tier of a transfer engine (a mixin of it: it provides ``spec``, ``slab``,
-    ``shared``, ``num_slots``, ``num_layers``, ``reply``, ``add_waker`` and ``_rejected``)."""
+    ``shared``, ``num_slots``, ``num_layers``, ``reply``, ``refuse`` and ``add_waker``)."""
 
     def _init_tier(self) -> None:
         spec = self.spec
@@ -96,8 +94,7 @@ class TierServing:
         self.tier_epoch = 0  # the highest epoch of a tier message seen (TierOps: the fence)
         self.tier_answers = 0  # TIER_DONEs sent (their counters' order)
         self._tier_queue: collections.deque = collections.deque()  # (identity, msg id, request)
-        self._tier_busy = False  # a read in flight on the reader's thread
-        self._read_epoch, self._read_keys = 0, frozenset()  # ... sent at this epoch, of these copies
+        self._reading: TierRead | None = None  # the read in flight on the reader's thread
         self._reader: OffLoop | None = None
         if spec.tier_path is not None:
             layout = {"segment": list(self.slab.shape[1:]), "dtype": str(self.slab.dtype)}
@@ -118,8 +115,9 @@ class TierServing:
     def _tier_next(self) -> None:
         while self._tier_queue:
             identity, msg_id, message = self._tier_queue[0]
-            if self._tier_busy and (isinstance(message, TierRead) or isinstance(message, TierOps) and (
-                    message.epoch > self._read_epoch or not self._read_keys.isdisjoint(message.drops))):
+            reading = self._reading
+            if reading is not None and (isinstance(message, TierRead) or isinstance(message, TierOps) and (
+                    message.epoch > reading.epoch or any(it[0] in message.drops for it in reading.items))):
                 return  # another read, a fence, a drop of what is read: after it (and what follows too)
             self._tier_queue.popleft()
             try:
@@ -131,7 +129,7 @@ class TierServing:
                 else:
                     self.reply(identity, self._tier_done(self._read_items(message)).encode(msg_id))
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-                self._tier_refuse(identity, msg_id, exc)
+                self.refuse(identity, msg_id, exc)
 
     def _tier_check(self, message: TierRequest) -> TierDone | None:
         """Raises on a request this engine cannot serve; a fenced-off one's answer (all
@@ -175,27 +173,19 @@ class TierServing:
 
     def _read_off_loop(self, identity, msg_id: int, message: TierRead) -> None:
         def then(future: concurrent.futures.Future) -> None:
-            self._tier_busy = False
+            self._reading = None
             try:
                 self.reply(identity, self._tier_done(future.result()).encode(msg_id))
             except Exception as exc:  # noqa: BLE001 - as a refused request
-                self._tier_refuse(identity, msg_id, exc)
+                self.refuse(identity, msg_id, exc)
             self._tier_next()
 
-        self._reader.submit(lambda: self._read_items(message), then)  # (may raise: then not busy)
-        self._tier_busy, self._read_epoch = True, message.epoch
-        self._read_keys = frozenset(item[0] for item in message.items)
+        self._reader.submit(lambda: self._read_items(message), then)  # (may raise: then not reading)
+        self._reading = message
 
     def _tier_done(self, outcome: list[tuple[bytes, bool]]) -> TierDone:
         return TierDone(tuple(k for k, ok in outcome if ok), tuple(k for k, ok in outcome if not ok),
                         self._tier_counters())
-
-    def _tier_refuse(self, identity, msg_id: int, exc: BaseException) -> None:
-        if not isinstance(exc, TokenLakeError):  # a case no check caught: still typed
-            exc = WireError(f"request refused: {type(exc).__name__}: {exc}")
-        self._rejected.note(f"transfer engine {self.spec.instance}: refused a tier request: "
-                            f"{type(exc).__name__}: {exc}")
-        self.reply(identity, error_message(msg_id, exc))
 
     def _tier_counters(self) -> dict[str, float]:
         """The tier's counters for a ``TIER_DONE``, numbered (``answers``): answers that

@@ -874,6 +874,12 @@ bool uses_tiles(Isa isa, at::ScalarType dtype, int64_t grouped_rows, int64_t hea
 #endif
 }
 
+// The K/V dtype a name stands for ("float32", "bfloat16" or "float16").
+at::ScalarType kv_dtype(const std::string& dtype) {
+  TORCH_CHECK(dtype == "bfloat16" || dtype == "float16" || dtype == "float32", "unknown dtype ", dtype);
+  return dtype == "bfloat16" ? torch::kBFloat16 : dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
+}
+
 // Whether a call not on the tile path takes the panel path.
 bool uses_panel(int64_t grouped_rows, int64_t head_dim, at::ScalarType dtype) {
   return grouped_rows >= panel_rows(c10::elementSize(dtype)) && (head_dim == 64 || head_dim == 128);
@@ -883,8 +889,7 @@ bool uses_panel(int64_t grouped_rows, int64_t head_dim, at::ScalarType dtype) {
 
 // The path slab_attention takes (see the file comment): "tile", "panel", "vector" or "scalar".
 std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64_t head_dim) {
-  const at::ScalarType t = dtype == "bfloat16" ? torch::kBFloat16 : dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
-  TORCH_CHECK(dtype == "bfloat16" || dtype == "float16" || dtype == "float32", "unknown dtype ", dtype);
+  const at::ScalarType t = kv_dtype(dtype);
   if (uses_tiles(forced_isa(), t, grouped_rows, head_dim)) return "tile";
   if (uses_panel(grouped_rows, head_dim, t)) return "panel";
   return (head_dim == 64 || head_dim == 128) ? "vector" : "scalar";
@@ -895,10 +900,7 @@ void set_panel_rows(int64_t rows) {
   panel_rows_forced() = rows;
 }
 
-int64_t get_panel_rows(const std::string& dtype) {
-  TORCH_CHECK(dtype == "bfloat16" || dtype == "float16" || dtype == "float32", "unknown dtype ", dtype);
-  return panel_rows(dtype == "float32" ? 4 : 2);
-}
+int64_t get_panel_rows(const std::string& dtype) { return panel_rows(c10::elementSize(kv_dtype(dtype))); }
 
 // Returns (o, lse); see the file comment. Slot i lives in slabs[sources[i]] (slabs of one
 // shape and dtype: an instance's own and the co-located peers' it maps). tokens[i] == 0

@@ -195,6 +195,12 @@ def test_a_bad_port_range_from_the_environment_is_a_mistake_too(monkeypatch, cap
     (["eval", "hit-rate", "--workload", "scbench", "--zipf", "1"], "has none"),
     (["eval", "hit-rate", "--zipf", "-1"], "> 0"),
     (["bench", "sim", "--trace", "missing.jsonl"], "not found"),
+    (["serve", "--device", "gpu"], "'cpu', 'cuda' or 'cuda:N'"),
+    (["serve", "--device", "cuda", "--ray", "auto"], "serves without --ray only"),
+    (["serve", "--device", "cuda", "--control-port", "0", "--http-port", "0"], "needs a half kv_dtype"),
+    (["demo", "--device", "cuda"], "needs --kv-dtype bfloat16 or float16"),
+    (["bench", "e2e", "--device", "cuda"], "needs --kv-dtype bfloat16 or float16"),
+    (["bench", "e2e", "--device", "cuda", "--kv-dtype", "bfloat16", "--tier-only"], "no tier or vLLM rows"),
 ])
 def test_mistakes_found_while_running_end_in_one_line_and_exit_2(argv, needle, tmp_path,
                                                                  monkeypatch, capsys):
@@ -298,7 +304,7 @@ def test_the_commands_named_in_the_shipped_data_parse():
 def test_demo_exits_1_when_an_answer_differs_from_the_reference(monkeypatch, capsys):
     """A wrong answer is not a usage mistake: exit 1 (the demo module is faked, no model)."""
     fake = type(sys)("tokenlake.tools.demo")
-    fake.DemoConfig = lambda instances, kv_dtype: instances
+    fake.DemoConfig = lambda instances, kv_dtype, device: instances
     fake.print_report = lambda report: None
     fake.run_demo = lambda config, progress: {"reference_match": config == 3}
     monkeypatch.setitem(sys.modules, "tokenlake.tools.demo", fake)

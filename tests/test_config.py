@@ -295,8 +295,9 @@ def test_the_readme_example_is_a_valid_file(tmp_path):
     path = tmp_path / "tokenlake.toml"
     path.write_text(example)
     loaded = load_settings(str(path))
-    # not in it: two defaults, and the disk tier, which a pool on Ray (as the example) has not
-    skip = ("max_rows", "restart", "tier_path", "tier_mb", "tier_write_mbps")
+    # not in it: two defaults, the disk tier, which a pool on Ray (as the example) has not,
+    # and the device (a pool on Ray is on the CPU)
+    skip = ("max_rows", "restart", "tier_path", "tier_mb", "tier_write_mbps", "device")
     assert all(loaded.sources[n] == "file" for n in SETTINGS if n not in skip)
     assert loaded.settings.ports == (47000, 47019) and loaded.settings.ray_address == "auto"
 

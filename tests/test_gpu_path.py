@@ -1,6 +1,7 @@
 """The selectable GPU path (issue #21): ``LocalCluster(device="cuda")`` builds every
 buffer on the GPU, shared with the engines by CUDA IPC handle, and the query engines
-attend with one batched FlashInfer launch per layer. Without a GPU (CI) what can be checked
+attend with one batched FlashInfer launch per layer (with torch where FlashInfer is not
+installed). Without a GPU (CI) what can be checked
 is: the refusals, the clean failure, the paged translation in tests/test_paged_plan.py.
 The rest is marked ``gpu``; it passed on an H100 (``pytest -m gpu``, docs/design.md "GPU
 path")."""
@@ -45,12 +46,36 @@ def _flashinfer_found(monkeypatch, found: bool) -> None:
                         lambda name, *a: (object() if found else None) if name == "flashinfer" else real(name, *a))
 
 
-def test_a_gpu_pool_without_flashinfer_is_refused_before_anything_starts(monkeypatch):
+def test_without_flashinfer_a_gpu_pool_attends_with_torch(monkeypatch, caplog):
+    """FlashInfer is optional: a GPU pool's query engines then attend with the torch path
+    (checked against the reference in tests/test_paged_plan.py), and the start-up log
+    says so, with whether MPS is active."""
+    import logging
+
+    from tokenlake.deploy.gpu import gpu_setup
+    from tokenlake.kernels import paged
+
     _flashinfer_found(monkeypatch, False)
-    before = set(list_buffers(MINE))
-    with pytest.raises(ConfigError, match="FlashInfer, which is not installed"):
-        LocalCluster(1, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda")
-    assert set(list_buffers(MINE)) == before
+    monkeypatch.setattr(paged, "flashinfer_installed", lambda: False)
+    setup = gpu_setup({"CUDA_MPS_PIPE_DIRECTORY": "/nonexistent-mps"})
+    assert setup["attention"] == "torch" and setup["mps"] is False
+    assert "FlashInfer is not installed" in setup["summary"] and "MPS is not active" in setup["summary"]
+    slab, q = torch.randn(4, 2, 2, 2, C, 8).bfloat16(), torch.randn(3, 4, 8)
+    got = paged.gpu_slab_attention(q, slab, 1, [(0, 3, [0, 2], [C, 5])])
+    want = paged.torch_slab_attention(q, slab, 1, [(0, 3, [0, 2], [C, 5])])
+    assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse)
+    with caplog.at_level(logging.INFO, logger="tokenlake.deploy.base"):
+        LocalCluster(1, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda")  # not started
+    assert any("query engines attend with torch" in r.getMessage() for r in caplog.records)
+
+
+def test_mps_is_seen_by_its_control_pipe(tmp_path):
+    from tokenlake.deploy.gpu import gpu_setup, mps_active
+
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert not mps_active(env)
+    (tmp_path / "control").touch()
+    assert mps_active(env) and gpu_setup(env)["mps"] and "MPS is active" in gpu_setup(env)["summary"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without CUDA")
@@ -66,7 +91,6 @@ def test_without_cuda_a_gpu_pool_fails_to_start_and_leaves_nothing(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_gpu_pool_serves_the_data_plane_scenario():
-    pytest.importorskip("flashinfer")
     from dataclasses import replace
 
     from test_dataplane import run_iteration

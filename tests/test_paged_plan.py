@@ -143,3 +143,21 @@ def test_one_flashinfer_launch_equals_the_reference():
                                               128 ** -0.5), 6)
         torch.testing.assert_close(got.o, want.o, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got.lse, want.lse, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_path_of_a_gpu_pool_equals_the_reference(dtype):
+    """Where FlashInfer is not installed a GPU pool's query engines attend with
+    ``torch_slab_attention``; it runs on any device, so its result is checked here on the
+    CPU: groups with full and partial slots, a page hit beside an own tail, rows no group
+    covers, an empty slot."""
+    from tokenlake.kernels.paged import torch_slab_attention
+
+    slab, q = _slab().to(dtype), torch.randn(7, 4, 8)
+    groups = [(0, 2, [0, 1, 2], [C, C, 5]), (2, 3, [3, 4, 5], [C, 9, 3]), (3, 6, [6, 7], [C, 0]), (6, 7, [8], [C])]
+    got = torch_slab_attention(q, slab, 1, groups, 0.3)
+    want_o, want_lse = _want(q, slab.float(), 1, groups)
+    torch.testing.assert_close(got.o.double(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    empty = torch_slab_attention(q, slab, 0, [(0, 7, [3], [0])])  # nothing to attend: lse -inf
+    assert torch.isinf(empty.lse).all() and not empty.o.any()

@@ -14,7 +14,6 @@ the wire messages, which do, are imported where a message is built.
 from __future__ import annotations
 
 import abc
-import importlib.util
 import logging
 import os
 import time
@@ -155,9 +154,10 @@ class ClusterBase(abc.ABC):
 
         if not isinstance(config, ClusterConfig):
             raise TypeError(f"config must be a ClusterConfig, got {type(config).__name__}")
-        if config.device != "cpu" and importlib.util.find_spec("flashinfer") is None:
-            raise ConfigError("a GPU pool attends with FlashInfer, which is not installed "
-                              "(pip install 'tokenlake[gpu]')")  # this machine's, not the config's
+        if config.device != "cpu":  # this machine's, not the config's
+            from tokenlake.deploy.gpu import gpu_setup
+
+            log.info("GPU pool on %s: %s", config.device, gpu_setup()["summary"])
         #: the pool's settings, as given
         self.config = config
         #: whether the engines map each other's slabs: asked, offered and a CPU pool

@@ -44,7 +44,7 @@ COALESCE_PUT_ROWS = 32
 class IterationOutput:
     """Last-row logits per request that computed its last new token this iteration.
 
-    ``logits[request_id]`` is [vocab] float32 for the request's final new token.
+    ``logits[request_id]`` is [vocab] float32, on the host, for the request's final new token.
     ``prefix_tokens[request_id]`` is how many tokens the pool served it (its hit).
     """
 
@@ -66,7 +66,7 @@ class _Layout:
     decode: bool  # one row per request and none before: self-attention is the row itself
 
     @classmethod
-    def of(cls, batch: Batch, qp: QueryPlan) -> _Layout:
+    def of(cls, batch: Batch, qp: QueryPlan, device: torch.device | str = "cpu") -> _Layout:
         new = {r.request_id: r.new_token_ids for r in batch.requests}
         tokens: list[int] = []
         positions: list[int] = []
@@ -83,12 +83,17 @@ class _Layout:
         later = (tail.request_id, tail.start, tail.stop) if continues else None
         finished = tuple(s.request_id for s in qp.spans if not (continues and s is tail))
         decode = earlier is None and len(tokens) == len(qp.spans)
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+        return cls(torch.tensor(tokens, dtype=torch.long, device=device),
+                   torch.tensor(positions, dtype=torch.long, device=device),
                    rows_of, earlier, later, finished, decode)
 
 
 class ComputeEngine:
     """Runs iterations of a Llama model whose prefix attention is served by the pool.
+
+    The model runs where its weights are (``weights.placed("cuda", torch.bfloat16)``: on
+    the GPU, writing q and the new K/V into the instance's CUDA IPC buffers); logits come
+    back on the host.
 
     ``on_query``, when set, is called with the seconds each layer's pool queries took,
     from sending the first to receiving the last partial (a service's metrics).
@@ -132,7 +137,7 @@ class ComputeEngine:
             raise
 
     def _run_part(self, batch, qp, tp, exchange) -> dict[str, torch.Tensor]:
-        lay = _Layout.of(batch, qp)
+        lay = _Layout.of(batch, qp, self.w.device)
         client = self.cluster.client(qp.home)
         buf = (client, client.init_query(qp), client.init_transfer(tp))
         hidden = llama.embed(self.w, lay.ids)
@@ -153,7 +158,7 @@ class ComputeEngine:
             client.put(0, self.cfg.num_layers)
         if not lay.finished:
             return {}
-        out = llama.logits(self.w, hidden[[lay.rows_of[rid][1] - 1 for rid in lay.finished]])
+        out = llama.logits(self.w, hidden[[lay.rows_of[rid][1] - 1 for rid in lay.finished]]).cpu()
         return {rid: out[i] for i, rid in enumerate(lay.finished)}
 
     def _attention(self, layer, q, k, v, buf, lay: _Layout, exchange, qp, put: bool = True) -> torch.Tensor:

@@ -53,7 +53,7 @@ from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
 from tokenlake.kernels.attention import empty_partial, merge, merge_many, write_into
-from tokenlake.kernels.paged import Group, flashinfer_slab_attention, warm_up
+from tokenlake.kernels.paged import Group, gpu_slab_attention, warm_up
 from tokenlake.kernels.slab import prepare_slabs_attention
 
 #: Plans one home may have registered on this engine at once (the oldest is dropped).
@@ -302,7 +302,7 @@ class QueryEngine(EngineLoop):
         the csrc path: no copy) and ``out`` is returned."""
         slabs = [self.slabs[inst] for inst in layout.insts]
         if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
-            return write_into(flashinfer_slab_attention(q.to(self.slab.device), self.slab, layer, layout.paged_groups), out)
+            return write_into(gpu_slab_attention(q.to(self.slab.device), self.slab, layer, layout.paged_groups), out)
         if not layout.calls:  # the slot tables, once for every layer; own parts first
             for rows, w, own in [(slice(a, z), w, True) for a, z, w in layout.own] + \
                     [(rows, w, False) for rows, w in layout.shared]:

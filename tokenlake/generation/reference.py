@@ -27,10 +27,10 @@ from tokenlake.model.llama.reference import KVCache, ReferenceEngine
 class _Seq:
     __slots__ = ("req", "result", "cache", "prefilled", "generator")
 
-    def __init__(self, req: GenerationRequest, result: RequestResult, config, kv_dtype) -> None:
+    def __init__(self, req: GenerationRequest, result: RequestResult, config, kv_dtype, device) -> None:
         self.req, self.result = req, result
         self.cache = KVCache.empty(config, min(len(req.prompt_ids) + req.max_new_tokens,
-                                               config.max_context), kv_dtype)
+                                               config.max_context), kv_dtype, device)
         self.prefilled = 0
         self.generator = req.sampling.generator()
 
@@ -75,7 +75,7 @@ class ReferenceLoop:
         check_request(req, self.cfg, self.results)
         result = RequestResult(req.request_id, req.prompt_ids)
         self.results[req.request_id] = result
-        self._live[req.request_id] = _Seq(req, result, self.cfg, self.engine.kv_dtype)
+        self._live[req.request_id] = _Seq(req, result, self.cfg, self.engine.kv_dtype, self.engine.weights.device)
         return result
 
     def step(self) -> None:

@@ -75,8 +75,8 @@ def _kernel_dtype(k: Tensor) -> torch.dtype:
 
 def _attend_matmul(qh: Tensor, kh: Tensor, vh: Tensor, scale: float,
                    causal_tl: bool) -> tuple[Tensor, Tensor]:
-    """Plain float32 matmul + logsumexp fallback, used only when the flash op is missing
-    or rejects the input. Shapes and ``causal_tl`` as :func:`_attend_heads`; GQA is done by
+    """Plain float32 matmul + logsumexp: tiny calls, tensors on a GPU (the model's own
+    attention there), and the fallback where the flash op is missing or rejects the input. Shapes and ``causal_tl`` as :func:`_attend_heads`; GQA is done by
     repeating K/V heads here (a copy, acceptable on this fallback path)."""
     qh, kh, vh = qh.float(), kh.float(), vh.float()
     group = qh.shape[0] // kh.shape[0]
@@ -85,7 +85,7 @@ def _attend_matmul(qh: Tensor, kh: Tensor, vh: Tensor, scale: float,
     s = torch.matmul(qh, kh.transpose(1, 2)) * scale
     if causal_tl:
         rows, tokens = s.shape[1], s.shape[2]
-        allowed = torch.arange(tokens).unsqueeze(0) <= torch.arange(rows).unsqueeze(1)
+        allowed = torch.arange(tokens, device=s.device).unsqueeze(0) <= torch.arange(rows, device=s.device).unsqueeze(1)
         s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.softmax(s, dim=-1), vh), lse
@@ -99,7 +99,7 @@ def _attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float,
     Returns ``o`` ``[H, L, E]`` (kernel dtype) and natural-log ``lse`` ``[H, L]`` float32.
     """
     dtype = _kernel_dtype(kh)
-    if qh.shape[1] * kh.shape[1] <= TINY_SCORES:
+    if qh.shape[1] * kh.shape[1] <= TINY_SCORES or qh.device.type != "cpu":  # the op is CPU-only
         return _attend_matmul(qh, kh, vh, scale, causal_tl)  # the kernel's fixed cost dominates
     if _FLASH_CPU is not None:
         try:
@@ -138,7 +138,7 @@ def _causal_partial(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Partial:
     rows, q_heads, head_dim = q.shape
     tokens, kv_heads = k.shape[0], k.shape[1]
     if rows > tokens:
-        o, lse = empty_partial(rows, q_heads, head_dim)
+        o, lse = empty_partial(rows, q_heads, head_dim, device=q.device)
         o[rows - tokens:], lse[rows - tokens:] = _causal_diagonal(q[rows - tokens:], k, v, scale)
         return Partial(o, lse)
     diag = _causal_diagonal(q, k[tokens - rows:], v[tokens - rows:], scale)

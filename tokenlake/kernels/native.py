@@ -50,10 +50,18 @@ _prebuilt = None
 _prebuilt_tried = False
 
 
+#: ``TOKENLAKE_NATIVE_BUILD=0``: :func:`load` never compiles (what ``make`` built from the
+#: current sources, else the torch path): a machine that borrows a tree for a short run
+#: (a GPU check) need not spend a minute building CPU kernels it does not time.
+BUILD_ENV = "TOKENLAKE_NATIVE_BUILD"
+
+
 def load(verbose: bool = False):
-    """The compiled kernel module, building it on first use; None if it cannot be built
-    (logged once)."""
+    """The compiled kernel module, building it on first use (unless :data:`BUILD_ENV` is
+    ``0``); None if it cannot be built (logged once)."""
     global _module, _tried
+    if os.environ.get(BUILD_ENV) == "0":
+        return load_prebuilt()
     with _lock:
         if _tried:
             return _module

@@ -20,6 +20,8 @@ makes the one call per layer per query (tested on a GPU, ``pytest -m gpu``; CI h
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,10 +114,10 @@ def paged_reference(q_packed: Tensor, k_pages: Tensor, v_pages: Tensor, batch: P
     o = torch.empty(q_packed.shape, dtype=torch.float32, device=q_packed.device)
     lse = torch.empty(q_packed.shape[:2], dtype=torch.float32, device=q_packed.device)
     for e in range(batch.entries):
-        pages = list(batch.kv_indices[batch.kv_indptr[e]:batch.kv_indptr[e + 1]])
-        lens = [page] * (len(pages) - 1) + [batch.last_page_len[e]]
-        k = torch.cat([k_pages[p, :, :n] for p, n in zip(pages, lens)], dim=1).float()  # [Hk, S, E]
-        v = torch.cat([v_pages[p, :, :n] for p, n in zip(pages, lens)], dim=1).float()
+        pages = torch.tensor(batch.kv_indices[batch.kv_indptr[e]:batch.kv_indptr[e + 1]], device=k_pages.device)
+        tokens = (pages.numel() - 1) * page + batch.last_page_len[e]  # every page full but the last
+        k, v = (kv.index_select(0, pages).transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :tokens].float()
+                for kv in (k_pages, v_pages))  # [Hk, tokens, E]: the pages one after the other
         a, z = batch.qo_indptr[e], batch.qo_indptr[e + 1]
         qg = q_packed[a:z].float().reshape(z - a, kv_heads, q_heads // kv_heads, head_dim)
         s = torch.einsum("rhge,hse->rhgs", qg, k) * scale
@@ -234,11 +236,44 @@ def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Seque
     return unpack(batch, o, lse_base2_to_natural(lse2.float()), rows)
 
 
+@functools.cache
+def flashinfer_installed() -> bool:
+    """Whether FlashInfer can be imported here (looked up once, not imported)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def torch_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[Group],
+                         scale: float | None = None) -> Partial:
+    """What :func:`flashinfer_slab_attention` computes, in torch (float32, a few launches
+    per entry) on the slab's device: a GPU pool's query engines attend this way where
+    FlashInfer is not installed. Any device (tested against the slab attention on the
+    CPU)."""
+    rows, q_heads, head_dim = q.shape
+    batch = paged_batch(groups, slab.shape[4])
+    if batch.entries == 0:
+        return empty_partial(rows, q_heads, head_dim, device=slab.device)
+    dev = slab.device
+    q_packed = q.to(dev) if batch.is_identity(rows) else q.to(dev)[torch.tensor(batch.q_index(), device=dev)]
+    o, lse = paged_reference(q_packed, slab[:, layer, 0], slab[:, layer, 1], batch, softmax_scale(scale, head_dim))
+    return unpack(batch, o, lse, rows)
+
+
+def gpu_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[Group],
+                       scale: float | None = None) -> Partial:
+    """A CUDA slab's attention: one FlashInfer launch where FlashInfer is installed,
+    :func:`torch_slab_attention` otherwise (docs/design.md "GPU path")."""
+    attend = flashinfer_slab_attention if flashinfer_installed() else torch_slab_attention
+    return attend(q, slab, layer, groups, scale)
+
+
 def warm_up(slab: Tensor, q_heads: int) -> None:
     """Loads the batched kernels (decode and prefill) for ``slab``'s dtype and head size
     before the first query needs them: the first use on a machine compiles them
     (FlashInfer's JIT, cached under ``~/.cache/flashinfer``; 20-35 s per kernel on an H100
-    machine), longer than a query may wait. Reads one token of slot 0; writes nothing."""
+    machine), longer than a query may wait. Reads one token of slot 0; writes nothing.
+    Nothing to do without FlashInfer (the torch path compiles nothing)."""
+    if not flashinfer_installed():
+        return
     q = torch.zeros(2, q_heads, slab.shape[5], device=slab.device)
     flashinfer_slab_attention(q[:1], slab, 0, [(0, 1, [0], [1])])  # decode
     flashinfer_slab_attention(q, slab, 0, [(0, 2, [0], [1])])  # prefill

@@ -29,7 +29,7 @@ from tokenlake.kernels.attention import (
     write_into,
 )
 from tokenlake.kernels.cpu import attend_grouped, from_grouped, to_grouped
-from tokenlake.kernels.paged import flashinfer_slab_attention
+from tokenlake.kernels.paged import gpu_slab_attention
 
 #: Grouped query rows (rows x query heads per kv head) up to which the slab attention
 #: uses plain matmuls with one softmax over all slots instead of one flash-kernel call
@@ -137,7 +137,7 @@ def slab_partial_attention(q: Tensor, slab: Tensor, layer: int, slots: Sequence[
     if rows == 0 or not work:
         return empty_partial(rows, q_heads, head_dim, device=q.device)
     if slab.is_cuda:  # one batched FlashInfer launch over the slots as pages
-        return flashinfer_slab_attention(q, slab, layer, [(0, rows, [s for s, _ in work], [n for _, n in work])],
+        return gpu_slab_attention(q, slab, layer, [(0, rows, [s for s, _ in work], [n for _, n in work])],
                                          scale)
     scale = softmax_scale(scale, head_dim)
     grouped_rows = rows * (q_heads // slab.shape[3])

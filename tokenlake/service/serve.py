@@ -60,13 +60,20 @@ class Served:
                 "tier_segments": self.tier_segments}
 
 
-def load_served_model(progress: Callable[[str], None] = log.info):
-    """``(weights, tokenizer)`` of :data:`SERVED_MODEL`, with progress."""
+def load_served_model(progress: Callable[[str], None] = log.info, device: str = "cpu",
+                      dtype: str = "float32"):
+    """``(weights, tokenizer)`` of :data:`SERVED_MODEL`, with progress. On a GPU
+    ``device`` the weights are placed there, their matrices in ``dtype`` (the pool's half
+    KV dtype; ``LlamaWeights.placed``); on the CPU they stay float32."""
     from tokenlake.model.llama.tokenizer import load_tokenizer
     from tokenlake.model.llama.weights import load_weights
 
     progress("loading SmolLM2-135M weights and tokenizer ...")
-    return load_weights(), load_tokenizer()
+    weights = load_weights()
+    if device != "cpu":
+        progress(f"placing the weights on {device} in {dtype} ...")
+        weights = weights.placed(device, dtype)
+    return weights, load_tokenizer()
 
 
 def _model_info(weights, tokenizer, max_request_tokens: int | None = None) -> ModelInfo:
@@ -206,7 +213,7 @@ def serve_local(
         if s.engine == "pool":  # a pool waiting on this port is checked before anything loads
             cluster, state = _pool_for(s)
         served_model = pool.model.name == SERVED_MODEL and pool.kv_layout == "tokenlake"
-        weights = load_served_model(progress) if served_model else None
+        weights = load_served_model(progress, pool.device, pool.kv_dtype) if served_model else None
         if cluster is None:
             served = stack.enter_context(_reference(weights, s.host, s.http_port, pool.kv_dtype, s.limits))
         else:

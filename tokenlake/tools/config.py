@@ -19,6 +19,7 @@ point) passes ``os.environ`` and the file's path in. Errors are
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -71,6 +72,12 @@ def _address(value) -> str | None:
     return f"must be an address or an interface name, got {value!r}"
 
 
+def _device(value) -> str | None:
+    if re.fullmatch(r"cpu|cuda(:\d+)?", str(value)):
+        return None
+    return f"must be 'cpu', 'cuda' or 'cuda:N', got {value!r}"
+
+
 def _port_pair(value) -> str | None:
     if value is None or 1 <= value[0] <= value[1] <= 65535:
         return None
@@ -112,6 +119,10 @@ class ServeSettings:
     kv_dtype: str = _setting("float32", "str", "element type of the pool's K/V: 'float32', "
                              "'bfloat16' or 'float16' (half the bytes per token; attention math "
                              "stays float32)", choices=tuple(KV_DTYPES), metavar="DTYPE")
+    device: str = _setting("cpu", "str", "where the model and the pool's buffers live: 'cpu', "
+                           "or 'cuda' / 'cuda:N' (one GPU: the model's matrices, activations, slabs "
+                           "and hand-off buffers on it; needs a half kv_dtype, which the model's "
+                           "matrices take too)", _device, metavar="DEVICE")
     max_rows: int = _setting(1024, "int", "rows of each q/out/kv buffer", _positive,
                           metavar="ROWS")
     tier_mb: int = _setting(0, "int", "MiB per instance of a tier below the slab, where evicted "

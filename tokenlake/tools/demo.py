@@ -42,6 +42,7 @@ class DemoConfig:
     pool_mib_per_instance: int = 96
     max_new_tokens: int = 24
     kv_dtype: str = "float32"  # the pool's K/V (the reference engine's cache: the same)
+    device: str = "cpu"  # "cuda": model and pool on the GPU, the model's matrices in kv_dtype
 
 
 def _document() -> str:
@@ -62,8 +63,11 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
     t0 = time.monotonic()
     weights, tok = load_weights(), load_tokenizer()
     spec = weights.config.to_model_spec("smollm2-135m")
+    if config.device != "cpu":  # the reference below runs with the same placed weights
+        weights = weights.placed(config.device, config.kv_dtype)
     with LocalCluster(config.instances, spec, config.pool_mib_per_instance << 20,
-                      segment_tokens=config.segment_tokens, kv_dtype=config.kv_dtype) as cluster:
+                      segment_tokens=config.segment_tokens, kv_dtype=config.kv_dtype,
+                      device=config.device) as cluster:
         server = GenerationLoop(cluster, weights)
         prompts = _serve_workload(server, tok, config)
         stats = cluster.control.stats()
@@ -84,9 +88,19 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
         "segment_tokens": config.segment_tokens,
         "page_tokens": page_tokens,
         "kv_dtype": config.kv_dtype,
+        "device": _device_name(config.device),
         "scheduler": schedule,
         "wall_s": time.monotonic() - t0,
     }
+
+
+def _device_name(device: str) -> str:
+    """``device``, with the GPU's name for a CUDA one (what a report's figures ran on)."""
+    if device == "cpu":
+        return device
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})"
 
 
 def _serve_workload(server: GenerationLoop, tok, config: DemoConfig) -> dict[str, tuple[int, ...]]:
@@ -186,7 +200,7 @@ def print_report(report: dict) -> None:
         print(f"{i['instance']:>8}  {i['segments']:>8}  {i['accesses']:>14}")
     print(f"\naccess-load CV {report['cv']:.1%}   hit rate {report['hit_rate']:.1%}   "
           f"C = {report['segment_tokens']} tokens, hits exact to {report['page_tokens']}, "
-          f"{report['kv_dtype']} KV   "
+          f"{report['kv_dtype']} KV, on {report['device']}   "
           f"{report['wall_s']:.1f} s")
     sch = report["scheduler"]
     dops = ", ".join(f"DoP {k}: {n}" for k, n in sch["prefill_batches_by_dop"].items())

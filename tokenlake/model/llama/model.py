@@ -1,4 +1,5 @@
-"""The model's pieces as pure functions of (weights, tensors), float32 on the CPU.
+"""The model's pieces as pure functions of (weights, tensors): float32 on the CPU as
+loaded, or on the weights' device with half matrix products (``LlamaWeights.placed``).
 
 A forward pass of a layer is ``q, k, v = qkv(...)``, attention of ``q`` over the cached
 and new ``k, v`` (done by the caller: :func:`tokenlake.kernels.cpu.partial_attention`
@@ -79,7 +80,13 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     :data:`NATIVE_LINEAR_ROWS` float32 CPU rows where it is built (each row then depends on
     itself alone: a request decodes the same numbers in any batch of up to that many
     rows), ``F.linear`` otherwise (and where autograd records). The reference engine and
-    the compute engine both project through here."""
+    the compute engine both project through here. Half weights
+    (:meth:`~tokenlake.model.llama.weights.LlamaWeights.placed`): ``x`` is rounded to
+    their dtype, the product runs in it (float32 accumulation on a GPU) and comes back
+    as float32 (on a GPU straight from the float32 accumulators, ``torch.mm``'s
+    ``out_dtype``, where this torch has it: a logit is then not rounded to 8 bits)."""
+    if w.dtype != x.dtype:
+        return _half_linear(x.to(w.dtype), w)
     if (x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_ROWS and _native_linear["on"]
             and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
             and w.device.type == "cpu" and w.is_contiguous()
@@ -88,6 +95,25 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
         if mod is not None:
             return mod.small_linear(x, w)
     return F.linear(x, w)
+
+
+#: Whether ``torch.mm(..., out_dtype=torch.float32)`` runs here for half CUDA inputs
+#: (None: not tried yet).
+_MM_FLOAT_OUT: dict[str, bool | None] = {"cuda": None}
+
+
+def _half_linear(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` of half ``x`` and ``w`` as float32: the float32 accumulators themselves
+    on a GPU whose torch offers ``out_dtype``, the half product widened otherwise."""
+    if x.is_cuda and x.dim() == 2 and _MM_FLOAT_OUT["cuda"] is not False:
+        try:
+            out = torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # an older torch
+            _MM_FLOAT_OUT["cuda"] = False
+        else:
+            _MM_FLOAT_OUT["cuda"] = True
+            return out
+    return F.linear(x, w).float()
 
 
 def _layer(w: LlamaWeights, layer: int | LayerWeights) -> LayerWeights:
@@ -103,8 +129,9 @@ def rope_tables(config: LlamaConfig, positions: Tensor) -> tuple[Tensor, Tensor]
     """``cos``, ``sin`` ``[n, head_dim // 2]`` float32 for absolute ``positions`` ``[n]``
     (angles computed in float64, then rounded)."""
     half = config.head_dim // 2
-    inv_freq = config.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2 / config.head_dim)
-    angles = torch.as_tensor(positions, dtype=torch.float64).reshape(-1, 1) * inv_freq
+    pos = torch.as_tensor(positions, dtype=torch.float64)
+    inv_freq = config.rope_base ** (-torch.arange(half, dtype=torch.float64, device=pos.device) * 2 / config.head_dim)
+    angles = pos.reshape(-1, 1) * inv_freq
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
@@ -119,8 +146,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def embed(w: LlamaWeights, token_ids: Tensor) -> Tensor:
     """``[n, hidden]`` float32 rows of the embedding table (ids are not re-validated;
-    use :func:`check_token_ids` on untrusted input)."""
-    return w.embed[token_ids]
+    use :func:`check_token_ids` on untrusted input; moved to the weights' device)."""
+    return w.embed[token_ids.to(w.embed.device)].float()
 
 
 def qkv(w: LlamaWeights, layer: int | LayerWeights, hidden: Tensor, positions: Tensor,

@@ -50,10 +50,11 @@ class KVCache:
     length: int = 0
 
     @classmethod
-    def empty(cls, config: LlamaConfig, capacity: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    def empty(cls, config: LlamaConfig, capacity: int, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> KVCache:
         shape = (capacity, config.num_kv_heads, config.head_dim)
-        return cls([torch.empty(shape, dtype=dtype) for _ in range(config.num_layers)],
-                   [torch.empty(shape, dtype=dtype) for _ in range(config.num_layers)])
+        return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
+                   [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)])
 
     @property
     def capacity(self) -> int:
@@ -82,7 +83,7 @@ class KVCache:
         capacity = max(tokens, 2 * self.capacity)
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
-                new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+                new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype, device=old.device)
                 new[: self.length] = old[: self.length]
                 buffers[i] = new
 
@@ -109,8 +110,10 @@ def greedy(logits: Tensor) -> int:
 
 
 class ReferenceEngine:
-    """Monolithic greedy engine over :class:`LlamaWeights` (float32, CPU), its KV cache
-    held in ``kv_dtype`` (float32, bfloat16 or float16; attention math in float32).
+    """Monolithic greedy engine over :class:`LlamaWeights` (float32 on the CPU as loaded,
+    or placed on a GPU in half, :meth:`LlamaWeights.placed`: it runs where they are), its
+    KV cache held in ``kv_dtype`` (float32, bfloat16 or float16; attention math in
+    float32). Logits come back on the host.
 
     Constructor only stores. All methods validate their input and raise subclasses of
     :class:`tokenlake.model.llama.model.LlamaInputError` (a ``ValueError``) with a message.
@@ -134,7 +137,7 @@ class ReferenceEngine:
                                      f"{self.config.max_context}")
         cache.reserve(start + n)
         w = self.weights
-        positions = torch.arange(start, start + n)
+        positions = torch.arange(start, start + n, device=w.device)
         rope = model.rope_tables(self.config, positions)
         hidden = model.embed(w, ids)
         for i in range(self.config.num_layers):
@@ -144,7 +147,7 @@ class ReferenceEngine:
             attn = cache.attend(q, i, start + n, causal=n > 1)
             hidden = model.finish_layer(w, i, hidden, attn)
         cache.length = start + n
-        return model.logits(w, hidden[-1:])[0]
+        return model.logits(w, hidden[-1:])[0].cpu()
 
     def prefill(self, token_ids: Sequence[int] | Tensor) -> tuple[Tensor, KVCache]:
         """Runs a prompt from scratch: returns the last position's ``[vocab]`` logits and
@@ -156,7 +159,8 @@ class ReferenceEngine:
         if n > self.config.max_context:
             raise ContextLengthError(f"prompt of {n} tokens exceeds max_context "
                                      f"{self.config.max_context}")
-        cache = KVCache.empty(self.config, min(max(n, _MIN_CAPACITY), self.config.max_context), self.kv_dtype)
+        cache = KVCache.empty(self.config, min(max(n, _MIN_CAPACITY), self.config.max_context), self.kv_dtype,
+                              self.weights.device)
         return self.extend(cache, ids), cache
 
     def decode_step(self, cache: KVCache, token_id: int) -> Tensor:
@@ -184,7 +188,7 @@ class ReferenceEngine:
                                          f"{self.config.max_context}")
             c.reserve(c.length + 1)
         w = self.weights
-        positions = torch.tensor([c.length for c in caches])
+        positions = torch.tensor([c.length for c in caches], device=w.device)
         rope = model.rope_tables(self.config, positions)
         hidden = model.embed(w, ids)
         for i in range(self.config.num_layers):
@@ -197,7 +201,7 @@ class ReferenceEngine:
             hidden = model.finish_layer(w, i, hidden, attn)
         for c in caches:
             c.length += 1
-        return model.logits(w, hidden)
+        return model.logits(w, hidden).cpu()
 
     def generate(self, prompt_ids: Sequence[int] | Tensor, max_new_tokens: int,
                  stop_ids: Sequence[int] | None = None) -> GenerationResult:

@@ -207,6 +207,40 @@ class LlamaWeights:
             tensors += [getattr(layer, name) for name in _LAYER_FIELDS]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights (and so the model's activations) live."""
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The element type of the matrices (float32 as loaded; see :meth:`placed`)."""
+        return self.embed.dtype
+
+    def placed(self, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32) -> LlamaWeights:
+        """These weights on ``device`` with their matrices (the projections and the tied
+        embedding) in ``dtype``; the norm vectors stay float32. ``self`` when nothing
+        changes. The model then runs its matrix products in ``dtype`` and everything
+        else (norms, RoPE, residuals, attention, logits) in float32
+        (:func:`tokenlake.model.llama.model.linear`); docs/design.md "The model on a GPU".
+        Raises ``ValueError`` for a dtype that is not a float type."""
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if not isinstance(dtype, torch.dtype) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"weights dtype must be float32, bfloat16 or float16, got {dtype}")
+        device = torch.device(device)
+        if device == self.device and dtype == self.dtype:
+            return self
+
+        def matrix(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        def vector(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=torch.float32)
+
+        layers = tuple(LayerWeights(**{name: (vector if name.endswith("norm") else matrix)(getattr(lw, name))
+                                       for name in _LAYER_FIELDS}) for lw in self.layers)
+        return LlamaWeights(self.config, matrix(self.embed), layers, vector(self.final_norm))
+
 
 def _dequantise(tensor, expected: tuple[int, ...]) -> torch.Tensor:
     """One GGUF tensor as a fresh float32 torch tensor of shape ``expected`` ([out, in])."""

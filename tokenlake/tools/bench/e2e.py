@@ -34,6 +34,7 @@ import torch
 from scheduler.baselines.fcfs import FCFS
 from tokenlake.core.cost_model import default_segment_tokens
 from tokenlake.core.specs import load_hardware
+from tokenlake.deploy.gpu import gpu_setup
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.engines.compute import ParallelComputeEngine
 from tokenlake.generation import GenerationLoop, GenerationRequest
@@ -59,14 +60,18 @@ def tagged_document(tok, target_tokens: int, tag: str) -> str:
     return f"Record {tag}.\n{_long_document(tok, target_tokens)}"
 
 
-def _pool_decode(server: GenerationLoop, prompts: list[tuple[int, ...]], steps: int, tag: str) -> float:
+def _pool_decode(server: GenerationLoop, prompts: list[tuple[int, ...]], steps: int, tag: str,
+                 layer_s: list[float] | None = None) -> float:
     """Decode tokens/s of ``len(prompts)`` requests decoding together, timed from the
-    iteration after every request has its first token."""
+    iteration after every request has its first token (``layer_s``, the list the engine's
+    ``on_query`` appends to, is emptied there: it then holds the decode steps' alone)."""
     reqs = [GenerationRequest(f"{tag}{i}", p, steps + 1, ()) for i, p in enumerate(prompts)]
     for r in reqs:
         server.submit(r)
     while any(not server.results[r.request_id].output_ids for r in reqs):
         server.step()
+    if layer_s is not None:
+        layer_s.clear()
     t0 = time.perf_counter()
     while any(not server.results[r.request_id].done for r in reqs):
         server.step()
@@ -91,12 +96,15 @@ def _decode_rounds(server, ref, questions, batches, steps: int, rounds: int) -> 
         logits, cache = ref.prefill(list(p))
         caches.append(cache)
         tokens.append(int(logits.argmax()))
-    out = {b: {"pool": [], "reference": []} for b in batches}
+    out = {b: {"pool": [], "reference": [], "layer_ms": []} for b in batches}
+    layer_s: list[float] = []  # each layer's pool query: sent to answered (ComputeEngine.on_query)
+    server.engine.on_query = layer_s.append
     for r in range(rounds):
         for b in batches:
             for who in (("pool", "reference") if r % 2 == 0 else ("reference", "pool")):
                 if who == "pool":
-                    out[b][who].append(_pool_decode(server, questions[:b], steps, f"d{b}-{r}-"))
+                    out[b][who].append(_pool_decode(server, questions[:b], steps, f"d{b}-{r}-", layer_s))
+                    out[b]["layer_ms"] += [t * 1e3 for t in layer_s]
                     continue
                 head = tokens[:b]
                 out[b][who].append(_reference_decode(ref, caches[:b], head, steps))
@@ -131,12 +139,11 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
               instances: int = 4, segment_tokens: int | None = None, decode_batches: tuple[int, ...] = (1, 8),
               dops: tuple[int, ...] = (1, 2, 4), dop_tokens: int = 2048, rounds: int = 3,
               kv_dtype: str = "float32", vllm: bool = False, decode_rounds: int = 2,
-              share_slabs: bool = True) -> dict:
-
-    weights, tok = load_weights(), load_tokenizer()
+              share_slabs: bool = True, device: str = "cpu") -> dict:
+    weights, tok, gpu = _model(device, kv_dtype)
     spec = weights.config.to_model_spec("smollm2-135m")
     if segment_tokens is None:
-        segment_tokens = default_segment_tokens(spec, load_hardware("cpu"))
+        segment_tokens = default_segment_tokens(spec, load_hardware(_hardware_name(gpu)))
     doc = _long_document(tok, doc_tokens)
 
     def prompt(question: str) -> tuple[int, ...]:
@@ -146,7 +153,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
     pool_bytes = (doc_tokens * 2 // segment_tokens // instances + 2 * max(decode_batches) + 16) * seg
     first_token: dict[str, float] = {}
     with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens, max_rows=chunk_tokens,
-                      kv_dtype=kv_dtype, share_slabs=share_slabs) as cluster:
+                      kv_dtype=kv_dtype, share_slabs=share_slabs, device=device) as cluster:
         server = GenerationLoop(cluster, weights, chunk_tokens=chunk_tokens,
                         on_token=lambda rid, _t: first_token.setdefault(rid, time.perf_counter()))
 
@@ -188,9 +195,35 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         "dop_prompt_tokens": len(by_dop[dops[0]][0]) if dops else 0,
         "cached_hit_tokens": hit,
         "setup": {"instances": instances, "segment_tokens": segment_tokens, "chunk_tokens": chunk_tokens,
-                  "kv_dtype": kv_dtype, "share_slabs": share_slabs, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)",
+                  "kv_dtype": kv_dtype, "share_slabs": share_slabs and gpu is None, **_where(device, gpu, kv_dtype),
                   "decode_batch": main, "decode_tokens": decode_tokens},
     }
+
+
+def _model(device: str, kv_dtype: str):
+    """``(weights, tokenizer, GPU name or None)``: on a GPU ``device`` the weights are
+    placed there, their matrices in the pool's ``kv_dtype``."""
+    weights, tok = load_weights(), load_tokenizer()
+    if device == "cpu":
+        return weights, tok, None
+    return weights.placed(device, kv_dtype), tok, torch.cuda.get_device_name(device)
+
+
+def _where(device: str, gpu: str | None, kv_dtype: str) -> dict:
+    """The setup's model and device fields (a GPU's: its name and :func:`gpu_setup`)."""
+    model = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)"
+    if gpu is None:
+        return {"model": model, "device": device}
+    return {"model": f"{model}, matrices in {kv_dtype}", "device": device, "gpu": gpu, "gpu_setup": gpu_setup()}
+
+
+def _hardware_name(gpu: str | None) -> str:
+    """The hardware profile (``tokenlake/data/hardware.json``) that sizes the default
+    segment for ``gpu`` (its CUDA name; ``None``: the CPU)."""
+    if gpu is None:
+        return "cpu"
+    name = gpu.lower()
+    return "h200" if "h200" in name else "a100-80gb" if "a100" in name else "h100-80gb"
 
 
 def _decode_summary(runs: dict, rounds: int) -> tuple[dict, dict, dict]:
@@ -198,6 +231,7 @@ def _decode_summary(runs: dict, rounds: int) -> tuple[dict, dict, dict]:
     pool = {b: statistics.median(r["pool"]) for b, r in runs.items()}
     reference = {b: statistics.median(r["reference"]) for b, r in runs.items()}
     rows = {str(b): {"pool_tok_s": pool[b], "reference_tok_s": reference[b], "ratio": pool[b] / reference[b],
+                     "layer_query_ms": statistics.median(r["layer_ms"]) if r["layer_ms"] else None,
                      "pool_range": [min(r["pool"]), max(r["pool"])],
                      "reference_range": [min(r["reference"]), max(r["reference"])], "rounds": rounds}
             for b, r in runs.items()}

@@ -75,6 +75,13 @@ def _number(kind: type, text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
 
 
+def device_name(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
 def at_least(kind: type, low: float) -> Callable[[str], float]:
     """An argparse type: a ``kind`` (int or float) that is ``>= low``."""
 

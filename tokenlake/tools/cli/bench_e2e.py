@@ -8,7 +8,7 @@ import importlib.util
 import json
 
 from tokenlake.core.control import KV_DTYPES
-from tokenlake.tools.cli.args import positive
+from tokenlake.tools.cli.args import UsageError, device_name, positive
 
 
 def add_e2e(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,9 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier-rounds", type=positive(int), default=2, help="rounds of the tier row")
     p.add_argument("--tier-medium", choices=("disk", "memory"), default="disk",
                    help="where the tier row's tier is (memory: the transfer engine's host memory)")
+    p.add_argument("--device", default="cpu", type=device_name,
+                   help="'cuda' or 'cuda:N': the model, the plain engine and the pool on that GPU "
+                        "(needs --kv-dtype bfloat16 or float16; no vLLM or tier rows)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     p.set_defaults(run=run_e2e)
 
@@ -50,12 +53,18 @@ def run_e2e(args: argparse.Namespace) -> int:
     if any(d > args.instances for d in args.dops):
         raise SystemExit(f"tokenlake bench e2e: error: --dops must not exceed --instances ({args.instances})")
     vllm = importlib.util.find_spec("vllm") is not None if args.vllm is None else args.vllm
+    if args.device != "cpu":
+        if args.kv_dtype == "float32":
+            raise UsageError(f"bench e2e: --device {args.device} needs --kv-dtype bfloat16 or float16")
+        if args.tier_only or args.vllm:
+            raise UsageError(f"bench e2e: --device {args.device} has no tier or vLLM rows (CPU only)")
+        vllm, args.tier = False, False
     result = {}
     if not args.tier_only:
         result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
                            dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
                            kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
-                           share_slabs=args.share_slabs)
+                           share_slabs=args.share_slabs, device=args.device)
     if args.tier or args.tier_only:
         result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype, medium=args.tier_medium)
     if args.json:

@@ -20,7 +20,7 @@ from tokenlake.core.errors import TokenLakeError
 from tokenlake.core.specs import load_model
 from tokenlake.tools import walkthrough
 from tokenlake.tools.cli import config as cli_config
-from tokenlake.tools.cli.args import UsageError, positive
+from tokenlake.tools.cli.args import UsageError, device_name, positive
 from tokenlake.tools.config import configure_logging
 
 
@@ -53,6 +53,9 @@ def add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=positive(int), default=4, help="pool instances")
     p.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES),
                    help="element type of the pool's K/V (the reference engine's cache: the same)")
+    p.add_argument("--device", default="cpu", type=device_name,
+                   help="'cuda' or 'cuda:N': the model and the pool on that GPU (needs --kv-dtype "
+                        "bfloat16 or float16, which the model's matrices take too)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run_demo)
 
@@ -62,7 +65,9 @@ def run_demo(args: argparse.Namespace) -> int:
     # torch and the model load only when the demo runs, not for --help
     from tokenlake.tools.demo import DemoConfig, print_report, run_demo
 
-    report = run_demo(DemoConfig(instances=args.instances, kv_dtype=args.kv_dtype),
+    if args.device != "cpu" and args.kv_dtype == "float32":
+        raise UsageError(f"demo: --device {args.device} needs --kv-dtype bfloat16 or float16")
+    report = run_demo(DemoConfig(instances=args.instances, kv_dtype=args.kv_dtype, device=args.device),
                       progress=(lambda *_: None) if args.json else print)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -121,6 +126,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"serve --ray: --engine {cfg.engine} serves without --ray only")
     if cfg.kv_layout != "tokenlake":
         raise UsageError(f"serve --ray: --kv-layout {cfg.kv_layout} serves without --ray only")
+    if cfg.device != "cpu":
+        raise UsageError(f"serve --ray: --device {cfg.device} serves without --ray only (a Ray "
+                         "cluster of GPU instances has not run yet)")
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -193,7 +201,7 @@ def serve_config(cfg):
 
     cluster = ClusterConfig(cfg.instances, load_model(cfg.model), cfg.pool_mb << 20, cfg.segment_tokens,
                             cfg.max_rows, host=cfg.bind, insecure=cfg.insecure, kv_layout=cfg.kv_layout,
-                            page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype,
+                            page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype, device=cfg.device,
                             **tier_settings(cfg))
     return ServeConfig(cluster, host=cfg.host, control_port=cfg.control_port, http_port=cfg.http_port,
                          engine=cfg.engine, compute=cfg.compute, credentials=cfg.credentials,
@@ -220,8 +228,8 @@ def _serve_local(cfg, json_lines: bool) -> int:
         where += [f"OpenAI-compatible API at {info['http_url']}/v1 (metrics: "
                   f"{info['http_url']}/metrics)"] if info["http_url"] else []
         what = (f"{cfg.instances} instances of {cfg.model} ({cfg.pool_mb} MiB slab each, "
-                f"C = {cfg.segment_tokens}, {cfg.kv_dtype} KV)" if cfg.engine == "pool"
-                else f"{cfg.model} on the reference engine (no pool, no prefix cache)")
+                f"C = {cfg.segment_tokens}, {cfg.kv_dtype} KV, on {cfg.device})" if cfg.engine == "pool"
+                else f"{cfg.model} on the reference engine (no pool, no prefix cache; on {cfg.device})")
         if info["restored"] is not None:
             what += f", adopted from the process that served it before ({info['restored']} segments restored)"
         emit("ready", f"serving {what}; " + "; ".join(where) + "; Ctrl-C or SIGTERM stops",

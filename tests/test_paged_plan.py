@@ -146,12 +146,18 @@ def test_one_flashinfer_launch_equals_the_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_torch_path_of_a_gpu_pool_equals_the_reference(dtype):
+@pytest.mark.parametrize("step", [None, 200, 1])
+def test_the_torch_path_of_a_gpu_pool_equals_the_reference(dtype, step, monkeypatch):
     """Where FlashInfer is not installed a GPU pool's query engines attend with
     ``torch_slab_attention``; it runs on any device, so its result is checked here on the
-    CPU: groups with full and partial slots, a page hit beside an own tail, rows no group
-    covers, an empty slot."""
+    CPU: groups with full and partial slots, a page hit beside an own tail, entries of
+    different row counts, an empty slot; all entries in one padded step, in several
+    (``step`` elements a step), and one row at a time."""
+    from tokenlake.kernels import paged
     from tokenlake.kernels.paged import torch_slab_attention
+
+    if step is not None:
+        monkeypatch.setattr(paged, "TORCH_STEP_ELEMENTS", step)
 
     slab, q = _slab().to(dtype), torch.randn(7, 4, 8)
     groups = [(0, 2, [0, 1, 2], [C, C, 5]), (2, 3, [3, 4, 5], [C, 9, 3]), (3, 6, [6, 7], [C, 0]), (6, 7, [8], [C])]

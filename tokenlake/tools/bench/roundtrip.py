@@ -77,7 +77,8 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
     client.heads_up = True  # (the default, unless TOKENLAKE_BELL_HEADS_UP=0)
     client.query(0)
     out_path = "bell" if client._bell is not None else "socket"
-    attend = prepare_slabs_attention(rows, q.shape[1], [slab], [0], [slot], [PAGE])
+    attend = _gpu_attention(slab, rows, slot) if slab.is_cuda else \
+        prepare_slabs_attention(rows, q.shape[1], [slab], [0], [slot], [PAGE])
     out: dict = {"roundtrip": [], "heads_up": [], "socket": [], "attention": [], "ping": [], "path": out_path}
     try:
         for rep in range(repeats + 1):  # the first repeat warms up
@@ -109,6 +110,20 @@ def _measure(cluster, doc: list[int], rows: int, repeats: int) -> dict[str, list
     finally:
         cp.abort(plans)  # the rows were admitted by this iteration: the abort undoes them
     return out
+
+
+def _gpu_attention(slab, rows: int, slot: int) -> Callable:
+    """A GPU query engine's call for these rows over the slot (every row in one entry,
+    as a prefix that the rows share is), waited for: what the engine does per layer."""
+    import torch
+
+    from tokenlake.kernels.paged import gpu_slab_attention
+
+    def attend(q, layer: int) -> None:
+        gpu_slab_attention(q, slab, layer, [(0, rows, [slot], [PAGE])])
+        torch.cuda.current_stream(slab.device).synchronize()
+
+    return attend
 
 
 def _receive(fd: int, poll) -> bytes:
@@ -166,26 +181,35 @@ def fifo_pingpong(rounds: int = 1000) -> dict[str, float]:
     return out
 
 
-def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda line: None) -> dict:
-    """The figures of the module docstring, as JSON-ready data."""
+def bench_roundtrip(repeats: int = 20, progress: Callable[[str], None] = lambda line: None,
+                    device: str = "cpu") -> dict:
+    """The figures of the module docstring, as JSON-ready data. ``device`` ``"cuda"``:
+    the pool's buffers on the GPU, bfloat16 K/V, the attention alone being the GPU
+    query engine's call (``gpu``, ``gpu_setup``: the GPU's name, MPS, the kernels)."""
     import torch
 
     from tokenlake.core.specs import load_model
+    from tokenlake.deploy.gpu import gpu_setup
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.kernels import native
 
     model = load_model("smollm2-135m")
     torch.set_num_threads(2)  # as the query engine's (query_threads)
+    kv_dtype = "float32" if device == "cpu" else "bfloat16"
     seg = model.num_layers * 2 * model.num_kv_heads * PAGE * model.head_dim * 4
     doc = list(range(3, 3 + PAGE))
-    result: dict = {"isa": native.load().isa(), "model": model.name, "layers": model.num_layers,
+    mod = native.load()
+    where = {} if device == "cpu" else {"gpu": torch.cuda.get_device_name(device), "gpu_setup": gpu_setup()}
+    result: dict = {"isa": mod.isa() if mod is not None else None, "device": device, "kv_dtype": kv_dtype,
+                    **where, "model": model.name, "layers": model.num_layers,
                     "prefix_tokens": PAGE, "repeats": repeats,
                     **{k: {} for k in ("roundtrip_us", "attention_us", "overhead_us",
                                        "socket_roundtrip_us", "heads_up_roundtrip_us", "ping_us")}}
     progress("a FIFO ping-pong with another process ...")
     result["fifo_pingpong_us"] = fifo_pingpong()
     progress("starting a one-instance pool ...")
-    with LocalCluster(1, model, 64 * seg, segment_tokens=PAGE, max_rows=64, page_tokens=PAGE) as cluster:
+    with LocalCluster(1, model, 64 * seg, segment_tokens=PAGE, max_rows=64, page_tokens=PAGE,
+                      kv_dtype=kv_dtype, device=device) as cluster:
         _store(cluster, doc)
         for rows in ROWS:
             progress(f"{rows} rows: {repeats} x {model.num_layers} layers ...")

@@ -20,7 +20,7 @@ import os
 
 from tokenlake.tools.bench.kernel import add_kernel
 from tokenlake.tools.bench.plans import bench_plans
-from tokenlake.tools.cli.args import UsageError, fraction, positive
+from tokenlake.tools.cli.args import UsageError, device_name, fraction, positive
 from tokenlake.tools.cli.bench_e2e import add_e2e
 from tokenlake.tools.cli.bench_gpu import add_gpu
 from tokenlake.tools.cli.bench_serve import add_serve
@@ -356,6 +356,8 @@ def run_restart(args: argparse.Namespace) -> int:
 def add_roundtrip(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive(int), default=20,
                    help="passes over every layer per row count (after one warm-up pass)")
+    p.add_argument("--device", default="cpu", type=device_name,
+                   help="'cuda' or 'cuda:N': the pool's buffers on that GPU (bfloat16 K/V)")
     _json_flag(p)
     p.set_defaults(run=run_roundtrip)
 
@@ -367,7 +369,7 @@ def run_roundtrip(args: argparse.Namespace) -> int:
     from tokenlake.tools.bench.roundtrip import bench_roundtrip, print_report
 
     result = bench_roundtrip(args.repeats, progress=lambda line: print(
-        f"bench roundtrip: {line}", file=sys.stderr, flush=True))
+        f"bench roundtrip: {line}", file=sys.stderr, flush=True), device=args.device)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

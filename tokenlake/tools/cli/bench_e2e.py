@@ -22,6 +22,8 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive(int), default=3, help="runs per DoP, interleaved")
     p.add_argument("--decode-rounds", type=positive(int), default=2,
                    help="decode measurements of each batch size, pool and plain engine alternately")
+    p.add_argument("--segment-tokens", type=positive(int), default=None,
+                   help="tokens per segment (default: the cost model's for the device)")
     p.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES),
                    help="the pool's K/V dtype (the plain engine's cache: the same)")
     p.add_argument("--share-slabs", action=argparse.BooleanOptionalAction, default=True,
@@ -64,7 +66,8 @@ def run_e2e(args: argparse.Namespace) -> int:
         result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
                            dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
                            kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
-                           share_slabs=args.share_slabs, device=args.device)
+                           share_slabs=args.share_slabs, device=args.device,
+                           segment_tokens=args.segment_tokens)
     if args.tier or args.tier_only:
         result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype, medium=args.tier_medium)
     if args.json:

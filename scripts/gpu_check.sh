@@ -7,6 +7,8 @@
 # control daemon for the roundtrip and e2e figures and stops it after them)
 # Each step writes OUT/STEP.out (its stdout: JSON for demo and e2e) and OUT/STEP.log (its
 # stderr), under a time limit; OUT/summary.json holds every step's exit status.
+# E2E_ARGS: more options of `bench e2e` (say "--instances 1 --dops", one instance as on
+# a GPU of its own); SEGMENT_TOKENS: its C (256).
 set -u
 OUT=${1:-gpu-check}
 shift || true
@@ -49,7 +51,7 @@ under_mps() {  # the roundtrip and e2e figures again with an MPS control daemon 
   local rc=0
   "$PY" -m tokenlake.tools.cli bench roundtrip --device cuda --json >"$OUT/mps_roundtrip.json" || rc=$?
   "$PY" -m tokenlake.tools.cli bench e2e --device cuda --kv-dtype bfloat16 \
-    --segment-tokens "${SEGMENT_TOKENS:-256}" --json >"$OUT/mps_e2e.json" || rc=$?
+    --segment-tokens "${SEGMENT_TOKENS:-256}" ${E2E_ARGS:-} --json >"$OUT/mps_e2e.json" || rc=$?
   echo quit | nvidia-cuda-mps-control
   cat "$CUDA_MPS_LOG_DIRECTORY"/*.log >&2
   return $rc
@@ -62,7 +64,7 @@ for s in $STEPS; do
              -n "${TEST_WORKERS:-4}" ${TESTS_K:+-k "$TESTS_K"} ${TEST_FILES:-$GPU_TEST_FILES} ;;
     demo) step demo 240 "$PY" -m tokenlake.tools.cli demo --device cuda --kv-dtype bfloat16 --json ;;
     e2e) step e2e 300 "$PY" -m tokenlake.tools.cli bench e2e --device cuda --kv-dtype bfloat16 \
-           --segment-tokens "${SEGMENT_TOKENS:-256}" --json ;;
+           --segment-tokens "${SEGMENT_TOKENS:-256}" ${E2E_ARGS:-} --json ;;
     mps) export -f under_mps; export PY OUT; step mps 300 bash -c under_mps ;;
     roundtrip) step roundtrip 180 "$PY" -m tokenlake.tools.cli bench roundtrip --device cuda --json ;;
     *) echo "unknown step $s"; RC[$s]=2 ;;

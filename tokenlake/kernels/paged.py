@@ -264,22 +264,59 @@ def torch_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[G
     return unpack(batch, o, lse, rows)
 
 
-def _entry_runs(batch: PagedBatch, page: int, q_heads: int, kv_size: int) -> list[tuple[int, int]]:
+def _entry_runs(batch: PagedBatch, page: int, q_heads: int, kv_size: int, bound: int) -> list[tuple[int, int]]:
     """Runs ``[a, b)`` of entries that one padded step serves: their scores (entries x
     most rows x q heads x most tokens) and gathered K (entries x most tokens x
-    ``kv_size``) within :data:`TORCH_STEP_ELEMENTS`, or one entry alone (whose rows are
-    then split)."""
+    ``kv_size``) within ``bound`` elements, or one entry alone (whose rows are then
+    split)."""
     runs, start, rows, pages = [], 0, 0, 0
     for e in range(batch.entries):
         r = batch.qo_indptr[e + 1] - batch.qo_indptr[e]
         p = batch.kv_indptr[e + 1] - batch.kv_indptr[e]
         n, r2, p2 = e + 1 - start, max(rows, r), max(pages, p)
-        if e > start and n * p2 * page * max(r2 * q_heads, kv_size) > TORCH_STEP_ELEMENTS:
+        if e > start and n * p2 * page * max(r2 * q_heads, kv_size) > bound:
             runs.append((start, e))
             start, r2, p2 = e, r, p
         rows, pages = r2, p2
     runs.append((start, batch.entries))
     return runs
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One padded step's index tensors, on the device: ``pages`` [n, most pages] and
+    ``rows`` [n, most rows] (each padded with its entry's first), ``past`` [n, tokens]
+    (True past an entry's tokens), ``step``: rows per step (scores within the bound)."""
+
+    pages: Tensor
+    rows: Tensor
+    past: Tensor
+    step: int
+
+
+@functools.lru_cache(maxsize=16)
+def _runs(batch: PagedBatch, page: int, q_heads: int, kv_size: int, device: str,
+          bound: int) -> tuple[_Run, ...]:
+    """The padded steps of ``batch`` (``bound``: :data:`TORCH_STEP_ELEMENTS`), made once: a
+    query attends the same entries in every layer (as FlashInfer's plan is made once per
+    query), so later layers only launch."""
+    out = []
+    for a, b in _entry_runs(batch, page, q_heads, kv_size, bound):
+        n = b - a
+        pages = [list(batch.kv_indices[batch.kv_indptr[e]:batch.kv_indptr[e + 1]]) for e in range(a, b)]
+        rows = [list(range(batch.qo_indptr[e], batch.qo_indptr[e + 1])) for e in range(a, b)]
+        most_pages, most_rows = max(map(len, pages)), max(map(len, rows))
+        width = max(most_pages, most_rows, n)
+        tokens = [(len(p) - 1) * page + batch.last_page_len[e] for e, p in zip(range(a, b), pages)]
+        # one copy to the device: each entry's pages, then its rows, each padded with its
+        # first (a padded row computes what its entry's first row does, and writes the
+        # same), then every entry's tokens
+        host = [ids + ids[:1] * (width - len(ids)) for ids in pages + rows] + [tokens + [0] * (width - n)]
+        idx = torch.tensor(host, dtype=torch.long).to(device)
+        past = torch.arange(most_pages * page, device=device) >= idx[2 * n, :n][:, None]
+        out.append(_Run(idx[:n, :most_pages], idx[n:2 * n, :most_rows], past,
+                        max(1, bound // (n * q_heads * most_pages * page))))
+    return tuple(out)
 
 
 def _padded_attention(q_packed: Tensor, k_pages: Tensor, v_pages: Tensor, batch: PagedBatch,
@@ -293,26 +330,15 @@ def _padded_attention(q_packed: Tensor, k_pages: Tensor, v_pages: Tensor, batch:
     group = q_heads // kv_heads
     o = torch.empty(q_packed.shape, dtype=torch.float32, device=dev)
     lse = torch.empty(q_packed.shape[:2], dtype=torch.float32, device=dev)
-    for a, b in _entry_runs(batch, page, q_heads, kv_heads * head_dim):
-        n = b - a
-        pages = [list(batch.kv_indices[batch.kv_indptr[e]:batch.kv_indptr[e + 1]]) for e in range(a, b)]
-        rows = [list(range(batch.qo_indptr[e], batch.qo_indptr[e + 1])) for e in range(a, b)]
-        most_pages, most_rows = max(map(len, pages)), max(map(len, rows))
-        width = max(most_pages, most_rows)
-        # one copy to the device: each entry's pages, then its rows, padded with its first
-        # (a padded row computes what its entry's first row does, and writes the same)
-        idx = torch.tensor([ids + ids[:1] * (width - len(ids)) for ids in pages + rows], dtype=torch.long).to(dev)
-        page_idx, row_idx = idx[:n, :most_pages], idx[n:, :most_rows]
-        tokens = torch.tensor([(len(p) - 1) * page + batch.last_page_len[e] for e, p in zip(range(a, b), pages)])
-        past = torch.arange(most_pages * page, device=dev) >= tokens.to(dev)[:, None]  # [n, S]
-        k, v = (kv[page_idx].transpose(2, 3).reshape(n, most_pages * page, kv_heads, head_dim)
+    for run in _runs(batch, page, q_heads, kv_heads * head_dim, str(dev), TORCH_STEP_ELEMENTS):
+        n, most_pages = run.pages.shape
+        k, v = (kv[run.pages].transpose(2, 3).reshape(n, most_pages * page, kv_heads, head_dim)
                 .permute(0, 2, 1, 3).float() for kv in (k_pages, v_pages))  # [n, Hk, S, E]
-        step = max(1, TORCH_STEP_ELEMENTS // (n * q_heads * most_pages * page))
-        for r0 in range(0, most_rows, step):
-            at = row_idx[:, r0:r0 + step]  # [n, R]
+        for r0 in range(0, run.rows.shape[1], run.step):
+            at = run.rows[:, r0:r0 + run.step]  # [n, R]
             qg = q_packed[at].float().view(n, at.shape[1], kv_heads, group, head_dim)
             scores = torch.einsum("nrhge,nhse->nrhgs", qg, k).mul_(scale)
-            scores.masked_fill_(past[:, None, None, None, :], float("-inf"))
+            scores.masked_fill_(run.past[:, None, None, None, :], float("-inf"))
             lse_r = torch.logsumexp(scores, dim=-1)
             o_r = torch.einsum("nrhgs,nhse->nrhge", scores.sub_(lse_r[..., None]).exp_(), v)
             o[at] = o_r.reshape(n, at.shape[1], q_heads, head_dim)

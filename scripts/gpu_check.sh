@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks and figures that need a GPU, in one run (issue #45; docs/benchmarks.md "The
+# The checks and figures that need a GPU, in one run (docs/benchmarks.md "The
 # model on a GPU"). Run from the repository root on a machine with a CUDA GPU whose python
 # has torch with CUDA and the project's dependencies:
 #   PYTHON=python3 bash scripts/gpu_check.sh [OUT] [STEP...]

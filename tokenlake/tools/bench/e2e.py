@@ -149,7 +149,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
     def prompt(question: str) -> tuple[int, ...]:
         return tuple(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}]))
 
-    seg = spec.num_layers * 2 * spec.num_kv_heads * segment_tokens * spec.head_dim * getattr(torch, kv_dtype).itemsize
+    seg = spec.segment_bytes(segment_tokens) * getattr(torch, kv_dtype).itemsize // spec.dtype_bytes
     pool_bytes = (doc_tokens * 2 // segment_tokens // instances + 2 * max(decode_batches) + 16) * seg
     first_token: dict[str, float] = {}
     with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens, max_rows=chunk_tokens,
@@ -162,9 +162,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
             server.run([GenerationRequest(rid, p, max_new, ())])
             return (first_token[rid] - t0) * 1e3
 
-        # untimed: a GPU's first kernels of each shape (and every engine's first query)
-        # load and plan what later ones reuse; the timed runs are steady state
-        server.run([GenerationRequest("warm-up", tuple(tok.encode(f"Warm up. {doc[:2000]}")), 4, ())])
+        _warm_up(server, tok, doc)
         cold_prompt = prompt("How tall is the Harbor Lighthouse?")
         recompute = ttft("cold", cold_prompt)
         cached_prompt = prompt("Who was the first keeper of the lighthouse?")
@@ -201,6 +199,12 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
                   "kv_dtype": kv_dtype, "share_slabs": share_slabs and gpu is None, **_where(device, gpu, kv_dtype),
                   "decode_batch": main, "decode_tokens": decode_tokens},
     }
+
+
+def _warm_up(server: GenerationLoop, tok, doc: str) -> None:
+    """An untimed request first: a GPU's first kernels of each shape (and every engine's
+    first query) load and plan what later ones reuse, so the timed runs are steady state."""
+    server.run([GenerationRequest("warm-up", tuple(tok.encode(f"Warm up. {doc[:2000]}")), 4, ())])
 
 
 def _model(device: str, kv_dtype: str):

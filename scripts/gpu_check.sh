@@ -48,11 +48,11 @@ under_mps() {  # the roundtrip and e2e figures again with an MPS control daemon 
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/tokenlake-mps CUDA_MPS_LOG_DIRECTORY=/tmp/tokenlake-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || return 4
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT  # also when the step's time limit ends it
   local rc=0
   "$PY" -m tokenlake.tools.cli bench roundtrip --device cuda --json >"$OUT/mps_roundtrip.json" || rc=$?
   "$PY" -m tokenlake.tools.cli bench e2e --device cuda --kv-dtype bfloat16 \
     --segment-tokens "${SEGMENT_TOKENS:-256}" ${E2E_ARGS:-} --json >"$OUT/mps_e2e.json" || rc=$?
-  echo quit | nvidia-cuda-mps-control
   cat "$CUDA_MPS_LOG_DIRECTORY"/*.log >&2
   return $rc
 }

@@ -197,10 +197,11 @@ def test_a_bad_port_range_from_the_environment_is_a_mistake_too(monkeypatch, cap
     (["bench", "sim", "--trace", "missing.jsonl"], "not found"),
     (["serve", "--device", "gpu"], "'cpu', 'cuda' or 'cuda:N'"),
     (["serve", "--device", "cuda", "--ray", "auto"], "serves without --ray only"),
-    (["serve", "--device", "cuda", "--control-port", "0", "--http-port", "0"], "needs a half kv_dtype"),
+    (["serve", "--device", "cuda", "--kv-layout", "hf"], "serves --kv-layout tokenlake only"),
     (["demo", "--device", "cuda"], "needs --kv-dtype bfloat16 or float16"),
     (["bench", "e2e", "--device", "cuda"], "needs --kv-dtype bfloat16 or float16"),
     (["bench", "e2e", "--device", "cuda", "--kv-dtype", "bfloat16", "--tier-only"], "no tier or vLLM rows"),
+    (["bench", "e2e", "--device", "cuda", "--kv-dtype", "bfloat16", "--tier"], "no tier or vLLM rows"),
 ])
 def test_mistakes_found_while_running_end_in_one_line_and_exit_2(argv, needle, tmp_path,
                                                                  monkeypatch, capsys):
@@ -370,3 +371,16 @@ def test_an_experiment_whose_run_cannot_finish_ends_in_one_line_and_exit_1(tmp_p
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("tokenlake: eval hit-rate failed: hit-rate 5.0 GB sglang-router: ")
     assert "KV tokens" in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without a GPU")
+@pytest.mark.parametrize("argv", [
+    ["serve", "--device", "cuda", "--kv-dtype", "bfloat16", "--control-port", "0", "--http-port", "0"],
+    ["demo", "--device", "cuda:1", "--kv-dtype", "bfloat16"],
+    ["bench", "e2e", "--device", "cuda", "--kv-dtype", "bfloat16", "--no-tier"],
+    ["bench", "roundtrip", "--device", "cuda"],
+])
+def test_a_gpu_that_is_not_there_is_one_line_and_exit_2(argv, capsys):
+    code, _, err = run(argv, capsys)
+    assert_one_line_error(code, err)
+    assert "sees no CUDA GPU" in err

@@ -53,17 +53,21 @@ def test_without_flashinfer_a_gpu_pool_attends_with_torch(monkeypatch, caplog):
     import logging
 
     from tokenlake.deploy.gpu import gpu_setup
-    from tokenlake.kernels import paged
+    from tokenlake.kernels import paged_torch
+    from tokenlake.kernels.attention import partial_attention_ref
 
     _flashinfer_found(monkeypatch, False)
-    monkeypatch.setattr(paged, "flashinfer_installed", lambda: False)
+    monkeypatch.setattr(paged_torch, "_flashinfer", {"ok": False})  # as if the import had failed
     setup = gpu_setup({"CUDA_MPS_PIPE_DIRECTORY": "/nonexistent-mps"})
     assert setup["attention"] == "torch" and setup["mps"] is False
     assert "FlashInfer is not installed" in setup["summary"] and "MPS is not active" in setup["summary"]
     slab, q = torch.randn(4, 2, 2, 2, C, 8).bfloat16(), torch.randn(3, 4, 8)
-    got = paged.gpu_slab_attention(q, slab, 1, [(0, 3, [0, 2], [C, 5])])
-    want = paged.torch_slab_attention(q, slab, 1, [(0, 3, [0, 2], [C, 5])])
-    assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse)
+    got = paged_torch.gpu_slab_attention(q, slab, 1, [(0, 3, [0, 2], [C, 5])], 0.3)
+    k = torch.cat([slab[0, 1, 0].transpose(0, 1), slab[2, 1, 0, :, :5].transpose(0, 1)]).double()
+    v = torch.cat([slab[0, 1, 1].transpose(0, 1), slab[2, 1, 1, :, :5].transpose(0, 1)]).double()
+    want_o, want_lse = partial_attention_ref(q.double(), k, v, scale=0.3)
+    torch.testing.assert_close(got.o.double(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse.double(), want_lse, rtol=1e-5, atol=1e-5)
     with caplog.at_level(logging.INFO, logger="tokenlake.deploy.base"):
         LocalCluster(1, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda")  # not started
     assert any("query engines attend with torch" in r.getMessage() for r in caplog.records)

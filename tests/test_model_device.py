@@ -39,6 +39,19 @@ def test_placed_weights_keep_their_norms_in_float32(tiny_llama):
         weights.placed("cpu", torch.int8)
 
 
+def test_half_matrices_move_the_logits_a_little_and_not_the_answer(tiny_llama):
+    """The reference with bfloat16 matrices against float32 on the same prompt: logits
+    close, the same greedy token at every step (a wrong ``placed`` or half product, which
+    the pool-against-reference tests share with the reference, fails here)."""
+    weights, tok, _ = tiny_llama
+    prompt = _prompts(tok)[0]
+    f32 = ReferenceEngine(weights).generate(list(prompt), 4, stop_ids=())
+    half = ReferenceEngine(weights.placed("cpu", torch.bfloat16)).generate(list(prompt), 4, stop_ids=())
+    assert half.output_ids == f32.output_ids
+    for a, b in zip(half.logits, f32.logits):
+        assert 0 < (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+
+
 def _through_the_pool(weights, tok, device: str, kv_dtype: str, instances: int = 2):
     prompts = _prompts(tok)
     with LocalCluster(instances, model_spec(weights), pool_bytes(weights, C, SLOTS), segment_tokens=C,

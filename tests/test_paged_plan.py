@@ -153,11 +153,11 @@ def test_the_torch_path_of_a_gpu_pool_equals_the_reference(dtype, step, monkeypa
     CPU: groups with full and partial slots, a page hit beside an own tail, entries of
     different row counts, an empty slot; all entries in one padded step, in several
     (``step`` elements a step), and one row at a time."""
-    from tokenlake.kernels import paged
-    from tokenlake.kernels.paged import torch_slab_attention
+    from tokenlake.kernels import paged_torch
+    from tokenlake.kernels.paged_torch import torch_slab_attention
 
     if step is not None:
-        monkeypatch.setattr(paged, "TORCH_STEP_ELEMENTS", step)
+        monkeypatch.setattr(paged_torch, "TORCH_STEP_ELEMENTS", step)
 
     slab, q = _slab().to(dtype), torch.randn(7, 4, 8)
     groups = [(0, 2, [0, 1, 2], [C, C, 5]), (2, 3, [3, 4, 5], [C, 9, 3]), (3, 6, [6, 7], [C, 0]), (6, 7, [8], [C])]
@@ -167,3 +167,24 @@ def test_the_torch_path_of_a_gpu_pool_equals_the_reference(dtype, step, monkeypa
     torch.testing.assert_close(got.lse.double(), want_lse, rtol=1e-5, atol=1e-5)
     empty = torch_slab_attention(q, slab, 0, [(0, 7, [3], [0])])  # nothing to attend: lse -inf
     assert torch.isinf(empty.lse).all() and not empty.o.any()
+
+
+def test_the_torch_paths_runs_keep_their_bound_and_little_padding():
+    """Runs of sorted entries: each one's padded K and V fit half the bound and its padding
+    adds at most half again to its work, unless the run is a single entry."""
+    from tokenlake.kernels.paged_torch import PADDING, _entry_runs
+
+    rng = random.Random(0)
+    for _ in range(200):
+        entries = sorted((rng.randint(1, 40), rng.choice([1, 1, 1, 4, 64])) for _ in range(rng.randint(1, 30)))
+        pages, rows = [p for p, _ in entries], [r for _, r in entries]
+        bound = rng.choice([1 << 12, 1 << 16, 1 << 20])
+        runs = _entry_runs(pages, rows, 16, 9, 192, bound)
+        assert [a for a, _ in runs] == [0, *(b for _, b in runs[:-1])] and runs[-1][1] == len(entries)
+        for a, b in runs:
+            if b - a == 1:
+                continue
+            n, most_p, most_r = b - a, max(pages[a:b]), max(rows[a:b])
+            assert 2 * n * most_p * 16 * 192 <= bound // 2
+            real = sum(p * (r * 9 + 192) for p, r in zip(pages[a:b], rows[a:b]))
+            assert n * most_p * (most_r * 9 + 192) <= PADDING * real

@@ -67,7 +67,8 @@ class ClusterConfig:
             ``"float16"``): slabs, puts, replicas and migrations carry it; queries still
             send float32 q rows and get float32 partials (docs/design.md "KV dtype").
         device: where the buffers live: ``"cpu"`` (POSIX shared memory) or ``"cuda"`` /
-            ``"cuda:N"`` (CUDA IPC; half ``kv_dtype`` only, FlashInfer's batched kernels;
+            ``"cuda:N"`` (CUDA IPC; half ``kv_dtype`` only; FlashInfer's batched kernels where it
+            imports, torch's otherwise;
             docs/design.md "GPU path").
         share_slabs: every engine maps the other instances' slabs, where the launcher
             runs them all on one machine and the pool is on the CPU (``LocalCluster``:
@@ -130,7 +131,7 @@ class ClusterConfig:
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device != "cpu" and self.kv_dtype == "float32":
             raise ConfigError(f"device={self.device!r} needs a half kv_dtype: a GPU pool holds float16 or "
-                              "bfloat16 K/V (FlashInfer's kernels), not float32")
+                              "bfloat16 K/V, not float32")
         for name in ("insecure", "share_slabs"):  # a 0 or 1 is taken, as bool() took it before
             value = getattr(self, name)
             if not isinstance(value, int) or value not in (0, 1):

@@ -20,8 +20,6 @@ makes the one call per layer per query (tested on a GPU, ``pytest -m gpu``; CI h
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -236,131 +234,15 @@ def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Seque
     return unpack(batch, o, lse_base2_to_natural(lse2.float()), rows)
 
 
-@functools.cache
-def flashinfer_installed() -> bool:
-    """Whether FlashInfer can be imported here (looked up once, not imported)."""
-    return importlib.util.find_spec("flashinfer") is not None
-
-
-#: Most elements of float32 scores, or of gathered K, one step of the torch path holds
-#: (:func:`torch_slab_attention`): 64 Mi, 256 MB.
-TORCH_STEP_ELEMENTS = 1 << 26
-
-
-def torch_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[Group],
-                         scale: float | None = None) -> Partial:
-    """What :func:`flashinfer_slab_attention` computes, in torch (float32) on the slab's
-    device: a GPU pool's query engines attend this way where FlashInfer is not installed.
-    The entries run together, padded to the longest (:func:`_padded_attention`), not one
-    after the other: a decode batch's are a few launches, not a few per request. Any
-    device (tested against the slab attention on the CPU)."""
-    rows, q_heads, head_dim = q.shape
-    batch = paged_batch(groups, slab.shape[4])
-    if batch.entries == 0:
-        return empty_partial(rows, q_heads, head_dim, device=slab.device)
-    dev = slab.device
-    q_packed = q.to(dev) if batch.is_identity(rows) else q.to(dev)[torch.tensor(batch.q_index(), device=dev)]
-    o, lse = _padded_attention(q_packed, slab[:, layer, 0], slab[:, layer, 1], batch, softmax_scale(scale, head_dim))
-    return unpack(batch, o, lse, rows)
-
-
-def _entry_runs(batch: PagedBatch, page: int, q_heads: int, kv_size: int, bound: int) -> list[tuple[int, int]]:
-    """Runs ``[a, b)`` of entries that one padded step serves: their scores (entries x
-    most rows x q heads x most tokens) and gathered K (entries x most tokens x
-    ``kv_size``) within ``bound`` elements, or one entry alone (whose rows are then
-    split)."""
-    runs, start, rows, pages = [], 0, 0, 0
-    for e in range(batch.entries):
-        r = batch.qo_indptr[e + 1] - batch.qo_indptr[e]
-        p = batch.kv_indptr[e + 1] - batch.kv_indptr[e]
-        n, r2, p2 = e + 1 - start, max(rows, r), max(pages, p)
-        if e > start and n * p2 * page * max(r2 * q_heads, kv_size) > bound:
-            runs.append((start, e))
-            start, r2, p2 = e, r, p
-        rows, pages = r2, p2
-    runs.append((start, batch.entries))
-    return runs
-
-
-@dataclass(frozen=True)
-class _Run:
-    """One padded step's index tensors, on the device: ``pages`` [n, most pages] and
-    ``rows`` [n, most rows] (each padded with its entry's first), ``past`` [n, tokens]
-    (True past an entry's tokens), ``step``: rows per step (scores within the bound)."""
-
-    pages: Tensor
-    rows: Tensor
-    past: Tensor
-    step: int
-
-
-@functools.lru_cache(maxsize=16)
-def _runs(batch: PagedBatch, page: int, q_heads: int, kv_size: int, device: str,
-          bound: int) -> tuple[_Run, ...]:
-    """The padded steps of ``batch`` (``bound``: :data:`TORCH_STEP_ELEMENTS`), made once: a
-    query attends the same entries in every layer (as FlashInfer's plan is made once per
-    query), so later layers only launch."""
-    out = []
-    for a, b in _entry_runs(batch, page, q_heads, kv_size, bound):
-        n = b - a
-        pages = [list(batch.kv_indices[batch.kv_indptr[e]:batch.kv_indptr[e + 1]]) for e in range(a, b)]
-        rows = [list(range(batch.qo_indptr[e], batch.qo_indptr[e + 1])) for e in range(a, b)]
-        most_pages, most_rows = max(map(len, pages)), max(map(len, rows))
-        width = max(most_pages, most_rows, n)
-        tokens = [(len(p) - 1) * page + batch.last_page_len[e] for e, p in zip(range(a, b), pages)]
-        # one copy to the device: each entry's pages, then its rows, each padded with its
-        # first (a padded row computes what its entry's first row does, and writes the
-        # same), then every entry's tokens
-        host = [ids + ids[:1] * (width - len(ids)) for ids in pages + rows] + [tokens + [0] * (width - n)]
-        idx = torch.tensor(host, dtype=torch.long).to(device)
-        past = torch.arange(most_pages * page, device=device) >= idx[2 * n, :n][:, None]
-        out.append(_Run(idx[:n, :most_pages], idx[n:2 * n, :most_rows], past,
-                        max(1, bound // (n * q_heads * most_pages * page))))
-    return tuple(out)
-
-
-def _padded_attention(q_packed: Tensor, k_pages: Tensor, v_pages: Tensor, batch: PagedBatch,
-                      scale: float) -> tuple[Tensor, Tensor]:
-    """:func:`paged_reference`'s result, computed a run of entries at a time: each
-    entry's pages gathered into one padded K/V (tokens past the entry's masked out), its
-    rows padded to the run's most, both products batched over the run's entries."""
-    dev = q_packed.device
-    q_heads, head_dim = q_packed.shape[1], q_packed.shape[2]
-    kv_heads, page = k_pages.shape[1], k_pages.shape[2]
-    group = q_heads // kv_heads
-    o = torch.empty(q_packed.shape, dtype=torch.float32, device=dev)
-    lse = torch.empty(q_packed.shape[:2], dtype=torch.float32, device=dev)
-    for run in _runs(batch, page, q_heads, kv_heads * head_dim, str(dev), TORCH_STEP_ELEMENTS):
-        n, most_pages = run.pages.shape
-        k, v = (kv[run.pages].transpose(2, 3).reshape(n, most_pages * page, kv_heads, head_dim)
-                .permute(0, 2, 1, 3).float() for kv in (k_pages, v_pages))  # [n, Hk, S, E]
-        for r0 in range(0, run.rows.shape[1], run.step):
-            at = run.rows[:, r0:r0 + run.step]  # [n, R]
-            qg = q_packed[at].float().view(n, at.shape[1], kv_heads, group, head_dim)
-            scores = torch.einsum("nrhge,nhse->nrhgs", qg, k).mul_(scale)
-            scores.masked_fill_(run.past[:, None, None, None, :], float("-inf"))
-            lse_r = torch.logsumexp(scores, dim=-1)
-            o_r = torch.einsum("nrhgs,nhse->nrhge", scores.sub_(lse_r[..., None]).exp_(), v)
-            o[at] = o_r.reshape(n, at.shape[1], q_heads, head_dim)
-            lse[at] = lse_r.reshape(n, at.shape[1], q_heads)
-    return o, lse
-
-
-def gpu_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[Group],
-                       scale: float | None = None) -> Partial:
-    """A CUDA slab's attention: one FlashInfer launch where FlashInfer is installed,
-    :func:`torch_slab_attention` otherwise (docs/design.md "GPU path")."""
-    attend = flashinfer_slab_attention if flashinfer_installed() else torch_slab_attention
-    return attend(q, slab, layer, groups, scale)
-
-
 def warm_up(slab: Tensor, q_heads: int) -> None:
     """Loads the batched kernels (decode and prefill) for ``slab``'s dtype and head size
     before the first query needs them: the first use on a machine compiles them
     (FlashInfer's JIT, cached under ``~/.cache/flashinfer``; 20-35 s per kernel on an H100
     machine), longer than a query may wait. Reads one token of slot 0; writes nothing.
     Nothing to do without FlashInfer (the torch path compiles nothing)."""
-    if not flashinfer_installed():
+    from tokenlake.kernels.paged_torch import flashinfer_usable
+
+    if not flashinfer_usable():
         return
     q = torch.zeros(2, q_heads, slab.shape[5], device=slab.device)
     flashinfer_slab_attention(q[:1], slab, 0, [(0, 1, [0], [1])])  # decode

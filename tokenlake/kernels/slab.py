@@ -29,7 +29,7 @@ from tokenlake.kernels.attention import (
     write_into,
 )
 from tokenlake.kernels.cpu import attend_grouped, from_grouped, to_grouped
-from tokenlake.kernels.paged import gpu_slab_attention
+from tokenlake.kernels.paged_torch import gpu_slab_attention
 
 #: Grouped query rows (rows x query heads per kv head) up to which the slab attention
 #: uses plain matmuls with one softmax over all slots instead of one flash-kernel call

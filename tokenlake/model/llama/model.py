@@ -102,17 +102,26 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 _MM_FLOAT_OUT: dict[str, bool | None] = {"cuda": None}
 
 
-def _half_linear(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` of half ``x`` and ``w`` as float32: the float32 accumulators themselves
-    on a GPU whose torch offers ``out_dtype``, the half product widened otherwise."""
-    if x.is_cuda and x.dim() == 2 and _MM_FLOAT_OUT["cuda"] is not False:
+def _mm_float_out(x: Tensor) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs here for half CUDA inputs
+    (probed once, on a 2 x 2 product: an older torch lacks it; a later error of a real
+    product, out of memory say, is raised as it is)."""
+    if _MM_FLOAT_OUT["cuda"] is None:
+        probe = torch.ones(2, 2, dtype=x.dtype, device=x.device)
         try:
-            out = torch.mm(x, w.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):  # an older torch
+            torch.mm(probe, probe, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
             _MM_FLOAT_OUT["cuda"] = False
         else:
             _MM_FLOAT_OUT["cuda"] = True
-            return out
+    return bool(_MM_FLOAT_OUT["cuda"])
+
+
+def _half_linear(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` of half ``x`` and ``w`` as float32: the float32 accumulators themselves
+    on a GPU whose torch offers ``out_dtype``, the half product widened otherwise."""
+    if x.is_cuda and x.dim() == 2 and _mm_float_out(x):
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
     return F.linear(x, w).float()
 
 

@@ -162,7 +162,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
             server.run([GenerationRequest(rid, p, max_new, ())])
             return (first_token[rid] - t0) * 1e3
 
-        _warm_up(server, tok, doc)
+        _warm_up(server, tok, chunk_tokens)
         cold_prompt = prompt("How tall is the Harbor Lighthouse?")
         recompute = ttft("cold", cold_prompt)
         cached_prompt = prompt("Who was the first keeper of the lighthouse?")
@@ -201,10 +201,12 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
     }
 
 
-def _warm_up(server: GenerationLoop, tok, doc: str) -> None:
-    """An untimed request first: a GPU's first kernels of each shape (and every engine's
-    first query) load and plan what later ones reuse, so the timed runs are steady state."""
-    server.run([GenerationRequest("warm-up", tuple(tok.encode(f"Warm up. {doc[:2000]}")), 4, ())])
+def _warm_up(server: GenerationLoop, tok, chunk_tokens: int) -> None:
+    """An untimed request first, of a whole chunk and a part (a prefix of its own): a
+    GPU's first kernels of each shape (and every engine's first query) load and plan
+    what later ones reuse, so the timed runs are steady state."""
+    prompt = tuple(tok.encode(f"Warm up. {_long_document(tok, chunk_tokens + 64)}"))
+    server.run([GenerationRequest("warm-up", prompt, 4, ())])
 
 
 def _model(device: str, kv_dtype: str):
@@ -226,7 +228,8 @@ def _where(device: str, gpu: str | None, kv_dtype: str) -> dict:
 
 def _hardware_name(gpu: str | None) -> str:
     """The hardware profile (``tokenlake/data/hardware.json``) that sizes the default
-    segment for ``gpu`` (its CUDA name; ``None``: the CPU)."""
+    segment for ``gpu`` (its CUDA name; ``None``: the CPU; a GPU without a profile of its
+    own: the H100's)."""
     if gpu is None:
         return "cpu"
     name = gpu.lower()

@@ -117,7 +117,7 @@ def _gpu_attention(slab, rows: int, slot: int) -> Callable:
     as a prefix that the rows share is), waited for: what the engine does per layer."""
     import torch
 
-    from tokenlake.kernels.paged import gpu_slab_attention
+    from tokenlake.kernels.paged_torch import gpu_slab_attention
 
     def attend(q, layer: int) -> None:
         gpu_slab_attention(q, slab, layer, [(0, rows, [slot], [PAGE])])

@@ -82,6 +82,20 @@ def device_name(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
 
 
+def check_device(device: str, what: str) -> None:
+    """A :class:`UsageError` unless ``device`` (``cpu``, ``cuda``, ``cuda:N``) is here:
+    torch sees a CUDA GPU, and GPU ``N``. Loads torch for a CUDA device only."""
+    if device == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        seen = f"sees {count} GPU(s)" if count else "sees no CUDA GPU"
+        raise UsageError(f"{what}: --device {device}, but this torch ({torch.__version__}) {seen}")
+
+
 def at_least(kind: type, low: float) -> Callable[[str], float]:
     """An argparse type: a ``kind`` (int or float) that is ``>= low``."""
 

@@ -20,7 +20,7 @@ import os
 
 from tokenlake.tools.bench.kernel import add_kernel
 from tokenlake.tools.bench.plans import bench_plans
-from tokenlake.tools.cli.args import UsageError, device_name, fraction, positive
+from tokenlake.tools.cli.args import UsageError, check_device, device_name, fraction, positive
 from tokenlake.tools.cli.bench_e2e import add_e2e
 from tokenlake.tools.cli.bench_gpu import add_gpu
 from tokenlake.tools.cli.bench_serve import add_serve
@@ -368,6 +368,7 @@ def run_roundtrip(args: argparse.Namespace) -> int:
     # torch and a local pool: only when it runs
     from tokenlake.tools.bench.roundtrip import bench_roundtrip, print_report
 
+    check_device(args.device, "bench roundtrip")
     result = bench_roundtrip(args.repeats, progress=lambda line: print(
         f"bench roundtrip: {line}", file=sys.stderr, flush=True), device=args.device)
     if args.json:

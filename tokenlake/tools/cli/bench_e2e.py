@@ -8,7 +8,7 @@ import importlib.util
 import json
 
 from tokenlake.core.control import KV_DTYPES
-from tokenlake.tools.cli.args import UsageError, device_name, positive
+from tokenlake.tools.cli.args import UsageError, check_device, device_name, positive
 
 
 def add_e2e(p: argparse.ArgumentParser) -> None:
@@ -32,9 +32,9 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
                    help="measure vLLM's CPU build on the same prompts and cores afterwards "
                         "(default: when vllm is installed)")
-    p.add_argument("--tier", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--tier", action=argparse.BooleanOptionalAction, default=None,
                    help="also time a question about a document held only in the disk tier "
-                        "against recomputing it (the tier row)")
+                        "against recomputing it (the tier row; default: on the CPU)")
     p.add_argument("--tier-only", action="store_true", help="the tier row alone")
     p.add_argument("--tier-rounds", type=positive(int), default=2, help="rounds of the tier row")
     p.add_argument("--tier-medium", choices=("disk", "memory"), default="disk",
@@ -58,9 +58,11 @@ def run_e2e(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         if args.kv_dtype == "float32":
             raise UsageError(f"bench e2e: --device {args.device} needs --kv-dtype bfloat16 or float16")
-        if args.tier_only or args.vllm:
+        if args.tier_only or args.tier or args.vllm:
             raise UsageError(f"bench e2e: --device {args.device} has no tier or vLLM rows (CPU only)")
-        vllm, args.tier = False, False
+        check_device(args.device, "bench e2e")
+        vllm = False
+    tier = args.tier_only or (args.device == "cpu" if args.tier is None else args.tier)
     result = {}
     if not args.tier_only:
         result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
@@ -68,7 +70,7 @@ def run_e2e(args: argparse.Namespace) -> int:
                            kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
                            share_slabs=args.share_slabs, device=args.device,
                            segment_tokens=args.segment_tokens)
-    if args.tier or args.tier_only:
+    if tier:
         result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype, medium=args.tier_medium)
     if args.json:
         print(json.dumps(result, indent=2))

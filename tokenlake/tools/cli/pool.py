@@ -20,7 +20,7 @@ from tokenlake.core.errors import TokenLakeError
 from tokenlake.core.specs import load_model
 from tokenlake.tools import walkthrough
 from tokenlake.tools.cli import config as cli_config
-from tokenlake.tools.cli.args import UsageError, device_name, positive
+from tokenlake.tools.cli.args import UsageError, check_device, device_name, positive
 from tokenlake.tools.config import configure_logging
 
 
@@ -67,6 +67,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     if args.device != "cpu" and args.kv_dtype == "float32":
         raise UsageError(f"demo: --device {args.device} needs --kv-dtype bfloat16 or float16")
+    check_device(args.device, "demo")
     report = run_demo(DemoConfig(instances=args.instances, kv_dtype=args.kv_dtype, device=args.device),
                       progress=(lambda *_: None) if args.json else print)
     if args.json:
@@ -118,6 +119,13 @@ def run_serve(args: argparse.Namespace) -> int:
     """Runs until Ctrl-C or SIGTERM; a cluster that cannot start is a one-line error (2)."""
     cfg = cli_config.settings_from_args(args).settings
     configure_logging(cfg.log_level)
+    if cfg.device != "cpu":
+        if cfg.ray_address is not None:
+            raise UsageError(f"serve --ray: --device {cfg.device} serves without --ray only (a Ray "
+                             "cluster of GPU instances has not run yet)")
+        if cfg.kv_layout != "tokenlake":
+            raise UsageError(f"serve: --kv-layout {cfg.kv_layout} is vLLM's KV for its CPU build: "
+                             f"--device {cfg.device} serves --kv-layout tokenlake only")
     if cfg.ray_address is None:
         return _serve_local(cfg, args.json)
     if importlib.util.find_spec("ray") is None:
@@ -126,9 +134,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"serve --ray: --engine {cfg.engine} serves without --ray only")
     if cfg.kv_layout != "tokenlake":
         raise UsageError(f"serve --ray: --kv-layout {cfg.kv_layout} serves without --ray only")
-    if cfg.device != "cpu":
-        raise UsageError(f"serve --ray: --device {cfg.device} serves without --ray only (a Ray "
-                         "cluster of GPU instances has not run yet)")
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -215,6 +220,7 @@ def _serve_local(cfg, json_lines: bool) -> int:
     # The local pool starts engines and maps tensors (torch): only this command loads it.
     from tokenlake.service.serve import serve_local
 
+    check_device(cfg.device, "serve")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop
 

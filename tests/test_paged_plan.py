@@ -169,10 +169,17 @@ def test_the_torch_path_of_a_gpu_pool_equals_the_reference(dtype, step, monkeypa
     assert torch.isinf(empty.lse).all() and not empty.o.any()
 
 
-def test_the_torch_paths_runs_keep_their_bound_and_little_padding():
+def test_the_torch_paths_runs_keep_their_bound_and_little_padding(monkeypatch):
     """Runs of sorted entries: each one's padded K and V fit half the bound and its padding
-    adds at most half again to its work, unless the run is a single entry."""
+    adds at most half again to its work (here with no slack), unless the run is a single
+    entry. With the slack, a decode batch's shared prefix and its requests' short tails
+    stay one run."""
+    from tokenlake.kernels import paged_torch
     from tokenlake.kernels.paged_torch import PADDING, _entry_runs
+
+    tails = [2] * 8 + [17]  # 8 requests' own tails (1 row each), their shared document (8 rows)
+    assert _entry_runs(tails, [1] * 8 + [8], 256, 9, 192, 1 << 26) == [(0, 9)]
+    monkeypatch.setattr(paged_torch, "PADDING_SLACK", 0)
 
     rng = random.Random(0)
     for _ in range(200):
@@ -186,5 +193,5 @@ def test_the_torch_paths_runs_keep_their_bound_and_little_padding():
                 continue
             n, most_p, most_r = b - a, max(pages[a:b]), max(rows[a:b])
             assert 2 * n * most_p * 16 * 192 <= bound // 2
-            real = sum(p * (r * 9 + 192) for p, r in zip(pages[a:b], rows[a:b]))
-            assert n * most_p * (most_r * 9 + 192) <= PADDING * real
+            real = sum(p * 16 * (r * 9 + 192) for p, r in zip(pages[a:b], rows[a:b]))
+            assert n * most_p * 16 * (most_r * 9 + 192) <= PADDING * real

@@ -6,10 +6,10 @@ launch where it imports, this path otherwise.
 The entries of a query run together, padded: each entry's pages are gathered into one
 K/V (tokens past its own masked out), its rows padded to the run's most (a padded row
 reads its entry's first row and writes a scratch row), and both products are batched
-over the run's entries. Entries are sorted by their pages and rows first and a run is cut
-where padding would add half again to its work or where its float32 K/V and scores would
-pass :data:`TORCH_STEP_ELEMENTS`; a run's rows are split into steps so that the scores
-fit. One entry's K/V alone is not split (its own length bounds it). The index tensors of
+over the run's entries. Entries are sorted by their pages and rows first and a run is
+cut where padding would add half again to its work (and more than a run's launches cost)
+or where its float32 K/V would pass half of :data:`TORCH_STEP_ELEMENTS`; a run's rows
+are split into steps so that the scores fit. One entry's K/V alone is not split (its own length bounds it). The index tensors of
 a paged batch are made once and kept (:func:`_runs`): a query attends the same entries in
 every layer, as FlashInfer's plan is made once per query, so a layer is the gathers and a
 dozen launches. Any device: the tests check it against the reference on the CPU.
@@ -40,8 +40,13 @@ log = logging.getLogger(__name__)
 #: Most float32 elements one step of the torch path holds: half of it for a run's gathered
 #: K and V, half for its scores and their exponentials (64 Mi: 256 MB).
 TORCH_STEP_ELEMENTS = 1 << 26
-#: A run is cut where padding its entries to its longest would add this much to its work.
+#: A run is cut where padding its entries to its longest would add this much to its work
+#: and more than :data:`PADDING_SLACK` elements: a run's dozen launches cost a GPU more
+#: than reading that much (on an H200, 16 Mi float32 elements are ~20 µs of its memory
+#: bandwidth, a launch from Python ~20 µs), so a decode batch's shared prefix and its
+#: requests' short tails stay one run.
 PADDING = 1.5
+PADDING_SLACK = 1 << 24
 
 _flashinfer: dict[str, bool] = {}
 _flashinfer_lock = threading.Lock()
@@ -90,15 +95,18 @@ def _entry_runs(pages: Sequence[int], rows: Sequence[int], page: int, q_heads: i
     """Runs ``[a, b)`` of entries (``pages[e]``, ``rows[e]``: their pages and rows, in
     the order they run) whose padded float32 K and V (entries x most pages x ``page`` x
     ``kv_size``, twice) fit half of ``bound`` and whose padding adds at most
-    :data:`PADDING` to their work, or one entry alone."""
+    :data:`PADDING` to their work or at most :data:`PADDING_SLACK` elements, or one entry
+    alone."""
     runs, start, most_p, most_r, real = [], 0, 0, 0, 0
     for e, (p, r) in enumerate(zip(pages, rows)):
         n, p2, r2 = e + 1 - start, max(most_p, p), max(most_r, r)
-        padded = n * p2 * (r2 * q_heads + kv_size)
-        if e > start and (2 * n * p2 * page * kv_size > bound // 2 or padded > PADDING * (real + p * (r * q_heads + kv_size))):
+        work = real + p * page * (r * q_heads + kv_size)
+        padded = n * p2 * page * (r2 * q_heads + kv_size)
+        if e > start and (2 * n * p2 * page * kv_size > bound // 2
+                          or (padded > PADDING * work and padded - work > PADDING_SLACK)):
             runs.append((start, e))
-            start, p2, r2, real = e, p, r, 0
-        most_p, most_r, real = p2, r2, real + p * (r * q_heads + kv_size)
+            start, p2, r2, work = e, p, r, p * page * (r * q_heads + kv_size)
+        most_p, most_r, real = p2, r2, work
     runs.append((start, len(pages)))
     return runs
 

@@ -53,8 +53,8 @@ from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
 from tokenlake.kernels.attention import empty_partial, merge, merge_many, write_into
-from tokenlake.kernels.paged import Group, warm_up
-from tokenlake.kernels.paged_torch import gpu_slab_attention
+from tokenlake.kernels.paged import Group
+from tokenlake.kernels.paged_torch import gpu_slab_attention, warm_up
 from tokenlake.kernels.slab import prepare_slabs_attention
 
 #: Plans one home may have registered on this engine at once (the oldest is dropped).

@@ -232,19 +232,3 @@ def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Seque
         wrapper = _planned(ws, batch, q_heads, slab, softmax_scale(scale, head_dim))
         o, lse2 = wrapper.run(q_packed.to(slab.dtype), (slab[:, layer, 0], slab[:, layer, 1]), return_lse=True)
     return unpack(batch, o, lse_base2_to_natural(lse2.float()), rows)
-
-
-def warm_up(slab: Tensor, q_heads: int) -> None:
-    """Loads the batched kernels (decode and prefill) for ``slab``'s dtype and head size
-    before the first query needs them: the first use on a machine compiles them
-    (FlashInfer's JIT, cached under ``~/.cache/flashinfer``; 20-35 s per kernel on an H100
-    machine), longer than a query may wait. Reads one token of slot 0; writes nothing.
-    Nothing to do without FlashInfer (the torch path compiles nothing)."""
-    from tokenlake.kernels.paged_torch import flashinfer_usable
-
-    if not flashinfer_usable():
-        return
-    q = torch.zeros(2, q_heads, slab.shape[5], device=slab.device)
-    flashinfer_slab_attention(q[:1], slab, 0, [(0, 1, [0], [1])])  # decode
-    flashinfer_slab_attention(q, slab, 0, [(0, 2, [0], [1])])  # prefill
-    torch.cuda.synchronize(slab.device)

@@ -76,6 +76,20 @@ def gpu_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[Gro
     return attend(q, slab, layer, groups, scale)
 
 
+def warm_up(slab: Tensor, q_heads: int) -> None:
+    """Loads the batched kernels (decode and prefill) for ``slab``'s dtype and head size
+    before the first query needs them: the first use on a machine compiles them
+    (FlashInfer's JIT, cached under ``~/.cache/flashinfer``; 20-35 s per kernel on an H100
+    machine), longer than a query may wait. Reads one token of slot 0; writes nothing.
+    Nothing to do without FlashInfer (the torch path compiles nothing)."""
+    if not flashinfer_usable():
+        return
+    q = torch.zeros(2, q_heads, slab.shape[5], device=slab.device)
+    flashinfer_slab_attention(q[:1], slab, 0, [(0, 1, [0], [1])])  # decode
+    flashinfer_slab_attention(q, slab, 0, [(0, 2, [0], [1])])  # prefill
+    torch.cuda.synchronize(slab.device)
+
+
 def torch_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[Group],
                          scale: float | None = None) -> Partial:
     """What :func:`~tokenlake.kernels.paged.flashinfer_slab_attention` computes, in torch

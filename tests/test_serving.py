@@ -411,3 +411,74 @@ def test_one_compute_slot_admits_a_request_that_arrives_while_another_decodes(mo
             server.step()
     _same(first, ref.generate(list(prompts[0]), long_new, stop_ids=()))
     _same(second, ref.generate(list(other), NEW, stop_ids=(tok.eos_id,)))
+
+
+def test_a_prefill_turn_that_runs_nothing_hands_the_turn_back_to_the_decodes(model):
+    """One compute slot: a request arrives whose prompt another client of the pool is
+    still storing, so its prefill turn plans nothing (it waits for that segment). The
+    decode that runs beside it is not held up meanwhile: its turn comes back at once.
+    Once the other client gives up, the new request computes the prompt itself."""
+    from tokenlake.core.plans import Batch, BatchRequest
+
+    weights, tok, _ = model
+    ref = reference(weights)
+    base, other = _prompts(tok)[0], _prompts(tok)[1]
+    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
+                      max_rows=512) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=512)
+        long = server.submit(GenerationRequest("long", base, 40, ()))
+        while not long.output_ids:
+            server.step()
+        cp = cluster.control  # another client: it places the prompt's segments, stores nothing yet
+        theirs = cp.gen_plans([Batch((BatchRequest("theirs", tuple(other)),))], [1])
+        new = server.submit(GenerationRequest("new", other, NEW, (tok.eos_id,)))
+        before = len(long.output_ids)
+        for _ in range(6):
+            server.step()
+        assert not new.output_ids, "its prompt's segments are still being stored elsewhere"
+        assert len(long.output_ids) - before >= 3, "the decode took every other step at least"
+        cp.abort(theirs)  # that client went: the request stores the segments itself
+        while server.busy:
+            server.step()
+    _same(new, ref.generate(list(other), NEW, stop_ids=(tok.eos_id,)))
+    _same(long, ref.generate(list(base), 40, stop_ids=()))
+
+
+def test_one_compute_slot_starves_neither_phase_under_steady_arrivals(model):
+    """The phases' turns cannot lock either one out: with one compute slot and a new
+    request arriving at every iteration, the request that decodes gains a token at least
+    every other iteration, and every arrival gets its first token within a bounded
+    number of iterations (its chunks, each beside at most one decode turn), then ends.
+    Every answer equals the reference."""
+    weights, tok, _ = model
+    ref = reference(weights)
+    base = _prompts(tok)[0]
+    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
+                      max_rows=512) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=32)
+        long = server.submit(GenerationRequest("long", base, 60, ()))
+        while not long.output_ids:
+            server.step()
+        arrivals, first, before = [], {}, len(long.output_ids)
+
+        def step() -> None:
+            server.step()
+            for k, (_, result, _) in enumerate(arrivals):
+                if result.output_ids:
+                    first.setdefault(k, server.iterations)
+
+        for i in range(24):
+            prompt = tuple(tok.encode(f"Arrival {i}: {' '.join(['word'] * (20 + 3 * i))}"))
+            arrivals.append((prompt, server.submit(GenerationRequest(f"a{i}", prompt, 3, ())), server.iterations))
+            step()
+            if i % 2:  # two iterations: the decoder's turn came at least once
+                assert len(long.output_ids) > before or long.done, i
+                before = len(long.output_ids)
+        while server.busy:
+            step()
+    chunks = 0  # an arrival waits for the chunks of those before it, each beside one decode turn
+    for k, (prompt, result, arrived) in enumerate(arrivals):
+        chunks += -(-len(prompt) // 32)
+        assert first[k] - arrived <= 2 * chunks + 2, (k, first[k] - arrived, chunks)
+        _same(result, ref.generate(list(prompt), 3, stop_ids=()))
+    _same(long, ref.generate(list(base), 60, stop_ids=()))

@@ -153,3 +153,19 @@ def restart_failed(cluster, server) -> None:
         for instance in cluster.failed_instances():
             cluster.remove_instance(instance)
             cluster.restart_instance(instance)
+
+
+def terminate(proc, grace_s: float = 30.0) -> None:
+    """Stops a process a test started as an operator would (SIGTERM, so that it cleans
+    up), and kills it if it has not ended within ``grace_s``."""
+    import signal
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)

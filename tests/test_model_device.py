@@ -107,6 +107,7 @@ def test_serve_on_the_gpu_answers_the_openai_client_as_the_gpu_reference(smollm2
     by the pool) get, through the official client, the greedy text of the reference
     engine on the GPU with the same bfloat16 weights, up to a near tie."""
     import openai
+    from service_util import terminate
     from test_serve_command import START_TIMEOUT_S, _lines, _next_event
 
     from tokenlake.tools.demo import _document, _near_tie
@@ -141,13 +142,7 @@ def test_serve_on_the_gpu_answers_the_openai_client_as_the_gpu_reference(smollm2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
-        if proc.poll() is None:  # a failed check: stopped as an operator would, so it cleans up
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        terminate(proc, 60)  # after a failed check: it still cleans up
         proc.stdout.close()
         proc.stderr.close()
 

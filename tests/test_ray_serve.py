@@ -36,6 +36,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_util  # noqa: E402
+from service_util import terminate  # noqa: E402
 from test_serve_command import _lines, _next_event  # noqa: E402
 
 import tokenlake  # noqa: E402
@@ -271,13 +272,7 @@ def ray_serve_process():
     try:
         yield proc, before, tracked
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        terminate(proc, 30)
         for pid in _still_running(tracked, 10):
             signal.pidfd_send_signal(tracked[pid], signal.SIGKILL)
         for fd in tracked.values():

@@ -125,6 +125,16 @@ def paged_reference(q_packed: Tensor, k_pages: Tensor, v_pages: Tensor, batch: P
     return o, lse
 
 
+def packed_query(q: Tensor, slab: Tensor, groups: Sequence[Group]) -> tuple[PagedBatch, Tensor]:
+    """The paged batch of ``groups`` over ``slab``'s slots and ``q``'s rows in its packed
+    order, on the slab's device (what every backend of a GPU slab starts from)."""
+    batch = paged_batch(groups, slab.shape[4])
+    dev = slab.device
+    if batch.is_identity(q.shape[0]):
+        return batch, q.to(dev)
+    return batch, q.to(dev)[torch.tensor(batch.q_index(), dtype=torch.long, device=dev)]
+
+
 def unpack(batch: PagedBatch, o_packed: Tensor, lse_packed: Tensor, rows: int) -> Partial:
     """One partial per caller row: the entries over the same rows merged by LSE; rows no
     entry covers attend nothing (``lse = -inf``, ``o = 0``)."""
@@ -222,11 +232,10 @@ def flashinfer_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Seque
     if not (torch.cuda.is_available() and slab.is_cuda):
         raise RuntimeError("flashinfer_slab_attention needs a CUDA slab on a CUDA build")
     rows, q_heads, head_dim = q.shape
-    batch = paged_batch(groups, slab.shape[4])
+    batch, q_packed = packed_query(q, slab, groups)
     if batch.entries == 0:
         return empty_partial(rows, q_heads, head_dim, device=slab.device)
     dev = slab.device
-    q_packed = q.to(dev) if batch.is_identity(rows) else q.to(dev)[torch.tensor(batch.q_index(), device=dev)]
     ws = _wrappers(dev)
     with torch.cuda.device(dev), ws.lock:  # one plan, then its runs: not another thread's
         wrapper = _planned(ws, batch, q_heads, slab, softmax_scale(scale, head_dim))

@@ -31,7 +31,7 @@ from tokenlake.kernels.paged import (
     Group,
     PagedBatch,
     flashinfer_slab_attention,
-    paged_batch,
+    packed_query,
     unpack,
 )
 
@@ -95,11 +95,9 @@ def torch_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[G
     """What :func:`~tokenlake.kernels.paged.flashinfer_slab_attention` computes, in torch
     (float32, q not rounded to the K/V dtype) on the slab's device (module docstring)."""
     rows, q_heads, head_dim = q.shape
-    batch = paged_batch(groups, slab.shape[4])
+    batch, q_packed = packed_query(q, slab, groups)
     if batch.entries == 0:
         return empty_partial(rows, q_heads, head_dim, device=slab.device)
-    dev = slab.device
-    q_packed = q.to(dev) if batch.is_identity(rows) else q.to(dev)[torch.tensor(batch.q_index(), device=dev)]
     o, lse = _padded_attention(q_packed, slab[:, layer, 0], slab[:, layer, 1], batch, softmax_scale(scale, head_dim))
     return unpack(batch, o, lse, rows)
 

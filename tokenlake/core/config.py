@@ -96,6 +96,12 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_device(value: object) -> bool:
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"``: a device a pool and its model may live on."""
+    text = str(value)
+    return text in ("cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit())
+
+
 def positive_int(name: str, value: object) -> None:
     """:class:`ConfigError` naming ``name`` unless ``value`` is an int of at least 1."""
     if not is_int(value) or value < 1:

@@ -20,11 +20,10 @@ Importing this module loads no torch.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenlake.core.config import is_int, positive_int
+from tokenlake.core.config import is_device, is_int, positive_int
 from tokenlake.core.control import KV_DTYPES, KV_LAYOUTS, check_kv_dtype
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import ModelSpec
@@ -127,7 +126,7 @@ class ClusterConfig:
         self._check_tier()
         if not isinstance(self.host, str) or not self.host or any(c.isspace() or c == "/" for c in self.host):
             raise ConfigError(f"host must be an address, an interface name or 'node', got {self.host!r}")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+        if not is_device(self.device):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device != "cpu" and self.kv_dtype == "float32":
             raise ConfigError(f"device={self.device!r} needs a half kv_dtype: a GPU pool holds float16 or "

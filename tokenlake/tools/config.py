@@ -19,13 +19,12 @@ point) passes ``os.environ`` and the file's path in. Errors are
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 
-from tokenlake.core.config import is_int
+from tokenlake.core.config import is_device, is_int
 from tokenlake.core.control import KV_DTYPES, KV_LAYOUTS
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import list_models
@@ -73,9 +72,7 @@ def _address(value) -> str | None:
 
 
 def _device(value) -> str | None:
-    if re.fullmatch(r"cpu|cuda(:\d+)?", str(value)):
-        return None
-    return f"must be 'cpu', 'cuda' or 'cuda:N', got {value!r}"
+    return None if is_device(value) else f"must be 'cpu', 'cuda' or 'cuda:N', got {value!r}"
 
 
 def _port_pair(value) -> str | None:

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from tokenlake.core.config import is_device
+
 PROG = "tokenlake"
 USAGE_EXIT = 2  # a mistake of the user's, whatever the subcommand
 
@@ -77,16 +79,19 @@ def _number(kind: type, text: str) -> float:
 
 def device_name(text: str) -> str:
     """An argparse type: ``cpu``, ``cuda`` or ``cuda:N``."""
-    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+    if is_device(text):
         return text
     raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
 
 
-def check_device(device: str, what: str) -> None:
-    """A :class:`UsageError` unless ``device`` (``cpu``, ``cuda``, ``cuda:N``) is here:
-    torch sees a CUDA GPU, and GPU ``N``. Loads torch for a CUDA device only."""
+def check_device(device: str, what: str, kv_dtype: str | None = None) -> None:
+    """A :class:`UsageError` unless ``device`` (``cpu``, ``cuda``, ``cuda:N``) can serve:
+    on a GPU a half ``kv_dtype`` (where the command takes one), and torch sees a CUDA GPU,
+    and GPU ``N``. Loads torch for a CUDA device only."""
     if device == "cpu":
         return
+    if kv_dtype == "float32":
+        raise UsageError(f"{what}: --device {device} needs --kv-dtype bfloat16 or float16")
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -56,11 +56,9 @@ def run_e2e(args: argparse.Namespace) -> int:
         raise SystemExit(f"tokenlake bench e2e: error: --dops must not exceed --instances ({args.instances})")
     vllm = importlib.util.find_spec("vllm") is not None if args.vllm is None else args.vllm
     if args.device != "cpu":
-        if args.kv_dtype == "float32":
-            raise UsageError(f"bench e2e: --device {args.device} needs --kv-dtype bfloat16 or float16")
         if args.tier_only or args.tier or args.vllm:
             raise UsageError(f"bench e2e: --device {args.device} has no tier or vLLM rows (CPU only)")
-        check_device(args.device, "bench e2e")
+        check_device(args.device, "bench e2e", args.kv_dtype)
         vllm = False
     tier = args.tier_only or (args.device == "cpu" if args.tier is None else args.tier)
     result = {}

@@ -65,9 +65,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # torch and the model load only when the demo runs, not for --help
     from tokenlake.tools.demo import DemoConfig, print_report, run_demo
 
-    if args.device != "cpu" and args.kv_dtype == "float32":
-        raise UsageError(f"demo: --device {args.device} needs --kv-dtype bfloat16 or float16")
-    check_device(args.device, "demo")
+    check_device(args.device, "demo", args.kv_dtype)
     report = run_demo(DemoConfig(instances=args.instances, kv_dtype=args.kv_dtype, device=args.device),
                       progress=(lambda *_: None) if args.json else print)
     if args.json:

@@ -34,6 +34,7 @@ def test_placed_weights_keep_their_norms_in_float32(tiny_llama):
     assert half.dtype == half.layers[0].wq.dtype == half.layers[-1].w_down.dtype == torch.bfloat16
     assert half.final_norm.dtype == half.layers[0].attn_norm.dtype == torch.float32
     assert weights.placed("cpu", torch.float32) is weights and weights.dtype == torch.float32
+    assert weights.for_pool("cpu", "bfloat16") is weights  # a CPU pool's model stays float32
     assert half.nbytes() < 0.6 * weights.nbytes()
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         weights.placed("cpu", torch.int8)

@@ -69,11 +69,9 @@ def load_served_model(progress: Callable[[str], None] = log.info, device: str = 
     from tokenlake.model.llama.weights import load_weights
 
     progress("loading SmolLM2-135M weights and tokenizer ...")
-    weights = load_weights()
     if device != "cpu":
         progress(f"placing the weights on {device} in {dtype} ...")
-        weights = weights.placed(device, dtype)
-    return weights, load_tokenizer()
+    return load_weights().for_pool(device, dtype), load_tokenizer()
 
 
 def _model_info(weights, tokenizer, max_request_tokens: int | None = None) -> ModelInfo:

@@ -61,10 +61,8 @@ def run_demo(config: DemoConfig = DemoConfig(), progress=print) -> dict:
     from tokenlake.model.llama.weights import load_weights
 
     t0 = time.monotonic()
-    weights, tok = load_weights(), load_tokenizer()
-    spec = weights.config.to_model_spec("smollm2-135m")
-    if config.device != "cpu":  # the reference below runs with the same placed weights
-        weights = weights.placed(config.device, config.kv_dtype)
+    weights, tok = load_weights().for_pool(config.device, config.kv_dtype), load_tokenizer()
+    spec = weights.config.to_model_spec("smollm2-135m")  # the reference below: the same weights
     with LocalCluster(config.instances, spec, config.pool_mib_per_instance << 20,
                       segment_tokens=config.segment_tokens, kv_dtype=config.kv_dtype,
                       device=config.device) as cluster:

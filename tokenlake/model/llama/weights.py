@@ -241,6 +241,12 @@ class LlamaWeights:
                                        for name in _LAYER_FIELDS}) for lw in self.layers)
         return LlamaWeights(self.config, matrix(self.embed), layers, vector(self.final_norm))
 
+    def for_pool(self, device: str, kv_dtype: str) -> LlamaWeights:
+        """These weights as a pool on ``device`` of ``kv_dtype`` K/V runs its model: as
+        they are on the CPU (float32), on a GPU placed there with their matrices in the
+        pool's (half) KV dtype (:meth:`placed`)."""
+        return self if device == "cpu" else self.placed(device, kv_dtype)
+
 
 def _dequantise(tensor, expected: tuple[int, ...]) -> torch.Tensor:
     """One GGUF tensor as a fresh float32 torch tensor of shape ``expected`` ([out, in])."""

@@ -212,10 +212,8 @@ def _warm_up(server: GenerationLoop, tok, chunk_tokens: int) -> None:
 def _model(device: str, kv_dtype: str):
     """``(weights, tokenizer, GPU name or None)``: on a GPU ``device`` the weights are
     placed there, their matrices in the pool's ``kv_dtype``."""
-    weights, tok = load_weights(), load_tokenizer()
-    if device == "cpu":
-        return weights, tok, None
-    return weights.placed(device, kv_dtype), tok, torch.cuda.get_device_name(device)
+    gpu = None if device == "cpu" else torch.cuda.get_device_name(device)
+    return load_weights().for_pool(device, kv_dtype), load_tokenizer(), gpu
 
 
 def _where(device: str, gpu: str | None, kv_dtype: str) -> dict:

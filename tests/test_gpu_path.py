@@ -57,7 +57,7 @@ def test_without_flashinfer_a_gpu_pool_attends_with_torch(monkeypatch, caplog):
     from tokenlake.kernels.attention import partial_attention_ref
 
     _flashinfer_found(monkeypatch, False)
-    monkeypatch.setattr(paged_torch, "_flashinfer", {"ok": False})  # as if the import had failed
+    monkeypatch.setattr(paged_torch, "flashinfer_usable", lambda: False)  # as if the import had failed
     setup = gpu_setup({"CUDA_MPS_PIPE_DIRECTORY": "/nonexistent-mps"})
     assert setup["attention"] == "torch" and setup["mps"] is False
     assert "FlashInfer is not installed" in setup["summary"] and "MPS is not active" in setup["summary"]

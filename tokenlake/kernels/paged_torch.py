@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,24 +47,17 @@ TORCH_STEP_ELEMENTS = 1 << 26
 PADDING = 1.5
 PADDING_SLACK = 1 << 24
 
-_flashinfer: dict[str, bool] = {}
-_flashinfer_lock = threading.Lock()
-
-
+@functools.cache
 def flashinfer_usable() -> bool:
     """Whether FlashInfer imports here (tried once; a package that is there but fails to
     import is logged and the torch path serves)."""
-    with _flashinfer_lock:
-        if "ok" not in _flashinfer:
-            try:
-                importlib.import_module("flashinfer")
-            except Exception as exc:  # noqa: BLE001 - not installed, or broken: torch serves
-                if importlib.util.find_spec("flashinfer") is not None:
-                    log.warning("FlashInfer is installed but does not import (%s): attending with torch", exc)
-                _flashinfer["ok"] = False
-            else:
-                _flashinfer["ok"] = True
-        return _flashinfer["ok"]
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as exc:  # noqa: BLE001 - not installed, or broken: torch serves
+        if importlib.util.find_spec("flashinfer") is not None:
+            log.warning("FlashInfer is installed but does not import (%s): attending with torch", exc)
+        return False
+    return True
 
 
 def gpu_slab_attention(q: Tensor, slab: Tensor, layer: int, groups: Sequence[Group],
@@ -109,16 +101,16 @@ def _entry_runs(pages: Sequence[int], rows: Sequence[int], page: int, q_heads: i
     ``kv_size``, twice) fit half of ``bound`` and whose padding adds at most
     :data:`PADDING` to their work or at most :data:`PADDING_SLACK` elements, or one entry
     alone."""
-    runs, start, most_p, most_r, real = [], 0, 0, 0, 0
+    runs, start, most_p, most_r, work = [], 0, 0, 0, 0  # work: the run's, unpadded
     for e, (p, r) in enumerate(zip(pages, rows)):
+        own = p * page * (r * q_heads + kv_size)
         n, p2, r2 = e + 1 - start, max(most_p, p), max(most_r, r)
-        work = real + p * page * (r * q_heads + kv_size)
         padded = n * p2 * page * (r2 * q_heads + kv_size)
         if e > start and (2 * n * p2 * page * kv_size > bound // 2
-                          or (padded > PADDING * work and padded - work > PADDING_SLACK)):
+                          or (padded > PADDING * (work + own) and padded - (work + own) > PADDING_SLACK)):
             runs.append((start, e))
-            start, p2, r2, work = e, p, r, p * page * (r * q_heads + kv_size)
-        most_p, most_r, real = p2, r2, work
+            start, p2, r2, work = e, p, r, 0
+        most_p, most_r, work = p2, r2, work + own
     runs.append((start, len(pages)))
     return runs
 

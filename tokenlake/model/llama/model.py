@@ -18,6 +18,7 @@ which matches the GGUF converter's permutation of the Q/K weights.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -97,30 +98,23 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
 
 
-#: Whether ``torch.mm(..., out_dtype=torch.float32)`` runs here for half CUDA inputs
-#: (None: not tried yet).
-_MM_FLOAT_OUT: dict[str, bool | None] = {"cuda": None}
-
-
-def _mm_float_out(x: Tensor) -> bool:
-    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs here for half CUDA inputs
-    (probed once, on a 2 x 2 product: an older torch lacks it; a later error of a real
-    product, out of memory say, is raised as it is)."""
-    if _MM_FLOAT_OUT["cuda"] is None:
-        probe = torch.ones(2, 2, dtype=x.dtype, device=x.device)
-        try:
-            torch.mm(probe, probe, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_FLOAT_OUT["cuda"] = False
-        else:
-            _MM_FLOAT_OUT["cuda"] = True
-    return bool(_MM_FLOAT_OUT["cuda"])
+@functools.cache
+def _mm_float_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs here for half inputs on
+    ``device`` (probed once, on a 2 x 2 product: an older torch lacks it; a later error of
+    a real product, out of memory say, is raised as it is)."""
+    probe = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        torch.mm(probe, probe, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _half_linear(x: Tensor, w: Tensor) -> Tensor:
     """``x @ w.T`` of half ``x`` and ``w`` as float32: the float32 accumulators themselves
     on a GPU whose torch offers ``out_dtype``, the half product widened otherwise."""
-    if x.is_cuda and x.dim() == 2 and _mm_float_out(x):
+    if x.is_cuda and x.dim() == 2 and _mm_float_out(x.device, x.dtype):
         return torch.mm(x, w.t(), out_dtype=torch.float32)
     return F.linear(x, w).float()
 

@@ -10,6 +10,8 @@ decoded and templated again, must come back as a hit)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from tiny_model import check_margins, model_spec, pool_bytes, reference
 
@@ -379,6 +381,19 @@ def test_an_iteration_that_fails_mid_prefill_counts_its_chunk_once(model):
         cluster.control.check()
 
 
+@contextlib.contextmanager
+def _one_slot_decoding(weights, prompt, new_tokens: int, chunk_tokens: int, tokens: int = 1):
+    """A loop on a one-instance pool (one compute slot) whose request ``long`` has
+    decoded ``tokens`` tokens of ``new_tokens``: yields ``(cluster, server, its result)``."""
+    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
+                      max_rows=512) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=chunk_tokens)
+        long = server.submit(GenerationRequest("long", prompt, new_tokens, ()))
+        while len(long.output_ids) < tokens:
+            server.step()
+        yield cluster, server, long
+
+
 def test_one_compute_slot_admits_a_request_that_arrives_while_another_decodes(model):
     """A loop on one instance (one compute slot, the default policy, no TBT SLO): a
     request that arrives while another decodes gets its first token within a few
@@ -392,12 +407,7 @@ def test_one_compute_slot_admits_a_request_that_arrives_while_another_decodes(mo
         "Kestrel Bay is a wide harbour of grey stone where boats from the north islands land "
         "their catch each morning before the markets open. What do the boats bring?")}]))
     long_new = 40
-    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
-                      max_rows=512) as cluster:
-        server = GenerationLoop(cluster, weights, chunk_tokens=32)
-        first = server.submit(GenerationRequest("long", prompts[0], long_new, ()))
-        while len(first.output_ids) < 3:
-            server.step()
+    with _one_slot_decoding(weights, prompts[0], long_new, 32, tokens=3) as (_, server, first):
         second = server.submit(GenerationRequest("new", other, NEW, (tok.eos_id,)))
         steps = 0
         while not second.output_ids:
@@ -423,12 +433,7 @@ def test_a_prefill_turn_that_runs_nothing_hands_the_turn_back_to_the_decodes(mod
     weights, tok, _ = model
     ref = reference(weights)
     base, other = _prompts(tok)[0], _prompts(tok)[1]
-    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
-                      max_rows=512) as cluster:
-        server = GenerationLoop(cluster, weights, chunk_tokens=512)
-        long = server.submit(GenerationRequest("long", base, 40, ()))
-        while not long.output_ids:
-            server.step()
+    with _one_slot_decoding(weights, base, 40, 512) as (cluster, server, long):
         cp = cluster.control  # another client: it places the prompt's segments, stores nothing yet
         theirs = cp.gen_plans([Batch((BatchRequest("theirs", tuple(other)),))], [1])
         new = server.submit(GenerationRequest("new", other, NEW, (tok.eos_id,)))
@@ -453,12 +458,7 @@ def test_one_compute_slot_starves_neither_phase_under_steady_arrivals(model):
     weights, tok, _ = model
     ref = reference(weights)
     base = _prompts(tok)[0]
-    with LocalCluster(1, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
-                      max_rows=512) as cluster:
-        server = GenerationLoop(cluster, weights, chunk_tokens=32)
-        long = server.submit(GenerationRequest("long", base, 60, ()))
-        while not long.output_ids:
-            server.step()
+    with _one_slot_decoding(weights, base, 60, 32) as (_, server, long):
         arrivals, first, before = [], {}, len(long.output_ids)
 
         def step() -> None:

@@ -65,7 +65,8 @@ EXAMPLES: dict[Kind, m.WireMessage] = {
     Kind.PEER_SEGMENT: m.PeerSegment(11, SEG),
     Kind.TIER_OPS: m.TierOps((b"d" * 16,), ((3, m.TierEntry(b"k" * 16, None, 0, b"\x01\x00\x00\x00")),
                                              (4, m.TierEntry(b"c" * 16, b"k" * 16, 1, None))), 2),
-    Kind.TIER_READ: m.TierRead(((b"k" * 16, 3, -1), (b"c" * 16, 4, 2)), 3),
+    Kind.TIER_READ: m.TierRead(((b"k" * 16, 3, -1), (b"c" * 16, 4, 2)), 3, True),
+    Kind.TIER_PROGRESS: m.TierProgress(7),
     Kind.TIER_DONE: m.TierDone((b"k" * 16,), (b"c" * 16,), {"written": 3.0, "paced_s": 0.25}),
     Kind.TIER_LIST: m.TierList(),
     Kind.TIER_LISTING: m.TierListing((m.TierEntry(b"k" * 16, None, 0, b"\x01\x00\x00\x00"),)),
@@ -168,6 +169,7 @@ OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"): (), (Kind.PEER_PUT, "copies
             (Kind.PONG, "handoffs"): 0, (Kind.CP_CLIENT_INFO_RESULT, "slab"): None,
             (Kind.TIER_OPS, "drops"): (), (Kind.TIER_OPS, "writes"): (), (Kind.TIER_READ, "items"): (),
             (Kind.TIER_OPS, "epoch"): 0, (Kind.TIER_READ, "epoch"): 0,
+            (Kind.TIER_READ, "layered"): False,
             (Kind.TIER_DONE, "done"): (), (Kind.TIER_DONE, "failed"): (), (Kind.TIER_DONE, "counters"): {},
             (Kind.TIER_LISTING, "entries"): ()}
 

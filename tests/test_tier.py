@@ -107,10 +107,10 @@ def test_other_requests_go_on_while_a_document_is_read_back_from_the_tier(tiny_l
         driver = cluster.control.tier_data_plane
         read, gate, started = driver.tier_read, threading.Event(), threading.Event()
 
-        def held_up(promotions):
+        def held_up(promotions, **kw):
             started.set()
             assert gate.wait(120), "the read was never let through"
-            return read(promotions)
+            return read(promotions, **kw)
 
         driver.tier_read = held_up
         plain = tuple(tok.encode("Grey stone boats land their catch before the markets open."))
@@ -284,9 +284,9 @@ def test_a_transfer_engine_killed_while_promoting_changes_no_answer(tiny_llama, 
         driver = cluster.control.tier_data_plane
         read = driver.tier_read
 
-        def kill_then_read(promotions):
+        def kill_then_read(promotions, **kw):
             cluster.kill("transfer", victim)
-            return read(promotions)
+            return read(promotions, **kw)
 
         driver.tier_read = kill_then_read
         server.submit(GenerationRequest("a2", doc, NEW, (tok.eos_id,)))

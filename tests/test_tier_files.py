@@ -191,14 +191,15 @@ def test_chunks_are_read_as_their_file_says_and_hostile_headers_are_refused(tmp_
     that is not an integer, or more digests than allowed are refused on opening, and the
     other files are adopted."""
     import tokenlake.engines.tier_files as tier_files
+    import tokenlake.engines.tier_format as tier_format
 
     t = tier(tmp_path, chunk_bytes=1000)
     for i in range(5):
         t.put(key(i), payload(i))
-    monkeypatch.setattr(tier_files, "MAX_CHUNKS", 3)
+    monkeypatch.setattr(tier_files, "MAX_CHUNKS", 3)  # the writer's
     t.put(key(5), payload(5))  # 4,096 bytes in at most 3 chunks: 1,366 bytes each
     path = {i: tmp_path / (key(i).hex() + SUFFIX) for i in range(6)}
-    monkeypatch.setattr(tier_files, "MAX_CHUNKS", 100)
+    monkeypatch.setattr(tier_format, "MAX_CHUNKS", 100)  # the reader's
     _rewrite(path[1], lambda h: h.pop("chunk"))
     _rewrite(path[2], lambda h: h.update(chunk=True))
     _rewrite(path[3], lambda h: h.update(chunk=1, digests=["00" * 16] * 4096))  # 4,096 > 100

@@ -116,7 +116,7 @@ class ControlPlane:
         return _cache_load(loads, len(self.pool.instances), self.model, hardware, latency)
 
     def gen_plans(self, batches: Sequence[Batch], dops: Sequence[int],
-                  homes: Sequence[int | None] | None = None) -> Plans:
+                  homes: Sequence[int | None] | None = None, promoting: Sequence = ()) -> Plans:
         """Plans one iteration: where every batch runs and what it reads and stores.
 
         ``homes`` (optional, one entry per batch): the instance that must run a DoP 1
@@ -129,7 +129,15 @@ class ControlPlane:
         pool does not hold, and :class:`~tokenlake.core.errors.CapacityError` when new
         segments cannot be placed. On any error the pool and the requests are left
         exactly as they were (evicted replicas are put back).
+
+        ``promoting``: promotions the caller began and reads layer by layer
+        (:meth:`begin_promotion`'s batches): their segments may be attended
+        (:func:`tokenlake.core.tier_flow.readable`).
         """
+        with tier_flow.readable(self.pool, promoting):
+            return self._gen_plans(batches, dops, homes)
+
+    def _gen_plans(self, batches, dops, homes) -> Plans:
         self._requests.validate(batches, dops, len(self.pool.instances))
         homes = _check_homes(homes, dops, self.pool.instances)
         tx = Transaction(self._iteration)
@@ -185,6 +193,13 @@ class ControlPlane:
         """Slots for the prompts' segments held only in a tier
         (:func:`tokenlake.core.tier_flow.begin`); None: nothing to promote."""
         return None if self.pool.tier is None else tier_flow.begin(self.pool, prompts)
+
+    def match_promoting(self, token_ids: Sequence[int], max_tokens: int | None, salt: str | None,
+                        promoting: Sequence):
+        """The tree's match of ``token_ids`` with the segments of ``promoting`` (as in
+        :meth:`gen_plans`) counted as ready."""
+        with tier_flow.readable(self.pool, promoting):
+            return self.pool.tree.match(token_ids, max_tokens=max_tokens, salt=salt)
 
     def end_promotion(self, batch, outcome) -> int:
         """The reads of ``batch`` are over (:func:`tokenlake.core.tier_flow.end`)."""

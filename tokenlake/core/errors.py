@@ -48,6 +48,13 @@ class TierCorrupt(TokenLakeError):
     unreadable): it is refused and removed, never read as the segment."""
 
 
+class TierReadFailed(TokenLakeError):
+    """A promotion that an iteration began to attend while it was read failed before
+    one of the layers the iteration needed came in: the iteration did not run (nothing
+    of the segment was attended that was not checked); its requests are planned again,
+    without the segment."""
+
+
 class LeaseError(TokenLakeError):
     """A lease was released twice, or an unknown lease was named."""
 

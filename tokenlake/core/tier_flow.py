@@ -6,10 +6,12 @@ move counts as done at once."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tokenlake.core.tier import Promotion, TierDataPlane
+from tokenlake.core.tree_nodes import relocate
 
 
 def flush(pool, data_plane: TierDataPlane | None) -> None:
@@ -97,6 +99,35 @@ def end(pool, batch: PromotionBatch, outcome: tuple[set[bytes], dict[bytes, int]
         tree = pool.tree
         pool.unlease([k for k, n in zip(batch.leased, batch.leased_nodes)
                       if k in tree and tree.node(k) is n], missing_ok=True)
+
+
+@contextlib.contextmanager
+def readable(pool, batches: Sequence[PromotionBatch]) -> Iterator[None]:
+    """While the block runs (under the control plane's lock), the pending replicas that
+    ``batches`` added count as ready: a match finds them and a plan attends them. They
+    are leased meanwhile, so nothing evicts them, and no record of them is sealed.
+    Only the caller that began the promotions passes them (the serving loop, whose
+    compute engine attends each layer of them only once it is read and checked:
+    :mod:`tokenlake.generation.tier_reads`); to everyone else they stay in flight."""
+    tier, tree = pool.tier, pool.tree
+    own = [p for b in batches for p in b.promos
+           if tier is not None and tier._own(p) and not p.replica.ready]
+    if not own:
+        yield
+        return
+    keys = [p.key for p in own]
+    tree.lease(keys)
+    for p in own:
+        p.replica.ready = True
+        relocate(tree.node(p.key))
+    try:
+        yield
+    finally:
+        for p in own:
+            if tier._own(p):
+                p.replica.ready = False
+                relocate(tree.node(p.key))
+        tree.unlease(keys, missing_ok=True)
 
 
 def promote(pool, data_plane: TierDataPlane | None,

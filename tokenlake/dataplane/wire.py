@@ -94,6 +94,7 @@ class Kind(enum.IntEnum):
     ADOPT = 35
     TIER_LIST = 36
     TIER_LISTING = 37
+    TIER_PROGRESS = 38
     PEER_REGISTER_PLAN = 40
     PEER_RELEASE_PLAN = 41
     PEER_QUERY = 42

@@ -16,11 +16,12 @@ import zmq
 
 from tokenlake.core.errors import EngineUnavailable, TokenLakeError
 from tokenlake.dataplane import wire
-from tokenlake.dataplane.messages import WireMessage, expect
+from tokenlake.dataplane.messages import WireMessage, expect, parse
 from tokenlake.dataplane.sockets import send
 
 Key = tuple[str, int]  # (role, instance)
 Reply = TypeVar("Reply", bound=WireMessage)
+Progress = Callable[[Key, WireMessage], None]
 
 
 class DriverSockets:
@@ -38,10 +39,14 @@ class DriverSockets:
         self._ids = itertools.count(1)
         self._closed = False  # then every exchange fails at once (no socket is made again)
 
-    def exchange(self, keys: list[Key], message: WireMessage,
-                 reply: type[Reply]) -> dict[Key, Reply | BaseException]:
-        """Sends ``message`` to every engine of ``keys``, then reads each answer (within
-        ``timeout_s`` in all); a key's value is its answer as a ``reply``, or its failure."""
+    def exchange(self, keys: list[Key], message: WireMessage | dict[Key, WireMessage],
+                 reply: type[Reply], progress: Progress | None = None) -> dict[Key, Reply | BaseException]:
+        """Sends ``message`` (or each key's own, a dict) to every engine of ``keys``, then
+        reads each answer (within ``timeout_s`` in all); a key's value is its answer as
+        a ``reply``, or its failure. With ``progress``, an engine may send progress
+        messages (``TIER_PROGRESS``) under the request's id before its answer: each is
+        handed to ``progress(key, message)`` as it comes, from every engine at once, and
+        the engine then has ``timeout_s`` again (silence fails it, not a long read)."""
         out: dict[Key, Reply | BaseException] = {}
         with self._lock:
             if self._closed:
@@ -53,11 +58,15 @@ class DriverSockets:
                     if sock is None:
                         sock = self._socks[key] = self._dealer(key)
                     msg_id = next(self._ids)
-                    send(sock, message.encode(msg_id), timeout_s=self.timeout_s)
+                    one = message[key] if isinstance(message, dict) else message
+                    send(sock, one.encode(msg_id), timeout_s=self.timeout_s)
                     sent[key] = (sock, msg_id)
                 except Exception as exc:  # noqa: BLE001 - reported per key
                     out[key] = exc
                     self._drop(key)
+            if progress is not None:
+                out.update(self._streamed(sent, reply, progress))
+                return out
             deadline = time.monotonic() + self.timeout_s
             for key, (sock, msg_id) in sent.items():
                 try:
@@ -70,6 +79,45 @@ class DriverSockets:
                     out[key] = exc
                     if not isinstance(exc, TokenLakeError) or isinstance(exc, EngineUnavailable):
                         self._drop(key)
+        return out
+
+    def _streamed(self, sent: dict[Key, tuple[zmq.Socket, int]], reply: type[Reply],
+                  progress: Progress) -> dict[Key, Reply | BaseException]:
+        """The answers of :meth:`exchange` with ``progress``: every socket polled at
+        once, each with a deadline of its own, moved on by each progress message."""
+        out: dict[Key, Reply | BaseException] = {}
+        poller = zmq.Poller()
+        by_sock = {sock: key for key, (sock, _) in sent.items()}
+        for sock in by_sock:
+            poller.register(sock, zmq.POLLIN)
+        due = dict.fromkeys(sent, time.monotonic() + self.timeout_s)
+        while due:
+            wait_s = max(0.0, min(due.values()) - time.monotonic())
+            for sock, _ in poller.poll(wait_s * 1000):
+                key, drop = by_sock[sock], False
+                try:
+                    answer = wire.recv(sock, 0.0)
+                    if answer.msg_id != sent[key][1]:
+                        continue  # a late answer to an earlier request
+                    if answer.kind == wire.Kind.TIER_PROGRESS:
+                        progress(key, parse(answer))
+                        due[key] = time.monotonic() + self.timeout_s
+                        continue
+                    out[key] = expect(answer, reply)
+                except Exception as exc:  # noqa: BLE001 - reported per key
+                    out[key] = exc
+                    drop = not isinstance(exc, TokenLakeError) or isinstance(exc, EngineUnavailable)
+                poller.unregister(sock)
+                del due[key]
+                if drop:
+                    self._drop(key)
+            now = time.monotonic()
+            for key in [k for k, t in due.items() if t <= now]:
+                out[key] = EngineUnavailable(f"{key[0]} engine {key[1]}: neither an answer nor "
+                                             f"progress within {self.timeout_s:g} s")
+                poller.unregister(sent[key][0])
+                del due[key]
+                self._drop(key)
         return out
 
     def forget(self, instance: int) -> None:

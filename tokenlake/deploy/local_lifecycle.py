@@ -25,14 +25,23 @@ class InstanceLifecycle:
         """A tier read or fence (:class:`~tokenlake.deploy.tier.TierDriver`), on sockets
         of its own per ``channel``: it may take a while, and the owner's other requests
         (and the other channel's) go on beside it."""
+        out = self._tier_request_sockets(channel).exchange([key], message, reply)[key]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _tier_stream(self, messages, reply, progress):
+        """Tier reads to several transfer engines at once (``{key: message}``), on the
+        reads' sockets, their progress messages handed to ``progress(key, message)`` as
+        they come: ``{key: reply or its failure}``."""
+        return self._tier_request_sockets("reads").exchange(list(messages), messages, reply, progress)
+
+    def _tier_request_sockets(self, channel: str) -> DriverSockets:
         if self._tier_sockets is None:
             self._tier_sockets = {}
         if channel not in self._tier_sockets:
             self._tier_sockets[channel] = DriverSockets(self._dealer, self.timeout_s)
-        out = self._tier_sockets[channel].exchange([key], message, reply)[key]
-        if isinstance(out, BaseException):
-            raise out
-        return out
+        return self._tier_sockets[channel]
 
     def _close_tier_sockets(self) -> None:
         for sockets in (self._tier_sockets or {}).values():

@@ -149,13 +149,19 @@ class TierDriver:
                 refused += self._unsettled.pop(inst)
         return staged, refused
 
-    def tier_read(self, promotions) -> tuple[set[bytes], dict[bytes, int]]:
+    def tier_read(self, promotions, on_layer=None) -> tuple[set[bytes], dict[bytes, int]]:
         """Reads each promotion's copy into its slot (one ``TIER_READ`` per instance and
         :data:`READ_BYTES`, on sockets of their own: the control plane's calls go on
         meanwhile); returns the keys that failed, and those of them whose engine neither
         answered nor was fenced (it may still write their slots), with the epoch each
-        was sent at."""
-        from tokenlake.dataplane.messages import TierRead  # imports torch
+        was sent at.
+
+        With ``on_layer``, each instance gets one ``TIER_READ`` of all its items, read
+        layer by layer (``layered``), all at once: ``on_layer(instance, layers)`` is
+        called (on this thread) each time an engine says that the first ``layers``
+        layers of all its items are in, checked; where the launcher cannot pass such
+        messages on (``_tier_stream``), only the answers come."""
+        from tokenlake.dataplane.messages import TierDone, TierRead  # imports torch
 
         failed: set[bytes] = set()
         unanswered: dict[bytes, int] = {}
@@ -163,25 +169,34 @@ class TierDriver:
         by_inst: dict[int, list] = {}
         for p in promotions:
             by_inst.setdefault(p.instance, []).append((p.key, p.slot, p.target))
-        per = max(1, READ_BYTES // self.cluster.config.segment_bytes)
+        layered = on_layer is not None and hasattr(self.cluster, "_tier_stream")
+        sends: list[tuple[int, TierRead]] = []
         for inst, items in by_inst.items():
-            for at in range(0, len(items), per):  # each request well within the timeout
+            # each well within the timeout (a layered read's progress moves its deadline on)
+            per = len(items) if layered else max(1, READ_BYTES // self.cluster.config.segment_bytes)
+            for at in range(0, len(items), per):
                 part = items[at : at + per]
-                keys = [item[0] for item in part]
-                failed.update(keys)
+                failed.update(item[0] for item in part)
                 if alive is not None and not alive("transfer", inst):
                     continue  # stopped: it reads nothing, now or later
                 epoch = self._epoch_of(inst)
                 if epoch is None and self._fence(inst):
                     epoch = self._epoch_of(inst)
-                if epoch is None:
-                    continue  # not sent: nothing to hold back
-                done = self._send(inst, TierRead(tuple(part), epoch), reads=True)
-                if done is not None:
-                    bad = set(done.failed)
-                    failed.difference_update(k for k in keys if k not in bad)
-                elif self._epoch_of(inst) is None:
-                    unanswered.update(dict.fromkeys(keys, epoch))
+                if epoch is not None:  # (else not sent: nothing to hold back)
+                    sends.append((inst, TierRead(tuple(part), epoch, layered=layered)))
+        if layered and sends:
+            results = self.cluster._tier_stream({("transfer", i): m for i, m in sends}, TierDone,
+                                                lambda key, msg: on_layer(key[1], msg.layers))
+            answers = [(inst, m, self._settle(inst, m, results[("transfer", inst)])) for inst, m in sends]
+        else:
+            answers = [(inst, m, self._send(inst, m, reads=True)) for inst, m in sends]
+        for inst, message, done in answers:
+            keys = [item[0] for item in message.items]
+            if done is not None:
+                bad = set(done.failed)
+                failed.difference_update(k for k in keys if k not in bad)
+            elif self._epoch_of(inst) is None:
+                unanswered.update(dict.fromkeys(keys, message.epoch))
         return failed, unanswered
 
     def fenced(self) -> dict[int, int]:
@@ -220,10 +235,17 @@ class TierDriver:
             else:
                 done = self.cluster._request(("transfer", inst), message, TierDone)
         except Exception as exc:  # noqa: BLE001 - no answer: it may still be carried out
-            log.warning("tier of instance %d: %s", inst, exc)
-        else:
+            done = exc
+        return self._settle(inst, message, done)
+
+    def _settle(self, inst: int, message, done):
+        """``done`` (the ``TIER_DONE`` of ``message``, or the failure to get one) recorded:
+        the answer, or None (then a higher epoch is marked to be fenced, and the fencing
+        woken)."""
+        if not isinstance(done, BaseException):
             self._answered(inst, message.epoch, done)
             return done
+        log.warning("tier of instance %d: %s", inst, done)
         with self._state:
             self._epoch[inst] = max(self._epoch.get(inst, self._base), message.epoch) + 1
             self._unfenced[inst] = 0.0

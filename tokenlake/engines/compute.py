@@ -106,6 +106,9 @@ class ComputeEngine:
         self.cfg = weights.config
         self.cluster = cluster
         self.on_query: Callable[[float], None] | None = None
+        #: called with each layer's number before its K/V are put and its queries sent
+        #: (the serving loop waits there for a promotion's layer: generation/tier_reads.py)
+        self.layer_gate: Callable[[int], None] | None = None
 
     def run(self, plans: Plans, batches: Sequence[Batch], exchange: LocalExchange | None = None) -> IterationOutput:
         """Computes the sub-batches in ``plans`` (all of an iteration's, or those homed
@@ -166,6 +169,8 @@ class ComputeEngine:
         sub-batches and causal self-attention over the new rows here. ``put=False``
         only writes the new K/V into ``kv_buf`` (the caller puts later)."""
         client, q_buf, kv_buf = buf
+        if self.layer_gate is not None:  # (page copies from a promoted slot go with the puts)
+            self.layer_gate(layer)
         kv_buf[layer, :, 0].copy_(k)
         kv_buf[layer, :, 1].copy_(v)
         if put:  # puts first: they overlap the query

@@ -30,11 +30,8 @@ use; on opening, the files' modification times give the order.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import fcntl
-import hashlib
 import os
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -44,33 +41,27 @@ from typing import Any, NoReturn
 import msgpack
 
 from tokenlake.core.errors import ConfigError, TierCorrupt
+from tokenlake.engines.tier_format import (
+    LEN,
+    MAGIC,
+    MAX_CHUNKS,
+    digest,
+    read_ahead,
+    read_checked,
+    read_header,
+)
+from tokenlake.engines.tier_layers import LayeredReads
 
-MAGIC = b"TLTIER1\n"
-_LEN = struct.Struct("<I")
 SUFFIX = ".seg"
 TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
-#: Header fields every file has (and either ``chunk`` and ``digests``, or, written
-#: before chunks, one ``digest``).
-_FIELDS = ("key", "layout", "nbytes")
-
-
 #: Bytes a file's chunk has when its writer names no size (each chunk has a digest).
 CHUNK_BYTES = 4 << 20
-#: Bytes a file written with one digest is read and hashed at a time.
-READ_CHUNK = 4 << 20
 #: Threads that hash chunks at once (while the next chunk is read).
 HASH_THREADS = 2
-#: Digests a file has at most (a writer makes its chunks larger beyond; a header with
-#: more is refused).
-MAX_CHUNKS = 4096
 
 
-def _digest(data) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-class TierFiles:
+class TierFiles(LayeredReads):
     """The files of one instance's disk tier (see the module docstring).
 
     ``layout``: what identifies the bytes' format (for example the slab's shape per
@@ -164,7 +155,7 @@ class TierFiles:
         """The key, size, layout and meta of a complete file; ValueError for anything else."""
         size = path.stat().st_size
         with open(path, "rb") as f:
-            header, body_at = _read_header(f)
+            header, body_at = read_header(f)
         try:
             key = bytes.fromhex(header["key"])
         except ValueError:
@@ -212,7 +203,7 @@ class TierFiles:
         if meta is not None:
             head["meta"] = meta
         header = msgpack.packb(head)
-        size = len(MAGIC) + _LEN.size + len(header) + view.nbytes
+        size = len(MAGIC) + LEN.size + len(header) + view.nbytes
         if size > self.capacity_bytes:
             raise ConfigError(f"a segment of {size} bytes does not fit a tier of {self.capacity_bytes}")
         final = self._file(key)
@@ -223,7 +214,7 @@ class TierFiles:
             try:
                 with open(tmp, "wb") as f:
                     f.write(MAGIC)
-                    f.write(_LEN.pack(len(header)))
+                    f.write(LEN.pack(len(header)))
                     f.write(header)
                     f.write(view)
                     if self.fsync:
@@ -284,7 +275,7 @@ class TierFiles:
                 self._corrupt(key, path, exc)
             with f:
                 try:
-                    header, offset = _read_header(f)
+                    header, offset = read_header(f)
                     if header["key"] != key.hex():
                         raise ValueError("not this segment")
                 except ValueError as exc:
@@ -294,7 +285,7 @@ class TierFiles:
                     if "digests" in header:
                         self._read_chunks(f, offset, memoryview(buf).cast("B"), header)
                     else:  # written before chunks
-                        _read_checked(f, offset, memoryview(buf).cast("B"), header["digest"])
+                        read_checked(f, offset, memoryview(buf).cast("B"), header["digest"])
                 except ValueError as exc:
                     self._corrupt(key, path, exc)
             self._sizes.move_to_end(key)
@@ -303,14 +294,14 @@ class TierFiles:
     def _hash(self, view: memoryview, starts, chunk: int) -> list[concurrent.futures.Future]:
         """The digests of ``view``'s chunks of ``chunk`` bytes that begin at ``starts``,
         hashed on the tier's threads: one future each, in order."""
-        return [self._hashers.submit(_digest, view[a:a + chunk]) for a in starts]
+        return [self._hashers.submit(digest, view[a:a + chunk]) for a in starts]
 
     def _read_chunks(self, f, offset: int, view: memoryview, header: dict) -> None:
         """Reads an open file's bytes from ``offset`` into ``view`` (ValueError if
         there are fewer or more), a chunk at a time: each is hashed on the tier's
         threads while the next is read; ValueError if any does not match its digest."""
         chunk, digests, hashed = header["chunk"], header["digests"], []
-        _read_ahead(f, offset, view.nbytes)
+        read_ahead(f, offset, view.nbytes)
         try:
             for start in range(0, view.nbytes, chunk):
                 end, done = min(start + chunk, view.nbytes), start
@@ -360,59 +351,3 @@ class TierFiles:
         self._remove_key(key)
         self.evictions += 1
         return key
-
-
-def _read_checked(f, offset: int, view: memoryview, digest: str) -> None:
-    """Reads an open file's bytes from ``offset`` into ``view`` (all of them: ValueError
-    if there are fewer or more), hashing each chunk once it is in; ValueError if they do
-    not match ``digest``."""
-    _read_ahead(f, offset, view.nbytes)
-    h = hashlib.blake2b(digest_size=16)
-    done = 0
-    while done < view.nbytes:
-        n = f.readinto(view[done:done + READ_CHUNK])
-        if not n:
-            raise ValueError("truncated")
-        h.update(view[done:done + n])
-        done += n
-    if f.read(1):
-        raise ValueError("longer than its header says")
-    if h.hexdigest() != digest:
-        raise ValueError("its bytes do not match their digest")
-
-
-def _read_ahead(f, offset: int, nbytes: int) -> None:
-    """Asks the disk for ``nbytes`` of an open file from ``offset`` at once (the whole
-    file in flight while its chunks are hashed); advice only: nothing where it is not
-    taken (a pipe, a file system without it)."""
-    if hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(f.fileno(), offset, nbytes, os.POSIX_FADV_WILLNEED)
-
-
-def _read_header(f) -> tuple[dict, int]:
-    """The header of an open tier file and the offset of its bytes; ValueError if the
-    file does not start like one."""
-    if f.read(len(MAGIC)) != MAGIC:
-        raise ValueError("not a tier file")
-    raw = f.read(_LEN.size)
-    if len(raw) != _LEN.size:
-        raise ValueError("truncated header")
-    (n,) = _LEN.unpack(raw)
-    packed = f.read(n)
-    if len(packed) != n:
-        raise ValueError("truncated header")
-    try:
-        header = msgpack.unpackb(packed)
-    except Exception as exc:  # noqa: BLE001 - any malformed header is a refusal
-        raise ValueError(f"unreadable header ({type(exc).__name__})") from None
-    if not isinstance(header, dict) or any(k not in header for k in _FIELDS):
-        raise ValueError("header without its fields")
-    h, chunked = header, "digests" in header
-    if not (isinstance(h["key"], str) and type(h["nbytes"]) is int and h["nbytes"] >= 0 and (
-            isinstance(h.get("digest"), str) if not chunked else type(h.get("chunk")) is int
-            and h["chunk"] > 0 and isinstance(h["digests"], list) and all(isinstance(d, str) for d in h["digests"]))):
-        raise ValueError("header with fields missing or of the wrong type")
-    if chunked and not len(h["digests"]) == -(-h["nbytes"] // h["chunk"]) <= MAX_CHUNKS:
-        raise ValueError(f"{len(h['digests'])} digests for {h['nbytes']} bytes in chunks of {h['chunk']}")
-    return header, len(MAGIC) + _LEN.size + n

@@ -34,6 +34,7 @@ from tokenlake.dataplane.messages import (
     TierList,
     TierListing,
     TierOps,
+    TierProgress,
     TierRead,
 )
 from tokenlake.engines.tier_store import HostTier, TierStore, slot_bytes
@@ -63,6 +64,15 @@ class OffLoop:
                 pass
 
         self._threads.submit(fn).add_done_callback(ring)
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on the loop's thread (from the worker: in order with its jobs'
+        ``then``, which come after what the job posted)."""
+        self._done.append((lambda _future: fn(), None))
+        try:
+            os.write(self._wake, b"\0")
+        except OSError:  # closed: the engine is stopping
+            pass
 
     def drain(self) -> None:
         """Runs the ``then`` of every job that ended (on the loop's thread)."""
@@ -163,13 +173,18 @@ class TierServing:
             (done if staged else failed).append(e.key)
         return TierDone(tuple(done), tuple(failed), self._tier_counters())
 
-    def _read_items(self, message: TierRead) -> list[tuple[bytes, bool]]:
-        """Reads each item's copy into its slot: ``(key, whether it came back intact)``."""
-        out = []
-        for key, slot, target in message.items:
-            slab = self.slab if target in (-1, self.spec.instance) else self.shared.get(target)
-            out.append((key, slab is not None and self.tier.read_into(key, slot_bytes(slab, slot))))
-        return out
+    def _read_items(self, message: TierRead, on_layer: Callable[[int], None] | None = None) -> list[tuple[bytes, bool]]:
+        """Reads each item's copy into its slot: ``(key, whether it came back intact)``;
+        with ``on_layer``, layer by layer where the tier can (``on_layer(n)``: the first
+        ``n`` layers of every item are in)."""
+        slabs = [self.slab if target in (-1, self.spec.instance) else self.shared.get(target)
+                 for _key, _slot, target in message.items]
+        if on_layer is not None and hasattr(self.tier, "read_layers_into") and all(s is not None for s in slabs):
+            ok = self.tier.read_layers_into([(key, slot_bytes(slab, slot)) for (key, slot, _t), slab
+                                             in zip(message.items, slabs)], self.num_layers, on_layer)
+            return [(item[0], good) for item, good in zip(message.items, ok)]
+        return [(key, slab is not None and self.tier.read_into(key, slot_bytes(slab, slot)))
+                for (key, slot, _target), slab in zip(message.items, slabs)]
 
     def _read_off_loop(self, identity, msg_id: int, message: TierRead) -> None:
         def then(future: concurrent.futures.Future) -> None:
@@ -180,7 +195,11 @@ class TierServing:
                 self.refuse(identity, msg_id, exc)
             self._tier_next()
 
-        self._reader.submit(lambda: self._read_items(message), then)  # (may raise: then not reading)
+        def progress(layers: int) -> None:  # on the reader's thread: sent from the loop's
+            self._reader.post(lambda: self.reply(identity, TierProgress(layers).encode(msg_id)))
+
+        on_layer = progress if message.layered else None
+        self._reader.submit(lambda: self._read_items(message, on_layer), then)  # (may raise: then not reading)
         self._reading = message
 
     def _tier_done(self, outcome: list[tuple[bytes, bool]]) -> TierDone:

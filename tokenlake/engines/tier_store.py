@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,33 @@ class TierStore:
         self.reads += 1
         return True
 
+    def read_layers_into(self, items: list[tuple[bytes, torch.Tensor]], layers: int,
+                         on_layer: Callable[[int], None]) -> list[bool]:
+        """:meth:`read_into` of several segments (``(key, slot bytes)``), a layer at a
+        time (:meth:`TierFiles.get_layers_into`): ``on_layer(n)`` once the first ``n``
+        layers of every one are in and checked. A copy still staged, or one for a GPU
+        slot, is read whole first; ``on_layer`` is not called after a failure."""
+        ok = [True] * len(items)
+        files = []
+        for i, (key, out) in enumerate(items):
+            with self._cond:
+                staged = key in self._staged
+            if staged or out.device.type != "cpu":
+                ok[i] = self.read_into(key, out)
+            else:
+                files.append(i)
+        if not all(ok):
+            on_layer = _never
+        got = self.files.get_layers_into([(items[i][0], items[i][1].numpy()) for i in files], layers,
+                                         on_layer) if files else []
+        for i, good in zip(files, got):
+            ok[i] = good
+            if good:
+                self.reads += 1
+            else:
+                self.read_failures += 1
+        return ok
+
     def listing(self) -> list[tuple[bytes, Any]]:
         """``(key, meta)`` of every segment held, least recently used first (the staged
         ones last)."""
@@ -206,6 +234,10 @@ class TierStore:
         entry = self._staged.pop(key, None)
         if entry is not None:
             self._staged_bytes -= len(entry[0])
+
+
+def _never(_layers: int) -> None:
+    """What a layered read tells once a segment has failed: nothing."""
 
 
 def _copy_in(data: bytes, out: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ class Live(TrackedRequest):
 
 def plan_without_waiting(control, batches: list[Batch], dops: list[int],
                          defer: Callable[[set[str], bool], None],
-                         homes: list[int | None] | None = None) -> Plans | None:
+                         homes: list[int | None] | None = None, promoting: list = ()) -> Plans | None:
     """``control.gen_plans(batches, dops, homes)``; a request whose new tokens complete a segment
     another client is still storing (``SegmentInFlight``) waits: ``defer`` takes it out of
     this iteration (its admission, if new, back) and the rest is planned without it
@@ -58,9 +58,11 @@ def plan_without_waiting(control, batches: list[Batch], dops: list[int],
     again, so it reuses the segment once stored, or stores it itself if that client's
     iteration was aborted (its session ended). So does a new request whose matched prefix
     is no longer cached (``PrefixNotCached``: another client's placement evicted it since
-    the match). None when every request waits."""
+    the match). None when every request waits. ``promoting``: as ``gen_plans``'s."""
     while True:
         try:
+            if promoting:  # promotions read layer by layer that these plans may attend
+                return control.gen_plans(batches, dops, homes, promoting=promoting)
             return control.gen_plans(batches, dops, homes)
         except (SegmentInFlight, PrefixNotCached) as e:
             waiting = set(e.request_ids)

@@ -12,10 +12,8 @@ waiting request's prompt is matched in the tree once per iteration, and that mat
 its view, its cache load and, if admitted, its reused prefix.
 
 New requests reuse whatever prefix the pool holds (whole segments, matched in the
-global tree); their sealed segments are published to the tree as they fill, so a later
-turn of the same session, or another request with the same document, prefills only
-what is new.
-"""
+global tree); their sealed segments are published as they fill, so a later turn, or
+another request with the same document, prefills only what is new."""
 
 from __future__ import annotations
 
@@ -76,13 +74,10 @@ class GenerationLoop(Recovery):
         compute_slots: how many batches the policy may run per iteration (the
             instances it sees). Default: one per instance when the engine computes
             batches in parallel (``engine.parallel``: the Ray compute actors, a
-            :class:`~tokenlake.engines.compute.ParallelComputeEngine`), else 2
-            (at most the instances): the single local :class:`ComputeEngine` computes
-            batches one after the other, so a prefill batch and a decode batch can
-            share an iteration (a new request does not wait for running decodes to
-            finish) and the DoP 1 batches of one phase run as one (splitting them would
-            only add weight passes; the control plane still spreads segments and queries
-            over every instance).
+            :class:`~tokenlake.engines.compute.ParallelComputeEngine`), else 2 (at most
+            the instances): one local :class:`ComputeEngine` computes batches in turn,
+            so a prefill and a decode batch share an iteration (a new request does not
+            wait for the decodes) and one phase's DoP 1 batches run as one.
         engine: what runs the iterations, anything with ``run(plans, batches) ->
             IterationOutput`` (default: ``cluster.compute_engine()`` when the cluster
             has one that is not None, e.g. a ``RayCluster`` with compute actors, else a
@@ -139,7 +134,7 @@ class GenerationLoop(Recovery):
         self.iterations = 0
         self.rebalance_every = rebalance_every
         self.replications = 0
-        self._tier_reads = TierReads(self.control)  # promotions read in the background
+        self._tier_reads = TierReads.of(self)  # promotions: in the background, or layer by layer
         self.admit_limit: int | None = None  # most new admissions per iteration (see step)
         self.admission_patience_s = 30.0  # then a waiting request goes first (scheduler/admission.py)
         self.admission_holds = 0  # iterations skipped because the pool was full
@@ -173,13 +168,13 @@ class GenerationLoop(Recovery):
     def step(self) -> None:
         """One iteration: the policy's batches, plans, compute, completion.
 
-        If the iteration fails, the requests it admitted go back to waiting (the
-        control plane never saw them, or its abort took them back), so the tracker
-        and the pool agree. When the pool is full (``CapacityError``) while other
-        requests run, no new request is admitted until one of those finishes: the
-        iteration is skipped, not failed: it is tried again with half as many new
-        admissions (cache-first: :mod:`scheduler.admission`), and with none (admission waits
-        for room) once a single one does not fit beside the running requests (lifted when one finishes)."""
+        If the iteration fails, the requests it admitted go back to waiting (the control
+        plane never saw them, or its abort took them back): the tracker and the pool
+        agree. A full pool (``CapacityError``) while other requests run skips the
+        iteration: tried again with half as many new admissions (cache-first:
+        :mod:`scheduler.admission`), and with none once a single one does not fit beside
+        the running requests (lifted when one finishes). A tier read it attended that
+        failed (``TierReadFailed``) skips it too: planned again without that segment."""
         self._admitted_now = []
         batches, dops, prefilling, homes = self._ask_policy()
         if not batches:
@@ -206,13 +201,9 @@ class GenerationLoop(Recovery):
         except BaseException:
             self._take_back(prefilling)
             raise
-        try:
-            out = self.engine.run(plans, batches)
-        except BaseException:
-            cp.abort(plans)
-            self._take_back(prefilling)
-            raise
-        cp.complete(plans)
+        out = self._tier_reads.compute(self.engine, plans, batches, lambda: self._take_back(prefilling))
+        if out is None:  # a tier read it attended failed: planned again without that segment
+            return
         self._decoded = any(b.phase == DECODE for b in batches)
         if self.parallel:  # where each decode batch ran (one engine: nothing to keep)
             last, self._decode_at = self._decode_at, {
@@ -250,7 +241,7 @@ class GenerationLoop(Recovery):
                 self.waits_in_flight += len(waiting)
             take_out(self.tracker, self._admitted_now, waiting, prefilling, lost)
 
-        return plan_without_waiting(self.control, batches, dops, defer, homes)
+        return plan_without_waiting(self.control, batches, dops, defer, homes, self._tier_reads.promoting())
 
     def _take_back(self, prefilling: dict[str, int]) -> None:
         """The iteration did not run: its admissions back to waiting, every chunk's count undone."""
@@ -271,7 +262,7 @@ class GenerationLoop(Recovery):
         reading = self._tier_reads.for_snapshot(tracker)
         for live in tracker.waiting():
             if live.request_id not in reading:  # the last token is always computed (its logits)
-                m = tree.match(live.prompt, max_tokens=len(live.prompt) - 1, salt=live.req.cache_salt)
+                m = self._tier_reads.match(tree, live)
                 tracker.set_hit(live, 0 if live.lost_hit else m.hit_tokens)
         waiting, running = tracker.views()
         waiting = tuple(v for v in waiting if v.request_id not in reading)

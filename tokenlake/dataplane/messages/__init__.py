@@ -76,6 +76,7 @@ from tokenlake.dataplane.messages.tier import (
     TierList,
     TierListing,
     TierOps,
+    TierProgress,
     TierRead,
 )
 from tokenlake.dataplane.messages.transfer import (
@@ -104,7 +105,7 @@ __all__ = [
     "PeerReleasePlan", "PeerSegment", "Peers", "Ping", "PlanAck", "Pong", "Put", "PutDone",
     "PutTarget", "Query", "QueryDone", "ReadSegment", "RegisterQueryPlan",
     "RegisterTransferPlan", "ReleasePlan", "SegmentData", "Shutdown", "SlotCopy", "SlotWrite",
-    "TierDone", "TierEntry", "TierList", "TierListing", "TierOps", "TierRead", "WireMessage", "decode", "expect", "parse",
+    "TierDone", "TierEntry", "TierList", "TierListing", "TierOps", "TierProgress", "TierRead", "WireMessage", "decode", "expect", "parse",
 ]
 
 M = TypeVar("M", bound=WireMessage)

@@ -95,6 +95,15 @@ class Fields:
             return default
         return self.as_int(self.get(name), name)
 
+    def bool(self, name: str, default: bool | None = None) -> bool:
+        """A required bool field (or ``default`` when absent and a default is given)."""
+        if default is not None and name not in self.body:
+            return default
+        value = self.get(name)
+        if not isinstance(value, bool):
+            raise self.error(name, f"must be a bool, got {short(value)}")
+        return value
+
     def float(self, name: str) -> float:
         return self.as_float(self.get(name), name)
 

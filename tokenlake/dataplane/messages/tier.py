@@ -120,14 +120,40 @@ class TierRead(WireMessage):
     KIND = Kind.TIER_READ
     items: tuple[tuple[bytes, int, int], ...] = ()
     epoch: int = 0
+    #: read the items layer by layer (layer 0 of every file, then layer 1, ...) and send
+    #: a :class:`TierProgress` once a layer of them all is in its slots, digest checked
+    #: (default false: the answer alone)
+    layered: bool = False
 
     def body(self) -> dict:
-        return {"items": [list(item) for item in self.items], "epoch": self.epoch}
+        return {"items": [list(item) for item in self.items], "epoch": self.epoch, "layered": self.layered}
 
     @classmethod
     def from_wire(cls, f: Fields) -> TierRead:
         f.tensors(0)
-        return cls(_items(f, "items"), f.int("epoch", default=0))
+        return cls(_items(f, "items"), f.int("epoch", default=0), f.bool("layered", default=False))
+
+
+@dataclass(frozen=True)
+class TierProgress(WireMessage):
+    """``TIER_PROGRESS`` ``{"layers": int}``: sent during a ``layered``
+    :class:`TierRead`, under its message id, before its :class:`TierDone`: the first
+    ``layers`` layers of every item are in their slots, each checked against its
+    digest. Never sent for a layer that failed; the answer says which keys did."""
+
+    KIND = Kind.TIER_PROGRESS
+    layers: int = 0
+
+    def body(self) -> dict:
+        return {"layers": self.layers}
+
+    @classmethod
+    def from_wire(cls, f: Fields) -> TierProgress:
+        f.tensors(0)
+        layers = f.int("layers")
+        if layers < 0:
+            raise f.error("layers", "must be >= 0")
+        return cls(layers)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,129 @@
+"""A disk tier's reads layer by layer (a mixin of
+:class:`~tokenlake.engines.tier_files.TierFiles`): several segments' files read into
+their slots a layer at a time, each layer checked against its digest before the caller
+hears of it, so that attention over the segments can begin while later layers are still
+on their way (docs/design.md "Disk tier")."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenlake.engines.tier_format import read_ahead, read_checked, read_header
+
+log = logging.getLogger(__name__)
+
+
+class LayeredReads:
+    """:meth:`get_layers_into`, for a :class:`~tokenlake.engines.tier_files.TierFiles`
+    (which provides ``_mutex``, ``_sizes``, ``_file``, ``_hash``, ``_forget``,
+    ``_read_chunks`` and ``_check_open``)."""
+
+    def get_layers_into(self, outs: Sequence[tuple[bytes, Any]], layers: int,
+                        on_layer: Callable[[int], None]) -> list[bool]:
+        """Reads several segments into their buffers (``(key, writable buffer)``, as
+        :meth:`get_into`) a layer at a time: chunk ``l`` of every file (a file of
+        ``layers`` chunks holds a layer in each), each checked against its digest, then
+        ``on_layer(l + 1)``, then the next. ``on_layer`` is not called again once a
+        segment has failed (missing, corrupt, truncated: refused and removed as by
+        :meth:`get_into`, its buffer not to be used); the others are read to the end.
+        A file chunked otherwise (or written with one digest) is read whole first.
+        Returns, per segment, whether it came back intact."""
+        ok = [True] * len(outs)
+        with self._mutex:
+            self._check_open()
+            opened = []  # (index, key, path, file, view, offset, digests) of the layered ones
+            try:
+                for i, (key, out) in enumerate(outs):
+                    ok[i], one = self._open_layered(key, memoryview(out).cast("B"), layers)
+                    if one is not None:
+                        opened.append((i, key, *one))
+                for _i, _key, _path, f, view, offset, _digests in opened:
+                    read_ahead(f, offset, view.nbytes)
+                chunk = opened[0][4].nbytes // layers if opened else 0
+                for layer in range(layers):
+                    at, hashed = layer * chunk, []
+                    for i, key, path, f, view, _offset, _digests in opened:
+                        if ok[i]:
+                            ok[i] = self._read_layer(key, path, f, view[at:at + chunk])
+                            hashed.append(self._hash(view, [at], chunk)[0] if ok[i] else None)
+                        else:
+                            hashed.append(None)
+                    for (i, key, path, *_rest, digests), h in zip(opened, hashed):
+                        if h is not None and h.result() != digests[layer]:
+                            ok[i] = self._refused(key, path, f"its bytes do not match their digest (layer {layer})")
+                    if all(ok):
+                        on_layer(layer + 1)
+                for i, key, path, f, *_rest in opened:
+                    if ok[i] and f.read(1):
+                        ok[i] = self._refused(key, path, "longer than its header says")
+            finally:
+                for _i, _key, _path, f, *_rest in opened:
+                    f.close()
+            for i, (key, _out) in enumerate(outs):
+                if ok[i]:
+                    self._sizes.move_to_end(key)
+        return ok
+
+    def _open_layered(self, key: bytes, view: memoryview, layers: int):
+        """For :meth:`get_layers_into` (under the mutex): ``(True, (path, open file,
+        view, offset of its bytes, digests))`` of a file read a layer at a time, ``(True,
+        None)`` once one chunked otherwise is read whole, ``(False, None)`` if it failed."""
+        if key not in self._sizes:
+            log.warning("tier read of %s failed: not held", key.hex())
+            return False, None
+        path = self._file(key)
+        try:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the caller
+        except FileNotFoundError:
+            return self._refused(key, path, "missing"), None
+        try:
+            header, offset = read_header(f)
+            if header["key"] != key.hex():
+                raise ValueError("not this segment")
+        except ValueError as exc:
+            f.close()
+            return self._refused(key, path, str(exc)), None
+        if header["nbytes"] != view.nbytes:
+            f.close()
+            log.warning("tier read of %s failed: %d bytes for a buffer of %d", key.hex(),
+                        header["nbytes"], view.nbytes)
+            return False, None
+        digests = header.get("digests")
+        if digests is not None and layers > 0 and view.nbytes % layers == 0 and len(digests) == layers \
+                and header["chunk"] == view.nbytes // layers:
+            return True, (path, f, view, offset, digests)
+        with f:  # another chunking: whole, as get_into reads it
+            try:
+                if digests is not None:
+                    self._read_chunks(f, offset, view, header)
+                else:
+                    read_checked(f, offset, view, header["digest"])
+            except ValueError as exc:
+                return self._refused(key, path, str(exc)), None
+        return True, None
+
+    def _read_layer(self, key: bytes, path: Path, f, view: memoryview) -> bool:
+        """The next ``view.nbytes`` of an open file into ``view``; False once refused."""
+        done = 0
+        while done < view.nbytes:
+            try:
+                n = f.readinto(view[done:])
+            except OSError as exc:  # the disk's failure, not the file's: it is kept
+                log.warning("tier read of %s failed: %s", key.hex(), exc)
+                return False
+            if not n:
+                return self._refused(key, path, "truncated")
+            done += n
+        return True
+
+    def _refused(self, key: bytes, path: Path, why: str) -> bool:
+        """A file found not to be what was written, during a read: forgotten, removed,
+        logged; False."""
+        if key in self._sizes:
+            self._forget(key)
+        path.unlink(missing_ok=True)
+        log.warning("tier file %s refused: %s", path.name, why)
+        return False

@@ -147,6 +147,38 @@ def _rewrite(path, edit) -> None:
     path.write_bytes(MAGIC + len(packed).to_bytes(4, "little") + packed + raw[len(MAGIC) + 4 + n:])
 
 
+def test_files_hashed_with_blake2b_before_xxh3_are_still_read_and_an_unknown_digest_is_refused(tmp_path):
+    """New files name their digest (``hash``: XXH3-128); a file without the field, its
+    chunks hashed with blake2b as earlier versions wrote, is adopted and read (whole and
+    layer by layer), and refused when altered; a digest this reader does not know is
+    refused on opening."""
+    t = tier(tmp_path)
+    for i in range(3):
+        t.put(key(i), payload(i))
+    path = {i: tmp_path / (key(i).hex() + SUFFIX) for i in range(3)}
+    assert t.get(key(0)) == payload(0)
+
+    def blake2b_chunks(h, data):
+        assert h.pop("hash") == "xxh3-128"
+        h["digests"] = [hashlib.blake2b(data[a:a + h["chunk"]], digest_size=16).hexdigest()
+                        for a in range(0, len(data), h["chunk"])]
+
+    _rewrite(path[0], lambda h: blake2b_chunks(h, payload(0)))
+    _rewrite(path[1], lambda h: blake2b_chunks(h, payload(1)))
+    raw = bytearray(path[1].read_bytes())
+    raw[-10] ^= 0x80
+    path[1].write_bytes(bytes(raw))
+    _rewrite(path[2], lambda h: h.update(hash="md5"))
+    again = tier(tmp_path)
+    assert key(2) not in again and any("does not know" in why for why in again.refused)
+    assert again.get(key(0)) == payload(0)
+    out, seen = bytearray(4096), []
+    assert again.get_layers_into([(key(0), out)], 4, seen.append) == [True]
+    assert bytes(out) == payload(0) and seen == [1, 2, 3, 4]
+    with pytest.raises(TierCorrupt, match="digest"):
+        again.get(key(1))
+
+
 def test_every_chunk_is_checked_and_a_file_of_one_digest_is_still_read(tmp_path):
     """A bit flipped in a middle chunk is refused like one in the last; a header whose
     digests do not cover the bytes is refused on opening; a file written before chunks

@@ -184,7 +184,7 @@ def test_a_document_read_back_from_disk_is_attended_while_its_layers_come_in(
 
         driver.tier_read = spied
         again = _ask(server, "a2", doc, tok)
-        assert server._tier_reads.overlapped >= 1
+        assert server.tier_reads.overlapped >= 1
         assert {inst for inst, _ in reports} == {cluster.control.pool.tree.node(k).tier for k in tier_keys}
         assert again.hit_tokens >= len(tier_keys) * C
         cluster.control.check()
@@ -208,7 +208,7 @@ def test_a_file_corrupt_in_its_last_layer_fails_the_iteration_and_the_question_i
         while server.busy:
             server.step()  # the failed read raises nothing here
         again = server.results["a2"]
-        assert server._tier_reads.overlapped >= 1
+        assert server.tier_reads.overlapped >= 1
         assert cluster.control.stats().pool.tier.failed_promotions >= 1
         assert again.hit_tokens < len(m.tier_keys) * C
         assert not last.exists() or last.read_bytes() != corrupt, "the corrupt file was kept"
@@ -225,5 +225,64 @@ def test_a_pool_with_its_tier_in_host_memory_overlaps_nothing_and_answers_the_sa
         _ask(server, "a", doc, tok)
         _ask(server, "b", other, tok)
         again = _ask(server, "a2", doc, tok)
-        assert server.promotions >= 1 and server._tier_reads.overlapped >= 1
+        assert server.promotions >= 1 and server.tier_reads.overlapped >= 1
     _same(again, reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
+
+
+def test_the_benchmarks_tier_row_times_the_overlapped_and_the_whole_read_alternately(tiny_llama):
+    """``tokenlake bench e2e --tier-serial``'s row on the tiny model: every round asks
+    about its document from the tier once overlapped and once after the whole read, in
+    alternating order, each time with the document's segments only in the tier; the
+    overlapped answer equals the reference's."""
+    from tokenlake.tools.bench.e2e import tagged_document
+    from tokenlake.tools.bench.e2e_tier import bench_tier, summary
+
+    weights, tok, _ = tiny_llama
+    row = bench_tier(weights, tok, tagged_document, doc_tokens=150, rounds=2, chunk_tokens=64,
+                     check_tokens=4, segment_tokens=C, serial=True)
+    assert row["answer_equal_to_reference"] is True
+    assert len(row["overlap_vs_serial_per_round"]) == 2 and row["overlap_vs_serial"] > 0
+    assert all(h["only_in_tier"] > 0 and h["in_slab"] == 0 for h in row["segments_before_the_question"])
+    assert all(n > 0 for n in row["promoted_segments"])
+    assert "whole read first" in summary(row)
+
+
+def test_a_transfer_engine_killed_between_two_layers_of_a_read_changes_no_answer(tiny_llama, tmp_path):
+    """The transfer engine dies once it has reported layer 1 of the document: the
+    iteration attending the read stops at the next layer (no answer, no progress: the
+    driver gives up after its timeout), the loop replaces the instance, and the question
+    is computed again with the reference's answer."""
+    from tokenlake.core.errors import EngineUnavailable
+
+    weights, tok, _ = tiny_llama
+    doc, other = _prompts(tok)[0], _other(tok)
+    with LocalCluster(_config(weights, tmp_path, timeout_s=2.0)) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
+        _ask(server, "a", doc, tok)
+        _ask(server, "b", other, tok)
+        driver = cluster.control.tier_data_plane
+        read, killed = driver.tier_read, []
+
+        def kill_after_layer_1(promotions, on_layer=None):
+            def report(inst, layers):
+                on_layer(inst, layers)
+                if not killed:
+                    killed.append(inst)
+                    cluster.kill("transfer", inst)
+            return read(promotions, on_layer=report if on_layer else None)
+
+        driver.tier_read = kill_after_layer_1
+        server.submit(GenerationRequest("a2", doc, NEW, (tok.eos_id,)))
+        failures = 0
+        while server.busy:
+            try:
+                server.step()
+            except EngineUnavailable:
+                failures += 1
+                assert failures <= 2
+                server.recover()
+        assert killed and server.tier_reads.overlapped >= 1
+        assert cluster.control.stats().pool.tier.failed_promotions >= 1
+        assert cluster.alive("transfer", 0)
+        cluster.control.check()
+    _same(server.results["a2"], reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))

@@ -21,7 +21,9 @@ FENCE_RETRY_S = 5.0
 #: Bytes of segments one ``TIER_READ`` reads at most (one segment if larger): about a
 #: tenth of a second from a disk, well within the driver's timeout, and the longest a
 #: fence, or a drop of a copy being read, waits for a read (the engine's puts do not:
-#: it reads beside its loop, ``tokenlake/engines/tier_serving.py``).
+#: it reads beside its loop, ``tokenlake/engines/tier_serving.py``). A layered read
+#: (``tier_read``'s ``on_layer``) is one message per instance, whatever its size: it
+#: reads layer 0 of every file first, and each layer's report gives it the timeout again.
 READ_BYTES = 32 << 20
 
 

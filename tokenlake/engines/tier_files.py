@@ -9,8 +9,8 @@ plans; the engines give it a segment's bytes (all its layers, as the slab holds 
 slot-major) and its key.
 
 A file is ``<key hex>.seg``: a magic line, the length of a msgpack header, the header
-(the key, the pool layout the bytes are in, their length, the blake2b digest of each
-chunk of them, and the caller's ``meta``: what a restart needs to put the segment back
+(the key, the pool layout the bytes are in, their length, the digest of each chunk of
+them (XXH3-128; blake2b in files written before it), and the caller's ``meta``: what a restart needs to put the segment back
 in its place) and the bytes. The chunks (``chunk_bytes``; the transfer engine makes
 them one layer of the segment each) are hashed on threads of their own, several at
 once, while the next ones are read; a file written before chunks (one ``digest`` of all
@@ -42,10 +42,12 @@ import msgpack
 
 from tokenlake.core.errors import ConfigError, TierCorrupt
 from tokenlake.engines.tier_format import (
+    HASH,
     LEN,
     MAGIC,
     MAX_CHUNKS,
     digest,
+    digest_of,
     read_ahead,
     read_checked,
     read_header,
@@ -83,7 +85,7 @@ class TierFiles(LayeredReads):
         if chunk_bytes <= 0:
             raise ConfigError(f"the tier's chunks must have > 0 bytes, got {chunk_bytes}")
         self.chunk_bytes = int(chunk_bytes)
-        # threads come with the first digest (hashlib lets go of the GIL)
+        # threads come with the first digest (xxhash and hashlib let go of the GIL)
         self._hashers = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="tier-hash")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -199,7 +201,8 @@ class TierFiles(LayeredReads):
         view = memoryview(data).cast("B")
         chunk = max(self.chunk_bytes, -(-view.nbytes // MAX_CHUNKS))
         digests = [f.result() for f in self._hash(view, range(0, view.nbytes, chunk), chunk)]
-        head = {"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes, "chunk": chunk, "digests": digests}
+        head = {"key": key.hex(), "layout": self.layout, "nbytes": view.nbytes, "chunk": chunk,
+                "hash": HASH, "digests": digests}
         if meta is not None:
             head["meta"] = meta
         header = msgpack.packb(head)
@@ -291,10 +294,10 @@ class TierFiles(LayeredReads):
             self._sizes.move_to_end(key)
             return buf
 
-    def _hash(self, view: memoryview, starts, chunk: int) -> list[concurrent.futures.Future]:
-        """The digests of ``view``'s chunks of ``chunk`` bytes that begin at ``starts``,
-        hashed on the tier's threads: one future each, in order."""
-        return [self._hashers.submit(digest, view[a:a + chunk]) for a in starts]
+    def _hash(self, view: memoryview, starts, chunk: int, algo: str = HASH) -> list[concurrent.futures.Future]:
+        """The digests (by ``algo``) of ``view``'s chunks of ``chunk`` bytes that begin at
+        ``starts``, hashed on the tier's threads: one future each, in order."""
+        return [self._hashers.submit(digest, view[a:a + chunk], algo) for a in starts]
 
     def _read_chunks(self, f, offset: int, view: memoryview, header: dict) -> None:
         """Reads an open file's bytes from ``offset`` into ``view`` (ValueError if
@@ -310,7 +313,7 @@ class TierFiles(LayeredReads):
                     if not n:
                         raise ValueError("truncated")
                     done += n
-                hashed += self._hash(view, [start], chunk)
+                hashed += self._hash(view, [start], chunk, digest_of(header))
             if f.read(1):
                 raise ValueError("longer than its header says")
         finally:

@@ -11,6 +11,7 @@ import os
 import struct
 
 import msgpack
+import xxhash
 
 MAGIC = b"TLTIER1\n"
 LEN = struct.Struct("<I")
@@ -24,9 +25,29 @@ READ_CHUNK = 4 << 20
 MAX_CHUNKS = 4096
 
 
-def digest(data) -> str:
-    """The digest of ``data`` kept in a header (blake2b, 16 bytes, hex)."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+#: The digest new files are written with (header ``hash``). A file without ``hash`` was
+#: written with blake2b-128, and is still read.
+HASH = "xxh3-128"
+_DIGESTS = {
+    "xxh3-128": xxhash.xxh3_128_hexdigest,
+    "blake2b-128": lambda data: hashlib.blake2b(data, digest_size=16).hexdigest(),
+}
+
+
+def digest(data, algo: str = HASH) -> str:
+    """The digest of ``data`` kept in a header, by ``algo`` (hex): XXH3 for new files
+    (checks against damage, ten times blake2b's speed: a promotion hashes every byte on
+    the CPU beside the model), blake2b for files written before it."""
+    return _DIGESTS[algo](data)
+
+
+def digest_of(header: dict) -> str:
+    """The digest ``algo`` a file's chunks were hashed with."""
+    return header.get("hash", "blake2b-128")
+
+
+def short(value) -> str:
+    return repr(value)[:40]
 
 
 def read_checked(f, offset: int, view: memoryview, digest: str) -> None:
@@ -80,6 +101,8 @@ def read_header(f) -> tuple[dict, int]:
             isinstance(h.get("digest"), str) if not chunked else type(h.get("chunk")) is int
             and h["chunk"] > 0 and isinstance(h["digests"], list) and all(isinstance(d, str) for d in h["digests"]))):
         raise ValueError("header with fields missing or of the wrong type")
+    if h.get("hash", "blake2b-128") not in _DIGESTS:
+        raise ValueError(f"a digest this reader does not know ({short(h['hash'])})")
     if chunked and not len(h["digests"]) == -(-h["nbytes"] // h["chunk"]) <= MAX_CHUNKS:
         raise ValueError(f"{len(h['digests'])} digests for {h['nbytes']} bytes in chunks of {h['chunk']}")
     return header, len(MAGIC) + LEN.size + n

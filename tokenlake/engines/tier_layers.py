@@ -8,12 +8,29 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenlake.engines.tier_format import read_ahead, read_checked, read_header
+from tokenlake.engines.tier_format import digest_of, read_ahead, read_checked, read_header
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Open:
+    """A file of :meth:`LayeredReads.get_layers_into`, open: the index of its segment
+    among the reads, its key and path, the file, the buffer, where its bytes begin,
+    its digests and their algo."""
+
+    i: int
+    key: bytes
+    path: Path
+    f: Any
+    view: memoryview
+    offset: int
+    digests: list
+    algo: str
 
 
 class LayeredReads:
@@ -34,34 +51,31 @@ class LayeredReads:
         ok = [True] * len(outs)
         with self._mutex:
             self._check_open()
-            opened = []  # (index, key, path, file, view, offset, digests) of the layered ones
+            opened: list[_Open] = []  # the files read a layer at a time
             try:
                 for i, (key, out) in enumerate(outs):
                     ok[i], one = self._open_layered(key, memoryview(out).cast("B"), layers)
                     if one is not None:
-                        opened.append((i, key, *one))
-                for _i, _key, _path, f, view, offset, _digests in opened:
-                    read_ahead(f, offset, view.nbytes)
-                chunk = opened[0][4].nbytes // layers if opened else 0
+                        opened.append(_Open(i, key, *one))
+                for o in opened:
+                    read_ahead(o.f, o.offset, o.view.nbytes)
+                chunk = opened[0].view.nbytes // layers if opened else 0
                 for layer in range(layers):
                     at, hashed = layer * chunk, []
-                    for i, key, path, f, view, _offset, _digests in opened:
-                        if ok[i]:
-                            ok[i] = self._read_layer(key, path, f, view[at:at + chunk])
-                            hashed.append(self._hash(view, [at], chunk)[0] if ok[i] else None)
-                        else:
-                            hashed.append(None)
-                    for (i, key, path, *_rest, digests), h in zip(opened, hashed):
-                        if h is not None and h.result() != digests[layer]:
-                            ok[i] = self._refused(key, path, f"its bytes do not match their digest (layer {layer})")
+                    for o in opened:
+                        ok[o.i] = ok[o.i] and self._read_layer(o.key, o.path, o.f, o.view[at:at + chunk])
+                        hashed.append(self._hash(o.view, [at], chunk, o.algo)[0] if ok[o.i] else None)
+                    for o, h in zip(opened, hashed):
+                        if h is not None and h.result() != o.digests[layer]:
+                            ok[o.i] = self._refused(o.key, o.path, f"its bytes do not match their digest (layer {layer})")
                     if all(ok):
                         on_layer(layer + 1)
-                for i, key, path, f, *_rest in opened:
-                    if ok[i] and f.read(1):
-                        ok[i] = self._refused(key, path, "longer than its header says")
+                for o in opened:
+                    if ok[o.i] and o.f.read(1):
+                        ok[o.i] = self._refused(o.key, o.path, "longer than its header says")
             finally:
-                for _i, _key, _path, f, *_rest in opened:
-                    f.close()
+                for o in opened:
+                    o.f.close()
             for i, (key, _out) in enumerate(outs):
                 if ok[i]:
                     self._sizes.move_to_end(key)
@@ -69,8 +83,9 @@ class LayeredReads:
 
     def _open_layered(self, key: bytes, view: memoryview, layers: int):
         """For :meth:`get_layers_into` (under the mutex): ``(True, (path, open file,
-        view, offset of its bytes, digests))`` of a file read a layer at a time, ``(True,
-        None)`` once one chunked otherwise is read whole, ``(False, None)`` if it failed."""
+        view, offset of its bytes, digests, their algo))`` of a file read a layer at a
+        time, ``(True, None)`` once one chunked otherwise is read whole, ``(False, None)``
+        if it failed."""
         if key not in self._sizes:
             log.warning("tier read of %s failed: not held", key.hex())
             return False, None
@@ -94,7 +109,7 @@ class LayeredReads:
         digests = header.get("digests")
         if digests is not None and layers > 0 and view.nbytes % layers == 0 and len(digests) == layers \
                 and header["chunk"] == view.nbytes // layers:
-            return True, (path, f, view, offset, digests)
+            return True, (path, f, view, offset, digests, digest_of(header))
         with f:  # another chunking: whole, as get_into reads it
             try:
                 if digests is not None:

@@ -387,6 +387,11 @@ class GenerationLoop(Recovery):
         return self._tier_reads.promoted
 
     @property
+    def tier_reads(self) -> TierReads:
+        """The loop's promotions (``layered``: overlap them with the request's iteration)."""
+        return self._tier_reads
+
+    @property
     def busy(self) -> bool:
         """True while a request is live, or a read of a tier (``step`` has work)."""
         return bool(self.tracker) or bool(self._tier_reads.reading())

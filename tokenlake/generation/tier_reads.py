@@ -92,6 +92,7 @@ class TierReads:
 
     def __init__(self, control, layers: int = 0, timeout_s: float = 60.0) -> None:
         self.control, self.layers, self.timeout_s = control, layers, timeout_s
+        self.layered = True  # False: every read in the background (the request waits for it whole)
         self.promoted = 0  # segments back in a slot
         self.overlapped = 0  # iterations that attended promotions while they were read
         # (future, batch, request ids, gate: None unless read layer by layer)
@@ -230,7 +231,7 @@ class TierReads:
         else:
             if self._threads is None:
                 self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tier-read")
-            if layered and self.layers:
+            if layered and self.layers and self.layered:
                 gate = ReadGate({p.instance for p in batch.promos}, self.layers, self.timeout_s)
                 future = self._threads.submit(plane.tier_read, batch.promos, on_layer=gate.layer_in)
                 future.add_done_callback(gate.finish)

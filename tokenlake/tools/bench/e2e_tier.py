@@ -9,9 +9,16 @@ written through to the tier), two more documents of the same size push it out of
 slab (every segment of it is then held only in the tier: the row says how many), the tier files are dropped from the operating system's page cache
 (``posix_fadvise(DONTNEED)``, so the read comes from the disk, not from memory), and a
 second question about the first document is answered from the tier: its segments
-promoted, its own tokens computed. Rounds alternate nothing (each is recompute, then
-tier); medians and ranges of both, and their ratio. The first round's tier answer is
-checked against the reference engine's (greedy, ``check_tokens`` tokens).
+promoted, its own tokens computed. Medians and ranges of both, and their ratio. The
+first round's tier answer is checked against the reference engine's (greedy,
+``check_tokens`` tokens).
+
+The tier question's promotion is overlapped with its own iteration (its layers read in
+while the first ones are attended). With ``serial`` each round also pushes the document
+out again and asks a second question of the same length with every read in the
+background (the request waiting for its whole read: the way before the overlap), the
+two orders alternating from round to round: ``serial_tier_ttft_ms`` and the ratio
+``overlap_vs_serial``.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ def _wait_written(cluster, directory: Path, timeout_s: float = 120.0) -> None:
 
 def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
                chunk_tokens: int = 1024, check_tokens: int = 8, segment_tokens: int | None = None,
-               kv_dtype: str = "float32", medium: str = "disk") -> dict:
+               kv_dtype: str = "float32", medium: str = "disk", serial: bool = False) -> dict:
     """The tier row (see the module docstring). ``document(tok, n, tag)``: a text of about
     ``n`` tokens, different for each ``tag``."""
     spec = weights.config.to_model_spec("smollm2-135m")
@@ -70,7 +77,7 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
     seg = spec.num_layers * 2 * spec.num_kv_heads * segment_tokens * spec.head_dim * getattr(torch, kv_dtype).itemsize
     doc_segments = -(-doc_tokens // segment_tokens) + 1
     first_token: dict[str, float] = {}
-    recompute, tiered, hits, promoted, held = [], [], [], [], []
+    recompute, tiered, hits, promoted, held, serial_ms = [], [], [], [], [], []
     equal = None
     with tempfile.TemporaryDirectory(prefix="tokenlake-tier-") as tmp:
         config = ClusterConfig(1, spec, (doc_segments + 2) * seg, segment_tokens=segment_tokens,
@@ -90,28 +97,40 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
                 return tuple(tok.apply_chat_template(
                     [{"role": "user", "content": f"{text}\n\nQuestion: {question}"}]))
 
-            for r in range(rounds):
-                doc = document(tok, doc_tokens, f"A{r}")
-                recompute.append(ttft(f"cold{r}", ask(doc, "How tall is the Harbor Lighthouse?")))
-                for other in ("B", "C"):  # the document leaves the slab
+            def push_out(r: int, tags: str) -> None:
+                for other in tags:  # the document leaves the slab
                     ttft(f"push{other}{r}", ask(document(tok, doc_tokens, f"{other}{r}"), "Who built it?"))
                 if medium == "disk":
                     _wait_written(cluster, Path(tmp))
                     drop_page_cache(Path(tmp))
-                before = server.promotions
-                question = ask(doc, "Who was the first keeper of the lighthouse?")
-                m = cluster.control.get_prefix_tree().match(question, max_tokens=len(question) - 1)
-                held.append({"in_slab": len(m.keys), "only_in_tier": len(m.tier_keys)})
-                tiered.append(ttft(f"tier{r}", question, check_tokens if r == 0 else 1))
-                hits.append(server.results[f"tier{r}"].hit_tokens)
-                promoted.append(server.promotions - before)
+
+            for r in range(rounds):
+                doc = document(tok, doc_tokens, f"A{r}")
+                recompute.append(ttft(f"cold{r}", ask(doc, "How tall is the Harbor Lighthouse?")))
+                for overlap in ((True, False) if r % 2 == 0 else (False, True)) if serial else (True,):
+                    push_out(r, "BC" if overlap else "DE")
+                    server.tier_reads.layered = overlap
+                    if not overlap:  # another question: the first one's own segments are cached now
+                        serial_ms.append(ttft(f"serial{r}", ask(doc, "Who was the last keeper of the lighthouse?")))
+                        continue
+                    before = server.promotions
+                    question = ask(doc, "Who was the first keeper of the lighthouse?")
+                    m = cluster.control.get_prefix_tree().match(question, max_tokens=len(question) - 1)
+                    held.append({"in_slab": len(m.keys), "only_in_tier": len(m.tier_keys)})
+                    tiered.append(ttft(f"tier{r}", question, check_tokens if r == 0 else 1))
+                    hits.append(server.results[f"tier{r}"].hit_tokens)
+                    promoted.append(server.promotions - before)
                 if r == 0:
                     want = ReferenceEngine(weights, getattr(torch, kv_dtype)).generate(
                         list(question), check_tokens)
                     equal = server.results["tier0"].output_ids == list(want.output_ids)
             tier_stats = cluster.control.stats().pool.tier
     med_r, med_t = statistics.median(recompute), statistics.median(tiered)
-    return {
+    paired = {} if not serial_ms else {
+        "serial_tier_ttft_ms": statistics.median(serial_ms), "serial_tier_range_ms": [min(serial_ms), max(serial_ms)],
+        "overlap_vs_serial": med_t / statistics.median(serial_ms),
+        "overlap_vs_serial_per_round": [t / s for t, s in zip(tiered, serial_ms)]}
+    return {**paired,
         "tier_ttft_ms": med_t, "tier_range_ms": [min(tiered), max(tiered)],
         "recompute_ttft_ms": med_r, "recompute_range_ms": [min(recompute), max(recompute)],
         "ttft_ratio": med_t / med_r, "rounds": rounds, "prompt_tokens": len(question),
@@ -126,14 +145,14 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
 
 
 def tier_row(doc_tokens: int = 4096, rounds: int = 2, chunk_tokens: int = 1024,
-             kv_dtype: str = "float32", medium: str = "disk") -> dict:
+             kv_dtype: str = "float32", medium: str = "disk", serial: bool = False) -> dict:
     """:func:`bench_tier` on the shipped SmolLM2 and the e2e benchmark's documents."""
     from tokenlake.model.llama.tokenizer import load_tokenizer
     from tokenlake.model.llama.weights import load_weights
     from tokenlake.tools.bench.e2e import tagged_document
 
     return bench_tier(load_weights(), load_tokenizer(), tagged_document, doc_tokens, rounds,
-                      chunk_tokens, kv_dtype=kv_dtype, medium=medium)
+                      chunk_tokens, kv_dtype=kv_dtype, medium=medium, serial=serial)
 
 
 def summary(row: dict) -> str:
@@ -141,4 +160,6 @@ def summary(row: dict) -> str:
     return (f"TTFT from {where} {row['tier_ttft_ms']:.0f} ms ({row['tier_range_ms'][0]:.0f}-"
             f"{row['tier_range_ms'][1]:.0f}) vs recompute {row['recompute_ttft_ms']:.0f} ms "
             f"({row['recompute_range_ms'][0]:.0f}-{row['recompute_range_ms'][1]:.0f}): "
-            f"{row['ttft_ratio']:.2f}x; answer equal to the reference: {row['answer_equal_to_reference']}")
+            f"{row['ttft_ratio']:.2f}x; answer equal to the reference: {row['answer_equal_to_reference']}"
+            + (f"; overlapped read {row['overlap_vs_serial']:.2f}x the whole read first "
+               f"({row['serial_tier_ttft_ms']:.0f} ms)" if "overlap_vs_serial" in row else ""))

@@ -39,6 +39,9 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier-rounds", type=positive(int), default=2, help="rounds of the tier row")
     p.add_argument("--tier-medium", choices=("disk", "memory"), default="disk",
                    help="where the tier row's tier is (memory: the transfer engine's host memory)")
+    p.add_argument("--tier-serial", action="store_true",
+                   help="the tier row also times the question with its whole read before its "
+                        "iteration (no overlap), alternating with the overlapped one")
     p.add_argument("--device", default="cpu", type=device_name,
                    help="'cuda' or 'cuda:N': the model, the plain engine and the pool on that GPU "
                         "(needs --kv-dtype bfloat16 or float16; no vLLM or tier rows)")
@@ -69,7 +72,8 @@ def run_e2e(args: argparse.Namespace) -> int:
                            share_slabs=args.share_slabs, device=args.device,
                            segment_tokens=args.segment_tokens)
     if tier:
-        result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype, medium=args.tier_medium)
+        result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype, medium=args.tier_medium,
+                                  serial=args.tier_serial)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -21,7 +21,7 @@ from test_tier import _ask, _config, _other, _same, _wait_for
 from test_tier_serving import _Engine
 from tiny_model import reference
 
-from tokenlake.core.errors import TierReadFailed
+from tokenlake.core.errors import EngineUnavailable, TierReadFailed
 from tokenlake.dataplane import messages
 from tokenlake.dataplane.messages import TierDone, TierProgress, TierRead
 from tokenlake.deploy.local import LocalCluster
@@ -133,9 +133,15 @@ def test_the_gate_opens_a_layer_once_every_reader_has_it_and_fails_once_the_read
     whole = ReadGate({0}, 3, timeout_s=30.0)
     _over(whole, set())  # no progress came (a host-memory tier): the answer says all is in
     whole.wait(2)
-    silent = ReadGate({0}, 3, timeout_s=0.05)
-    with pytest.raises(TierReadFailed, match="no word"):
-        silent.wait(0)
+    quiet = ReadGate({0}, 3, timeout_s=0.05)
+    with pytest.raises(EngineUnavailable, match="silent"):
+        quiet.wait(0)  # no word at all
+    dead = ReadGate({0}, 3, timeout_s=30.0)
+    gone: concurrent.futures.Future = concurrent.futures.Future()
+    gone.set_result(({b"k"}, {b"k": 7}))  # its engine neither answered nor was fenced
+    dead.finish(gone)
+    with pytest.raises(EngineUnavailable, match="silent"):
+        dead.wait(0)
 
 
 @pytest.mark.parametrize("instances", [1, 2])
@@ -238,8 +244,8 @@ def test_the_benchmarks_tier_row_times_the_overlapped_and_the_whole_read_alterna
     from tokenlake.tools.bench.e2e_tier import bench_tier, summary
 
     weights, tok, _ = tiny_llama
-    row = bench_tier(weights, tok, tagged_document, doc_tokens=150, rounds=2, chunk_tokens=64,
-                     check_tokens=4, segment_tokens=C, serial=True)
+    row = bench_tier(weights, tok, tagged_document, doc_tokens=300, rounds=2, chunk_tokens=64,
+                     check_tokens=4, segment_tokens=64, serial=True)
     assert row["answer_equal_to_reference"] is True
     assert len(row["overlap_vs_serial_per_round"]) == 2 and row["overlap_vs_serial"] > 0
     assert all(h["only_in_tier"] > 0 and h["in_slab"] == 0 for h in row["segments_before_the_question"])
@@ -248,12 +254,11 @@ def test_the_benchmarks_tier_row_times_the_overlapped_and_the_whole_read_alterna
 
 
 def test_a_transfer_engine_killed_between_two_layers_of_a_read_changes_no_answer(tiny_llama, tmp_path):
-    """The transfer engine dies once it has reported layer 1 of the document: the
-    iteration attending the read stops at the next layer (no answer, no progress: the
-    driver gives up after its timeout), the loop replaces the instance, and the question
-    is computed again with the reference's answer."""
-    from tokenlake.core.errors import EngineUnavailable
-
+    """The transfer engine is killed when its report of layer 1 of the document comes
+    in. Where it had not read the rest yet, the iteration attending the read stops at
+    the next layer (no answer, no progress: the driver gives up after its timeout) with
+    EngineUnavailable; where it had (these files are small), the next put finds it
+    dead. Either way the loop replaces the instance and the answer is the reference's."""
     weights, tok, _ = tiny_llama
     doc, other = _prompts(tok)[0], _other(tok)
     with LocalCluster(_config(weights, tmp_path, timeout_s=2.0)) as cluster:
@@ -282,7 +287,6 @@ def test_a_transfer_engine_killed_between_two_layers_of_a_read_changes_no_answer
                 assert failures <= 2
                 server.recover()
         assert killed and server.tier_reads.overlapped >= 1
-        assert cluster.control.stats().pool.tier.failed_promotions >= 1
         assert cluster.alive("transfer", 0)
         cluster.control.check()
     _same(server.results["a2"], reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from tokenlake.core.errors import TierReadFailed
+from tokenlake.core.errors import EngineUnavailable, TierReadFailed
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class ReadGate:
         self._cond = threading.Condition()
         self._in = dict.fromkeys(instances, 0)
         self.over = False
+        self.silent = False  # a reader neither answered nor was fenced
 
     def layer_in(self, instance: int, layers: int) -> None:
         """``instance``'s engine says its first ``layers`` layers are in (the driver's thread)."""
@@ -61,25 +62,28 @@ class ReadGate:
         """The reads are over (``future``: the data plane's ``tier_read``): every layer of
         an instance whose keys all came back is in; of the others, what they said."""
         try:
-            failed = future.result()[0]
+            failed, silent = future.result()
         except BaseException:  # noqa: BLE001 - nothing more is in
-            failed = None
+            failed, silent = None, {}
         with self._cond:
             if failed is not None and not failed:
                 self._in = dict.fromkeys(self._in, self.layers)
-            self.over = True
+            self.over, self.silent = True, bool(silent)
             self._cond.notify_all()
 
     def wait(self, layer: int) -> None:
         """Returns once ``layer`` of every item is in; raises TierReadFailed once the
-        reads are over without it, or none said anything for ``timeout_s``."""
+        reads are over without it, EngineUnavailable where a reader fell silent (it
+        did not answer, or said nothing for ``timeout_s``: the loop replaces it)."""
         with self._cond:
             deadline = time.monotonic() + self.timeout_s
             while min(self._in.values(), default=self.layers) <= layer:
                 left = deadline - time.monotonic()
-                if self.over or left <= 0:
-                    raise TierReadFailed(f"a promoted segment's layer {layer} did not come in "
-                                         f"({'its read failed' if self.over else 'no word from its reader'})")
+                if left <= 0 or self.over and self.silent:
+                    raise EngineUnavailable(f"a transfer engine reading a promoted segment fell silent "
+                                            f"before its layer {layer}")
+                if self.over:
+                    raise TierReadFailed(f"a promoted segment's layer {layer} did not come in: its read failed")
                 if self._cond.wait(left):
                     deadline = time.monotonic() + self.timeout_s
 

@@ -183,3 +183,31 @@ class FenceMachine(RuleBasedStateMachine):
 
 FenceMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 test_fence_machine = FenceMachine.TestCase
+
+
+def test_after_one_read_goes_unanswered_no_other_is_sent_to_that_engine_before_its_fence():
+    """A promotion of several segments on one instance goes out one ``TIER_READ`` at a
+    time; once one is not answered, the rest are not sent at the old epoch (each would
+    wait out the timeout, and be carried out later by a stalled engine): they fail at
+    once, and only the fence goes to that engine."""
+    from tokenlake.core.tier import Promotion
+
+    cp = ControlPlane(PoolConfig(C, "t", 2, vnodes=8, page_tokens=C, tier_slots=4), TINY, [0, 1],
+                      clock=lambda: 0.0, rng=random.Random(0))
+    cluster = FakeCluster(cp, {})
+    sent: list = []
+    request = cluster._request
+
+    def counted(key, message, reply):
+        sent.append(message)
+        return request(key, message, reply)
+
+    cluster._request = counted
+    cluster.engines[0].stalled = True
+    driver = tier_driver.TierDriver(cluster, background=False)
+    promotions = [Promotion(bytes([k]) * 16, 0, k) for k in range(3)]
+    failed, unanswered = driver.tier_read(promotions)
+    reads = [m for m in sent if isinstance(m, TierRead)]
+    assert len(reads) == 1, "one read to the silent engine, no more"
+    assert failed == {p.key for p in promotions} and set(unanswered) == {promotions[0].key}
+    driver.close()

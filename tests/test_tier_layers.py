@@ -59,13 +59,27 @@ def test_segments_are_read_a_layer_of_each_at_a_time_and_each_layer_checked(tmp_
         seen.clear()
         outs = [bytearray(LAYERS * LAYER) for _ in keys]
         assert files.get_layers_into(list(zip(keys, outs)), LAYERS, seen.append) == [True, False, True]
-        assert seen == [1, 2], "no layer is reported once one of them failed"
+        assert seen == [1, 2, 2, 2], "no layer more is reported once one of them failed"
         assert bytes(outs[0]) == _segment(0) and bytes(outs[2]) == _segment(2), "the others read on"
         assert keys[1] not in files and not (tmp_path / (keys[1].hex() + SUFFIX)).exists()
 
         seen.clear()
         assert files.get_layers_into([(keys[1], bytearray(LAYERS * LAYER))], LAYERS, seen.append) == [False]
-        assert seen == []
+        assert seen == [0] * LAYERS  # (every layer, as the driver's clock)
+
+
+def test_a_long_document_is_read_in_groups_of_open_files_only_the_last_reporting_layers(tmp_path, monkeypatch):
+    import tokenlake.engines.tier_layers as tier_layers
+
+    monkeypatch.setattr(tier_layers, "MAX_OPEN", 2)
+    with TierFiles(tmp_path, 1 << 20, {}, fsync=False, chunk_bytes=LAYER) as files:
+        keys = [bytes([i]) * 16 for i in range(5)]
+        for i, k in enumerate(keys):
+            files.put(k, _segment(i))
+        outs, seen = [bytearray(LAYERS * LAYER) for _ in keys], []
+        assert files.get_layers_into(list(zip(keys, outs)), LAYERS, seen.append) == [True] * 5
+        assert seen == [0] * 2 * LAYERS + [1, 2, 3, 4], "a layer is in only once every group has it"
+        assert [bytes(o) for o in outs] == [_segment(i) for i in range(5)]
 
 
 def test_a_file_chunked_otherwise_is_read_whole_before_the_layers_are_reported(tmp_path):
@@ -78,7 +92,7 @@ def test_a_file_chunked_otherwise_is_read_whole_before_the_layers_are_reported(t
         _corrupt(tmp_path / ((b"k" * 16).hex() + SUFFIX), 1)
         seen.clear()
         assert files.get_layers_into([(b"k" * 16, bytearray(LAYERS * LAYER))], LAYERS, seen.append) == [False]
-        assert seen == []
+        assert seen == [0] * LAYERS
 
 
 def _serve_read(engine: _Engine, message: TierRead) -> list:
@@ -101,7 +115,7 @@ def test_a_layered_read_reports_each_layer_before_its_answer(tmp_path, corrupt):
         if corrupt:  # the second segment's last layer
             _corrupt(tmp_path / ((bytes([2]) * 16).hex() + SUFFIX), 1)
         got = _serve_read(engine, TierRead(((bytes([1]) * 16, 0, -1), (bytes([2]) * 16, 3, -1)), 0, layered=True))
-        assert [r.layers for r in got[:-1]] == ([1] if corrupt else [1, 2]) and all(
+        assert [r.layers for r in got[:-1]] == ([1, 1] if corrupt else [1, 2]) and all(
             isinstance(r, TierProgress) for r in got[:-1])
         assert got[-1].failed == ((bytes([2]) * 16,) if corrupt else ())
         assert engine.slab[0].contiguous().view(-1).numpy().view("u1").tobytes() == data[bytes([1]) * 16]
@@ -133,6 +147,11 @@ def test_the_gate_opens_a_layer_once_every_reader_has_it_and_fails_once_the_read
     whole = ReadGate({0}, 3, timeout_s=30.0)
     _over(whole, set())  # no progress came (a host-memory tier): the answer says all is in
     whole.wait(2)
+    patient = ReadGate({0}, 3, timeout_s=None)  # reads that report no layers: no clock of its own
+    later = threading.Timer(0.2, _over, args=(patient, set()))
+    later.start()
+    patient.wait(2)
+    later.join()
     quiet = ReadGate({0}, 3, timeout_s=0.05)
     with pytest.raises(EngineUnavailable, match="silent"):
         quiet.wait(0)  # no word at all
@@ -220,6 +239,38 @@ def test_a_file_corrupt_in_its_last_layer_fails_the_iteration_and_the_question_i
         assert not last.exists() or last.read_bytes() != corrupt, "the corrupt file was kept"
         cluster.control.check()
     _same(again, reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
+
+
+def test_a_read_that_fails_after_its_last_layer_came_in_aborts_the_iteration(tiny_llama, tmp_path):
+    """Every layer was reported, then the answer says the read failed (a file longer
+    than its header, an engine silent after its last report): the iteration that
+    attended it is aborted, not completed, so nothing it stored hangs under a segment
+    that now leaves the tree; the question is computed again, with the reference's
+    answer."""
+    weights, tok, _ = tiny_llama
+    doc, other = _prompts(tok)[0], _other(tok)
+    with LocalCluster(_config(weights, tmp_path)) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
+        _ask(server, "a", doc, tok)
+        _ask(server, "b", other, tok)
+        tier_keys = cluster.control.get_prefix_tree().match(doc, max_tokens=len(doc) - 1).tier_keys
+        driver = cluster.control.tier_data_plane
+        read = driver.tier_read
+
+        def failed_at_the_end(promotions, **kw):
+            read(promotions, **kw)
+            return {promotions[-1].key}, {}
+
+        driver.tier_read = failed_at_the_end
+        server.submit(GenerationRequest("a2", doc, NEW, (tok.eos_id,)))
+        while server.busy:
+            server.step()
+            driver.tier_read = read
+        assert server.tier_reads.overlapped >= 1
+        assert cluster.control.stats().pool.tier.failed_promotions >= 1
+        assert server.results["a2"].hit_tokens < len(tier_keys) * C, "computed again, without the failed one"
+        cluster.control.check()
+    _same(server.results["a2"], reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
 
 
 def test_a_pool_with_its_tier_in_host_memory_overlaps_nothing_and_answers_the_same(tiny_llama, tmp_path):

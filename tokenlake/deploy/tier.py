@@ -158,11 +158,11 @@ class TierDriver:
         answered nor was fenced (it may still write their slots), with the epoch each
         was sent at.
 
-        With ``on_layer``, each instance gets one ``TIER_READ`` of all its items, read
-        layer by layer (``layered``), all at once: ``on_layer(instance, layers)`` is
-        called (on this thread) each time an engine says that the first ``layers``
-        layers of all its items are in, checked; where the launcher cannot pass such
-        messages on (``_tier_stream``), only the answers come."""
+        With ``on_layer`` and :meth:`reads_layered`, each instance gets one
+        ``TIER_READ`` of all its items, read layer by layer (``layered``), all at once:
+        ``on_layer(instance, layers)`` is called (on this thread) each time an engine
+        says that the first ``layers`` layers of all its items are in, checked; else
+        ``on_layer`` is never called, and only the answers say what came in."""
         from tokenlake.dataplane.messages import TierDone, TierRead  # imports torch
 
         failed: set[bytes] = set()
@@ -171,35 +171,49 @@ class TierDriver:
         by_inst: dict[int, list] = {}
         for p in promotions:
             by_inst.setdefault(p.instance, []).append((p.key, p.slot, p.target))
-        layered = on_layer is not None and hasattr(self.cluster, "_tier_stream")
+        layered = on_layer is not None and self.reads_layered()
+        per = max(1, READ_BYTES // self.cluster.config.segment_bytes)
         sends: list[tuple[int, TierRead]] = []
         for inst, items in by_inst.items():
             # each well within the timeout (a layered read's progress moves its deadline on)
-            per = len(items) if layered else max(1, READ_BYTES // self.cluster.config.segment_bytes)
-            for at in range(0, len(items), per):
-                part = items[at : at + per]
+            for at in range(0, len(items), len(items) if layered else per):
+                part = tuple(items[at : at + (len(items) if layered else per)])
                 failed.update(item[0] for item in part)
                 if alive is not None and not alive("transfer", inst):
                     continue  # stopped: it reads nothing, now or later
                 epoch = self._epoch_of(inst)
                 if epoch is None and self._fence(inst):
                     epoch = self._epoch_of(inst)
-                if epoch is not None:  # (else not sent: nothing to hold back)
-                    sends.append((inst, TierRead(tuple(part), epoch, layered=layered)))
-        if layered and sends:
+                if epoch is None:
+                    continue  # not sent: nothing to hold back
+                if layered:  # sent below, all at once
+                    sends.append((inst, TierRead(part, epoch, layered=True)))
+                else:  # one after the other: one that fails stops the instance's next ones
+                    self._count_answer(inst, TierRead(part, epoch), failed, unanswered)
+        if sends:
             results = self.cluster._tier_stream({("transfer", i): m for i, m in sends}, TierDone,
                                                 lambda key, msg: on_layer(key[1], msg.layers))
-            answers = [(inst, m, self._settle(inst, m, results[("transfer", inst)])) for inst, m in sends]
-        else:
-            answers = [(inst, m, self._send(inst, m, reads=True)) for inst, m in sends]
-        for inst, message, done in answers:
-            keys = [item[0] for item in message.items]
-            if done is not None:
-                bad = set(done.failed)
-                failed.difference_update(k for k in keys if k not in bad)
-            elif self._epoch_of(inst) is None:
-                unanswered.update(dict.fromkeys(keys, message.epoch))
+            for inst, message in sends:
+                self._count_answer(inst, message, failed, unanswered, results[("transfer", inst)])
         return failed, unanswered
+
+    def reads_layered(self) -> bool:
+        """Whether :meth:`tier_read` with ``on_layer`` reports layers as they come in: on a
+        launcher that passes progress messages on (``_tier_stream``), for slots in host
+        memory (a GPU slot's copy is read whole, through host memory)."""
+        return hasattr(self.cluster, "_tier_stream") and self.cluster.config.device == "cpu"
+
+    def _count_answer(self, inst: int, message, failed: set, unanswered: dict, result=None) -> None:
+        """``message`` sent (here, without ``result``) and its answer recorded: its keys
+        out of ``failed`` where they came back, into ``unanswered`` where the engine
+        neither answered nor was fenced."""
+        done = self._send(inst, message, reads=True) if result is None else self._settle(inst, message, result)
+        keys = [item[0] for item in message.items]
+        if done is not None:
+            bad = set(done.failed)
+            failed.difference_update(k for k in keys if k not in bad)
+        elif self._epoch_of(inst) is None:
+            unanswered.update(dict.fromkeys(keys, message.epoch))
 
     def fenced(self) -> dict[int, int]:
         """Per instance, the highest epoch its engine answered (a fence or any request):

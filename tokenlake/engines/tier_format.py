@@ -101,7 +101,7 @@ def read_header(f) -> tuple[dict, int]:
             isinstance(h.get("digest"), str) if not chunked else type(h.get("chunk")) is int
             and h["chunk"] > 0 and isinstance(h["digests"], list) and all(isinstance(d, str) for d in h["digests"]))):
         raise ValueError("header with fields missing or of the wrong type")
-    if h.get("hash", "blake2b-128") not in _DIGESTS:
+    if not isinstance(h.get("hash", "blake2b-128"), str) or h.get("hash", "blake2b-128") not in _DIGESTS:
         raise ValueError(f"a digest this reader does not know ({short(h['hash'])})")
     if chunked and not len(h["digests"]) == -(-h["nbytes"] // h["chunk"]) <= MAX_CHUNKS:
         raise ValueError(f"{len(h['digests'])} digests for {h['nbytes']} bytes in chunks of {h['chunk']}")

@@ -20,6 +20,7 @@ full speed (a clean stop keeps what was written through), then releases the dire
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -144,9 +145,9 @@ class TierStore:
     def read_layers_into(self, items: list[tuple[bytes, torch.Tensor]], layers: int,
                          on_layer: Callable[[int], None]) -> list[bool]:
         """:meth:`read_into` of several segments (``(key, slot bytes)``), a layer at a
-        time (:meth:`TierFiles.get_layers_into`): ``on_layer(n)`` once the first ``n``
-        layers of every one are in and checked. A copy still staged, or one for a GPU
-        slot, is read whole first; ``on_layer`` is not called after a failure."""
+        time (:meth:`TierFiles.get_layers_into`): ``on_layer(n)`` at each layer, ``n`` the
+        layers of every one in and checked so far. A copy still staged, or one for a GPU
+        slot, is read whole first; after a failure ``n`` stays as it was."""
         ok = [True] * len(items)
         files = []
         for i, (key, out) in enumerate(items):
@@ -156,8 +157,8 @@ class TierStore:
                 ok[i] = self.read_into(key, out)
             else:
                 files.append(i)
-        if not all(ok):
-            on_layer = _never
+        if not all(ok):  # no layer of every segment will be in: 0, as the driver's clock
+            on_layer = functools.partial(_none_in, on_layer)
         got = self.files.get_layers_into([(items[i][0], items[i][1].numpy()) for i in files], layers,
                                          on_layer) if files else []
         for i, good in zip(files, got):
@@ -236,8 +237,10 @@ class TierStore:
             self._staged_bytes -= len(entry[0])
 
 
-def _never(_layers: int) -> None:
-    """What a layered read tells once a segment has failed: nothing."""
+def _none_in(on_layer: Callable[[int], None], _layers: int) -> None:
+    """What a layered read tells once a segment has failed: no layer of all is in (but
+    the read goes on: the driver waits for the answer)."""
+    on_layer(0)
 
 
 def _copy_in(data: bytes, out: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ class ReadGate:
     instance, how many layers of all its items are in and checked; :meth:`wait` blocks
     until a layer is in, or raises once the reads are over without it."""
 
-    def __init__(self, instances: Iterable[int], layers: int, timeout_s: float) -> None:
+    def __init__(self, instances: Iterable[int], layers: int, timeout_s: float | None) -> None:
         self.layers, self.timeout_s = layers, timeout_s
         self._cond = threading.Condition()
         self._in = dict.fromkeys(instances, 0)
@@ -59,8 +59,9 @@ class ReadGate:
             self._cond.notify_all()
 
     def finish(self, future: concurrent.futures.Future) -> None:
-        """The reads are over (``future``: the data plane's ``tier_read``): every layer of
-        an instance whose keys all came back is in; of the others, what they said."""
+        """The reads are over (``future``: the data plane's ``tier_read``): if every key
+        came back, every layer is in (readers that sent no progress too); else what the
+        readers said stands."""
         try:
             failed, silent = future.result()
         except BaseException:  # noqa: BLE001 - nothing more is in
@@ -74,18 +75,21 @@ class ReadGate:
     def wait(self, layer: int) -> None:
         """Returns once ``layer`` of every item is in; raises TierReadFailed once the
         reads are over without it, EngineUnavailable where a reader fell silent (it
-        did not answer, or said nothing for ``timeout_s``: the loop replaces it)."""
+        did not answer, or said nothing for ``timeout_s``: the loop replaces it).
+        ``timeout_s`` None: reads that report no layers (the driver's deadlines bound
+        each of their messages), waited for until they end."""
         with self._cond:
-            deadline = time.monotonic() + self.timeout_s
+            patience = self.timeout_s
+            deadline = None if patience is None else time.monotonic() + patience
             while min(self._in.values(), default=self.layers) <= layer:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.over and self.silent:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0 or self.over and self.silent:
                     raise EngineUnavailable(f"a transfer engine reading a promoted segment fell silent "
                                             f"before its layer {layer}")
                 if self.over:
                     raise TierReadFailed(f"a promoted segment's layer {layer} did not come in: its read failed")
-                if self._cond.wait(left):
-                    deadline = time.monotonic() + self.timeout_s
+                if self._cond.wait(left) and patience is not None:
+                    deadline = time.monotonic() + patience
 
 
 class TierReads:
@@ -174,6 +178,7 @@ class TierReads:
         and anything else raised."""
         try:
             out = self.run(engine, plans, batches)
+            self._check_gated()  # (before its new segments are published under the promoted ones)
         except BaseException as exc:
             self.control.abort(plans)
             take_back()
@@ -200,6 +205,25 @@ class TierReads:
             return engine.run(plans, batches)
         finally:
             engine.layer_gate = None
+
+    def _check_gated(self) -> None:
+        """Waits for the reads the iteration attended to end (every layer was reported:
+        their answers are on the way). Raises if one failed anyway (after its last
+        report: the file was longer than its header said, or its engine went silent):
+        its promotion would take the segment, and what the iteration stored under it,
+        out of the tree, while the request went on holding them."""
+        if not self._gated:
+            return
+        concurrent.futures.wait([e[0] for e in self._gated])
+        for future, batch, _rids, _gate in self._gated:
+            try:
+                failed, silent = future.result()
+            except Exception as exc:  # noqa: BLE001 - nothing read is trusted
+                raise TierReadFailed(f"a promotion's read failed: {exc}") from exc
+            if silent:
+                raise EngineUnavailable("a transfer engine reading a promoted segment fell silent")
+            if failed & {p.key for p in batch.promos}:
+                raise TierReadFailed("a promoted segment's read failed after its last layer came in")
 
     def settle(self) -> None:
         """Ends the reads the last :meth:`run` waited on (after its iteration completed
@@ -236,7 +260,8 @@ class TierReads:
             if self._threads is None:
                 self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tier-read")
             if layered and self.layers and self.layered:
-                gate = ReadGate({p.instance for p in batch.promos}, self.layers, self.timeout_s)
+                reports = getattr(plane, "reads_layered", lambda: False)()  # else no word until the end
+                gate = ReadGate({p.instance for p in batch.promos}, self.layers, self.timeout_s if reports else None)
                 future = self._threads.submit(plane.tier_read, batch.promos, on_layer=gate.layer_in)
                 future.add_done_callback(gate.finish)
             else:

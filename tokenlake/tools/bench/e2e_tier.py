@@ -93,28 +93,24 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
                 server.run([GenerationRequest(rid, prompt, max_new, ())])
                 return (first_token[rid] - t0) * 1e3
 
-            def ask(text: str, question: str) -> tuple[int, ...]:
-                return tuple(tok.apply_chat_template(
-                    [{"role": "user", "content": f"{text}\n\nQuestion: {question}"}]))
-
             def push_out(r: int, tags: str) -> None:
-                for other in tags:  # the document leaves the slab
-                    ttft(f"push{other}{r}", ask(document(tok, doc_tokens, f"{other}{r}"), "Who built it?"))
+                for other in tags:  # the document leaves the slab (and the page cache)
+                    ttft(f"push{other}{r}", _ask(tok, document(tok, doc_tokens, f"{other}{r}"), "Who built it?"))
                 if medium == "disk":
                     _wait_written(cluster, Path(tmp))
                     drop_page_cache(Path(tmp))
 
             for r in range(rounds):
                 doc = document(tok, doc_tokens, f"A{r}")
-                recompute.append(ttft(f"cold{r}", ask(doc, "How tall is the Harbor Lighthouse?")))
+                recompute.append(ttft(f"cold{r}", _ask(tok, doc, "How tall is the Harbor Lighthouse?")))
                 for overlap in ((True, False) if r % 2 == 0 else (False, True)) if serial else (True,):
                     push_out(r, "BC" if overlap else "DE")
                     server.tier_reads.layered = overlap
                     if not overlap:  # another question: the first one's own segments are cached now
-                        serial_ms.append(ttft(f"serial{r}", ask(doc, "Who was the last keeper of the lighthouse?")))
+                        serial_ms.append(ttft(f"serial{r}", _ask(tok, doc, "Who was the last keeper of the lighthouse?")))
                         continue
                     before = server.promotions
-                    question = ask(doc, "Who was the first keeper of the lighthouse?")
+                    question = _ask(tok, doc, "Who was the first keeper of the lighthouse?")
                     m = cluster.control.get_prefix_tree().match(question, max_tokens=len(question) - 1)
                     held.append({"in_slab": len(m.keys), "only_in_tier": len(m.tier_keys)})
                     tiered.append(ttft(f"tier{r}", question, check_tokens if r == 0 else 1))
@@ -125,23 +121,30 @@ def bench_tier(weights, tok, document, doc_tokens: int = 4096, rounds: int = 2,
                         list(question), check_tokens)
                     equal = server.results["tier0"].output_ids == list(want.output_ids)
             tier_stats = cluster.control.stats().pool.tier
+    return {**_times(recompute, tiered, serial_ms), "rounds": rounds, "prompt_tokens": len(question),
+            "hit_tokens": hits, "promoted_segments": promoted, "segments_before_the_question": held,
+            "answer_equal_to_reference": equal,
+            "checked_tokens": check_tokens, "demotions": tier_stats.demotions,
+            "setup": {"instances": 1, "segment_tokens": segment_tokens, "slab_segments": doc_segments + 2,
+                      "kv_dtype": kv_dtype, "medium": medium,
+                      "page_cache": "dropped before each tier read (posix_fadvise)" if medium == "disk" else None},
+            "machine": machine_info()}
+
+
+def _ask(tok, text: str, question: str) -> tuple[int, ...]:
+    return tuple(tok.apply_chat_template([{"role": "user", "content": f"{text}\n\nQuestion: {question}"}]))
+
+
+def _times(recompute: list[float], tiered: list[float], serial_ms: list[float]) -> dict:
+    """The row's times: medians, ranges and ratios (the serial ones where measured)."""
     med_r, med_t = statistics.median(recompute), statistics.median(tiered)
     paired = {} if not serial_ms else {
         "serial_tier_ttft_ms": statistics.median(serial_ms), "serial_tier_range_ms": [min(serial_ms), max(serial_ms)],
         "overlap_vs_serial": med_t / statistics.median(serial_ms),
         "overlap_vs_serial_per_round": [t / s for t, s in zip(tiered, serial_ms)]}
-    return {**paired,
-        "tier_ttft_ms": med_t, "tier_range_ms": [min(tiered), max(tiered)],
-        "recompute_ttft_ms": med_r, "recompute_range_ms": [min(recompute), max(recompute)],
-        "ttft_ratio": med_t / med_r, "rounds": rounds, "prompt_tokens": len(question),
-        "hit_tokens": hits, "promoted_segments": promoted, "segments_before_the_question": held,
-        "answer_equal_to_reference": equal,
-        "checked_tokens": check_tokens, "demotions": tier_stats.demotions,
-        "setup": {"instances": 1, "segment_tokens": segment_tokens, "slab_segments": doc_segments + 2,
-                  "kv_dtype": kv_dtype, "medium": medium,
-                  "page_cache": "dropped before each tier read (posix_fadvise)" if medium == "disk" else None},
-        "machine": machine_info(),
-    }
+    return {**paired, "tier_ttft_ms": med_t, "tier_range_ms": [min(tiered), max(tiered)],
+            "recompute_ttft_ms": med_r, "recompute_range_ms": [min(recompute), max(recompute)],
+            "ttft_ratio": med_t / med_r}
 
 
 def tier_row(doc_tokens: int = 4096, rounds: int = 2, chunk_tokens: int = 1024,

@@ -108,3 +108,42 @@ def test_a_gpu_pool_serves_the_data_plane_scenario():
         run_iteration(cluster, tokens, {"g": 3 * C + 2}, model=model)
         run_iteration(cluster, tokens, {"g": 1}, model=model)
         cluster.control.finish_request("g")
+
+
+def test_a_pool_on_cuda_spreads_its_instances_over_the_visible_gpus(monkeypatch):
+    """``device="cuda"``: instance ``i``'s buffers on ``cuda:{i % gpus}``, ``gpus`` the GPUs
+    this process sees (at most one per instance); ``"cuda:N"`` keeps them all on GPU N;
+    a bell stays in host memory. The layout only: no GPU here."""
+    from tokenlake.deploy.gpu import gpus_for
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert (gpus_for("cuda"), gpus_for("cuda:1"), gpus_for("cpu")) == (2, 1, 1)
+    cluster = LocalCluster(3, TINY, 3 * POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda")
+    assert cluster.layout.gpus == 2
+    devices = [cluster.layout.specs("tokenlake-x-", i)["slab"].device for i in range(3)]
+    assert devices == ["cuda:0", "cuda:1", "cuda:0"]
+    session = cluster.layout.session_specs("tokenlake-x-", 1, 1)
+    assert session["q"].device == "cuda:1" and session["bell"].device == "cpu"
+    assert LocalCluster(1, TINY, POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda").layout.gpus == 1
+    pinned = LocalCluster(3, TINY, 3 * POOL, segment_tokens=C, kv_dtype="bfloat16", device="cuda:1")
+    assert {pinned.layout.specs("tokenlake-x-", i)["slab"].device for i in range(3)} == {"cuda:1"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_hold_one_instance_each_and_serve_the_data_plane_scenario():
+    """One instance per GPU, peers by message: the same scenario, its partials against
+    the float64 reference (``run_iteration``)."""
+    from dataclasses import replace
+
+    from test_dataplane import run_iteration
+
+    model = replace(TINY, name="tiny-gpu", head_dim=64)
+    with LocalCluster(2, model, 4 * POOL, segment_tokens=C, max_rows=64, kv_dtype="bfloat16",
+                      device="cuda") as cluster:
+        assert {cluster.slab(0).device.index, cluster.slab(1).device.index} == {0, 1}
+        rng = random.Random(1)
+        tokens = {"g": [rng.randrange(3, 900) for _ in range(4 * C + 4)]}
+        run_iteration(cluster, tokens, {"g": 4 * C + 2}, model=model)
+        run_iteration(cluster, tokens, {"g": 1}, model=model)
+        cluster.control.finish_request("g")

@@ -3,9 +3,8 @@ what the driver asks of the engines (segment copies, stats).
 
 :class:`~tokenlake.deploy.local.LocalCluster` (engines as processes of this machine) and
 :class:`~tokenlake.deploy.ray.RayCluster` (engines as Ray actors) differ only in how
-engines are started, reached and stopped. How many buffers an instance has and of
-which shape, how a replication or a migration runs and how the control plane follows
-it, are written here once.
+engines are started, reached and stopped. An instance's buffers and their shapes, how
+a replication or a migration runs and how the control plane follows it: written once.
 
 Importing this module loads no torch (the Ray driver and its host actors import it):
 the wire messages, which do, are imported where a message is built.
@@ -40,9 +39,8 @@ log = logging.getLogger(__name__)
 #: The reply class a request expects (a :class:`~tokenlake.dataplane.messages.WireMessage`).
 Reply = TypeVar("Reply", bound="WireMessage")
 
-#: dtype of the buffers the compute engine and the query engine exchange rows and
-#: partial results in (q, out_o, out_lse): attention math is float32 everywhere. The
-#: slab and the put buffer (kv) hold K/V in the pool's ``kv_dtype``.
+#: dtype of the buffers the compute and query engines exchange rows and partial results
+#: in (q, out_o, out_lse): attention math is float32; slab and kv hold the ``kv_dtype``.
 BUFFER_DTYPE = "float32"
 #: The buffers each engine role maps (its instance's slab, and its compute engine's
 #: home buffers: q rows and partial outputs for a query engine, new KV for a transfer one).
@@ -81,6 +79,7 @@ class BufferLayout:
     max_rows: int  # R
     kv_dtype: str = "float32"
     device: str = "cpu"  # "cuda" / "cuda:N": every buffer on the GPU, shared by CUDA IPC
+    gpus: int = 1  # "cuda" over several GPUs: instance i's buffers on cuda:(i % gpus)
 
     def dtype(self, name: str) -> str:
         """The element type of buffer ``name``."""
@@ -108,12 +107,15 @@ class BufferLayout:
     def specs(self, prefix: str, instance: int) -> dict[str, BufferSpec]:
         """``{name: spec}`` of ``instance``'s buffers, named ``<prefix><name>-<instance>``
         (``prefix`` is a cluster prefix of :func:`tokenlake.dataplane.shm_files.cluster_prefix`)."""
-        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, self.dtype(name), self.device_of(name))
-                for name, shape in self.shapes().items()}
+        return {name: BufferSpec(f"{prefix}{name}-{instance}", shape, self.dtype(name),
+                                 self.device_of(name, instance)) for name, shape in self.shapes().items()}
 
-    def device_of(self, name: str) -> str:
-        """Where buffer ``name`` lives: the pool's device, but a bell is host memory."""
-        return "cpu" if name == "bell" else self.device
+    def device_of(self, name: str, instance: int = 0) -> str:
+        """Where ``instance``'s buffer ``name`` lives: the pool's device (its instance's
+        GPU where the pool spreads over ``gpus``), but a bell is host memory."""
+        if name == "bell":
+            return "cpu"
+        return f"cuda:{instance % self.gpus}" if self.gpus > 1 else self.device
 
     def session_specs(self, prefix: str, session: int, instance: int) -> dict[str, BufferSpec]:
         """``{name: spec}`` of a client session's own buffers on ``instance`` (the
@@ -122,7 +124,7 @@ class BufferLayout:
         unlinks the cluster's buffers unlinks them too."""
         shapes = self.shapes()
         return {name: BufferSpec(f"{prefix}s{session}-{name}-{instance}", shapes[name], self.dtype(name),
-                                 self.device_of(name)) for name in CLIENT_BUFFERS}
+                                 self.device_of(name, instance)) for name in CLIENT_BUFFERS}
 
 
 class ClusterBase(abc.ABC):
@@ -154,10 +156,12 @@ class ClusterBase(abc.ABC):
 
         if not isinstance(config, ClusterConfig):
             raise TypeError(f"config must be a ClusterConfig, got {type(config).__name__}")
+        gpus = 1
         if config.device != "cpu":  # this machine's, not the config's
-            from tokenlake.deploy.gpu import gpu_setup
+            from tokenlake.deploy.gpu import gpu_setup, gpus_for
 
-            log.info("GPU pool on %s: %s", config.device, gpu_setup()["summary"])
+            gpus = min(gpus_for(config.device), config.instances)
+            log.info("GPU pool on %s%s: %s", config.device, f" ({gpus} GPUs)" * (gpus > 1), gpu_setup()["summary"])
         #: the pool's settings, as given
         self.config = config
         #: whether the engines map each other's slabs: asked, offered and a CPU pool
@@ -174,7 +178,7 @@ class ClusterBase(abc.ABC):
         self.pool_bytes = config.pool_bytes
         self.slots_per_instance = self.control.config.slots_per_instance
         self.layout = BufferLayout(config.model, self.slots_per_instance, config.segment_tokens,
-                                   config.max_rows, config.kv_dtype, config.device)
+                                   config.max_rows, config.kv_dtype, config.device, gpus)
         from tokenlake.deploy.records import RecordTables  # numpy, no torch
 
         #: each instance's slot records, written as the tree changes (tables attached by

@@ -65,10 +65,10 @@ class ClusterConfig:
         kv_dtype: the element type of the pool's K/V (``"float32"``, ``"bfloat16"``,
             ``"float16"``): slabs, puts, replicas and migrations carry it; queries still
             send float32 q rows and get float32 partials (docs/design.md "KV dtype").
-        device: where the buffers live: ``"cpu"`` (POSIX shared memory) or ``"cuda"`` /
-            ``"cuda:N"`` (CUDA IPC; half ``kv_dtype`` only; FlashInfer's batched kernels where it
-            imports, torch's otherwise;
-            docs/design.md "GPU path").
+        device: where the buffers live: ``"cpu"`` (POSIX shared memory), ``"cuda"``
+            (CUDA IPC, instance ``i`` on the ``i % n``-th of the ``n`` visible GPUs) or
+            ``"cuda:N"`` (all on GPU N); half ``kv_dtype`` only; FlashInfer's batched
+            kernels where it imports, torch's otherwise (docs/design.md "GPU path").
         share_slabs: every engine maps the other instances' slabs, where the launcher
             runs them all on one machine and the pool is on the CPU (``LocalCluster``:
             on by default; ``RayCluster`` never does, its instances may be on several

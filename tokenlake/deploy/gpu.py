@@ -46,3 +46,15 @@ def gpu_setup(env: Mapping[str, str] | None = None) -> dict[str, object]:
                "(pip install 'tokenlake[gpu]' for FlashInfer's batched kernels)")
     return {"mps": mps, "mps_pipe_directory": str(mps_pipe_directory(env)),
             "attention": attention, "summary": f"{share}; {kernels}"}
+
+
+def gpus_for(device: str) -> int:
+    """How many GPUs a pool on ``device`` spreads its instances over: every GPU this
+    process sees for ``"cuda"`` (instance ``i`` on ``cuda:{i % n}``; ``CUDA_VISIBLE_DEVICES``
+    chooses them), one for ``"cuda:N"`` (all on that one) and for the CPU. Loads torch
+    only for ``"cuda"``."""
+    if device != "cuda":
+        return 1
+    import torch
+
+    return max(1, torch.cuda.device_count())

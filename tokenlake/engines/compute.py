@@ -19,6 +19,7 @@ one sequence-parallel batch included -- compute at the same time.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -106,6 +107,8 @@ class ComputeEngine:
         self.cfg = weights.config
         self.cluster = cluster
         self.on_query: Callable[[float], None] | None = None
+        self._copies: dict[torch.device, LlamaWeights] = {self.w.device: self.w}  # per GPU (_weights_at)
+        self._placing = threading.Lock()
         #: called with each layer's number before its K/V are put and its queries sent
         #: (the serving loop waits there for a promotion's layer: generation/tier_reads.py)
         self.layer_gate: Callable[[int], None] | None = None
@@ -139,29 +142,43 @@ class ComputeEngine:
                 self.cluster.client(qp.home).wait_puts()
             raise
 
+    def _weights_at(self, home: int) -> LlamaWeights:
+        """The weights to compute ``home``'s sub-batches with: on a pool spread over
+        several GPUs (``layout.gpus``), a copy on ``home``'s GPU, made once per GPU (its
+        buffers are there: no copy between GPUs at every layer); else the engine's own."""
+        layout = getattr(self.cluster, "layout", None)
+        if self.w.device.type != "cuda" or layout is None or getattr(layout, "gpus", 1) <= 1:
+            return self.w
+        device = torch.device(layout.device_of("q", home))
+        with self._placing:
+            if device not in self._copies:
+                self._copies[device] = self.w.placed(device, self.w.dtype)
+            return self._copies[device]
+
     def _run_part(self, batch, qp, tp, exchange) -> dict[str, torch.Tensor]:
-        lay = _Layout.of(batch, qp, self.w.device)
+        w = self._weights_at(qp.home)
+        lay = _Layout.of(batch, qp, w.device)
         client = self.cluster.client(qp.home)
         buf = (client, client.init_query(qp), client.init_transfer(tp))
-        hidden = llama.embed(self.w, lay.ids)
+        hidden = llama.embed(w, lay.ids)
         coalesce = lay.ids.numel() <= COALESCE_PUT_ROWS
         rope = llama.rope_tables(self.cfg, lay.positions)
         kv_dtype = buf[2].dtype  # the pool's: new rows attend as the pool will store them
         for layer in range(self.cfg.num_layers):
             if lay.decode:  # the query engine wakes while q is computed (doorbell.py heads-up)
                 client.expect_query()
-            q, k, v = llama.qkv(self.w, layer, hidden, lay.positions, rope=rope)
+            q, k, v = llama.qkv(w, layer, hidden, lay.positions, rope=rope)
             k, v = llama.stored_kv(k, v, kv_dtype)
             if lay.later is not None:
                 rid, a, z = lay.later
                 exchange.publish(qp.batch, qp.part, layer, rid, k[a:z], v[a:z])
             attn = self._attention(layer, q, k, v, buf, lay, exchange, qp, put=not coalesce)
-            hidden = llama.finish_layer(self.w, layer, hidden, attn)
+            hidden = llama.finish_layer(w, layer, hidden, attn)
         if coalesce:
             client.put(0, self.cfg.num_layers)
         if not lay.finished:
             return {}
-        out = llama.logits(self.w, hidden[[lay.rows_of[rid][1] - 1 for rid in lay.finished]]).cpu()
+        out = llama.logits(w, hidden[[lay.rows_of[rid][1] - 1 for rid in lay.finished]]).cpu()
         return {rid: out[i] for i, rid in enumerate(lay.finished)}
 
     def _attention(self, layer, q, k, v, buf, lay: _Layout, exchange, qp, put: bool = True) -> torch.Tensor:

@@ -117,9 +117,9 @@ class ServeSettings:
                              "'bfloat16' or 'float16' (half the bytes per token; attention math "
                              "stays float32)", choices=tuple(KV_DTYPES), metavar="DTYPE")
     device: str = _setting("cpu", "str", "where the model and the pool's buffers live: 'cpu', "
-                           "or 'cuda' / 'cuda:N' (one GPU: the model's matrices, activations, slabs "
-                           "and hand-off buffers on it; needs a half kv_dtype, which the model's "
-                           "matrices take too)", _device, metavar="DEVICE")
+                           "'cuda' (the instances spread over the visible GPUs) or 'cuda:N' (all on "
+                           "GPU N): the model's matrices, activations, slabs and hand-off buffers on "
+                           "the GPU; needs a half kv_dtype, which the model's matrices take too", _device, metavar="DEVICE")
     max_rows: int = _setting(1024, "int", "rows of each q/out/kv buffer", _positive,
                           metavar="ROWS")
     tier_mb: int = _setting(0, "int", "MiB per instance of a tier below the slab, where evicted "

@@ -54,7 +54,8 @@ def add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES),
                    help="element type of the pool's K/V (the reference engine's cache: the same)")
     p.add_argument("--device", default="cpu", type=device_name,
-                   help="'cuda' or 'cuda:N': the model and the pool on that GPU (needs --kv-dtype "
+                   help="'cuda' (the instances spread over the visible GPUs) or 'cuda:N': the model and "
+                        "the pool on the GPU (needs --kv-dtype "
                         "bfloat16 or float16, which the model's matrices take too)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run_demo)

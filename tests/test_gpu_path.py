@@ -73,6 +73,17 @@ def test_without_flashinfer_a_gpu_pool_attends_with_torch(monkeypatch, caplog):
     assert any("query engines attend with torch" in r.getMessage() for r in caplog.records)
 
 
+def test_a_flashinfer_that_is_installed_but_does_not_import_is_reported_as_such(monkeypatch):
+    """The start-up report says what the engines will do: they import FlashInfer, so a
+    package that is found but fails to import (here: found, and absent) means torch."""
+    from tokenlake.deploy.gpu import gpu_setup
+
+    _flashinfer_found(monkeypatch, True)
+    setup = gpu_setup({"CUDA_MPS_PIPE_DIRECTORY": "/nonexistent-mps"})
+    assert setup["attention"] == "torch"
+    assert "installed but does not import" in setup["summary"]
+
+
 def test_mps_is_seen_by_its_control_pipe(tmp_path):
     from tokenlake.deploy.gpu import gpu_setup, mps_active
 

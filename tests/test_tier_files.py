@@ -375,3 +375,35 @@ def test_a_copy_for_a_gpu_slot_wraps_the_files_bytes_without_copying_them(monkey
     assert seen[0] is data and isinstance(seen[1], bytearray) and bytes(seen[1]) == payload(1)
     with pytest.raises(ValueError, match="4095 bytes for a slot of 4096"):
         tier_store._copy_in(bytearray(4095), out)
+
+
+def test_closing_waits_for_a_read_in_progress_and_refuses_what_comes_after(tmp_path):
+    """A read that holds the tier when it is closed ends with its bytes (the hash
+    threads are not shut under it); a read after the close is refused as closed."""
+    import threading
+
+    t = tier(tmp_path)
+    t.put(key(0), payload(0))
+    inside, go, got = threading.Event(), threading.Event(), []
+    hash_chunks = t._hash
+
+    def held(*args):
+        if not inside.is_set():
+            inside.set()
+            assert go.wait(30)
+        return hash_chunks(*args)
+
+    t._hash = held
+    reader = threading.Thread(target=lambda: got.append(t.get(key(0))))
+    reader.start()
+    assert inside.wait(30)
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive(), "the close did not wait for the read"
+    go.set()
+    reader.join(30)
+    closer.join(30)
+    assert got == [payload(0)]
+    with pytest.raises(ConfigError, match="closed"):
+        t.get(key(0))

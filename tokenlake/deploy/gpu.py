@@ -7,7 +7,8 @@ query engine's attention waits for the compute engine's kernel in flight (correc
 slower). :func:`mps_active` looks for the MPS control daemon's pipe; :func:`gpu_setup`
 says what the engines will use, and a launcher logs it when it starts a GPU pool.
 
-Importing this module loads no torch.
+Importing this module loads no torch (:func:`gpu_setup` imports FlashInfer, and so
+torch, where FlashInfer is installed: a GPU pool's process loads them anyway).
 """
 
 from __future__ import annotations
@@ -37,15 +38,27 @@ def gpu_setup(env: Mapping[str, str] | None = None) -> dict[str, object]:
     """What a GPU pool runs with here: ``mps`` (bool), ``mps_pipe_directory``,
     ``attention`` (``"flashinfer"`` or ``"torch"``) and a one-line ``summary``."""
     mps = mps_active(env)
-    attention = "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "torch"
+    found = importlib.util.find_spec("flashinfer") is not None
+    attention = "flashinfer" if found and _imports("flashinfer") else "torch"
     share = ("MPS is active: the engines' kernels share the GPU at once" if mps else
              "MPS is not active: the GPU time-slices the compute, query and transfer engines "
              "(correct, slower; start `nvidia-cuda-mps-control -d` to share it)")
     kernels = ("query engines attend with FlashInfer" if attention == "flashinfer" else
+               "FlashInfer is installed but does not import: query engines attend with torch" if found else
                "FlashInfer is not installed: query engines attend with torch "
                "(pip install 'tokenlake[gpu]' for FlashInfer's batched kernels)")
     return {"mps": mps, "mps_pipe_directory": str(mps_pipe_directory(env)),
             "attention": attention, "summary": f"{share}; {kernels}"}
+
+
+def _imports(name: str) -> bool:
+    """Whether module ``name`` imports here, as the engines will import it (a package
+    that is installed but broken, a CUDA build for another driver: False)."""
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - any failure: the engines fall back the same way
+        return False
+    return True
 
 
 def gpus_for(device: str) -> int:

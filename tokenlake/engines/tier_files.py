@@ -111,9 +111,11 @@ class TierFiles(LayeredReads):
             raise
 
     def close(self) -> None:
-        """Releases the directory (the files stay)."""
-        if not self._lock.closed:
-            self._lock.close()  # closing the file releases the lock
+        """Releases the directory (the files stay), once a read or write in progress is
+        over; what comes after is refused (ConfigError)."""
+        with self._mutex:
+            if not self._lock.closed:
+                self._lock.close()  # closing the file releases the lock
         self._hashers.shutdown()
 
     def __enter__(self) -> TierFiles:
@@ -297,7 +299,10 @@ class TierFiles(LayeredReads):
     def _hash(self, view: memoryview, starts, chunk: int, algo: str = HASH) -> list[concurrent.futures.Future]:
         """The digests (by ``algo``) of ``view``'s chunks of ``chunk`` bytes that begin at
         ``starts``, hashed on the tier's threads: one future each, in order."""
-        return [self._hashers.submit(digest, view[a:a + chunk], algo) for a in starts]
+        try:
+            return [self._hashers.submit(digest, view[a:a + chunk], algo) for a in starts]
+        except RuntimeError:  # shut down: closed meanwhile (a put hashes before it locks)
+            raise ConfigError(f"the tier on {self.path} is closed") from None
 
     def _read_chunks(self, f, offset: int, view: memoryview, header: dict) -> None:
         """Reads an open file's bytes from ``offset`` into ``view`` (ValueError if

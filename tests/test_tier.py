@@ -155,6 +155,20 @@ def test_a_corrupt_tier_file_is_refused_and_the_segment_computed_again(tiny_llam
     cluster.control.check()
 
 
+def serve_recovering(server, after_step=lambda: None, most: int = 2) -> None:
+    """Steps ``server`` until it is idle, replacing a dead engine's instance each time a
+    step says one is gone (at most ``most`` times); ``after_step()`` after each step."""
+    failures = 0
+    while server.busy:
+        try:
+            server.step()
+        except EngineUnavailable:
+            failures += 1
+            assert failures <= most
+            server.recover()
+        after_step()
+
+
 def _wait_for(path: Path) -> None:
     """The tier writes in the background: a file may land after the segment left the
     slab (a read would find it staged). Corrupting a file needs it on disk."""
@@ -290,15 +304,7 @@ def test_a_transfer_engine_killed_while_promoting_changes_no_answer(tiny_llama, 
 
         driver.tier_read = kill_then_read
         server.submit(GenerationRequest("a2", doc, NEW, (tok.eos_id,)))
-        failures = 0
-        while server.busy:
-            try:
-                server.step()
-            except EngineUnavailable:
-                failures += 1
-                assert failures <= 2
-                server.recover()
-            driver.tier_read = read
+        serve_recovering(server, lambda: setattr(driver, "tier_read", read))
         assert cluster.control.stats().pool.tier.failed_promotions >= 1
         assert cluster.alive("transfer", victim)
         cluster.control.check()

@@ -11,13 +11,14 @@ the iteration, not the request."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import select
 import threading
 
 import pytest
 from test_serving import NEW, C, _prompts
-from test_tier import _ask, _config, _other, _same, _wait_for
+from test_tier import _ask, _config, _other, _same, _wait_for, serve_recovering
 from test_tier_serving import _Engine
 from tiny_model import reference
 
@@ -163,6 +164,18 @@ def test_the_gate_opens_a_layer_once_every_reader_has_it_and_fails_once_the_read
         dead.wait(0)
 
 
+@contextlib.contextmanager
+def _in_the_tier(tiny_llama, tmp_path, **config):
+    """A pool (``_config(**config)``) and its serving loop, the test document asked about
+    and then pushed out of the slab by another: held only in the tier."""
+    weights, tok, _ = tiny_llama
+    with LocalCluster(_config(weights, tmp_path, **config)) as cluster:
+        server = GenerationLoop(cluster, weights, chunk_tokens=64)
+        _ask(server, "a", _prompts(tok)[0], tok)
+        _ask(server, "b", _other(tok), tok)
+        yield cluster, server
+
+
 @pytest.mark.parametrize("instances", [1, 2])
 def test_a_document_read_back_from_disk_is_attended_while_its_layers_come_in(
         tiny_llama, tmp_path, monkeypatch, instances):
@@ -219,11 +232,8 @@ def test_a_document_read_back_from_disk_is_attended_while_its_layers_come_in(
 def test_a_file_corrupt_in_its_last_layer_fails_the_iteration_and_the_question_is_computed(
         tiny_llama, tmp_path):
     weights, tok, _ = tiny_llama
-    doc, other = _prompts(tok)[0], _other(tok)
-    with LocalCluster(_config(weights, tmp_path)) as cluster:
-        server = GenerationLoop(cluster, weights, chunk_tokens=64)
-        _ask(server, "a", doc, tok)
-        _ask(server, "b", other, tok)
+    doc = _prompts(tok)[0]
+    with _in_the_tier(tiny_llama, tmp_path) as (cluster, server):
         m = cluster.control.get_prefix_tree().match(doc, max_tokens=len(doc) - 1)
         last = tmp_path / "tier" / "instance-0" / f"{m.tier_keys[-1].hex()}{SUFFIX}"
         _wait_for(last)
@@ -248,11 +258,8 @@ def test_a_read_that_fails_after_its_last_layer_came_in_aborts_the_iteration(tin
     that now leaves the tree; the question is computed again, with the reference's
     answer."""
     weights, tok, _ = tiny_llama
-    doc, other = _prompts(tok)[0], _other(tok)
-    with LocalCluster(_config(weights, tmp_path)) as cluster:
-        server = GenerationLoop(cluster, weights, chunk_tokens=64)
-        _ask(server, "a", doc, tok)
-        _ask(server, "b", other, tok)
+    doc = _prompts(tok)[0]
+    with _in_the_tier(tiny_llama, tmp_path) as (cluster, server):
         tier_keys = cluster.control.get_prefix_tree().match(doc, max_tokens=len(doc) - 1).tier_keys
         driver = cluster.control.tier_data_plane
         read = driver.tier_read
@@ -276,11 +283,8 @@ def test_a_read_that_fails_after_its_last_layer_came_in_aborts_the_iteration(tin
 def test_a_pool_with_its_tier_in_host_memory_overlaps_nothing_and_answers_the_same(tiny_llama, tmp_path):
     """Host-memory tiers answer at once, with no progress: the gate opens on the answer."""
     weights, tok, _ = tiny_llama
-    doc, other = _prompts(tok)[0], _other(tok)
-    with LocalCluster(_config(weights, tmp_path, medium="memory")) as cluster:
-        server = GenerationLoop(cluster, weights, chunk_tokens=64)
-        _ask(server, "a", doc, tok)
-        _ask(server, "b", other, tok)
+    doc = _prompts(tok)[0]
+    with _in_the_tier(tiny_llama, tmp_path, medium="memory") as (cluster, server):
         again = _ask(server, "a2", doc, tok)
         assert server.promotions >= 1 and server.tier_reads.overlapped >= 1
     _same(again, reference(weights).generate(list(doc), NEW, stop_ids=(tok.eos_id,)))
@@ -311,11 +315,8 @@ def test_a_transfer_engine_killed_between_two_layers_of_a_read_changes_no_answer
     EngineUnavailable; where it had (these files are small), the next put finds it
     dead. Either way the loop replaces the instance and the answer is the reference's."""
     weights, tok, _ = tiny_llama
-    doc, other = _prompts(tok)[0], _other(tok)
-    with LocalCluster(_config(weights, tmp_path, timeout_s=2.0)) as cluster:
-        server = GenerationLoop(cluster, weights, chunk_tokens=64)
-        _ask(server, "a", doc, tok)
-        _ask(server, "b", other, tok)
+    doc = _prompts(tok)[0]
+    with _in_the_tier(tiny_llama, tmp_path, timeout_s=2.0) as (cluster, server):
         driver = cluster.control.tier_data_plane
         read, killed = driver.tier_read, []
 
@@ -329,14 +330,7 @@ def test_a_transfer_engine_killed_between_two_layers_of_a_read_changes_no_answer
 
         driver.tier_read = kill_after_layer_1
         server.submit(GenerationRequest("a2", doc, NEW, (tok.eos_id,)))
-        failures = 0
-        while server.busy:
-            try:
-                server.step()
-            except EngineUnavailable:
-                failures += 1
-                assert failures <= 2
-                server.recover()
+        serve_recovering(server)
         assert killed and server.tier_reads.overlapped >= 1
         assert cluster.alive("transfer", 0)
         cluster.control.check()

@@ -193,9 +193,9 @@ class TierReads:
     def run(self, engine, plans, batches):
         """``engine.run(plans, batches)``, its layers gated on the layered reads whose
         slots ``plans`` attend or copy from; :meth:`settle` ends those reads after it."""
-        slots = _slots_of(plans)
-        self._gated = [e for e in self._flight if e[3] is not None
-                       and any((p.to, p.slot) in slots for p in e[1].promos)]
+        layered = [e for e in self._flight if e[3] is not None]
+        slots = _slots_of(plans) if layered else set()  # (nothing to look for: most iterations)
+        self._gated = [e for e in layered if any((p.to, p.slot) in slots for p in e[1].promos)]
         if not self._gated:
             return engine.run(plans, batches)
         gates = [e[3] for e in self._gated]

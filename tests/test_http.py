@@ -170,15 +170,22 @@ def _hold_after(server, monkeypatch, tokens: int) -> threading.Event:
     live, or cancelled, is then still running whatever the machine's load (a tiny model
     decodes 400 tokens in about a second)."""
     run, gate = server.engine.run, threading.Event()
+    gate.holding = threading.Event()  # set once an iteration is held
 
     def held(plans, batches):
         out = run(plans, batches)
         if any(len(getattr(server.results.get(rid), "output_ids", ())) >= tokens for rid in out.logits):
+            gate.holding.set()
             gate.wait(60)
         return out
 
     monkeypatch.setattr(server.engine, "run", held)
     return gate
+
+
+def _results(server) -> dict:
+    """What each of ``server``'s requests has come to (for a failed assertion's message)."""
+    return {rid: (len(r.output_ids), r.finish_reason, getattr(r, "error", None)) for rid, r in server.results.items()}
 
 
 def test_cancelled_stream_frees_its_request_within_a_second(served, monkeypatch):
@@ -193,18 +200,20 @@ def test_cancelled_stream_frees_its_request_within_a_second(served, monkeypatch)
         with httpx.stream("POST", served.http.url + "/v1/completions", json=body,
                           timeout=60) as r:
             assert r.status_code == 200
-            chunks = []
-            for line in r.iter_lines():
+            chunks, lines = [], r.iter_lines()  # (kept: a generator dropped mid-way closes the stream)
+            for line in lines:
                 if line.startswith("data:"):
                     chunks.append(json.loads(line.removeprefix("data:")))
-                if len(chunks) == 3:  # three tokens out: leave mid-stream
+                if len(chunks) == 3:  # three tokens out: leave mid-stream (once looked at)
                     break
             # Three token chunks, not an error and [DONE] (an ended request holds nothing).
             assert all(c.get("choices") and c["choices"][0]["finish_reason"] is None
                        for c in chunks), chunks
+            server = served.http.loop.server
+            assert gate.holding.wait(60), ("the engine was never held", _results(server))
             live = _live(served)
             assert live[0], ("the request holds the pool while it streams", live,
-                             "recoveries", served.http.loop.recoveries)
+                             "recoveries", served.http.loop.recoveries, _results(server))
     finally:
         gate.set()
     closed = time.monotonic()  # the client went away mid-stream

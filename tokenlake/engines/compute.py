@@ -147,7 +147,7 @@ class ComputeEngine:
         several GPUs (``layout.gpus``), a copy on ``home``'s GPU, made once per GPU (its
         buffers are there: no copy between GPUs at every layer); else the engine's own."""
         layout = getattr(self.cluster, "layout", None)
-        if self.w.device.type != "cuda" or layout is None or getattr(layout, "gpus", 1) <= 1:
+        if self.w.device.type != "cuda" or layout is None or layout.gpus <= 1:
             return self.w
         device = torch.device(layout.device_of("q", home))
         with self._placing:

@@ -287,10 +287,7 @@ class TierFiles(LayeredReads):
                     self._corrupt(key, path, exc)
                 buf = buffer_for(header["nbytes"])  # (a ValueError here keeps the file)
                 try:
-                    if "digests" in header:
-                        self._read_chunks(f, offset, memoryview(buf).cast("B"), header)
-                    else:  # written before chunks
-                        read_checked(f, offset, memoryview(buf).cast("B"), header["digest"])
+                    self._read_body(f, offset, memoryview(buf).cast("B"), header)
                 except ValueError as exc:
                     self._corrupt(key, path, exc)
             self._sizes.move_to_end(key)
@@ -303,6 +300,15 @@ class TierFiles(LayeredReads):
             return [self._hashers.submit(digest, view[a:a + chunk], algo) for a in starts]
         except RuntimeError:  # shut down: closed meanwhile (a put hashes before it locks)
             raise ConfigError(f"the tier on {self.path} is closed") from None
+
+    def _read_body(self, f, offset: int, view: memoryview, header: dict) -> None:
+        """An open file's bytes from ``offset`` into ``view``, checked as its header says:
+        chunk by chunk, or (written before chunks) against one digest; ValueError if
+        they are not what was written."""
+        if "digests" in header:
+            self._read_chunks(f, offset, view, header)
+        else:
+            read_checked(f, offset, view, header["digest"])
 
     def _read_chunks(self, f, offset: int, view: memoryview, header: dict) -> None:
         """Reads an open file's bytes from ``offset`` into ``view`` (ValueError if
@@ -329,9 +335,14 @@ class TierFiles(LayeredReads):
 
     def _corrupt(self, key: bytes, path: Path, exc: Exception) -> NoReturn:
         """A file found not to be what was written: forgotten, removed, TierCorrupt."""
-        self._forget(key)
-        path.unlink(missing_ok=True)
+        self._discard(key, path)
         raise TierCorrupt(f"tier file {path.name} refused: {exc}") from None
+
+    def _discard(self, key: bytes, path: Path) -> None:
+        """Forgets ``key`` (if held) and removes its file: it is not what was written."""
+        if key in self._sizes:
+            self._forget(key)
+        path.unlink(missing_ok=True)
 
     def remove(self, key: bytes) -> bool:
         """Drops the segment (its file too); False if the tier did not hold it."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenlake.engines.tier_format import digest_of, read_ahead, read_checked, read_header
+from tokenlake.engines.tier_format import digest_of, read_ahead, read_header
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ class _Open:
 
 class LayeredReads:
     """:meth:`get_layers_into`, for a :class:`~tokenlake.engines.tier_files.TierFiles`
-    (which provides ``_mutex``, ``_sizes``, ``_file``, ``_hash``, ``_forget``,
-    ``_read_chunks`` and ``_check_open``)."""
+    (which provides ``_mutex``, ``_sizes``, ``_file``, ``_hash``, ``_discard``,
+    ``_read_body`` and ``_check_open``)."""
 
     def get_layers_into(self, outs: Sequence[tuple[bytes, Any]], layers: int,
                         on_layer: Callable[[int], None]) -> list[bool]:
@@ -145,10 +145,7 @@ class LayeredReads:
             return True, (path, f, view, offset, digests, digest_of(header))
         with f:  # another chunking: whole, as get_into reads it
             try:
-                if digests is not None:
-                    self._read_chunks(f, offset, view, header)
-                else:
-                    read_checked(f, offset, view, header["digest"])
+                self._read_body(f, offset, view, header)
             except ValueError as exc:
                 return self._refused(key, path, str(exc)), None
         return True, None
@@ -170,8 +167,6 @@ class LayeredReads:
     def _refused(self, key: bytes, path: Path, why: str) -> bool:
         """A file found not to be what was written, during a read: forgotten, removed,
         logged; False."""
-        if key in self._sizes:
-            self._forget(key)
-        path.unlink(missing_ok=True)
+        self._discard(key, path)
         log.warning("tier file %s refused: %s", path.name, why)
         return False

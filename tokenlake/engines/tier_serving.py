@@ -56,19 +56,16 @@ class OffLoop:
         self._done: collections.deque = collections.deque()
 
     def submit(self, fn: Callable[[], object], then: Callable[[concurrent.futures.Future], None]) -> None:
-        def ring(future: concurrent.futures.Future) -> None:
-            self._done.append((then, future))
-            try:
-                os.write(self._wake, b"\0")
-            except OSError:  # closed: the engine is stopping
-                pass
-
-        self._threads.submit(fn).add_done_callback(ring)
+        self._threads.submit(fn).add_done_callback(lambda future: self._ring(then, future))
 
     def post(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` on the loop's thread (from the worker: in order with its jobs'
         ``then``, which come after what the job posted)."""
-        self._done.append((lambda _future: fn(), None))
+        self._ring(lambda _future: fn(), None)
+
+    def _ring(self, then: Callable, future: concurrent.futures.Future | None) -> None:
+        """Queues ``then(future)`` for the loop's thread and wakes it."""
+        self._done.append((then, future))
         try:
             os.write(self._wake, b"\0")
         except OSError:  # closed: the engine is stopping

@@ -50,6 +50,7 @@ class ReadGate:
         self._cond = threading.Condition()
         self._in = dict.fromkeys(instances, 0)
         self.over = False
+        self.failed = False  # a key did not come back (or the reads raised)
         self.silent = False  # a reader neither answered nor was fenced
 
     def layer_in(self, instance: int, layers: int) -> None:
@@ -69,8 +70,17 @@ class ReadGate:
         with self._cond:
             if failed is not None and not failed:
                 self._in = dict.fromkeys(self._in, self.layers)
-            self.over, self.silent = True, bool(silent)
+            self.over, self.failed, self.silent = True, failed is None or bool(failed), bool(silent)
             self._cond.notify_all()
+
+    def check(self) -> None:
+        """Once the reads are over (the driver's deadlines bound them): raises as
+        :meth:`wait` would where one failed, even after its last layer came in."""
+        with self._cond:
+            while not self.over:
+                self._cond.wait()
+            if self.failed:
+                self._raise_over("last", self.silent)
 
     def wait(self, layer: int) -> None:
         """Returns once ``layer`` of every item is in; raises TierReadFailed once the
@@ -83,13 +93,19 @@ class ReadGate:
             deadline = None if patience is None else time.monotonic() + patience
             while min(self._in.values(), default=self.layers) <= layer:
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0 or self.over and self.silent:
-                    raise EngineUnavailable(f"a transfer engine reading a promoted segment fell silent "
-                                            f"before its layer {layer}")
-                if self.over:
-                    raise TierReadFailed(f"a promoted segment's layer {layer} did not come in: its read failed")
+                if left is not None and left <= 0 or self.over:  # (not over: no word for too long)
+                    self._raise_over(layer, silent=self.silent or not self.over)
                 if self._cond.wait(left) and patience is not None:
                     deadline = time.monotonic() + patience
+
+    @staticmethod
+    def _raise_over(layer: int | str, silent: bool) -> None:
+        """The reads did not bring ``layer`` in: EngineUnavailable where a reader fell
+        ``silent`` (the loop replaces it), else TierReadFailed."""
+        if silent:
+            raise EngineUnavailable(f"a transfer engine reading a promoted segment fell silent before "
+                                    f"its layer {layer}")
+        raise TierReadFailed(f"a promoted segment's read failed before its layer {layer} came in")
 
 
 class TierReads:
@@ -212,18 +228,8 @@ class TierReads:
         report: the file was longer than its header said, or its engine went silent):
         its promotion would take the segment, and what the iteration stored under it,
         out of the tree, while the request went on holding them."""
-        if not self._gated:
-            return
-        concurrent.futures.wait([e[0] for e in self._gated])
-        for future, batch, _rids, _gate in self._gated:
-            try:
-                failed, silent = future.result()
-            except Exception as exc:  # noqa: BLE001 - nothing read is trusted
-                raise TierReadFailed(f"a promotion's read failed: {exc}") from exc
-            if silent:
-                raise EngineUnavailable("a transfer engine reading a promoted segment fell silent")
-            if failed & {p.key for p in batch.promos}:
-                raise TierReadFailed("a promoted segment's read failed after its last layer came in")
+        for entry in self._gated:
+            entry[3].check()
 
     def settle(self) -> None:
         """Ends the reads the last :meth:`run` waited on (after its iteration completed

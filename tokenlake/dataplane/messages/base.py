@@ -97,29 +97,26 @@ class Fields:
 
     def bool(self, name: str, default: bool | None = None) -> bool:
         """A required bool field (or ``default`` when absent and a default is given)."""
-        if default is not None and name not in self.body:
-            return default
-        value = self.get(name)
-        if not isinstance(value, bool):
-            raise self.error(name, f"must be a bool, got {short(value)}")
-        return value
+        return self._typed(name, default, bool, "a bool")
 
     def float(self, name: str) -> float:
         return self.as_float(self.get(name), name)
 
     def str(self, name: str) -> str:
-        value = self.get(name)
-        if not isinstance(value, str):
-            raise self.error(name, f"must be a str, got {short(value)}")
-        return value
+        return self._typed(name, None, str, "a str")
 
     def bin(self, name: str, default: bytes | None = None) -> bytes:
         """A required bytes field (or ``default`` when absent and a default is given)."""
+        return self._typed(name, default, bytes, "bytes")
+
+    def _typed(self, name: str, default: Any, kind: type, what: str) -> Any:
+        """Field ``name``, an instance of ``kind`` (``what`` names it in the error), or
+        ``default`` when absent and a default is given."""
         if default is not None and name not in self.body:
             return default
         value = self.get(name)
-        if not isinstance(value, bytes):
-            raise self.error(name, f"must be bytes, got {short(value)}")
+        if not isinstance(value, kind):
+            raise self.error(name, f"must be {what}, got {short(value)}")
         return value
 
     def list(self, name: str, default: list | None = None) -> list:

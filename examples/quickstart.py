@@ -34,7 +34,7 @@ def main() -> float:
             plans = cp.gen_plans([Batch((req,), "prefill" if step == 0 else "decode")], dops=[1])
             for qp, tp in zip(plans.query_plans, plans.transfer_plans):
                 client = cluster.client(qp.home)
-                q_buf, kv_buf = client.init_query(qp), client.init_transfer(tp)
+                q_buf, kv_buf = client.init_plans(qp, tp)
                 span = qp.spans[0]
                 rows = range(span.position, span.position + qp.num_rows)
                 for layer in range(model.num_layers):

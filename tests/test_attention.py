@@ -321,3 +321,31 @@ def test_single_token_attention_equals_causal_attention_row_by_row(q_heads, kv_h
         assert torch.allclose(lse[i].double(), rlse[0], atol=1e-5)
     with pytest.raises(ValueError):
         CPU.single_token_attention(q, k[:-1], v[:-1])
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
+def test_merge_single_token_is_attention_over_the_prefix_and_the_new_token(q_heads, kv_heads):
+    """Each row's prefix partial merged with its own new token equals attention over the
+    prefix and that token (float64 reference); a row with an empty prefix gets its v."""
+    g = torch.Generator().manual_seed(q_heads * 7 + kv_heads)
+    n, e, prefix = 4, 16, 11
+    q, k, v = (torch.randn(n, h, e, generator=g) * 2 for h in (q_heads, kv_heads, kv_heads))
+    pk, pv = (torch.randn(n, prefix, kv_heads, e, generator=g) for _ in range(2))
+    po = torch.empty(n, q_heads, e)
+    plse = torch.empty(n, q_heads)
+    for i in range(n):
+        po[i], plse[i] = (x[0].float() for x in A.partial_attention_ref(q[i:i + 1], pk[i], pv[i]))
+    po[3], plse[3] = 0.0, float("-inf")  # no prefix
+    got = CPU.merge_single_token(po, plse, q, k, v)
+    for i in range(n):
+        keys = torch.cat([pk[i], k[i:i + 1]]) if i < 3 else k[i:i + 1]
+        vals = torch.cat([pv[i], v[i:i + 1]]) if i < 3 else v[i:i + 1]
+        want, _ = A.partial_attention_ref(q[i:i + 1], keys, vals)
+        assert torch.allclose(got[i].double(), want[0], atol=1e-5)
+    assert torch.equal(got[3], v[3].repeat_interleave(q_heads // kv_heads, dim=0))
+    want = A.merge(po, plse, *CPU.single_token_attention(q, k, v)).o
+    assert torch.allclose(got, want, atol=1e-6)
+    half = CPU.merge_single_token(po, plse, q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert half.dtype == torch.float32
+    with pytest.raises(ValueError):
+        CPU.merge_single_token(po[:-1], plse[:-1], q, k, v)

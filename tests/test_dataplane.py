@@ -565,3 +565,43 @@ def test_a_plans_layout_attends_slots_read_alike_once_for_all_their_rows():
     flat = AttendLayout.of({2: (doc0, tail0, doc1)}, cascade=False)
     assert not flat.shared and sorted(flat.own) == [(0, 1, ((0, 0, 0), (4, 5, 9), (C, C, 3))),
                                                     (1, 2, ((0, 0), (4, 5), (C, C)))]
+
+
+def test_init_plans_registers_both_and_keeps_the_one_taken_when_the_other_fails(cluster, monkeypatch):
+    """Both registrations are sent before either reply is read. If the query plan's is
+    refused, the transfer plan is still the client's (its put is stored) and the query
+    plan before it is kept; the refusal is raised."""
+    cp = cluster.control
+    plans = cp.gen_plans([Batch((BatchRequest("ip", (1, 2, 3)),))], [1])
+    try:
+        qp, tp = plans.query_plans[0], plans.transfer_plans[0]
+        client = cluster.client(qp.home)
+        before = client._query_plan
+        events, real_wait, real_send = [], client._wait, client._send
+
+        def send(role, message):
+            events.append(("send", type(message).__name__))
+            return real_send(role, message)
+
+        def refuse_first(msg_id, timeout_s, reply):
+            events.append(("wait", msg_id))
+            got = real_wait(msg_id, timeout_s, reply)
+            if len(events) == 3:
+                raise PlanError("refused for the test")
+            return got
+
+        monkeypatch.setattr(client, "_send", send)
+        monkeypatch.setattr(client, "_wait", refuse_first)
+        with pytest.raises(PlanError, match="refused for the test"):
+            client.init_plans(qp, tp)
+        kinds = [e[0] if e[0] == "wait" else e[1] for e in events]
+        assert kinds[:4] == ["RegisterQueryPlan", "RegisterTransferPlan", "wait", "wait"]
+        assert client._query_plan is before
+        assert client._transfer_plan[1] == tp.num_rows
+        monkeypatch.undo()
+        client.kv[0, : tp.num_rows].normal_()
+        client.put(0).wait(10)
+        q_buf, kv_buf = client.init_plans(qp, tp)
+        assert q_buf.shape[0] == qp.num_rows and kv_buf.shape[1] == tp.num_rows
+    finally:
+        cp.abort(plans)

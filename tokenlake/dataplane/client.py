@@ -4,8 +4,7 @@ One :class:`InstanceClient` per instance whose compute engine runs sub-batches t
 It owns no data: the ``q``, ``out`` and ``kv`` buffers are shared memory also mapped by
 the instance's query and transfer engines, so handing work over is a small message.
 
-    q_buf = client.init_query(query_plan)        # once per iteration
-    kv_buf = client.init_transfer(transfer_plan)  # once per iteration
+    q_buf, kv_buf = client.init_plans(query_plan, transfer_plan)  # once per iteration
     for layer in range(num_layers):
         kv_buf[layer] = ...; handle = client.put(layer)  # asynchronous
         q_buf[:] = ...;      o, lse = client.query(layer)
@@ -175,13 +174,37 @@ class InstanceClient:
     def init_query(self, plan: QueryPlan) -> torch.Tensor:
         """Registers a sub-batch's query plan with the home query engine; returns
         ``q_buf``, the [rows, q_heads, head_dim] float32 view to write q rows into."""
-        self._check_home(plan.home)
-        pid = next(self._ids)
-        grant = self._grant_for(plan) if self._grant_for is not None else b""
-        self._call("query", RegisterQueryPlan.from_plan(pid, plan, grant), PlanAck)
-        self._release("query")
-        self._queries_of(pid, plan.num_rows)
-        return self.q[: plan.num_rows]
+        return self.init_plans(plan, None)[0]
+
+    def init_plans(self, query: QueryPlan | None, transfer: TransferPlan | None) -> tuple:
+        """:meth:`init_query` and :meth:`init_transfer` at once (either may be None): both
+        registrations are sent before either reply is awaited, so an iteration waits for
+        one round trip, not two. Returns ``(q_buf, kv_buf)`` (None for a plan not given).
+        If one registration fails, the other is still taken; then the error is raised."""
+        sent = []
+        for role, plan, message in (("query", query, RegisterQueryPlan),
+                                    ("transfer", transfer, RegisterTransferPlan)):
+            if plan is not None:
+                self._check_home(plan.home)
+                pid = next(self._ids)
+                grant = self._grant_for(plan) if self._grant_for is not None else b""
+                sent.append((role, plan, pid, self._send(role, message.from_plan(pid, plan, grant))))
+        error = None
+        for role, plan, pid, msg_id in sent:
+            try:
+                self._wait(msg_id, None, PlanAck)
+            except Exception as e:  # the other registration's reply is still read
+                error = error or e
+                continue
+            self._release(role)
+            if role == "query":
+                self._queries_of(pid, plan.num_rows)
+            else:
+                self._transfer_plan = (pid, plan.num_rows)
+        if error is not None:
+            raise error
+        return (None if query is None else self.q[: query.num_rows],
+                None if transfer is None else self.kv[:, : transfer.num_rows])
 
     def _queries_of(self, pid: int, rows: int) -> None:
         """Makes registered plan ``pid`` of ``rows`` rows the one :meth:`query` asks of
@@ -218,13 +241,7 @@ class InstanceClient:
         """Registers a sub-batch's transfer plan; returns ``kv_buf``, the
         [layers, rows, 2, kv_heads, head_dim] view, in the pool's KV dtype, to write new
         K/V into (a float32 source is rounded by the copy)."""
-        self._check_home(plan.home)
-        pid = next(self._ids)
-        grant = self._grant_for(plan) if self._grant_for is not None else b""
-        self._call("transfer", RegisterTransferPlan.from_plan(pid, plan, grant), PlanAck)
-        self._release("transfer")
-        self._transfer_plan = (pid, plan.num_rows)
-        return self.kv[:, : plan.num_rows]
+        return self.init_plans(None, plan)[1]
 
     def put(self, layer: int, layers: int = 1) -> PutHandle:
         """Stores layers ``[layer, layer + layers)`` of ``kv_buf`` where the plan says,

@@ -30,7 +30,7 @@ import torch
 from tokenlake.core.plans import Batch, Plans, QueryPlan, TransferPlan
 from tokenlake.engines.exchange import LocalExchange
 from tokenlake.kernels.attention import merge
-from tokenlake.kernels.cpu import partial_attention, single_token_attention
+from tokenlake.kernels.cpu import merge_single_token, partial_attention, single_token_attention
 from tokenlake.model.llama import model as llama
 from tokenlake.model.llama.weights import LlamaWeights
 
@@ -159,7 +159,7 @@ class ComputeEngine:
         w = self._weights_at(qp.home)
         lay = _Layout.of(batch, qp, w.device)
         client = self.cluster.client(qp.home)
-        buf = (client, client.init_query(qp), client.init_transfer(tp))
+        buf = (client, *client.init_plans(qp, tp))
         hidden = llama.embed(w, lay.ids)
         coalesce = lay.ids.numel() <= COALESCE_PUT_ROWS
         rope = llama.rope_tables(self.cfg, lay.positions)
@@ -195,6 +195,8 @@ class ComputeEngine:
         q_buf.copy_(q)
         sent = time.perf_counter()
         handle = client.query_async(layer)
+        if lay.decode and lay.earlier is None:  # one new token each, merged with the prefix
+            return merge_single_token(*self._pool_partial(handle, sent, q), q, k, v).to(q.dtype)
         if lay.decode:  # one new token each: attention over itself only
             own = [(0, q.shape[0], single_token_attention(q, k, v))]
         else:
@@ -205,14 +207,19 @@ class ComputeEngine:
             eo, else_ = partial_attention(q[:z], ek, ev)
             a, z, (so, slse) = own[0]  # the first request's rows: [0, z)
             own[0] = (a, z, merge(so, slse, eo, else_))
-        part = handle.wait()
-        if self.on_query is not None:
-            self.on_query(time.perf_counter() - sent)
-        po, plse = part.o.to(q.device), part.lse.to(q.device)  # no copy unless the pool is on a GPU
+        po, plse = self._pool_partial(handle, sent, q)
         out = torch.empty_like(q)
         for a, z, (so, slse) in own:
             out[a:z], _ = merge(po[a:z], plse[a:z], so, slse)
         return out
+
+    def _pool_partial(self, handle, sent: float, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's partial of a layer's query, on ``q``'s device (no copy unless the
+        pool is on a GPU)."""
+        part = handle.wait()
+        if self.on_query is not None:
+            self.on_query(time.perf_counter() - sent)
+        return part.o.to(q.device), part.lse.to(q.device)
 
 
 class ParallelComputeEngine(ComputeEngine):

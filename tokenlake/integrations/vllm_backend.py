@@ -72,8 +72,8 @@ class TokenLakeAttentionImpl(CPUAttentionBackendImpl):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
         if pooled is not None:
-            rows, out, _ = pooled
-            output[rows] = out.reshape(len(rows), *output.shape[1:]).to(output.dtype)
+            rows, out, _ = pooled  # rows: a slice or an index tensor
+            output[rows] = out.reshape(-1, *output.shape[1:]).to(output.dtype)
         return output
 
 

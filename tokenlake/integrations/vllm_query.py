@@ -40,9 +40,10 @@ from tokenlake.engines.compute import COALESCE_PUT_ROWS
 from tokenlake.integrations.vllm_meta import FailedRequests, QueryStep, TokenLakeMetadata
 from tokenlake.integrations.vllm_mode import PoolRequests, VllmPool
 from tokenlake.kernels.attention import merge
-from tokenlake.kernels.cpu import partial_attention, single_token_attention
+from tokenlake.kernels.cpu import merge_single_token, partial_attention
 
 log = logging.getLogger(__name__)
+_told_executor: list[str] = []  # the executor warning is given once per process
 
 
 class StepState:
@@ -67,8 +68,7 @@ class StepState:
             (qp,), (tp,) = step.plans.query_plans, step.plans.transfer_plans
             self.spans = {s.request_id: s for s in qp.spans}
             try:
-                self.q_buf = client.init_query(qp)
-                self.kv_buf = client.init_transfer(tp)
+                self.q_buf, self.kv_buf = client.init_plans(qp, tp)
             except Exception as e:  # the step runs without the pool; reported after it
                 self.fail(e)
 
@@ -86,14 +86,15 @@ class StepState:
 
     def mapping(self, attn_metadata) -> tuple:
         """``(own, vllm_rows, plan_rows, complete)`` for this step's batch: ``own`` the
-        ``(start, stop)`` token ranges of the planned requests in vLLM's batch, the index
-        tensors that take their vLLM rows to the plan's rows, and whether every request of
-        the batch is planned (else vLLM attends over its own blocks for the others)."""
+        ``(start, stop)`` token ranges of the planned requests in vLLM's batch, the rows
+        that take their vLLM rows to the plan's rows (slices where the rows run in order,
+        as for one request: views instead of gathers), and whether every request of the
+        batch is planned (else vLLM attends over its own blocks for the others)."""
         key = id(attn_metadata)
         if key not in self._maps:
             qsl = attn_metadata.query_start_loc.tolist()
             slots = attn_metadata.slot_mapping
-            own, src, dst, complete = [], [], [], True
+            own, dst, complete = [], [], True
             for j in range(len(qsl) - 1):
                 start, stop = qsl[j], qsl[j + 1]
                 if stop <= start:
@@ -108,24 +109,28 @@ class StepState:
                     complete = False
                     continue
                 own.append((start, stop))
-                src.append(torch.arange(start, stop))
-                dst.append(torch.arange(span.start, span.stop))
-            self._maps = {key: (own, _cat(src), _cat(dst), complete)}
+                dst.append((span.start, span.stop))
+            self._maps = {key: (own, _rows(own), _rows(dst), complete)}
         return self._maps[key]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_metadata, scale: float) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """This layer's attention for the planned requests: the pool's partial over each
         one's earlier tokens merged with causal attention over its new ones (the new K/V
-        is put first; the query overlaps the local attention). Returns ``(rows, out,
-        complete)``: vLLM's row indices, their outputs, and whether they are all of the
-        batch; None when the pool is not used (nothing planned, or it failed)."""
+        is put first; a prompt chunk's own attention overlaps the query, a decode
+        token's is merged with the answer in one pass). Returns ``(rows, out,
+        complete)``: vLLM's rows (a slice or an index), their outputs, and whether they
+        are all of the batch; None when the pool is not used (nothing planned, or it
+        failed)."""
         own, src, dst, complete = self.mapping(attn_metadata)
-        if self.failed or self.q_buf is None or len(src) == 0:
+        if self.failed or self.q_buf is None or not own:
             return None
+        rows = sum(b - a for a, b in own)
         try:
-            self.kv_buf[layer, dst] = torch.stack((k[src], v[src]), dim=1).float()
-            if len(src) > COALESCE_PUT_ROWS:
+            kv = self.kv_buf[layer]
+            kv[dst, 0] = k[src].to(kv.dtype)
+            kv[dst, 1] = v[src].to(kv.dtype)
+            if rows > COALESCE_PUT_ROWS:
                 self.client.put(layer)
             else:  # a few rows (decode): one put of every layer after the pass (finish)
                 self.coalesced = True
@@ -134,32 +139,36 @@ class StepState:
         except Exception as e:
             self.fail(e)
             return None
-        if all(b - a == 1 for a, b in own):  # decode: each row attends to its own token
-            local = [(src, single_token_attention(q[src], k[src], v[src], scale))]
-        else:
-            local = [(torch.arange(a, b), partial_attention(q[a:b], k[a:b], v[a:b], scale,
-                                                            causal=True)) for a, b in own]
+        decode = rows == len(own)  # one new token each: it attends to itself
+        if not decode:
+            local = [(slice(a, b), partial_attention(q[a:b], k[a:b], v[a:b], scale, causal=True))
+                     for a, b in own]
         t0 = time.perf_counter()
         try:
             part = handle.wait(self.timeout_s)
-            pre_o = torch.zeros_like(q, dtype=torch.float32)
-            pre_lse = torch.full(q.shape[:2], float("-inf"))
-            pre_o[src] = part.o[dst]
-            pre_lse[src] = part.lse[dst]
+            po, plse = part.o[dst], part.lse[dst]
         except Exception as e:
             self.fail(e)
             return None
         finally:
             self.wait_s += time.perf_counter() - t0
-        self.queried_rows += len(src)
+        self.queried_rows += rows
+        if decode:
+            return src, merge_single_token(po, plse, q[src], k[src], v[src], scale), complete
+        pre_o = torch.zeros_like(q, dtype=torch.float32)
+        pre_lse = torch.full(q.shape[:2], float("-inf"))
+        pre_o[src], pre_lse[src] = po, plse
         out = torch.empty_like(q)
         for rows, (o, lse) in local:
             out[rows] = merge(pre_o[rows], pre_lse[rows], o, lse).o.to(q.dtype)
         return src, out[src], complete
 
 
-def _cat(index: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(index) if index else torch.empty(0, dtype=torch.long)
+def _rows(spans: list[tuple[int, int]]) -> slice | torch.Tensor:
+    """The rows of ``spans`` in order: one slice if they are consecutive, else an index."""
+    if all(a == z for (_, z), (a, _) in zip(spans, spans[1:])):
+        return slice(spans[0][0], spans[-1][1]) if spans else slice(0, 0)
+    return torch.cat([torch.arange(a, z) for a, z in spans])
 
 
 class QueryStrategy:
@@ -194,6 +203,15 @@ class QueryStrategy:
                               "completed: start vLLM with --no-async-scheduling")
         if getattr(vllm_config, "speculative_config", None) is not None:
             raise ConfigError("the query mode does not support speculative decoding")
+        parallel = getattr(vllm_config, "parallel_config", None)
+        backend = getattr(parallel, "distributed_executor_backend", None)
+        if backend not in (None, "uni") and not _told_executor:
+            _told_executor.append(backend)
+            log.warning("query mode: vLLM runs its model in a worker process (executor %r); its "
+                        "engine core busy-waits for it and takes a core the pool's query "
+                        "engines need on a small host. Consider --distributed-executor-backend "
+                        "uni with VLLM_ENABLE_V1_MULTIPROCESSING=0 and OMP_WAIT_POLICY=PASSIVE "
+                        "(docs/vllm.md, 'Sharing the cores')", backend)
 
     @staticmethod
     def check_segments(segment_tokens: int, block_size: int) -> None:

@@ -4,7 +4,8 @@
 :func:`partial_attention` has the contract of
 :func:`tokenlake.kernels.attention.partial_attention_ref` and returns a float32
 :class:`~tokenlake.kernels.attention.Partial`; :func:`single_token_attention` is a
-decode step's self-attention for a whole batch. The grouped-layout helpers
+decode step's self-attention for a whole batch, :func:`merge_single_token` the same
+merged with the step's prefix partial in one pass. The grouped-layout helpers
 (:func:`to_grouped`, :func:`from_grouped`, :func:`attend_grouped`) are shared with the
 slab attention (:mod:`tokenlake.kernels.slab`).
 
@@ -195,3 +196,29 @@ def single_token_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None 
     lse = (qf * k.float().unsqueeze(2)).sum(-1).mul_(softmax_scale(scale, head_dim)).view(n, q_heads)
     o = v.float().unsqueeze(2).expand(n, kv_heads, group, head_dim).reshape(n, q_heads, head_dim)
     return Partial(o, lse)
+
+
+def merge_single_token(o: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                       scale: float | None = None) -> Tensor:
+    """A decode step's prefix partial ``(o, lse)`` (float32, ``[n, q_heads, E]`` and
+    ``[n, q_heads]``) merged with each row's attention over its own new token: equals
+    ``merge(o, lse, *single_token_attention(q, k, v, scale)).o``, in half the tensor
+    operations (a layer of a decode step pays their dispatch, not their arithmetic).
+    A row whose prefix is empty (``lse = -inf``, ``o = 0``) gets its token's ``v``.
+    Returns a new float32 ``[n, q_heads, E]``."""
+    n, q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if (k.shape != v.shape or k.shape[0] != n or k.shape[2] != head_dim or q_heads % kv_heads
+            or o.shape != q.shape or lse.shape != q.shape[:2]):
+        raise ValueError(f"o {tuple(o.shape)}, lse {tuple(lse.shape)}, q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    group = q_heads // kv_heads
+    kf = k.float().reshape(n, kv_heads, head_dim, 1)
+    s = torch.matmul(q.float().reshape(n, kv_heads, group, head_dim), kf).view(n, q_heads)
+    s.mul_(softmax_scale(scale, head_dim))
+    m = torch.maximum(lse, s)  # finite: s is
+    w_o, w_s = (lse - m).exp_(), (s - m).exp_()
+    out = o * w_o.unsqueeze(-1)
+    out.view(n, kv_heads, group, head_dim).addcmul_(v.float().reshape(n, kv_heads, 1, head_dim),
+                                                    w_s.view(n, kv_heads, group, 1))
+    return out.div_((w_o + w_s).unsqueeze(-1))

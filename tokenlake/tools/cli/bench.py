@@ -177,6 +177,10 @@ def add_vllm(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("load", "query"), default="load",
                    help="the connector's mode: copy the prefix into vLLM (load) or attend "
                         "over it in the pool (query)")
+    p.add_argument("--vllm-setup", choices=("shared", "defaults"), default="shared",
+                   help="how every vLLM server runs: as docs/vllm.md recommends beside the "
+                        "pool's engines (shared; vLLM alone at its own settings is measured "
+                        "too), or with vLLM's own settings (defaults)")
     _json_flag(p, always=True)
     p.set_defaults(run=run_vllm)
 
@@ -190,7 +194,8 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise UsageError("bench vllm: --doc-tokens must be at most 8000 (the model's context)")
     from tokenlake.tools.bench.vllm import bench_vllm  # torch, engines, vLLM servers
 
-    print(json.dumps(bench_vllm(args.docs, args.doc_tokens, mode=args.mode), indent=2))
+    print(json.dumps(bench_vllm(args.docs, args.doc_tokens, mode=args.mode, setup=args.vllm_setup),
+                     indent=2))
     return 0
 
 

@@ -1,0 +1,95 @@
+"""The query mode's worker side on one layer, without vLLM or a pool: vLLM's rows of a step
+go to the plan's rows of the pool's buffers and back, in any order, and each row's answer
+is attention over its pooled prefix and its new tokens (float64 reference).
+
+A fake client stands for the pool instance: it holds each planned request's prefix K/V
+and answers a query from the q rows written into its buffer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tokenlake.engines.compute import COALESCE_PUT_ROWS
+from tokenlake.kernels import attention as A
+from tokenlake.kernels.attention import Partial
+
+pytest.importorskip("vllm")
+from tokenlake.integrations.vllm_query import StepState  # noqa: E402
+
+H, HK, E, LAYERS, BLOCK = 6, 2, 8, 2, 16
+
+
+class FakePool:
+    """``init_query``/``init_transfer``/``query_async``/``put`` of a pool instance whose
+    plan rows are given by ``spans`` (request id -> (start, stop))."""
+
+    def __init__(self, spans: dict[str, tuple[int, int]], prefix: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        rows = max(stop for _, stop in spans.values())
+        self.spans, self.prefix = spans, prefix
+        self.q = torch.full((rows, H, E), float("nan"))
+        self.kv = torch.full((LAYERS, rows, 2, HK, E), float("nan"))
+        self.puts: list[int] = []
+
+    def init_query(self, plan):
+        return self.q
+
+    def init_transfer(self, plan):
+        return self.kv
+
+    def put(self, layer, layers=1):
+        self.puts.append(layer)
+
+    def query_async(self, layer):
+        o, lse = torch.zeros(self.q.shape), torch.zeros(self.q.shape[:2])
+        for rid, (a, z) in self.spans.items():
+            pk, pv = self.prefix[rid]
+            for r in range(a, z):  # the pool attends a row over the request's prefix only
+                ro, rl = A.partial_attention_ref(self.q[r:r + 1], pk, pv)
+                o[r], lse[r] = ro[0].float(), rl[0].float()
+        return SimpleNamespace(wait=lambda timeout_s: Partial(o, lse))
+
+
+def _step(spans: dict[str, tuple[int, int]], first_slot: dict[str, int]) -> StepState:
+    plans = SimpleNamespace(
+        query_plans=(SimpleNamespace(spans=[SimpleNamespace(request_id=r, start=a, stop=z)
+                                            for r, (a, z) in spans.items()]),),
+        transfer_plans=(SimpleNamespace(),))
+    anchors = {slot // BLOCK: rid for rid, slot in first_slot.items()}
+    return SimpleNamespace(plans=plans, anchors=anchors)
+
+
+@pytest.mark.parametrize("vllm_order,new", [(("a", "b"), 1), (("b", "a"), 1), (("b", "a"), 3)])
+def test_rows_go_to_the_plan_and_back_in_any_order(vllm_order, new):
+    """Decode (1 new token each) and prompt chunks (3), vLLM's batch in the plan's order or
+    reversed: the K/V and q rows land in the plan's rows, and every row's output is
+    attention over its prefix and its own new tokens, causally."""
+    g = torch.Generator().manual_seed(new * 10 + len(vllm_order[0]))
+    spans = {"a": (0, new), "b": (new, 2 * new)}
+    prefix = {r: (torch.randn(5 + i, HK, E, generator=g), torch.randn(5 + i, HK, E, generator=g))
+              for i, r in enumerate("ab")}
+    pool = FakePool(spans, prefix)
+    first_slot = {r: BLOCK * (3 + 2 * i) for i, r in enumerate(vllm_order)}  # a block each
+    state = StepState(_step(spans, first_slot), pool, BLOCK, timeout_s=5.0)
+    n = 2 * new
+    q, k, v = (torch.randn(n, h, E, generator=g) for h in (H, HK, HK))
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, new, n]),
+                           slot_mapping=torch.tensor([first_slot[r] + j for r in vllm_order for j in range(new)]))
+    rows, out, complete = state.attend(1, q, k, v, meta, E ** -0.5)
+    assert complete and state.queried_rows == n
+    out = out.reshape(-1, H, E)
+    got = torch.empty(n, H, E)
+    got[rows] = out
+    for j, rid in enumerate(vllm_order):
+        a, z = spans[rid]
+        mine = slice(j * new, (j + 1) * new)
+        assert torch.equal(pool.kv[1, a:z, 0], k[mine]) and torch.equal(pool.kv[1, a:z, 1], v[mine])
+        assert torch.equal(pool.q[a:z], q[mine])
+        pk, pv = prefix[rid]
+        want, _ = A.partial_attention_ref(q[mine], torch.cat([pk, k[mine]]), torch.cat([pv, v[mine]]),
+                                          causal=True)
+        assert torch.allclose(got[mine].double(), want, atol=1e-5)
+    assert torch.isnan(pool.kv[0]).all()  # layer 0 untouched
+    assert (pool.puts == [1]) == (n > COALESCE_PUT_ROWS) == (not state.coalesced)

@@ -37,6 +37,7 @@ from tokenlake.dataplane.messages.session import alias, new_token, session_of, t
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.shm_files import BufferSpec, cluster_prefix, list_buffers
 from tokenlake.deploy.local import LocalCluster
+from tokenlake.kernels.attention import Partial
 from tokenlake.service.sessions import SessionTable
 
 # ---------------------------------------------------------------- the session table
@@ -156,7 +157,7 @@ def test_two_sessions_use_one_plan_id_on_one_instance_and_each_is_exact(cluster)
         for view, client, plans in ((a, ca, pa), (b, cb, pb)):  # both register plan 1
             qp = plans.query_plans[0]
             client._call("query", RegisterQueryPlan.from_plan(1, qp, view.grant_for(qp)), PlanAck)
-            client._queries_of(1, 1)
+            client._query_plan = (1, Partial(client.out_o[:1], client.out_lse[:1]))
         for layer in range(TINY.num_layers):  # interleaved: both plans live at once
             qa, qb = torch.randn(1, TINY.num_q_heads, TINY.head_dim), torch.randn(1, TINY.num_q_heads, TINY.head_dim)
             ca.q[:1], cb.q[:1] = qa, qb

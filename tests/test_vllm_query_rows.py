@@ -33,11 +33,8 @@ class FakePool:
         self.kv = torch.full((LAYERS, rows, 2, HK, E), float("nan"))
         self.puts: list[int] = []
 
-    def init_query(self, plan):
-        return self.q
-
-    def init_transfer(self, plan):
-        return self.kv
+    def init_plans(self, query, transfer):
+        return self.q, self.kv
 
     def put(self, layer, layers=1):
         self.puts.append(layer)

@@ -172,15 +172,15 @@ class InstanceClient:
 
     # ---------------------------------------------------------------- query
     def init_query(self, plan: QueryPlan) -> torch.Tensor:
-        """Registers a sub-batch's query plan with the home query engine; returns
-        ``q_buf``, the [rows, q_heads, head_dim] float32 view to write q rows into."""
+        """Registers a sub-batch's query plan with the home query engine; ``q_buf``."""
         return self.init_plans(plan, None)[0]
 
     def init_plans(self, query: QueryPlan | None, transfer: TransferPlan | None) -> tuple:
-        """:meth:`init_query` and :meth:`init_transfer` at once (either may be None): both
-        registrations are sent before either reply is awaited, so an iteration waits for
-        one round trip, not two. Returns ``(q_buf, kv_buf)`` (None for a plan not given).
-        If one registration fails, the other is still taken; then the error is raised."""
+        """Registers a sub-batch's query and transfer plans (either may be None), both sent
+        before either reply is awaited (one round trip); returns ``(q_buf, kv_buf)``: the
+        float32 [rows, q_heads, head_dim] view for q rows and the [layers, rows, 2,
+        kv_heads, head_dim] view for new K/V (pool dtype; a float32 source is rounded),
+        None for a plan not given. If one fails, the other is still taken, then it raises."""
         sent = []
         for role, plan, message in (("query", query, RegisterQueryPlan),
                                     ("transfer", transfer, RegisterTransferPlan)):
@@ -197,19 +197,15 @@ class InstanceClient:
                 error = error or e
                 continue
             self._release(role)
-            if role == "query":
-                self._queries_of(pid, plan.num_rows)
+            rows = plan.num_rows
+            if role == "query":  # its rows of out are sliced once, not at every layer
+                self._query_plan = (pid, Partial(self.out_o[:rows], self.out_lse[:rows]))
             else:
-                self._transfer_plan = (pid, plan.num_rows)
+                self._transfer_plan = (pid, rows)
         if error is not None:
             raise error
         return (None if query is None else self.q[: query.num_rows],
                 None if transfer is None else self.kv[:, : transfer.num_rows])
-
-    def _queries_of(self, pid: int, rows: int) -> None:
-        """Makes registered plan ``pid`` of ``rows`` rows the one :meth:`query` asks of
-        (its rows of ``out`` are made once, not at every layer)."""
-        self._query_plan = (pid, Partial(self.out_o[:rows], self.out_lse[:rows]))
 
     def query(self, layer: int, timeout_s: float | None = None) -> Partial:
         """Prefix attention of ``q_buf`` over the pool for one layer."""
@@ -238,9 +234,7 @@ class InstanceClient:
 
     # ------------------------------------------------------------- transfer
     def init_transfer(self, plan: TransferPlan) -> torch.Tensor:
-        """Registers a sub-batch's transfer plan; returns ``kv_buf``, the
-        [layers, rows, 2, kv_heads, head_dim] view, in the pool's KV dtype, to write new
-        K/V into (a float32 source is rounded by the copy)."""
+        """Registers a sub-batch's transfer plan with the home transfer engine; ``kv_buf``."""
         return self.init_plans(None, plan)[1]
 
     def put(self, layer: int, layers: int = 1) -> PutHandle:
@@ -342,9 +336,7 @@ class InstanceClient:
         while msg_id not in self._replies:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise EngineUnavailable(
-                    f"no reply from instance {self.instance}'s engines within the timeout"
-                )
+                raise EngineUnavailable(f"no reply from instance {self.instance}'s engines within the timeout")
             if not self._drain(int(min(left, self.poll_s) * 1000) + 1):
                 dead = self._alive()  # quiet for poll_s: is anyone there?
                 if dead is not None:

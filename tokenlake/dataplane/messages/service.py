@@ -13,6 +13,7 @@ the typed exception). ``docs/protocol.md`` is the spec of each body.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,11 +40,19 @@ class _PlainBody:
     @classmethod
     def from_wire(cls, f: Fields) -> Any:
         f.tensors(0)
-        hints, kwargs = typing.get_type_hints(cls), {}
-        for field in dataclasses.fields(cls):
-            if field.name in f.body or field.default is dataclasses.MISSING:
-                kwargs[field.name] = from_plain(hints[field.name], f.get(field.name), f, field.name)
+        kwargs = {}
+        for name, tp, required in _body_fields(cls):
+            if required or name in f.body:
+                kwargs[name] = from_plain(tp, f.get(name), f, name)
         return cls(**kwargs)
+
+
+@functools.cache
+def _body_fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """``(name, type, required)`` of each field of a message class (looked up once)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((fd.name, hints[fd.name], fd.default is dataclasses.MISSING)
+                 for fd in dataclasses.fields(cls))
 
 
 @dataclass(frozen=True)

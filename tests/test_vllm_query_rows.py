@@ -37,7 +37,10 @@ class FakePool:
         return self.q, self.kv
 
     def put(self, layer, layers=1):
-        self.puts.append(layer)
+        self.puts.append((layer, layers))
+
+    def wait_puts(self, timeout_s):
+        self.puts.append("waited")
 
     def query_async(self, layer):
         o, lse = torch.zeros(self.q.shape), torch.zeros(self.q.shape[:2])
@@ -58,11 +61,13 @@ def _step(spans: dict[str, tuple[int, int]], first_slot: dict[str, int]) -> Step
     return SimpleNamespace(plans=plans, anchors=anchors)
 
 
-@pytest.mark.parametrize("vllm_order,new", [(("a", "b"), 1), (("b", "a"), 1), (("b", "a"), 3)])
+@pytest.mark.parametrize("vllm_order,new", [(("a", "b"), 1), (("b", "a"), 1), (("b", "a"), 3),
+                                              (("a", "b"), 17)])
 def test_rows_go_to_the_plan_and_back_in_any_order(vllm_order, new):
-    """Decode (1 new token each) and prompt chunks (3), vLLM's batch in the plan's order or
-    reversed: the K/V and q rows land in the plan's rows, and every row's output is
-    attention over its prefix and its own new tokens, causally."""
+    """Decode (1 new token each) and prompt chunks (3 and 17), vLLM's batch in the plan's
+    order or reversed, layer after layer: the K/V and q rows land in the plan's rows, every
+    row's output is attention over its prefix and its own new tokens, causally, and the
+    K/V is put per layer (many rows) or all at once beside the last layer (a few)."""
     g = torch.Generator().manual_seed(new * 10 + len(vllm_order[0]))
     spans = {"a": (0, new), "b": (new, 2 * new)}
     prefix = {r: (torch.randn(5 + i, HK, E, generator=g), torch.randn(5 + i, HK, E, generator=g))
@@ -71,22 +76,39 @@ def test_rows_go_to_the_plan_and_back_in_any_order(vllm_order, new):
     first_slot = {r: BLOCK * (3 + 2 * i) for i, r in enumerate(vllm_order)}  # a block each
     state = StepState(_step(spans, first_slot), pool, BLOCK, timeout_s=5.0)
     n = 2 * new
-    q, k, v = (torch.randn(n, h, E, generator=g) for h in (H, HK, HK))
     meta = SimpleNamespace(query_start_loc=torch.tensor([0, new, n]),
                            slot_mapping=torch.tensor([first_slot[r] + j for r in vllm_order for j in range(new)]))
-    rows, out, complete = state.attend(1, q, k, v, meta, E ** -0.5)
-    assert complete and state.queried_rows == n
-    out = out.reshape(-1, H, E)
-    got = torch.empty(n, H, E)
-    got[rows] = out
-    for j, rid in enumerate(vllm_order):
-        a, z = spans[rid]
-        mine = slice(j * new, (j + 1) * new)
-        assert torch.equal(pool.kv[1, a:z, 0], k[mine]) and torch.equal(pool.kv[1, a:z, 1], v[mine])
-        assert torch.equal(pool.q[a:z], q[mine])
-        pk, pv = prefix[rid]
-        want, _ = A.partial_attention_ref(q[mine], torch.cat([pk, k[mine]]), torch.cat([pv, v[mine]]),
-                                          causal=True)
-        assert torch.allclose(got[mine].double(), want, atol=1e-5)
-    assert torch.isnan(pool.kv[0]).all()  # layer 0 untouched
-    assert (pool.puts == [1]) == (n > COALESCE_PUT_ROWS) == (not state.coalesced)
+    few = n <= COALESCE_PUT_ROWS
+    for layer in range(LAYERS):
+        q, k, v = (torch.randn(n, h, E, generator=g) for h in (H, HK, HK))
+        rows, out, complete = state.attend(layer, q, k, v, meta, E ** -0.5)
+        assert complete and state.queried_rows == n * (layer + 1)
+        got = torch.empty(n, H, E)
+        got[rows] = out.reshape(-1, H, E)
+        for j, rid in enumerate(vllm_order):
+            a, z = spans[rid]
+            mine = slice(j * new, (j + 1) * new)
+            assert torch.equal(pool.kv[layer, a:z, 0], k[mine]) and torch.equal(pool.kv[layer, a:z, 1], v[mine])
+            assert torch.equal(pool.q[a:z], q[mine])
+            pk, pv = prefix[rid]
+            want, _ = A.partial_attention_ref(q[mine], torch.cat([pk, k[mine]]), torch.cat([pv, v[mine]]),
+                                              causal=True)
+            assert torch.allclose(got[mine].double(), want, atol=1e-5)
+        last = layer == LAYERS - 1
+        assert pool.puts == ([(0, LAYERS)] if last else []) if few else [(i, 1) for i in range(layer + 1)]
+        assert state.coalesced == (few and not last)
+    state.finish()  # nothing left to put: only waited for
+    assert pool.puts[-1] == "waited" and pool.puts.count("waited") == 1 and len(pool.puts) == (2 if few else 3)
+
+
+def test_a_pass_cut_short_puts_its_layers_when_it_finishes():
+    """Decode rows written for the first layer only (the pass stopped before the last):
+    finish() puts every layer then, once."""
+    spans = {"a": (0, 1)}
+    pool = FakePool(spans, {"a": (torch.randn(4, HK, E), torch.randn(4, HK, E))})
+    state = StepState(_step(spans, {"a": 0}), pool, BLOCK, timeout_s=5.0)
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, 1]), slot_mapping=torch.tensor([0]))
+    state.attend(0, torch.randn(1, H, E), torch.randn(1, HK, E), torch.randn(1, HK, E), meta, E ** -0.5)
+    assert pool.puts == [] and state.coalesced
+    state.finish()
+    assert pool.puts == [(0, LAYERS), "waited"]

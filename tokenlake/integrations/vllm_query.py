@@ -59,7 +59,7 @@ class StepState:
         self.q_buf = self.kv_buf = None
         self.spans = {}
         self.queried_rows = 0
-        self.coalesced = False  # layers whose put waits for finish()
+        self.coalesced = False  # decode layers written whose put is not posted yet
         self.wait_s = 0.0
         self._maps: dict[int, tuple] = {}
         if client is None and step.plans is not None:  # its instance could not be reached
@@ -73,7 +73,8 @@ class StepState:
                 self.fail(e)
 
     def finish(self) -> None:
-        """After the forward pass: the coalesced put, then every put stored."""
+        """After the forward pass: the coalesced put if the last layer did not post it,
+        then every put stored."""
         if self.coalesced:
             self.client.put(0, self.kv_buf.shape[0])
         self.client.wait_puts(self.timeout_s)
@@ -132,8 +133,11 @@ class StepState:
             kv[dst, 1] = v[src].to(kv.dtype)
             if rows > COALESCE_PUT_ROWS:
                 self.client.put(layer)
-            else:  # a few rows (decode): one put of every layer after the pass (finish)
-                self.coalesced = True
+            elif layer == self.kv_buf.shape[0] - 1:  # a few rows (decode): every layer in one
+                self.client.put(0, layer + 1)  # put, beside the last layer's query
+                self.coalesced = False
+            else:
+                self.coalesced = True  # until the last layer is written (else finish puts)
             self.q_buf[dst] = q[src].float()
             handle = self.client.query_async(layer)
         except Exception as e:

@@ -603,5 +603,10 @@ def test_init_plans_registers_both_and_keeps_the_one_taken_when_the_other_fails(
         client.put(0).wait(10)
         q_buf, kv_buf = client.init_plans(qp, tp)
         assert q_buf.shape[0] == qp.num_rows and kv_buf.shape[1] == tp.num_rows
+        taken, sends = client._query_plan, []
+        monkeypatch.setattr(client, "_send", lambda role, message: sends.append(message))
+        with pytest.raises(PlanError, match="homed on instance"):  # nothing sent at all
+            client.init_plans(qp, replace(tp, home=tp.home + 1))
+        assert sends == [] and client._query_plan is taken
     finally:
         cp.abort(plans)

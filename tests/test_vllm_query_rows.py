@@ -12,12 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tokenlake.core.errors import EngineUnavailable
 from tokenlake.engines.compute import COALESCE_PUT_ROWS
 from tokenlake.kernels import attention as A
 from tokenlake.kernels.attention import Partial
 
 pytest.importorskip("vllm")
-from tokenlake.integrations.vllm_query import StepState  # noqa: E402
+from tokenlake.integrations.vllm_query import QueryStrategy, StepState  # noqa: E402
 
 H, HK, E, LAYERS, BLOCK = 6, 2, 8, 2, 16
 
@@ -31,7 +32,8 @@ class FakePool:
         self.spans, self.prefix = spans, prefix
         self.q = torch.full((rows, H, E), float("nan"))
         self.kv = torch.full((LAYERS, rows, 2, HK, E), float("nan"))
-        self.puts: list[int] = []
+        self.puts: list = []
+        self.fail_at: int | None = None  # a layer whose query fails
 
     def init_plans(self, query, transfer):
         return self.q, self.kv
@@ -43,6 +45,10 @@ class FakePool:
         self.puts.append("waited")
 
     def query_async(self, layer):
+        if layer == self.fail_at:
+            def fail(timeout_s):
+                raise EngineUnavailable("the query engine is gone (test)")
+            return SimpleNamespace(wait=fail)
         o, lse = torch.zeros(self.q.shape), torch.zeros(self.q.shape[:2])
         for rid, (a, z) in self.spans.items():
             pk, pv = self.prefix[rid]
@@ -58,7 +64,7 @@ def _step(spans: dict[str, tuple[int, int]], first_slot: dict[str, int]) -> Step
                                             for r, (a, z) in spans.items()]),),
         transfer_plans=(SimpleNamespace(),))
     anchors = {slot // BLOCK: rid for rid, slot in first_slot.items()}
-    return SimpleNamespace(plans=plans, anchors=anchors)
+    return SimpleNamespace(plans=plans, anchors=anchors, external=frozenset(), first_block={})
 
 
 @pytest.mark.parametrize("vllm_order,new", [(("a", "b"), 1), (("b", "a"), 1), (("b", "a"), 3),
@@ -112,3 +118,25 @@ def test_a_pass_cut_short_puts_its_layers_when_it_finishes():
     assert pool.puts == [] and state.coalesced
     state.finish()
     assert pool.puts == [(0, LAYERS), "waited"]
+
+
+def test_a_step_whose_last_query_fails_waits_for_its_put_before_the_abort():
+    """The step's one put is posted beside the last layer's query; when that query fails,
+    the put is waited for before the plans are aborted (the abort frees its slots), and
+    the step's requests are reported failed."""
+    spans = {"a": (0, 1)}
+    pool = FakePool(spans, {"a": (torch.randn(4, HK, E), torch.randn(4, HK, E))})
+    pool.fail_at = LAYERS - 1
+    cp = SimpleNamespace(timeout_s=5.0, abort=lambda plans: pool.puts.append("aborted"),
+                         complete=lambda plans: pool.puts.append("completed"))
+    strategy = QueryStrategy(SimpleNamespace(cp=cp, block_size=BLOCK), SimpleNamespace())
+    step = _step(spans, {"a": 0})
+    strategy._step = StepState(step, pool, BLOCK, timeout_s=5.0)
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, 1]), slot_mapping=torch.tensor([0]))
+    for layer in range(LAYERS):
+        strategy._step.attend(layer, torch.randn(1, H, E), torch.randn(1, HK, E), torch.randn(1, HK, E),
+                              meta, E ** -0.5)
+    assert strategy._step.failed
+    strategy.wait_for_save(SimpleNamespace(query=step))
+    assert pool.puts == [(0, LAYERS), "waited", "aborted"]
+    assert strategy.worker_meta().request_ids == frozenset({"a"})

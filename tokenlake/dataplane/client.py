@@ -18,9 +18,8 @@ in-process clients use the instance's own buffers, and a client of another proce
 (``tokenlake.connect``) uses its session's buffers, with its session's token as the
 routing id of its sockets, so its plans never meet another client's.
 
-:class:`SegmentReader` reads leased slots by message (``READ_SEGMENT``): the data comes in
-the reply, so it maps none of those buffers and works from any machine that reaches the
-engine (the vLLM connector's load mode).
+:class:`~tokenlake.dataplane.segment_reader.SegmentReader` reads leased slots by message
+instead.
 """
 
 from __future__ import annotations
@@ -29,12 +28,12 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import zmq
 
-from tokenlake.core.errors import EngineUnavailable, PlanError, TokenLakeError
+from tokenlake.core.errors import EngineUnavailable, PlanError
 from tokenlake.core.plans import QueryPlan, TransferPlan
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
@@ -45,15 +44,13 @@ from tokenlake.dataplane.messages import (
     PutDone,
     Query,
     QueryDone,
-    ReadSegment,
     RegisterQueryPlan,
     RegisterTransferPlan,
     ReleasePlan,
-    SegmentData,
     WireMessage,
     expect,
 )
-from tokenlake.dataplane.sockets import send, send_frames
+from tokenlake.dataplane.sockets import send_frames
 from tokenlake.kernels.attention import Partial
 
 
@@ -181,18 +178,21 @@ class InstanceClient:
         float32 [rows, q_heads, head_dim] view for q rows and the [layers, rows, 2,
         kv_heads, head_dim] view for new K/V (pool dtype; a float32 source is rounded),
         None for a plan not given. If one fails, the other is still taken, then it raises."""
-        sent = []
-        for role, plan, message in (("query", query, RegisterQueryPlan),
-                                    ("transfer", transfer, RegisterTransferPlan)):
-            if plan is not None:
-                self._check_home(plan.home)
-                pid = next(self._ids)
-                grant = self._grant_for(plan) if self._grant_for is not None else b""
-                sent.append((role, plan, pid, self._send(role, message.from_plan(pid, plan, grant))))
-        error = None
+        todo = [(role, plan, message) for role, plan, message in (
+            ("query", query, RegisterQueryPlan), ("transfer", transfer, RegisterTransferPlan))
+            if plan is not None]
+        for _, plan, _ in todo:  # nothing is sent unless both can be
+            self._check_home(plan.home)
+        built = []
+        for role, plan, message in todo:
+            pid = next(self._ids)
+            grant = self._grant_for(plan) if self._grant_for is not None else b""
+            built.append((role, plan, pid, message.from_plan(pid, plan, grant)))
+        sent = [(role, plan, pid, self._send(role, msg)) for role, plan, pid, msg in built]
+        deadline, error = time.monotonic() + self.timeout_s, None  # one timeout for both
         for role, plan, pid, msg_id in sent:
             try:
-                self._wait(msg_id, None, PlanAck)
+                self._wait(msg_id, max(deadline - time.monotonic(), self.poll_s), PlanAck)
             except Exception as e:  # the other registration's reply is still read
                 error = error or e
                 continue
@@ -342,64 +342,6 @@ class InstanceClient:
                 if dead is not None:
                     raise EngineUnavailable(f"{dead} is not running")
         return expect(self._replies.pop(msg_id), reply)
-
-
-class SegmentReader:
-    """Layers of slots read from one instance's transfer engine by message: ``READ_SEGMENT``
-    answered by ``SEGMENT_DATA``, on a DEALER socket of its own (one per routing id and
-    engine: a ROUTER takes one connection per routing id). :meth:`read` sends without
-    waiting; :meth:`receive` takes the replies in the order the reads were sent, as the
-    engine answers them (so after giving up on a read, close the reader: its late reply
-    must not be taken for the next one's). For one thread, as :class:`InstanceClient`."""
-
-    def __init__(self, instance: int, endpoint: str, keys: ClusterKeys | None = None,
-                 routing_id: bytes | None = None) -> None:
-        self.instance, self.endpoint, self.keys, self.routing_id = instance, endpoint, keys, routing_id
-        self._sock: zmq.Socket | None = None
-        self._ids = itertools.count(1)
-
-    def start(self, ctx: zmq.Context) -> SegmentReader:
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if self.routing_id is not None:
-            self._sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
-        connect_secure(self._sock, self.keys)
-        self._sock.connect(self.endpoint)
-        return self
-
-    @property
-    def closed(self) -> bool:
-        return self._sock is None
-
-    def close(self) -> None:
-        """Closes the socket, dropping the replies still owed; idempotent."""
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-
-    def read(self, layer: int, slots: Sequence[int], grant: bytes = b"", timeout_s: float = 5.0) -> int:
-        """Asks for ``layer`` of ``slots`` (a client session names the slots a lease of it
-        granted on this instance, with that grant) without waiting; returns the read's
-        message id. No room to send within ``timeout_s`` raises ``EngineUnavailable``."""
-        if self._sock is None:
-            raise EngineUnavailable(f"the reader of instance {self.instance} is closed")
-        msg_id = next(self._ids)
-        send(self._sock, ReadSegment(layer, tuple(slots), grant).encode(msg_id), timeout_s=timeout_s)
-        return msg_id
-
-    def receive(self, msg_id: int, timeout_s: float) -> tuple[torch.Tensor, ...]:
-        """The blocks read ``msg_id`` asked for, the oldest read not yet received: one per
-        slot, in its order, ``[2, kv_heads, C, head_dim]`` in the slab's dtype (views of
-        the reply). An ``ERROR`` reply raises its typed exception (``NotAuthorized``: the
-        lease's grant no longer holds), silence for ``timeout_s`` seconds
-        ``EngineUnavailable``, a reply to another message ``TokenLakeError``."""
-        if self._sock is None:
-            raise EngineUnavailable(f"the reader of instance {self.instance} is closed")
-        reply = wire.recv(self._sock, timeout_s)
-        if reply.msg_id != msg_id:
-            raise TokenLakeError(f"instance {self.instance} answered message {reply.msg_id}, "
-                                 f"expected {msg_id}")
-        return expect(reply, SegmentData).blocks
 
 
 def _index(value, name: str, bound: int) -> int:

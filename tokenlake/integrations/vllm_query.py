@@ -28,6 +28,7 @@ vLLM's own prefix cache off).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, ClassVar
@@ -115,14 +116,14 @@ class StepState:
         return self._maps[key]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attn_metadata, scale: float) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+               attn_metadata, scale: float) -> tuple[slice | torch.Tensor, torch.Tensor, bool] | None:
         """This layer's attention for the planned requests: the pool's partial over each
         one's earlier tokens merged with causal attention over its new ones (the new K/V
         is put first; a prompt chunk's own attention overlaps the query, a decode
         token's is merged with the answer in one pass). Returns ``(rows, out,
-        complete)``: vLLM's rows (a slice or an index), their outputs, and whether they
-        are all of the batch; None when the pool is not used (nothing planned, or it
-        failed)."""
+        complete)``: vLLM's rows (a slice or an index), their outputs (float32 for decode
+        tokens, else q's dtype), and whether they are all of the batch; None when the pool
+        is not used (nothing planned, or it failed)."""
         own, src, dst, complete = self.mapping(attn_metadata)
         if self.failed or self.q_buf is None or not own:
             return None
@@ -163,8 +164,8 @@ class StepState:
         pre_lse = torch.full(q.shape[:2], float("-inf"))
         pre_o[src], pre_lse[src] = po, plse
         out = torch.empty_like(q)
-        for rows, (o, lse) in local:
-            out[rows] = merge(pre_o[rows], pre_lse[rows], o, lse).o.to(q.dtype)
+        for sl, (o, lse) in local:
+            out[sl] = merge(pre_o[sl], pre_lse[sl], o, lse).o.to(q.dtype)
         return src, out[src], complete
 
 
@@ -375,6 +376,9 @@ class QueryStrategy:
                 state.fail(e)
                 failed = True
         if failed:
+            if state is not None and state.client is not None:  # no put may still write
+                with contextlib.suppress(Exception):  # into slots the abort frees (a dead
+                    state.client.wait_puts(self.pool.cp.timeout_s)  # engine: at once)
             try:
                 self.pool.cp.abort(step.plans)
             except Exception as e:

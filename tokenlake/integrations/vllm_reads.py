@@ -13,7 +13,7 @@ the lease's check (:meth:`PageLoader.receive_layer`); ``TOKENLAKE_LOAD_IN_PLACE=
 every layer by message. A load that fails reports its blocks as load errors, so vLLM
 computes them.
 
-The reads by message go through the session's :class:`~tokenlake.dataplane.client.SegmentReader`
+The reads by message go through the session's :class:`~tokenlake.dataplane.segment_reader.SegmentReader`
 (``RemoteControlPlane.reader``), one per instance, on a connection of their own
 (:data:`READ_CONNECTION`), not through the worker's data-plane client
 (``RemoteControlPlane.client``), for two reasons. That client maps the session's shared
@@ -34,7 +34,7 @@ from collections import deque
 import torch
 
 from tokenlake.core.errors import TokenLakeError
-from tokenlake.dataplane.client import SegmentReader
+from tokenlake.dataplane.segment_reader import SegmentReader
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.integrations.vllm_meta import Load
 from tokenlake.service.remote import RemoteControlPlane

@@ -202,7 +202,8 @@ def merge_single_token(o: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
                        scale: float | None = None) -> Tensor:
     """A decode step's prefix partial ``(o, lse)`` (float32, ``[n, q_heads, E]`` and
     ``[n, q_heads]``) merged with each row's attention over its own new token: equals
-    ``merge(o, lse, *single_token_attention(q, k, v, scale)).o``, in half the tensor
+    ``merge(o, lse, *single_token_attention(q, k, v, scale)).o`` (to float32 rounding:
+    a matmul for the dot products, a division for the normalisation), in half the tensor
     operations (a layer of a decode step pays their dispatch, not their arithmetic).
     A row whose prefix is empty (``lse = -inf``, ``o = 0``) gets its token's ``v``.
     Returns a new float32 ``[n, q_heads, E]``."""

@@ -44,7 +44,7 @@ from tokenlake.core.prefix_tree import MatchResult, SegmentLocation
 from tokenlake.core.specs import HardwareProfile
 from tokenlake.dataplane import wire
 from tokenlake.dataplane.auth import ClusterKeys, connect_secure
-from tokenlake.dataplane.client import InstanceClient, SegmentReader
+from tokenlake.dataplane.client import InstanceClient
 from tokenlake.dataplane.credentials import load as credentials_load
 from tokenlake.dataplane.messages import (
     Ack,
@@ -73,6 +73,7 @@ from tokenlake.dataplane.messages import (
 )
 from tokenlake.dataplane.messages.base import M
 from tokenlake.dataplane.messages.session import alias, new_token, token_for
+from tokenlake.dataplane.segment_reader import SegmentReader
 from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.dataplane.sockets import send
 

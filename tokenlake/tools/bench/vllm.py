@@ -2,15 +2,16 @@
 against vLLM with only its own prefix cache, in one run.
 
 A pool (2 instances, C = 128) is started in this process, and three vLLM
-OpenAI-compatible servers on this machine: ``pool-A`` and ``pool-B`` load the connector
-(attached to pool instances 0 and 1), ``base-B`` does not. ``--mode load``: the pool holds
+OpenAI-compatible servers on this machine (four with ``--vllm-setup shared``, below):
+``pool-A`` and ``pool-B`` load the connector (attached to pool instances 0 and 1),
+``base-B`` does not. ``--mode load``: the pool holds
 vLLM's pages and ``pool-B`` copies the prefix into its blocks; ``--mode query``: the pool
 holds K/V rows and ``pool-B``'s attention over the prefix runs in the pool (vLLM's own
 prefix cache off on the connector's servers, as that mode needs). For each LooGLE-like
 document (``--doc-tokens`` tokens of records, several questions), the first question goes
 to ``pool-A``, which prefills the document and stores it in the pool; then one more
 question goes to ``base-B`` (which has never seen the document: it prefills it) and to
-``pool-B`` (which finds it in the pool), in alternating order, and last the same question
+``pool-B`` (which finds it in the pool), in an order that rotates, and last the same question
 again to ``pool-A`` (``ttft_on_A_again_s``: in load mode vLLM's own local prefix-cache
 hit, the floor of any transfer; ``ttft_vs_local_hit_p50`` compares ``pool-B`` with it).
 TTFT is the time to the first streamed token, TPOT the mean time between the following
@@ -225,25 +226,29 @@ def bench_vllm(docs: int = 4, doc_tokens: int = 4096, seed: int = 0, mode: str =
 def _rounds(procs: dict, model: str, tok, docs: int, doc_tokens: int, seed: int, progress) -> tuple:
     """One round per document: its first question to ``pool-A``, then another to B on
     each system (pool, base, and defaults where it runs; the order rotates per round),
-    then that one again to ``pool-A``. Returns ``(first, again, ttft, tpot, same)``."""
+    then that one again to ``pool-A``, each on a quiet machine. Returns ``(first, again,
+    ttft, tpot, same)``."""
     systems = {"pool": "pool-B", "base": "base-B", "defaults": "defaults-B"}
     systems = {k: name for k, name in systems.items() if name in procs}
     ttft: dict[str, list[float]] = {k: [] for k in systems}
     tpot: dict[str, list[float]] = {k: [] for k in systems}
     first: list[float] = []
     again: list[float] = []
-    same = 0
+    same = {"pool": 0, "defaults": 0}  # answers equal to base-B's
     for d, doc in enumerate(_documents(tok, docs, doc_tokens, seed)):
         q = [tok.encode(f" Question {k}: what did record {3 * k + d} read?") for k in range(3)]
+        quiet()  # each question on a quiet machine: not while a server's engine core spins
         first.append(_ttft(procs["pool-A"][0], model, doc + q[0])[0])
         order = list(systems)[d % len(systems):] + list(systems)[:d % len(systems)]
         texts = {}
         for system in order:  # the same question on each: their answers must agree
-            quiet()  # not while the last server's engine core still spins
+            quiet()
             t, p, texts[system] = _ttft(procs[systems[system]][0], model, doc + q[1])
             ttft[system].append(t)
             tpot[system].append(p)
-        same += len(set(texts.values())) == 1
+        same["pool"] += texts["pool"] == texts["base"]
+        same["defaults"] += texts.get("defaults") == texts["base"]
+        quiet()
         again.append(_ttft(procs["pool-A"][0], model, doc + q[1])[0])  # the floor: A's own cache
         progress(f"document {d}: TTFT on B with the pool {ttft['pool'][-1]:.2f} s, "
                  f"without {ttft['base'][-1]:.2f} s; TPOT {tpot['pool'][-1] * 1e3:.0f} ms "
@@ -264,11 +269,12 @@ def _result(mode, setup, docs, doc_tokens, first, again, ttft, tpot, same, hit_t
            "tpot_on_B_with_pool_s": _summary(tpot["pool"]),
            "tpot_on_B_without_pool_s": _summary(tpot["base"]),
            "ttft_on_A_again_s": _summary(again),
-           "same_answers": f"{same}/{docs}",
+           "same_answers": f"{same['pool']}/{docs}",
            "pool_hit_tokens": hit_tokens}
     out["speedup_p50"] = out["ttft_on_B_without_pool_s"]["p50"] / out["ttft_on_B_with_pool_s"]["p50"]
     out["tpot_ratio_p50"] = out["tpot_on_B_with_pool_s"]["p50"] / out["tpot_on_B_without_pool_s"]["p50"]
     if "defaults" in tpot:
+        out["same_answers_vllm_defaults"] = f"{same['defaults']}/{docs}"
         out["ttft_on_B_vllm_defaults_s"] = _summary(ttft["defaults"])
         out["tpot_on_B_vllm_defaults_s"] = _summary(tpot["defaults"])
         out["tpot_ratio_vs_vllm_defaults_p50"] = (out["tpot_on_B_with_pool_s"]["p50"]

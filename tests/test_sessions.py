@@ -156,7 +156,7 @@ def test_two_sessions_use_one_plan_id_on_one_instance_and_each_is_exact(cluster)
         assert ca.q.data_ptr() != cb.q.data_ptr() != cluster.client(0).q.data_ptr()
         for view, client, plans in ((a, ca, pa), (b, cb, pb)):  # both register plan 1
             qp = plans.query_plans[0]
-            client._call("query", RegisterQueryPlan.from_plan(1, qp, view.grant_for(qp)), PlanAck)
+            client._wait(client._send("query", RegisterQueryPlan.from_plan(1, qp, view.grant_for(qp))), None, PlanAck)
             client._query_plan = (1, Partial(client.out_o[:1], client.out_lse[:1]))
         for layer in range(TINY.num_layers):  # interleaved: both plans live at once
             qa, qb = torch.randn(1, TINY.num_q_heads, TINY.head_dim), torch.randn(1, TINY.num_q_heads, TINY.head_dim)
@@ -168,11 +168,11 @@ def test_two_sessions_use_one_plan_id_on_one_instance_and_each_is_exact(cluster)
                 assert (part.o.double() - ro).abs().max() < 1e-5
                 assert (part.lse.double() - rlse).abs().max() < 1e-5
         # b releases "plan 1" and asks for plan 2: a's plan 1 is untouched
-        cb._call("query", ReleasePlan(1), PlanAck)
-        cb._call("query", ReleasePlan(2), PlanAck)
+        cb._wait(cb._send("query", ReleasePlan(1)), None, PlanAck)
+        cb._wait(cb._send("query", ReleasePlan(2)), None, PlanAck)
         assert ca.query(0).lse.isfinite().all()
         with pytest.raises(PlanError, match="unknown plan"):
-            cb._call("query", Query(1, 0), PlanAck)
+            cb._wait(cb._send("query", Query(1, 0)), None, PlanAck)
     finally:
         for p in ("pa", "pb"):
             if p in locals():

@@ -305,9 +305,6 @@ class InstanceClient:
         send_frames(self._socks[role], message.encode(msg_id))
         return msg_id
 
-    def _call(self, role: str, message: WireMessage, reply: type[WireMessage]) -> WireMessage:
-        return self._wait(self._send(role, message), None, reply)
-
     def _drain(self, wait_ms: int) -> bool:
         """Files every reply that arrives within ``wait_ms``; True if any did."""
         if self._poller is None:

@@ -30,7 +30,7 @@ import torch
 from tokenlake.core.plans import Batch, Plans, QueryPlan, TransferPlan
 from tokenlake.engines.exchange import LocalExchange
 from tokenlake.kernels.attention import merge
-from tokenlake.kernels.cpu import merge_single_token, partial_attention, single_token_attention
+from tokenlake.kernels.cpu import merge_single_token, partial_attention
 from tokenlake.model.llama import model as llama
 from tokenlake.model.llama.weights import LlamaWeights
 
@@ -195,12 +195,9 @@ class ComputeEngine:
         q_buf.copy_(q)
         sent = time.perf_counter()
         handle = client.query_async(layer)
-        if lay.decode and lay.earlier is None:  # one new token each, merged with the prefix
+        if lay.decode:  # one new token each (no earlier rows), merged with the prefix
             return merge_single_token(*self._pool_partial(handle, sent, q), q, k, v).to(q.dtype)
-        if lay.decode:  # one new token each: attention over itself only
-            own = [(0, q.shape[0], single_token_attention(q, k, v))]
-        else:
-            own = [(a, z, partial_attention(q[a:z], k[a:z], v[a:z], causal=True)) for a, z in lay.rows_of.values()]
+        own = [(a, z, partial_attention(q[a:z], k[a:z], v[a:z], causal=True)) for a, z in lay.rows_of.values()]
         if lay.earlier is not None:  # the first request's rows in earlier sub-batches
             rid, before, z = lay.earlier
             ek, ev = exchange.collect(qp.batch, qp.part, layer, rid, before)

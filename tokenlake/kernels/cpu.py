@@ -187,10 +187,7 @@ def single_token_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None 
     ``v`` and ``lse`` its scaled score. Equals :func:`partial_attention` on each row with
     ``causal=True``. Returns float32 ``o`` ``[n, q_heads, E]`` and ``lse`` ``[n, q_heads]``.
     """
-    n, q_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    if k.shape != v.shape or k.shape[0] != n or k.shape[2] != head_dim or q_heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    n, q_heads, head_dim, kv_heads = _own_token_shape(q, k, v)
     group = q_heads // kv_heads
     qf = q.float().view(n, kv_heads, group, head_dim)
     lse = (qf * k.float().unsqueeze(2)).sum(-1).mul_(softmax_scale(scale, head_dim)).view(n, q_heads)
@@ -207,12 +204,9 @@ def merge_single_token(o: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
     operations (a layer of a decode step pays their dispatch, not their arithmetic).
     A row whose prefix is empty (``lse = -inf``, ``o = 0``) gets its token's ``v``.
     Returns a new float32 ``[n, q_heads, E]``."""
-    n, q_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    if (k.shape != v.shape or k.shape[0] != n or k.shape[2] != head_dim or q_heads % kv_heads
-            or o.shape != q.shape or lse.shape != q.shape[:2]):
-        raise ValueError(f"o {tuple(o.shape)}, lse {tuple(lse.shape)}, q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    n, q_heads, head_dim, kv_heads = _own_token_shape(q, k, v)
+    if o.shape != q.shape or lse.shape != q.shape[:2]:
+        raise ValueError(f"o {tuple(o.shape)}, lse {tuple(lse.shape)} do not fit q {tuple(q.shape)}")
     group = q_heads // kv_heads
     kf = k.float().reshape(n, kv_heads, head_dim, 1)
     s = torch.matmul(q.float().reshape(n, kv_heads, group, head_dim), kf).view(n, q_heads)
@@ -223,3 +217,13 @@ def merge_single_token(o: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
     out.view(n, kv_heads, group, head_dim).addcmul_(v.float().reshape(n, kv_heads, 1, head_dim),
                                                     w_s.view(n, kv_heads, group, 1))
     return out.div_((w_o + w_s).unsqueeze(-1))
+
+
+def _own_token_shape(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
+    """``(n, q_heads, head_dim, kv_heads)`` of ``n`` query rows ``[n, q_heads, E]`` each
+    with its own key and value ``[n, kv_heads, E]``; ValueError if they do not fit."""
+    n, q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != v.shape or k.shape[0] != n or k.shape[2] != head_dim or q_heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    return n, q_heads, head_dim, kv_heads

@@ -26,13 +26,10 @@ import functools
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, Union
 
 from tokenlake.dataplane.messages.base import Fields
 from tokenlake.dataplane.tensor_frames import WireError, short
-
-T = TypeVar("T")
-
 
 #: Values to_plain passes through unchanged (checked by exact type first: most values are).
 _NATIVE = frozenset({int, float, str, bytes, bool, type(None)})

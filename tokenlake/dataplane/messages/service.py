@@ -35,7 +35,7 @@ class _PlainBody:
     annotations (no tensors). Put it before :class:`WireMessage` in the bases."""
 
     def body(self) -> dict:
-        return {f.name: to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return to_plain(self)  # the map of its fields
 
     @classmethod
     def from_wire(cls, f: Fields) -> Any:

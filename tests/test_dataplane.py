@@ -551,7 +551,7 @@ def test_a_plans_layout_attends_slots_read_alike_once_for_all_their_rows():
     """What the query engine works out once per plan (``AttendLayout``): items of several
     row ranges over the same slots become one shared call for all those rows (cascade);
     each range's other items stay its own; with the cascade off (one call per row range), all are own."""
-    from tokenlake.engines.query import AttendLayout
+    from tokenlake.dataplane.attend_layout import AttendLayout
 
     doc0, doc1 = AttendItem(0, 1, (4, 5), (C, C)), AttendItem(1, 2, (4, 5), (C, C))
     tail0, tail1, doc2 = AttendItem(0, 1, (9,), (3,)), AttendItem(1, 2, (8,), (5,)), AttendItem(2, 4, (4, 5), (C, C))

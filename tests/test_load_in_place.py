@@ -141,7 +141,7 @@ def loader(mapped: bool) -> PageLoader:
     layer) and one instance's slab (``cp.source``), mapped or not."""
     pl = PageLoader(FakeControl(), per_seg=1, block_size=BLOCK)
     pl.caches = {layer: torch.zeros(8, 1, BLOCK, 4) for layer in range(LAYERS)}
-    pl._slab = lambda inst: pl.cp.source if mapped else None
+    pl._slabs.get = lambda inst: pl.cp.source if mapped else None
     return pl
 
 
@@ -199,7 +199,7 @@ def test_an_unreachable_instance_fails_the_load_not_the_step():
     def dead(inst):
         raise EngineUnavailable("the transfer engine of instance 0 is not running")
 
-    pl._slab = dead
+    pl._slabs.get = dead
     load_all(pl)
     assert pl.take_errors() == {5, 6} and pl.cp.sent == []
 
@@ -212,20 +212,20 @@ def test_the_slab_is_mapped_once_or_not_at_all(tmp_path, monkeypatch):
     with SharedTensor.create(spec) as made:
         made.tensor[2, 1].fill_(7.0)
         pl = PageLoader(FakeControl(spec), 1, BLOCK)
-        slab = pl._slab(0)
+        slab = pl._slabs.get(0)
         assert slab is not None and float(slab[2, 1].max()) == 7.0
-        assert pl._slab(0) is slab and pl.cp.asked == 1
-        shared = pl._slabs[0]
+        assert pl._slabs.get(0) is slab and pl.cp.asked == 1
+        shared = pl._slabs._maps[0]
         pl.close()
-        assert pl._slabs == {} and shared.closed
+        assert pl._slabs._maps == {} and shared.closed
     cuda = BufferSpec("tokenlake-test-cuda", SLAB_SHAPE, "float16", "cuda:0", b"handle")
     missing = BufferSpec("tokenlake-test-never-made-slab-0", SLAB_SHAPE, "float32")
     for offered in (None, cuda, missing):
         pl = PageLoader(FakeControl(offered), 1, BLOCK)
-        assert pl._slab(0) is None
+        assert pl._slabs.get(0) is None
     monkeypatch.setenv(vllm_reads.IN_PLACE_ENV, "0")
     pl = PageLoader(FakeControl(missing), 1, BLOCK)
-    assert pl._slab(0) is None and pl.cp.asked == 0
+    assert pl._slabs.get(0) is None and pl.cp.asked == 0
 
 
 @pytest.mark.parametrize("dst, skip", [

@@ -34,11 +34,14 @@ def pool(smollm2):
 @pytest.fixture(scope="module")
 def engines(smollm2_hf, pool, tmp_path_factory):
     """Two vLLM engines with the connector in query mode, on instance 0 and on instance 1
-    (started once for the module; each test asks about documents of its own)."""
+    (started once for the module; each test asks about documents of its own). The first
+    asks the pool's query engines for every layer (``TOKENLAKE_QUERY_IN_PLACE=0``, as where
+    the slabs cannot be mapped: another host, a GPU pool); the second attends the slabs in
+    place, as on the pool's machine by default."""
     address, logs = pool[1].address, tmp_path_factory.mktemp("vllm")
     specs = [dict(model_dir=smollm2_hf, log_path=logs / f"instance{i}.log", kwargs=NO_PREFIX_CACHE,
-                  kv_config=connector_config(address, timeout_s=5.0, mode="query", instance=i))
-             for i in (0, 1)]
+                  env=env, kv_config=connector_config(address, timeout_s=5.0, mode="query", instance=i))
+             for i, env in ((0, {"TOKENLAKE_QUERY_IN_PLACE": "0"}), (1, None))]
     with vllm_worker.workers(*specs) as started:
         yield started
 
@@ -54,11 +57,15 @@ def test_a_second_vllm_attends_the_first_ones_document_in_the_pool(smollm2, pool
                  tok.encode(" Question: how many gulls in entry 30?")]
     first, *others = (doc + q for q in questions)
     segments = cluster.control.stats().pool.segments
+    served = query_handoffs(cluster)
     out_a, _ = engines[0].run([first], 12)
     before = cluster.control.stats()
     assert before.pool.segments - segments >= len(doc) // C, "the first engine stored the document"
+    assert query_handoffs(cluster) - served >= 11 * spec_layers(smollm2), "asked the query engines"
+    served = query_handoffs(cluster)
     out_b, _ = engines[1].run(others, 12)
     after = cluster.control.stats()
+    assert query_handoffs(cluster) == served, "the second attended the slabs in place"
     hits = [lcp(first, p) // C * C for p in others]
     assert min(hits) >= len(doc) // C * C
     assert after.hit_tokens - before.hit_tokens == sum(hits), \
@@ -70,6 +77,16 @@ def test_a_second_vllm_attends_the_first_ones_document_in_the_pool(smollm2, pool
     assert [out_a[0], *out_b] == reference_outputs(ref, doc, questions, 12)
     assert cluster.control.live_requests == ()  # every request released in the pool
     cluster.control.check()
+
+
+def query_handoffs(cluster) -> int:
+    """Queries the pool's query engines have served through the sessions' bells (every
+    per-layer query on the pool's machine)."""
+    return sum(p.handoffs for (role, _), p in cluster.engine_stats().items() if role == "query")
+
+
+def spec_layers(smollm2) -> int:
+    return smollm2[0].config.num_layers
 
 
 def lcp(a, b) -> int:
@@ -126,10 +143,12 @@ def test_the_query_mode_refuses_what_it_cannot_serve(pool, smollm2):
 
 def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, pool, engines):
     """The pool's query engines are gone when the second engine runs: the control plane
-    still finds the document and leases it, but the step cannot use the pool. The
-    connector aborts the step's plans and reports the requests whose prefix only the pool
-    held as load errors; vLLM discards their output and computes them itself (falling back
-    to its own blocks from then on), and the answers are still the reference's."""
+    still finds the document and leases it, but the step cannot be committed (the server
+    cannot retire its grants with the engines; the second engine attends in place and
+    never asks them). The connector aborts the step's plans and reports the requests whose
+    prefix only the pool held as load errors; vLLM discards their output and computes them
+    itself (falling back to its own blocks from then on), and the answers are still the
+    reference's."""
     _, tok, ref = smollm2
     cluster, server = pool
     doc = tok.encode(" ".join(f"Note {i}: the ferry to isle {i % 6} carried {(i * 29) % 80} "

@@ -28,13 +28,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 
 import torch
 
 from tokenlake.core.errors import EngineUnavailable, NotAuthorized, PlanError
 from tokenlake.dataplane import grants
+from tokenlake.dataplane.attend_layout import AttendLayout
 from tokenlake.dataplane.messages import (
     AttendItem,
     PeerQuery,
@@ -52,10 +52,8 @@ from tokenlake.dataplane.tensor_frames import WireError
 from tokenlake.dataplane.wire import error_message
 from tokenlake.engines.bells import Answer
 from tokenlake.engines.loop import Caller, EngineLoop, EngineSpec, Pending, run_engine
-from tokenlake.kernels.attention import empty_partial, merge, merge_many, write_into
-from tokenlake.kernels.paged import Group
+from tokenlake.kernels.attention import merge, merge_many, write_into
 from tokenlake.kernels.paged_torch import gpu_slab_attention, warm_up
-from tokenlake.kernels.slab import prepare_slabs_attention
 
 #: Plans one home may have registered on this engine at once (the oldest is dropped).
 #: Only engines send peer plans (docs/security.md), and a home releases every plan it
@@ -68,88 +66,6 @@ MAX_PEER_PLANS = 256
 #: a client releases each plan when it registers the next, so only a client that loses
 #: its releases ever reaches the bound).
 MAX_SESSION_PLANS = 64
-
-
-Work = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # slab indices, slots, token counts
-
-
-@dataclass(frozen=True)
-class AttendLayout:
-    """How a query engine attends a plan's items, worked out once when the plan is
-    registered and reused for every layer.
-
-    An item's slots that several row ranges read alike (the same slots, slabs and token
-    counts: a document's segments shared by the requests of a batch) are attended once
-    for all those rows together, cascade style (``shared``), so their K/V is read once;
-    the rest of each row range (its own segments and open tail, in any of the slabs) in
-    one call per range (``own``). On a GPU both kinds go into one batched launch
-    (:attr:`paged_groups`): a shared part is one entry over all its rows.
-    """
-
-    insts: tuple[int, ...]  # the slabs, by instance (this one's, or co-located peers')
-    own: tuple[tuple[int, int, Work], ...]  # (start, stop, work)
-    shared: tuple[tuple[slice | torch.Tensor, Work], ...]  # (rows: a slice where they are contiguous, work)
-    disjoint: bool  # the own row ranges do not overlap: each is written, not merged
-    stop: int  # rows the items need
-    # the calls that attend each part, set up at first use for every layer (CPU)
-    calls: list = field(default_factory=list, compare=False, repr=False)
-
-    @cached_property
-    def paged_groups(self) -> tuple[Group, ...]:
-        """The GPU path's groups (one FlashInfer launch, ``kernels.paged``), worked out at
-        the first layer and kept for the others: each own
-        range, then each shared part as one group over its rows, so the batched prefill
-        kernel reads its pages once per tile of query rows rather than once per row
-        (FlashInfer's cascade does the same for a shared prefix). Rows of a shared part
-        that are not contiguous give one group per run of consecutive rows."""
-        groups: list[Group] = [(a, z, w[1], w[2]) for a, z, w in self.own]
-        for rows, w in self.shared:
-            for a, z in _runs(rows):
-                groups.append((a, z, w[1], w[2]))
-        return tuple(groups)
-
-    @classmethod
-    def of(cls, by_slab: dict[int, Sequence[AttendItem]], cascade: bool = True) -> AttendLayout:
-        ranges_of: dict[tuple[tuple[int, int, int], ...], set[tuple[int, int]]] = {}  # work -> row ranges
-        for k, items in enumerate(by_slab.values()):
-            for it in items:
-                ranges_of.setdefault(tuple((k, s, t) for s, t in zip(it.slots, it.tokens)), set()).add(
-                    (it.start, it.stop))
-        own: dict[tuple[int, int], list] = {}
-        shared: dict[tuple[tuple[int, int], ...], list] = {}
-        for work, ranges in ranges_of.items():
-            if len(ranges) == 1 or not cascade:
-                for rows in ranges:
-                    own.setdefault(rows, []).extend(work)
-            else:
-                shared.setdefault(tuple(sorted(ranges)), []).extend(work)
-        spans = sorted(own)
-        return cls(tuple(by_slab),
-                   tuple((a, z, tuple(zip(*w))) for (a, z), w in own.items()),
-                   tuple((_rows(rs), tuple(zip(*w))) for rs, w in shared.items()),
-                   all(a2 >= z1 for (_, z1), (a2, _) in zip(spans, spans[1:])),
-                   max((z for rs in ranges_of.values() for _, z in rs), default=0))
-
-
-def _runs(rows: slice | torch.Tensor) -> list[tuple[int, int]]:
-    """Row indices (a slice or ascending indices) as runs of consecutive rows."""
-    if isinstance(rows, slice):
-        return [(rows.start, rows.stop)]
-    runs: list[tuple[int, int]] = []
-    for r in rows.tolist():
-        if runs and runs[-1][1] == r:
-            runs[-1] = (runs[-1][0], r + 1)
-        else:
-            runs.append((r, r + 1))
-    return runs
-
-
-def _rows(ranges: tuple[tuple[int, int], ...]) -> slice | torch.Tensor:
-    """Sorted row ranges as one slice where they follow each other (the requests of a
-    batch over one document), else as row indices."""
-    if all(z == a2 for (_, z), (a2, _) in zip(ranges, ranges[1:])):
-        return slice(ranges[0][0], ranges[-1][1])
-    return torch.cat([torch.arange(a, z) for a, z in ranges])
 
 
 @dataclass(frozen=True)
@@ -301,25 +217,9 @@ class QueryEngine(EngineLoop):
         a single one over all rows is returned as it is. Given ``out`` (the session's
         ``o`` and ``lse`` rows), the result is written there (by the kernel itself on
         the csrc path: no copy) and ``out`` is returned."""
-        slabs = [self.slabs[inst] for inst in layout.insts]
         if self.slab.is_cuda:  # own slab only; every group in one batched launch (docs/design.md "GPU path")
             return write_into(gpu_slab_attention(q.to(self.slab.device), self.slab, layer, layout.paged_groups), out)
-        if not layout.calls:  # the slot tables, once for every layer; own parts first
-            for rows, w, own in [(slice(a, z), w, True) for a, z, w in layout.own] + \
-                    [(rows, w, False) for rows, w in layout.shared]:
-                n = len(range(q.shape[0])[rows]) if isinstance(rows, slice) else len(rows)
-                # an own part of disjoint ranges is written (nothing else wrote its rows yet)
-                layout.calls.append((rows, prepare_slabs_attention(n, self.q_heads, slabs, *w), own and layout.disjoint))
-        if len(layout.calls) == 1 and layout.calls[0][0] == slice(0, q.shape[0]):
-            return layout.calls[0][1](q, layer, out)  # one part over every row: nothing to merge
-        o, lse = empty_partial(q.shape[0], self.q_heads, self.head_dim)
-        for rows, call, write in layout.calls:
-            po, plse = call(q[rows], layer)
-            if write:
-                o[rows], lse[rows] = po, plse
-            else:
-                o[rows], lse[rows] = merge(o[rows], lse[rows], po, plse)
-        return write_into((o, lse), out)
+        return layout.attend(q, layer, [self.slabs[inst] for inst in layout.insts], self.q_heads, out)
 
     def _check_layer(self, layer: int) -> int:
         if not 0 <= layer < self.num_layers:

@@ -46,14 +46,18 @@ class QueryStep:
     connector's instance; None when nothing goes through the pool this step),
     ``anchors`` (vLLM block of a request's first new token -> request id),
     ``first_block`` (request id -> its first vLLM block: what a failed step reports as a
-    load error, so vLLM computes the request again) and ``external`` (the requests with a
-    pooled prefix that vLLM's blocks do not hold: only these need computing again)."""
+    load error, so vLLM computes the request again), ``external`` (the requests with a
+    pooled prefix that vLLM's blocks do not hold: only these need computing again after a
+    step that failed in the pool) and ``last_block`` (request id -> the vLLM block of its
+    last token before this step, for one that has any: what a step attended in place that
+    failed reports, so vLLM discards the step's output and computes it again)."""
 
     plans: Plans | None
     anchors: dict[int, str] = field(default_factory=dict)
     first_block: dict[str, int] = field(default_factory=dict)
     external: frozenset[str] = frozenset()  # requests with pooled tokens vLLM never computed
     grants: tuple[tuple[bytes, bytes], ...] = ()  # the server's grants of the plans (the session's)
+    last_block: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -225,7 +225,7 @@ class ModeStrategy(Protocol):
                attn_metadata: Any, scale: float, meta: TokenLakeMetadata | None
                ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """``layer``'s attention through the pool, for the query-mode backend
-        (:meth:`~tokenlake.integrations.vllm_query.StepState.attend`); None: vLLM attends."""
+        (:meth:`~tokenlake.integrations.vllm_query_step.StepState.attend`); None: vLLM attends."""
 
     def worker_meta(self) -> Any | None:
         """What the worker side tells the scheduler side of this step (``build_connector_worker_meta``)."""

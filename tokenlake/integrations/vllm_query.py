@@ -10,6 +10,12 @@ as each attention layer runs) and each attention layer sends its q rows to the p
 and merges the partials; vLLM's side attends over this step's new tokens only, and the
 two partial results are merged exactly by log-sum-exp.
 
+On the pool's machine the worker attends the plan's slots itself instead, from the
+slabs it maps (:class:`~tokenlake.integrations.vllm_slabs.SlabMaps`), with the query
+engines' own layout and kernel: no hand-off per layer. The step's commit proves the slots
+held the plan's segments throughout; a step read in place whose commit fails keeps no
+output (docs/vllm.md "Attending in place").
+
 vLLM (0.32, CPU) always picks its ``CPU_ATTN`` backend, and lets an out-of-tree package
 replace a backend's class (``register_backend`` in
 ``vllm/v1/attention/backends/registry.py``). :func:`tokenlake.integrations.vllm_plugin.register`
@@ -30,151 +36,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Any, ClassVar
 
 import torch
 
-from tokenlake.core.errors import ConfigError, EngineUnavailable, TokenLakeError
+from tokenlake.core.errors import ConfigError, TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
-from tokenlake.engines.compute import COALESCE_PUT_ROWS
 from tokenlake.integrations.vllm_meta import FailedRequests, QueryStep, TokenLakeMetadata
 from tokenlake.integrations.vllm_mode import PoolRequests, VllmPool
-from tokenlake.kernels.attention import merge
-from tokenlake.kernels.cpu import merge_single_token, partial_attention
+from tokenlake.integrations.vllm_query_step import IN_PLACE_ENV, StepState
+from tokenlake.integrations.vllm_slabs import SlabMaps
 
 log = logging.getLogger(__name__)
 _told_executor: list[str] = []  # the executor warning is given once per process
-
-
-class StepState:
-    """Worker-side state of one step: the plans registered with the home instance's
-    engines, the row mapping, the puts in flight, whether anything failed."""
-
-    def __init__(self, step: QueryStep, client: Any | None, block_size: int, timeout_s: float) -> None:
-        self.step = step
-        self.client = client
-        self.block_size = block_size
-        self.timeout_s = timeout_s
-        self.failed = False
-        self.q_buf = self.kv_buf = None
-        self.spans = {}
-        self.queried_rows = 0
-        self.coalesced = False  # decode layers written whose put is not posted yet
-        self.wait_s = 0.0
-        self._maps: dict[int, tuple] = {}
-        if client is None and step.plans is not None:  # its instance could not be reached
-            self.fail(EngineUnavailable("the pool instance's engines could not be reached"))
-        if client is not None and step.plans is not None:
-            (qp,), (tp,) = step.plans.query_plans, step.plans.transfer_plans
-            self.spans = {s.request_id: s for s in qp.spans}
-            try:
-                self.q_buf, self.kv_buf = client.init_plans(qp, tp)
-            except Exception as e:  # the step runs without the pool; reported after it
-                self.fail(e)
-
-    def finish(self) -> None:
-        """After the forward pass: the coalesced put if the last layer did not post it,
-        then every put stored."""
-        if self.coalesced:
-            self.client.put(0, self.kv_buf.shape[0])
-        self.client.wait_puts(self.timeout_s)
-
-    def fail(self, error: BaseException) -> None:
-        if not self.failed:
-            log.warning("query mode: this step could not use the pool (%s); its requests "
-                        "with pooled tokens are computed again", error)
-        self.failed = True
-
-    def mapping(self, attn_metadata) -> tuple:
-        """``(own, vllm_rows, plan_rows, complete)`` for this step's batch: ``own`` the
-        ``(start, stop)`` token ranges of the planned requests in vLLM's batch, the rows
-        that take their vLLM rows to the plan's rows (slices where the rows run in order,
-        as for one request: views instead of gathers), and whether every request of the
-        batch is planned (else vLLM attends over its own blocks for the others)."""
-        key = id(attn_metadata)
-        if key not in self._maps:
-            qsl = attn_metadata.query_start_loc.tolist()
-            slots = attn_metadata.slot_mapping
-            own, dst, complete = [], [], True
-            for j in range(len(qsl) - 1):
-                start, stop = qsl[j], qsl[j + 1]
-                if stop <= start:
-                    continue
-                rid = self.step.anchors.get(int(slots[start]) // self.block_size)
-                span = self.spans.get(rid)
-                if span is not None and span.stop - span.start != stop - start:
-                    self.fail(RuntimeError(f"request {rid}: {stop - start} new tokens in "
-                                           f"vLLM's batch, {span.stop - span.start} planned"))
-                    span = None
-                if span is None:  # attended by vLLM itself (or computed again)
-                    complete = False
-                    continue
-                own.append((start, stop))
-                dst.append((span.start, span.stop))
-            self._maps = {key: (own, _rows(own), _rows(dst), complete)}
-        return self._maps[key]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attn_metadata, scale: float) -> tuple[slice | torch.Tensor, torch.Tensor, bool] | None:
-        """This layer's attention for the planned requests: the pool's partial over each
-        one's earlier tokens merged with causal attention over its new ones (the new K/V
-        is put first; a prompt chunk's own attention overlaps the query, a decode
-        token's is merged with the answer in one pass). Returns ``(rows, out,
-        complete)``: vLLM's rows (a slice or an index), their outputs (float32 for decode
-        tokens, else q's dtype), and whether they are all of the batch; None when the pool
-        is not used (nothing planned, or it failed)."""
-        own, src, dst, complete = self.mapping(attn_metadata)
-        if self.failed or self.q_buf is None or not own:
-            return None
-        rows = sum(b - a for a, b in own)
-        try:
-            kv = self.kv_buf[layer]
-            kv[dst, 0] = k[src].to(kv.dtype)
-            kv[dst, 1] = v[src].to(kv.dtype)
-            if rows > COALESCE_PUT_ROWS:
-                self.client.put(layer)
-            elif layer == self.kv_buf.shape[0] - 1:  # a few rows (decode): every layer in one
-                self.client.put(0, layer + 1)  # put, beside the last layer's query
-                self.coalesced = False
-            else:
-                self.coalesced = True  # until the last layer is written (else finish puts)
-            self.q_buf[dst] = q[src].float()
-            handle = self.client.query_async(layer)
-        except Exception as e:
-            self.fail(e)
-            return None
-        decode = rows == len(own)  # one new token each: it attends to itself
-        if not decode:
-            local = [(slice(a, b), partial_attention(q[a:b], k[a:b], v[a:b], scale, causal=True))
-                     for a, b in own]
-        t0 = time.perf_counter()
-        try:
-            part = handle.wait(self.timeout_s)
-            po, plse = part.o[dst], part.lse[dst]
-        except Exception as e:
-            self.fail(e)
-            return None
-        finally:
-            self.wait_s += time.perf_counter() - t0
-        self.queried_rows += rows
-        if decode:
-            return src, merge_single_token(po, plse, q[src], k[src], v[src], scale), complete
-        pre_o = torch.zeros_like(q, dtype=torch.float32)
-        pre_lse = torch.full(q.shape[:2], float("-inf"))
-        pre_o[src], pre_lse[src] = po, plse
-        out = torch.empty_like(q)
-        for sl, (o, lse) in local:
-            out[sl] = merge(pre_o[sl], pre_lse[sl], o, lse).o.to(q.dtype)
-        return src, out[src], complete
-
-
-def _rows(spans: list[tuple[int, int]]) -> slice | torch.Tensor:
-    """The rows of ``spans`` in order: one slice if they are consecutive, else an index."""
-    if all(a == z for (_, z), (a, _) in zip(spans, spans[1:])):
-        return slice(spans[0][0], spans[-1][1]) if spans else slice(0, 0)
-    return torch.cat([torch.arange(a, z) for a, z in spans])
-
 
 class QueryStrategy:
     """The query mode (see the module): a :class:`~tokenlake.integrations.vllm_mode.ModeStrategy`."""
@@ -193,6 +67,7 @@ class QueryStrategy:
         self._step: StepState | None = None  # this step's plans and buffers
         self._failed_requests: set[str] = set()  # to report to the scheduler side
         self._load_errors: set[int] = set()
+        self._slabs = SlabMaps(pool.cp, IN_PLACE_ENV, "the query mode attends")
 
     @staticmethod
     def check_vllm(vllm_config) -> None:
@@ -252,7 +127,7 @@ class QueryStrategy:
         computed all its tokens itself, vLLM attends over its own blocks from then on; if
         part of them was only in the pool, its first block is reported as a load error,
         so vLLM discards this step's output and computes it again."""
-        reqs, anchors, first, external = [], {}, {}, set()
+        reqs, anchors, first, last, external = [], {}, {}, {}, set()
         requests, bs = self.requests, self.pool.block_size
         for rid, upto in done.items():
             n = scheduler_output.num_scheduled_tokens[rid]
@@ -279,16 +154,20 @@ class QueryStrategy:
             reqs.append(BatchRequest(rid, tuple(tokens), cache_salt=requests.salt_of(request)))
             anchors[blocks[start // bs]] = rid
             first[rid] = blocks[0]
+            if start > 0:
+                last[rid] = blocks[(start - 1) // bs]
             if self._external.get(rid, 0):
                 external.add(rid)
         if not reqs:
             return QueryStep(None)
-        return self._plan(reqs, anchors, first, external, meta)
+        return self._plan(reqs, anchors, (first, last), external, meta)
 
-    def _plan(self, reqs: list[BatchRequest], anchors: dict[int, str], first: dict[str, int],
+    def _plan(self, reqs: list[BatchRequest], anchors: dict[int, str], blocks: tuple[dict, dict],
               external: set[str], meta: TokenLakeMetadata) -> QueryStep:
         """The step's plans for ``reqs``; where the pool cannot plan them, they leave it
-        (and the ``external`` ones are computed again)."""
+        (and the ``external`` ones are computed again). ``blocks``: each request's first
+        block and the block of its last token before this step."""
+        first, last = blocks
         phase = "decode" if all(len(r.new_token_ids) == 1 for r in reqs) else "prefill"
         cp = self.pool.cp
         try:
@@ -303,7 +182,7 @@ class QueryStrategy:
             return QueryStep(None)
         for r in reqs:
             self.requests.admit(r.request_id, len(r.new_token_ids))
-        return QueryStep(plans, anchors, first, frozenset(external), cp.plan_grants(plans))
+        return QueryStep(plans, anchors, first, frozenset(external), cp.plan_grants(plans), last)
 
     def step_output(self, connector_output) -> None:
         failed = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -355,7 +234,7 @@ class QueryStrategy:
                     client = cp.client(home)
                 except Exception as e:
                     log.warning("query mode: cannot reach pool instance %d: %s", home, e)
-            self._step = StepState(step, client, self.pool.block_size, cp.timeout_s)
+            self._step = StepState(step, client, self.pool.block_size, cp.timeout_s, self._slabs)
         return self._step.attend(layer, q, k, v, attn_metadata, scale)
 
     def wait_for_save(self, meta: TokenLakeMetadata | None) -> None:
@@ -386,6 +265,12 @@ class QueryStrategy:
             requests = {s.request_id for qp in step.plans.query_plans for s in qp.spans}
             self._failed_requests |= requests
             self._load_errors.update(step.first_block[rid] for rid in step.external)
+            if state is not None and state.layout is not None:
+                # read in place: only a commit proves the slots held the plan's segments
+                # throughout, so no output of this step is kept; vLLM computes each
+                # request again from its last block it computed itself
+                self._load_errors.update(step.last_block[rid] for rid in requests - step.external
+                                         if rid in step.last_block)
 
     def worker_meta(self) -> FailedRequests | None:
         if not self._failed_requests:
@@ -398,4 +283,5 @@ class QueryStrategy:
         return errors
 
     def close(self) -> None:
-        """Nothing of its own: its client is the session's."""
+        """Unmaps the slabs (its client is the session's)."""
+        self._slabs.close()

@@ -28,15 +28,14 @@ client on the same instance, whose puts may be in flight.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 
 import torch
 
 from tokenlake.core.errors import TokenLakeError
 from tokenlake.dataplane.segment_reader import SegmentReader
-from tokenlake.dataplane.shm import SharedTensor
 from tokenlake.integrations.vllm_meta import Load
+from tokenlake.integrations.vllm_slabs import SlabMaps
 from tokenlake.service.remote import RemoteControlPlane
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ log = logging.getLogger(__name__)
 READ_CONNECTION = 3
 
 #: "0" in the worker's environment: every layer is read by ``READ_SEGMENT``, even from an
-#: instance whose slab this process could map (:meth:`PageLoader._slab`).
+#: instance whose slab this process could map (:class:`~tokenlake.integrations.vllm_slabs.SlabMaps`).
 IN_PLACE_ENV = "TOKENLAKE_LOAD_IN_PLACE"
 
 #: Layers requested ahead of the one vLLM waits for (the transfers of later layers overlap
@@ -78,7 +77,7 @@ class PageLoader:
         self.cp, self.per_seg, self.block_size = cp, per_seg, block_size
         self.caches: dict[int, torch.Tensor] = {}
         self._readers: dict[int, SegmentReader] = {}
-        self._slabs: dict[int, SharedTensor | None] = {}  # instance -> its slab mapped, or None
+        self._slabs = SlabMaps(cp, IN_PLACE_ENV, "loads read")  # instance -> its slab mapped, or None
         self._loading: list[_Loading] = []  # this pass's loads, received layer by layer
         self._layers: list[int] = []
         self._next = 0  # index into _layers of the next layer to request
@@ -104,7 +103,7 @@ class PageLoader:
                 continue
             try:
                 ld.in_place = {inst: slab for inst in ld.by_instance
-                               if (slab := self._slab(inst)) is not None}
+                               if (slab := self._slabs.get(inst)) is not None}
             except Exception as e:  # the instance's client info: reading by message needs it too
                 self._load_failed(ld, e)
         while self._next < min(LOAD_AHEAD_LAYERS, len(self._layers)):
@@ -229,45 +228,13 @@ class PageLoader:
         if reader is not None:
             reader.close()
 
-    def _slab(self, instance: int) -> torch.Tensor | None:
-        """``instance``'s slab mapped in this process (read only: its leased slots are
-        copied from it), or ``None``: its segments are read by ``READ_SEGMENT``. Mapped
-        on first use and kept until :meth:`close`; a failure to ask the control server is
-        raised (the load fails, as reading by message would) and asked again next time."""
-        if instance not in self._slabs:
-            self._slabs[instance] = self._map_slab(instance)
-        shared = self._slabs[instance]
-        return None if shared is None else shared.tensor
-
-    def _map_slab(self, instance: int) -> SharedTensor | None:
-        """The control server offers a slab it knows to be POSIX shared memory on its
-        machine (``CP_CLIENT_INFO_RESULT.slab``); a client on another machine (or in
-        another ``/dev/shm``) fails to map it and reads by message, as does one with
-        ``TOKENLAKE_LOAD_IN_PLACE=0``."""
-        if os.environ.get(IN_PLACE_ENV, "1") == "0":
-            return None
-        spec = self.cp.client_info(instance).slab
-        if spec is None or spec.is_cuda:
-            return None
-        try:
-            shared = SharedTensor.attach(spec)
-        except Exception as e:
-            log.info("instance %d's slab is not mappable here (%s): reading it by message",
-                     instance, e)
-            return None
-        log.info("reading instance %d's slab in place (%s)", instance, spec.name)
-        return shared
-
     def close(self) -> None:
         """Closes the readers and unmaps the slabs (the connector closes; the pool still
         owns them)."""
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
-        for shared in self._slabs.values():
-            if shared is not None:
-                shared.close()
-        self._slabs.clear()
+        self._slabs.close()
 
 
 def copy_pages(block: torch.Tensor, per_seg: int, cache: torch.Tensor, dst, skip: int = 0) -> None:

@@ -161,7 +161,9 @@ def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, pool, 
         cluster.kill("query", instance)
     (out,), stderr = engines[1].run([second], 8)
     assert out == ref.generate(second, 8, stop_ids=()).output_ids
-    assert "could not use the pool" in stderr  # the failure path ran
+    # the failure path ran: the step's commit failed, or (the server still waiting on the
+    # dead engines for an earlier commit) the next step could not even be planned
+    assert "could not use the pool" in stderr or "cannot be planned in the pool" in stderr, stderr[-3000:]
     assert cluster.control.stats().hit_tokens > before.hit_tokens  # the prefix was leased
     assert cluster.control.live_requests == ()
     restart_failed(cluster, server)  # leave the pool whole for other tests

@@ -16,6 +16,11 @@ from tokenlake.kernels.attention import empty_partial, merge, write_into
 from tokenlake.kernels.paged import Group
 from tokenlake.kernels.slab import prepare_slabs_attention
 
+#: "0" in a compute engine's environment (vLLM's worker too): every layer's prefix
+#: attention is asked of the pool's query engine, even where this process holds or maps
+#: every slab the plan reads and could attend it in place.
+IN_PLACE_ENV = "TOKENLAKE_QUERY_IN_PLACE"
+
 
 class Item(Protocol):
     """Rows ``[start, stop)`` over ``slots`` of one slab holding ``tokens`` valid tokens

@@ -19,6 +19,7 @@ one sequence-parallel batch included -- compute at the same time.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenlake.core.plans import Batch, Plans, QueryPlan, TransferPlan
+from tokenlake.dataplane.attend_layout import IN_PLACE_ENV, AttendLayout
 from tokenlake.engines.exchange import LocalExchange
-from tokenlake.kernels.attention import merge
+from tokenlake.kernels.attention import Partial, merge
 from tokenlake.kernels.cpu import merge_single_token, partial_attention
 from tokenlake.model.llama import model as llama
 from tokenlake.model.llama.weights import LlamaWeights
@@ -87,6 +89,23 @@ class _Layout:
         return cls(torch.tensor(tokens, dtype=torch.long, device=device),
                    torch.tensor(positions, dtype=torch.long, device=device),
                    rows_of, earlier, later, finished, decode)
+
+
+class _InPlace:
+    """A sub-batch's prefix attention over slabs this process holds (a CPU pool on this
+    machine): the plan's items laid out once, as the query
+    engine lays them out, and attended here with the same kernel, no hand-off. The
+    plan in flight holds its slots (the serving loop commits or aborts it after the
+    iteration), exactly as it does for the query engine's reads."""
+
+    def __init__(self, qp: QueryPlan, slabs: list[torch.Tensor]) -> None:
+        self.layout = AttendLayout.of(qp.tasks_by_instance())
+        self.slabs = slabs
+        self.ask: tuple[torch.Tensor, int] | None = None
+
+    def wait(self, timeout_s: float | None = None) -> Partial:
+        q, layer = self.ask
+        return Partial(*self.layout.attend(q.float(), layer, self.slabs, q.shape[1]))
 
 
 class ComputeEngine:
@@ -155,17 +174,27 @@ class ComputeEngine:
                 self._copies[device] = self.w.placed(device, self.w.dtype)
             return self._copies[device]
 
+    def _in_place(self, qp: QueryPlan) -> _InPlace | None:
+        """The sub-batch's prefix attended in this process where the cluster's slabs are
+        all here (a CPU ``LocalCluster`` with ``share_slabs``: its driver maps them),
+        unless ``TOKENLAKE_QUERY_IN_PLACE=0``; else None: asked of the query engine."""
+        if not getattr(self.cluster, "share_slabs", False) or os.environ.get(IN_PLACE_ENV, "1") == "0":
+            return None
+        return _InPlace(qp, [self.cluster.slab(inst) for inst in qp.tasks_by_instance()])
+
     def _run_part(self, batch, qp, tp, exchange) -> dict[str, torch.Tensor]:
         w = self._weights_at(qp.home)
         lay = _Layout.of(batch, qp, w.device)
         client = self.cluster.client(qp.home)
-        buf = (client, *client.init_plans(qp, tp))
+        here = self._in_place(qp)
+        buf = (client, None, client.init_transfer(tp), here) if here is not None else \
+            (client, *client.init_plans(qp, tp), None)
         hidden = llama.embed(w, lay.ids)
         coalesce = lay.ids.numel() <= COALESCE_PUT_ROWS
         rope = llama.rope_tables(self.cfg, lay.positions)
         kv_dtype = buf[2].dtype  # the pool's: new rows attend as the pool will store them
         for layer in range(self.cfg.num_layers):
-            if lay.decode:  # the query engine wakes while q is computed (doorbell.py heads-up)
+            if lay.decode and here is None:  # the query engine wakes while q is computed (doorbell.py heads-up)
                 client.expect_query()
             q, k, v = llama.qkv(w, layer, hidden, lay.positions, rope=rope)
             k, v = llama.stored_kv(k, v, kv_dtype)
@@ -185,16 +214,19 @@ class ComputeEngine:
         """Pool prefix attention merged with attention over the request's rows in earlier
         sub-batches and causal self-attention over the new rows here. ``put=False``
         only writes the new K/V into ``kv_buf`` (the caller puts later)."""
-        client, q_buf, kv_buf = buf
+        client, q_buf, kv_buf, here = buf
         if self.layer_gate is not None:  # (page copies from a promoted slot go with the puts)
             self.layer_gate(layer)
         kv_buf[layer, :, 0].copy_(k)
         kv_buf[layer, :, 1].copy_(v)
         if put:  # puts first: they overlap the query
             client.put(layer)
-        q_buf.copy_(q)
         sent = time.perf_counter()
-        handle = client.query_async(layer)
+        if here is None:
+            q_buf.copy_(q)
+            handle = client.query_async(layer)
+        else:  # attended when waited for (after this part's own attention)
+            here.ask, handle = (q, layer), here
         if lay.decode:  # one new token each (no earlier rows), merged with the prefix
             return merge_single_token(*self._pool_partial(handle, sent, q), q, k, v).to(q.dtype)
         own = [(a, z, partial_attention(q[a:z], k[a:z], v[a:z], causal=True)) for a, z in lay.rows_of.values()]

@@ -42,9 +42,10 @@ import torch
 
 from tokenlake.core.errors import ConfigError, TokenLakeError
 from tokenlake.core.plans import Batch, BatchRequest
+from tokenlake.dataplane.attend_layout import IN_PLACE_ENV
 from tokenlake.integrations.vllm_meta import FailedRequests, QueryStep, TokenLakeMetadata
 from tokenlake.integrations.vllm_mode import PoolRequests, VllmPool
-from tokenlake.integrations.vllm_query_step import IN_PLACE_ENV, StepState
+from tokenlake.integrations.vllm_query_step import StepState
 from tokenlake.integrations.vllm_slabs import SlabMaps
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,6 @@ from tokenlake.kernels.cpu import merge_single_token, partial_attention
 
 log = logging.getLogger(__name__)
 
-#: "0" in the worker's environment: every layer's prefix attention is asked of the pool's
-#: query engine, even where this process could map the slabs and attend in place.
-IN_PLACE_ENV = "TOKENLAKE_QUERY_IN_PLACE"
-
 
 class StepState:
     """Worker-side state of one step: the plans registered with the home instance's

@@ -57,15 +57,22 @@ def serve_two_waves(cluster, weights, tok, prompts):
     return server.results
 
 
-@pytest.mark.parametrize("which, n", [("tiny", 1), ("tiny", 2), ("tiny", 4), ("smollm2", 2)])
-def test_generation_through_the_pool_equals_the_reference(request, which, n):
+@pytest.mark.parametrize("which, n, in_place", [("tiny", 1, True), ("tiny", 2, True), ("tiny", 2, False),
+                                                ("tiny", 4, True), ("smollm2", 2, True)])
+def test_generation_through_the_pool_equals_the_reference(request, monkeypatch, which, n, in_place):
+    """In place (the default on one machine: the compute engine attends the slabs
+    itself, the query engines are asked nothing) and through the query engines
+    (``TOKENLAKE_QUERY_IN_PLACE=0``: a hand-off on the session's bell per layer)."""
     weights, tok, _ = request.getfixturevalue("tiny_llama" if which == "tiny" else "smollm2")
     ref = reference(weights)
     prompts = _prompts(tok)
     assert any(len(p) % C for p in prompts), "want a prefix that is not a multiple of C"
+    monkeypatch.setenv("TOKENLAKE_QUERY_IN_PLACE", "1" if in_place else "0")
     with LocalCluster(n, model_spec(weights), pool_bytes(weights, C, SLOTS_48M), segment_tokens=C,
                       max_rows=512) as cluster:
         results = serve_two_waves(cluster, weights, tok, prompts)
+        asked = sum(p.handoffs for (role, _), p in cluster.engine_stats().items() if role == "query")
+    assert (asked == 0) == in_place, asked
     for i, prompt in enumerate(prompts):
         _same(results[f"p{i}"], ref.generate(list(prompt), NEW, stop_ids=(tok.eos_id,)))
     assert results["p1"].hit_tokens > 0 and results["p1"].hit_tokens % C == 0

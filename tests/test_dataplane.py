@@ -610,3 +610,33 @@ def test_init_plans_registers_both_and_keeps_the_one_taken_when_the_other_fails(
         assert sends == [] and client._query_plan is taken
     finally:
         cp.abort(plans)
+
+
+def test_init_plans_without_waiting_reads_its_replies_at_the_first_use(cluster, monkeypatch):
+    """``wait=False``: both registrations are sent and nothing is read until the first
+    put, query or wait_puts, which takes the plans (or raises the refusal then); one
+    that nobody used does not fail the next registration."""
+    cp = cluster.control
+    plans = cp.gen_plans([Batch((BatchRequest("nw", (4, 5, 6)),))], [1])
+    try:
+        qp, tp = plans.query_plans[0], plans.transfer_plans[0]
+        client = cluster.client(qp.home)
+        waits, real_wait = [], client._wait
+        monkeypatch.setattr(client, "_wait", lambda *a: waits.append(a[0]) or real_wait(*a))
+        q_buf, kv_buf = client.init_plans(qp, tp, wait=False)
+        assert waits == [] and q_buf.shape[0] == qp.num_rows and kv_buf.shape[1] == tp.num_rows
+        kv_buf[0].normal_()
+        client.put(0).wait(10)  # reads both replies first
+        assert len(waits) >= 2 and client._transfer_plan[1] == tp.num_rows
+        assert client._query_plan[1].o.shape[0] == qp.num_rows
+        taken = client._transfer_plan
+        client.init_plans(None, replace(tp, num_rows=client.kv.shape[1] + 1), wait=False)  # refused by the engine
+        with pytest.raises(PlanError):
+            client.put(0)
+        assert client._transfer_plan is taken  # the refused one never became current
+        client.init_plans(None, replace(tp, num_rows=client.kv.shape[1] + 1), wait=False)  # refused, never used ...
+        client.init_plans(None, tp, wait=False)  # ... does not fail this one
+        client.wait_puts(10)
+        assert client._transfer_plan is not taken and client._transfer_plan[1] == tp.num_rows
+    finally:
+        cp.abort(plans)

@@ -39,13 +39,9 @@ class FakePool:
         self.queries = 0
         self.registered = ""
 
-    def init_plans(self, query, transfer):
-        self.registered = "query and transfer"
-        return self.q, self.kv
-
-    def init_transfer(self, transfer):
-        self.registered = "transfer"
-        return self.kv
+    def init_plans(self, query, transfer, wait=True):
+        self.registered = "transfer" if query is None else "query and transfer"
+        return (None if query is None else self.q), self.kv
 
     def put(self, layer, layers=1):
         self.puts.append((layer, layers))

@@ -25,6 +25,7 @@ instead.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections import deque
@@ -52,6 +53,8 @@ from tokenlake.dataplane.messages import (
 )
 from tokenlake.dataplane.sockets import send_frames
 from tokenlake.kernels.attention import Partial
+
+log = logging.getLogger(__name__)
 
 
 class PutHandle:
@@ -138,6 +141,7 @@ class InstanceClient:
         self._unawaited: set[int] = set()  # ids of releases, whose replies nobody reads
         self._query_plan: tuple[int, Partial] | None = None  # (plan id, its rows of out_o and out_lse)
         self._transfer_plan: tuple[int, int] | None = None
+        self._registering: tuple[list, float] | None = None  # sent, replies not read yet (init_plans)
         self._puts: deque[PutHandle] = deque()  # not known to be done, in issue order
         # per-layer hand-offs through the session's shared bell (doorbell.py) when its
         # engines offer one; False: the socket path (``fast = False`` forces it)
@@ -172,12 +176,17 @@ class InstanceClient:
         """Registers a sub-batch's query plan with the home query engine; ``q_buf``."""
         return self.init_plans(plan, None)[0]
 
-    def init_plans(self, query: QueryPlan | None, transfer: TransferPlan | None) -> tuple:
+    def init_plans(self, query: QueryPlan | None, transfer: TransferPlan | None, wait: bool = True) -> tuple:
         """Registers a sub-batch's query and transfer plans (either may be None), both sent
         before either reply is awaited (one round trip); returns ``(q_buf, kv_buf)``: the
         float32 [rows, q_heads, head_dim] view for q rows and the [layers, rows, 2,
         kv_heads, head_dim] view for new K/V (pool dtype; a float32 source is rounded),
-        None for a plan not given. If one fails, the other is still taken, then it raises."""
+        None for a plan not given. If one fails, the other is still taken, then it raises.
+        ``wait=False`` returns once they are sent: the replies are read at the first
+        :meth:`query_async`, :meth:`put` or :meth:`wait_puts` after it, which raises a
+        refusal then, so the round trip overlaps the caller's work (the buffers may be
+        written meanwhile)."""
+        self._settle(quiet=True)  # an earlier registration nobody used: its replies read
         todo = [(role, plan, message) for role, plan, message in (
             ("query", query, RegisterQueryPlan), ("transfer", transfer, RegisterTransferPlan))
             if plan is not None]
@@ -189,7 +198,20 @@ class InstanceClient:
             grant = self._grant_for(plan) if self._grant_for is not None else b""
             built.append((role, plan, pid, message.from_plan(pid, plan, grant)))
         sent = [(role, plan, pid, self._send(role, msg)) for role, plan, pid, msg in built]
-        deadline, error = time.monotonic() + self.timeout_s, None  # one timeout for both
+        self._registering = (sent, time.monotonic() + self.timeout_s)  # one timeout for both
+        if wait:
+            self._settle()
+        return (None if query is None else self.q[: query.num_rows],
+                None if transfer is None else self.kv[:, : transfer.num_rows])
+
+    def _settle(self, quiet: bool = False) -> None:
+        """Reads the replies of the registrations :meth:`init_plans` sent last, if not yet:
+        each plan taken becomes the role's current one (the one before it released);
+        raises the first refusal or timeout (logs it with ``quiet``)."""
+        if self._registering is None:
+            return
+        (sent, deadline), self._registering = self._registering, None
+        error = None
         for role, plan, pid, msg_id in sent:
             try:
                 self._wait(msg_id, max(deadline - time.monotonic(), self.poll_s), PlanAck)
@@ -202,10 +224,10 @@ class InstanceClient:
                 self._query_plan = (pid, Partial(self.out_o[:rows], self.out_lse[:rows]))
             else:
                 self._transfer_plan = (pid, rows)
-        if error is not None:
+        if error is not None and quiet:
+            log.debug("instance %d: an unused registration failed: %s", self.instance, error)
+        elif error is not None:
             raise error
-        return (None if query is None else self.q[: query.num_rows],
-                None if transfer is None else self.kv[:, : transfer.num_rows])
 
     def query(self, layer: int, timeout_s: float | None = None) -> Partial:
         """Prefix attention of ``q_buf`` over the pool for one layer."""
@@ -223,6 +245,7 @@ class InstanceClient:
     def query_async(self, layer: int) -> QueryHandle:
         """Starts :meth:`query`; do other work (self-attention), then ``wait()``. Do not
         touch ``q_buf`` until it is done."""
+        self._settle()
         if self._query_plan is None:
             raise PlanError("call init_query first")
         _index(layer, "layer", self.kv.shape[0])
@@ -242,6 +265,7 @@ class InstanceClient:
         asynchronously (``layers > 1`` coalesces tiny decode puts into one message).
 
         Do not overwrite those layers of ``kv_buf`` before the handle is done."""
+        self._settle()
         if self._transfer_plan is None:
             raise PlanError("call init_transfer first")
         _index(layer, "layer", self.kv.shape[0])
@@ -261,6 +285,7 @@ class InstanceClient:
     def wait_puts(self, timeout_s: float | None = None) -> None:
         """Waits until every put issued so far is stored (the per-batch completion: call
         it before reporting the iteration's plans complete to the control plane)."""
+        self._settle()
         while self._puts:
             self._puts[0].wait(timeout_s)
             self._puts.popleft()

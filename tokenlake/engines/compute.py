@@ -187,8 +187,8 @@ class ComputeEngine:
         lay = _Layout.of(batch, qp, w.device)
         client = self.cluster.client(qp.home)
         here = self._in_place(qp)
-        buf = (client, None, client.init_transfer(tp), here) if here is not None else \
-            (client, *client.init_plans(qp, tp), None)
+        # registered without waiting: the first query or put reads the engines' replies
+        buf = (client, *client.init_plans(None if here is not None else qp, tp, wait=False), here)
         hidden = llama.embed(w, lay.ids)
         coalesce = lay.ids.numel() <= COALESCE_PUT_ROWS
         rope = llama.rope_tables(self.cfg, lay.positions)

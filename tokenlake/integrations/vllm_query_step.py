@@ -51,10 +51,9 @@ class StepState:
             self.spans = {s.request_id: s for s in qp.spans}
             self.plan_rows = qp.num_rows
             try:
-                if self._map_in_place(qp, slabs):  # only the puts go to the engines
-                    self.kv_buf = client.init_transfer(tp)
-                else:
-                    self.q_buf, self.kv_buf = client.init_plans(qp, tp)
+                # registered without waiting: the first query or put reads the replies
+                in_place = self._map_in_place(qp, slabs)  # then only the puts go to the engines
+                self.q_buf, self.kv_buf = client.init_plans(None if in_place else qp, tp, wait=False)
                 self.ready = True
             except Exception as e:  # the step runs without the pool; reported after it
                 self.fail(e)

@@ -93,19 +93,29 @@ class _Layout:
 
 class _InPlace:
     """A sub-batch's prefix attention over slabs this process holds (a CPU pool on this
-    machine): the plan's items laid out once, as the query
-    engine lays them out, and attended here with the same kernel, no hand-off. The
-    plan in flight holds its slots (the serving loop commits or aborts it after the
-    iteration), exactly as it does for the query engine's reads."""
+    machine): the plan's items laid out once, as the query engine lays them out, and
+    attended here with the same kernel, no hand-off; and, for a few rows, their store.
+    The plans in flight hold their slots (the serving loop commits or aborts them after
+    the iteration), exactly as they do for the engines' reads and writes."""
 
-    def __init__(self, qp: QueryPlan, slabs: list[torch.Tensor]) -> None:
-        self.layout = AttendLayout.of(qp.tasks_by_instance())
-        self.slabs = slabs
+    def __init__(self, qp: QueryPlan, slab_of: Callable[[int], torch.Tensor]) -> None:
+        by_instance = qp.tasks_by_instance()
+        self.layout = AttendLayout.of(by_instance)
+        self.slabs = [slab_of(inst) for inst in by_instance]
+        self.slab_of = slab_of
         self.ask: tuple[torch.Tensor, int] | None = None
 
     def wait(self, timeout_s: float | None = None) -> Partial:
         q, layer = self.ask
         return Partial(*self.layout.attend(q.float(), layer, self.slabs, q.shape[1]))
+
+    def store(self, tp: TransferPlan, kv: torch.Tensor) -> None:
+        """Every layer of the plan's rows of ``kv`` ``[layers, rows, 2, kv_heads,
+        head_dim]`` written into their slots, as the transfer engine's put writes them
+        (a plan with page copies is left to it)."""
+        for p in tp.puts:
+            slot = self.slab_of(p.instance)[p.slot]  # [layers, 2, kv_heads, C, head_dim]
+            slot[:, :, :, p.offset : p.offset + p.stop - p.start].copy_(kv[:, p.start : p.stop].permute(0, 2, 3, 1, 4))
 
 
 class ComputeEngine:
@@ -180,17 +190,21 @@ class ComputeEngine:
         unless ``TOKENLAKE_QUERY_IN_PLACE=0``; else None: asked of the query engine."""
         if not getattr(self.cluster, "share_slabs", False) or os.environ.get(IN_PLACE_ENV, "1") == "0":
             return None
-        return _InPlace(qp, [self.cluster.slab(inst) for inst in qp.tasks_by_instance()])
+        return _InPlace(qp, self.cluster.slab)
 
     def _run_part(self, batch, qp, tp, exchange) -> dict[str, torch.Tensor]:
         w = self._weights_at(qp.home)
         lay = _Layout.of(batch, qp, w.device)
         client = self.cluster.client(qp.home)
         here = self._in_place(qp)
-        # registered without waiting: the first query or put reads the engines' replies
-        buf = (client, *client.init_plans(None if here is not None else qp, tp, wait=False), here)
-        hidden = llama.embed(w, lay.ids)
         coalesce = lay.ids.numel() <= COALESCE_PUT_ROWS
+        store_here = here is not None and coalesce and not tp.copies  # a few rows: no hand-off
+        # registered without waiting: the first query or put reads the engines' replies
+        q_buf, kv_buf = client.init_plans(None if here is not None else qp, None if store_here else tp, wait=False)
+        if store_here:
+            kv_buf = client.kv.new_empty((self.cfg.num_layers, tp.num_rows, *client.kv.shape[2:]))
+        buf = (client, q_buf, kv_buf, here)
+        hidden = llama.embed(w, lay.ids)
         rope = llama.rope_tables(self.cfg, lay.positions)
         kv_dtype = buf[2].dtype  # the pool's: new rows attend as the pool will store them
         for layer in range(self.cfg.num_layers):
@@ -203,7 +217,9 @@ class ComputeEngine:
                 exchange.publish(qp.batch, qp.part, layer, rid, k[a:z], v[a:z])
             attn = self._attention(layer, q, k, v, buf, lay, exchange, qp, put=not coalesce)
             hidden = llama.finish_layer(w, layer, hidden, attn)
-        if coalesce:
+        if store_here:
+            here.store(tp, kv_buf)
+        elif coalesce:
             client.put(0, self.cfg.num_layers)
         if not lay.finished:
             return {}

@@ -143,9 +143,10 @@ def test_the_query_mode_refuses_what_it_cannot_serve(pool, smollm2):
 
 def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, pool, engines):
     """The pool's query engines are gone when the second engine runs: the control plane
-    still finds the document and leases it, but the step cannot be committed (the server
-    cannot retire its grants with the engines; the second engine attends in place and
-    never asks them). The connector aborts the step's plans and reports the requests whose
+    still finds the document and leases it, but the step's commit does not come back in
+    the connector's 5 s (the server waits out the dead engines as it retires the step's
+    grants; the second engine attends in place and never asks them), or the next step
+    cannot be planned. The connector aborts the step's plans and reports the requests whose
     prefix only the pool held as load errors; vLLM discards their output and computes them
     itself (falling back to its own blocks from then on), and the answers are still the
     reference's."""

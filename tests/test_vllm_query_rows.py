@@ -203,3 +203,27 @@ def test_a_step_whose_commit_fails_discards_its_output_only_when_read_in_place(i
     assert pool.puts[-1] == "aborted"
     assert strategy.worker_meta().request_ids == frozenset({"a"})
     assert strategy.take_load_errors() == ({step.last_block["a"]} if in_place else set())
+
+
+def test_a_step_that_read_nothing_in_place_keeps_the_engines_rule():
+    """An in-place step whose registration failed read no slot: only the requests whose
+    prefix only the pool held are computed again (none here), not every request."""
+    spans = {"a": (0, 1)}
+    prefix = {"a": (torch.randn(4, HK, E), torch.randn(4, HK, E))}
+    pool, slabs = FakePool(spans, prefix), FakeSlabs(prefix)
+
+    def refuse(query, transfer, wait=True):
+        raise EngineUnavailable("the transfer engine is gone (test)")
+
+    pool.init_plans = refuse
+    cp = SimpleNamespace(timeout_s=5.0, abort=lambda plans: pool.puts.append("aborted"),
+                         complete=lambda plans: pool.puts.append("completed"))
+    strategy = QueryStrategy(SimpleNamespace(cp=cp, block_size=BLOCK), SimpleNamespace())
+    step = _step(spans, {"a": 3 * BLOCK}, slabs.items(spans, prefix))
+    strategy._step = StepState(step, pool, BLOCK, timeout_s=5.0, slabs=slabs)
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, 1]), slot_mapping=torch.tensor([3 * BLOCK]))
+    assert strategy._step.attend(0, torch.randn(1, H, E), torch.randn(1, HK, E), torch.randn(1, HK, E),
+                                 meta, E ** -0.5) is None  # vLLM attends itself
+    strategy.wait_for_save(SimpleNamespace(query=step))
+    assert pool.puts[-1] == "aborted" and strategy.take_load_errors() == set()
+    assert strategy.worker_meta().request_ids == frozenset({"a"})

@@ -144,7 +144,7 @@ def test_load_mode_stores_completed_segments_and_recomputes_a_lost_hit():
 def test_query_mode_plans_every_new_token_and_starts_over_when_preempted():
     session = FakeSession(hit=C, locations=[SegmentLocation(0, 3)])
     query, requests = build(QueryStrategy, session)
-    r = request("r", C + 5)
+    r = request("r", C + 6)
     query.rematch("r")
     requests.match(r, 0)
     requests.allocated(r, blocks(30, 31, 32, 33))
@@ -155,6 +155,12 @@ def test_query_mode_plans_every_new_token_and_starts_over_when_preempted():
     assert batch.phase == "prefill" and batch.requests[0].new_token_ids == tuple(range(C, C + 5))
     assert meta.query.anchors == {32: "r"} and meta.query.external == frozenset({"r"})
     assert requests.pool_len["r"] == C + 5
+    # a step read in place that is not committed reports the block of each request's last
+    # token before it: vLLM rolls back only to blocks below ceil(computed / block size)
+    assert C % BLOCK == 0 and meta.query.last_block == {"r": 31}  # C - 1: block 1, the last one scanned
+    meta = query.build_meta(step({"r": 1}), {"r": C + 6})  # a decode step, mid-block
+    assert (C + 5) % BLOCK and meta.query.anchors == {33: "r"} and meta.query.last_block == {"r": 33}
+    assert [30, 31, 32, 33].index(33) < -(-(C + 5) // BLOCK)
     query.rematch("r")  # preempted and scheduled again: released in the pool
     assert session.calls[-1] == ("finish", "r") and "r" not in requests.admitted
 

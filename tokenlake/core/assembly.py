@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tokenlake.core.dispatch import DispatchNode, dispatch, split_tokens
+from tokenlake.core.errors import PlanError
 from tokenlake.core.plans import (
     Batch,
     PageCopy,
@@ -207,3 +208,23 @@ class PartAssembler:
             hit = (tasks, rows, accesses)
         self._cur[key] = hit
         return hit
+
+
+def check_homes(homes, dops: Sequence[int], instances) -> tuple[int | None, ...]:
+    """``homes`` validated against the batches' DoPs and the live instances."""
+    if homes is None:
+        return (None,) * len(dops)
+    homes = tuple(homes)
+    if len(homes) != len(dops):
+        raise PlanError(f"{len(dops)} batches but {len(homes)} homes")
+    pinned = [h for h in homes if h is not None]
+    for b, (h, d) in enumerate(zip(homes, dops)):
+        if h is None:
+            continue
+        if type(h) is not int or h not in instances:
+            raise PlanError(f"batch {b}: home {h!r} is not a live instance")
+        if d != 1:
+            raise PlanError(f"batch {b}: a pinned home needs DoP 1, got {d}")
+    if len(set(pinned)) != len(pinned):
+        raise PlanError(f"two batches pinned to one home: {pinned}")
+    return homes

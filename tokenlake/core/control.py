@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenlake.core import tier_flow
-from tokenlake.core.assembly import PartAssembler
+from tokenlake.core.assembly import PartAssembler, check_homes
 from tokenlake.core.config import PoolConfig
 from tokenlake.core.cost_model import LatencyModel, LoadRequest
 from tokenlake.core.cost_model import get_cache_load as _cache_load
@@ -139,7 +139,7 @@ class ControlPlane:
 
     def _gen_plans(self, batches, dops, homes) -> Plans:
         self._requests.validate(batches, dops, len(self.pool.instances))
-        homes = _check_homes(homes, dops, self.pool.instances)
+        homes = check_homes(homes, dops, self.pool.instances)
         tx = Transaction(self._iteration)
         try:
             prepared = self._planner.prepare(batches, tx)
@@ -150,6 +150,7 @@ class ControlPlane:
             tx.rollback(self.pool, self._requests)
             raise
         self.pool.record_access(accesses)
+        tx.reads = plans.read_instances()
         self._requests.set_busy(tx.requests, tx.iteration)
         self._count(tx.counts, +1)
         self._inflight[tx.iteration] = tx
@@ -158,7 +159,11 @@ class ControlPlane:
 
     # ------------------------------------------------------ plan completion
     def complete(self, plans: Plans) -> None:
-        """Every put of ``plans`` is stored in all layers: new segments become visible."""
+        """Every put of ``plans`` is stored in all layers: new segments become visible.
+        Refused (:class:`PlanError`; abort them) if an instance they read was removed."""
+        left = self._inflight[plans.iteration].left if plans.iteration in self._inflight else None
+        if left is not None:
+            raise PlanError(f"iteration {plans.iteration} read instance {left}, which left the pool")
         self._take_flight(plans).commit(self.pool, self._requests)
         self.flush_tier()
 
@@ -271,11 +276,12 @@ class ControlPlane:
     def remove_instance(self, instance: int) -> tuple[str, ...]:
         """Takes a failed instance out of the pool. Returns the ids of requests that lost
         part of their prefix: they must be finished and recomputed (planning them again
-        raises :class:`PlanError`). Plans in flight can still be completed or aborted."""
+        raises :class:`PlanError`). Plans in flight can still be aborted, and completed
+        unless they read the instance."""
         removal = self.pool.remove_instance(instance)
         gone = set(removal.removed_keys)
         for tx in self._inflight.values():
-            tx.forget(gone)
+            tx.forget(gone, instance)
         lost = self._requests.mark_lost(removal)
         self._requests.invalidate_reads()
         return lost
@@ -399,22 +405,3 @@ def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_to
         model = dataclasses.replace(model, dtype_bytes=dtype_bytes)
     return ControlPlane(config, model, list(range(n_instances)), clock=clock)
 
-
-def _check_homes(homes, dops: Sequence[int], instances) -> tuple[int | None, ...]:
-    """``homes`` validated against the batches' DoPs and the live instances."""
-    if homes is None:
-        return (None,) * len(dops)
-    homes = tuple(homes)
-    if len(homes) != len(dops):
-        raise PlanError(f"{len(dops)} batches but {len(homes)} homes")
-    pinned = [h for h in homes if h is not None]
-    for b, (h, d) in enumerate(zip(homes, dops)):
-        if h is None:
-            continue
-        if type(h) is not int or h not in instances:
-            raise PlanError(f"batch {b}: home {h!r} is not a live instance")
-        if d != 1:
-            raise PlanError(f"batch {b}: a pinned home needs DoP 1, got {d}")
-    if len(set(pinned)) != len(pinned):
-        raise PlanError(f"two batches pinned to one home: {pinned}")
-    return homes

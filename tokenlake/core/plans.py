@@ -212,3 +212,7 @@ class Plans:
     def __iter__(self):
         """Unpacks as the paper's ``query_plans, transfer_plans, groups``."""
         return iter((self.query_plans, self.transfer_plans, self.groups))
+
+    def read_instances(self) -> frozenset[int]:
+        """The instances whose slots the query plans read."""
+        return frozenset(t.instance for qp in self.query_plans for t in qp.tasks + qp.tails)

@@ -126,6 +126,8 @@ class Transaction:
         self._undo: list[_Undo] = []
         self._stored: set[SegmentKey] = set()  # keys of ``commits``
         self._gone: set[SegmentKey] = set()  # forgotten: went with a removed instance
+        self.reads: frozenset[int] = frozenset()  # instances whose slots its plans read
+        self.left: int | None = None  # one of them, removed while it was in flight
 
     # ------------------------------------------------------------- recording
     def join(self, request_id: str) -> None:
@@ -172,9 +174,13 @@ class Transaction:
         """True if this transaction stores segment ``key``."""
         return key in self._stored
 
-    def forget(self, keys: set[SegmentKey]) -> None:
-        """``keys`` went with a removed instance: leave them alone from now on."""
+    def forget(self, keys: set[SegmentKey], instance: int) -> None:
+        """``keys`` went with removed ``instance``: leave them alone from now on. If its
+        plans read that instance's slots, it can no longer be committed (a reader that
+        attended them in place may have read them after they were zeroed or reused)."""
         self._gone |= keys
+        if instance in self.reads:
+            self.left = instance
 
     def _stores(self, key: SegmentKey, instance: int, evicted: Eviction | None) -> None:
         self.commits.append((key, instance))

@@ -38,8 +38,8 @@ Work = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # slab indices,
 
 @dataclass(frozen=True)
 class AttendLayout:
-    """How a query engine attends a plan's items, worked out once when the plan is
-    registered and reused for every layer.
+    """How a plan's items are attended (by a query engine, or in place by a compute
+    engine), worked out once per plan and reused for every layer.
 
     An item's slots that several row ranges read alike (the same slots, slabs and token
     counts: a document's segments shared by the requests of a batch) are attended once

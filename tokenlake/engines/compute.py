@@ -4,7 +4,9 @@ Per iteration it receives the batches and their plans and, for every layer, comp
 q, k, v for the new tokens, puts the new k, v into the pool (asynchronously), queries
 the pool for the prefix attention, computes causal self-attention over the new tokens
 with its LSE, merges the two exactly, and goes on. Nothing is kept between iterations:
-the next iteration's prefix is whatever the pool holds.
+the next iteration's prefix is whatever the pool holds. Where this process holds every
+slab a plan reads (a CPU ``LocalCluster``), the query is attended here, in place, and a
+few rows are stored here too (docs/data-plane.md "Attending in place").
 
 The unit of work is one sub-batch (a batch of DoP ``d`` has ``d``, each homed on its own
 instance, docs/design.md §5). The rows of a request that crosses into a later
@@ -96,7 +98,9 @@ class _InPlace:
     machine): the plan's items laid out once, as the query engine lays them out, and
     attended here with the same kernel, no hand-off; and, for a few rows, their store.
     The plans in flight hold their slots (the serving loop commits or aborts them after
-    the iteration), exactly as they do for the engines' reads and writes."""
+    the iteration), exactly as they do for the engines' reads and writes; an instance
+    leaves the pool only between iterations (the serving loop's ``recover``), so no
+    slab read here is zeroed under the read (the query engine checks that per query)."""
 
     def __init__(self, qp: QueryPlan, slab_of: Callable[[int], torch.Tensor]) -> None:
         by_instance = qp.tasks_by_instance()
@@ -196,9 +200,10 @@ class ComputeEngine:
         w = self._weights_at(qp.home)
         lay = _Layout.of(batch, qp, w.device)
         client = self.cluster.client(qp.home)
-        here = self._in_place(qp)
+        here = self._in_place(qp) if w.device.type == "cpu" else None  # (CPU slabs, CPU q)
         coalesce = lay.ids.numel() <= COALESCE_PUT_ROWS
-        store_here = here is not None and coalesce and not tp.copies  # a few rows: no hand-off
+        # a few rows (decode, a short chunk): stored here too, no hand-off
+        store_here = here is not None and coalesce and not tp.copies
         # registered without waiting: the first query or put reads the engines' replies
         q_buf, kv_buf = client.init_plans(None if here is not None else qp, None if store_here else tp, wait=False)
         if store_here:

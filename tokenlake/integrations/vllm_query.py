@@ -266,10 +266,12 @@ class QueryStrategy:
             requests = {s.request_id for qp in step.plans.query_plans for s in qp.spans}
             self._failed_requests |= requests
             self._load_errors.update(step.first_block[rid] for rid in step.external)
-            if state is not None and state.layout is not None:
+            if state is not None and state.read_in_place:
                 # read in place: only a commit proves the slots held the plan's segments
                 # throughout, so no output of this step is kept; vLLM computes each
                 # request again from its last block it computed itself
+                log.warning("query mode: a step read in place was not committed; vLLM drops "
+                            "its output for %d requests and computes them again", len(requests))
                 self._load_errors.update(step.last_block[rid] for rid in requests - step.external
                                          if rid in step.last_block)
 

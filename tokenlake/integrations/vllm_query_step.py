@@ -38,6 +38,7 @@ class StepState:
         self.q_buf = self.kv_buf = None
         self.layout: AttendLayout | None = None  # in place: the plan's items, attended here
         self.in_place: list[torch.Tensor] = []  # ... over these mapped slabs (layout.insts')
+        self.read_in_place = False  # some layer's output came from slots read in place
         self.plan_rows = 0
         self.spans = {}
         self.queried_rows = 0
@@ -64,7 +65,11 @@ class StepState:
         if slabs is None:
             return False
         by_instance = plan.tasks_by_instance()
-        mapped = [slabs.get(inst) for inst in by_instance]
+        try:
+            mapped = [slabs.get(inst) for inst in by_instance]
+        except Exception as e:  # the server could not say (an instance's engines down):
+            log.info("query mode: attending by the query engine this step (%s)", e)  # ask them
+            return False
         if any(slab is None for slab in mapped):
             return False
         self.layout, self.in_place = AttendLayout.of(by_instance), mapped
@@ -150,6 +155,7 @@ class StepState:
         t0 = time.perf_counter()
         try:
             if handle is None:  # the plan's slots, read where they lie
+                self.read_in_place = True
                 po, plse = self.layout.attend(self.q_buf, layer, self.in_place, q.shape[1])
             else:
                 po, plse = handle.wait(self.timeout_s)

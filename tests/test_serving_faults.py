@@ -105,17 +105,14 @@ def test_an_injected_failure_changes_no_answer(model, where, fail_at):
 
 
 @pytest.mark.parametrize("notice", ["watcher", "failed-iteration"])
-def test_an_engine_killed_mid_generation_changes_no_answer(model, notice, monkeypatch):
+def test_an_engine_killed_mid_generation_changes_no_answer(model, notice):
     """Engines of both instances die while requests prefill and decode. Noticed by the
     watcher (before any iteration fails) or by a failed iteration, ``GenerationLoop.recover``
     replaces the instances and computes the requests that lost KV again; every answer
-    equals the reference's. An iteration fails only where it asks the engines: the
-    failed-iteration case asks them for every layer (``TOKENLAKE_QUERY_IN_PLACE=0``); in
-    place (the watcher case) a step of these few rows reads and writes the slabs itself."""
+    equals the reference's (the compute engine attends in place: it finds the dead
+    engines before it reads the slabs, as the engines' path finds them when it asks)."""
     import threading
 
-    if notice == "failed-iteration":
-        monkeypatch.setenv("TOKENLAKE_QUERY_IN_PLACE", "0")
     weights, ref = model
     spec = model_spec(weights)
     reqs = _requests()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenlake.core.errors import EngineUnavailable
 from tokenlake.core.plans import Batch, Plans, QueryPlan, TransferPlan
 from tokenlake.dataplane.attend_layout import IN_PLACE_ENV, AttendLayout
 from tokenlake.engines.exchange import LocalExchange
@@ -188,19 +189,25 @@ class ComputeEngine:
                 self._copies[device] = self.w.placed(device, self.w.dtype)
             return self._copies[device]
 
-    def _in_place(self, qp: QueryPlan) -> _InPlace | None:
+    def _in_place(self, qp: QueryPlan, tp: TransferPlan) -> _InPlace | None:
         """The sub-batch's prefix attended in this process where the cluster's slabs are
         all here (a CPU ``LocalCluster`` with ``share_slabs``: its driver maps them),
-        unless ``TOKENLAKE_QUERY_IN_PLACE=0``; else None: asked of the query engine."""
+        unless ``TOKENLAKE_QUERY_IN_PLACE=0``; else None: asked of the query engine.
+        A dead engine of an instance the sub-batch touches is ``EngineUnavailable`` all
+        the same, as it is on the engines' path (the serving loop then replaces it)."""
         if not getattr(self.cluster, "share_slabs", False) or os.environ.get(IN_PLACE_ENV, "1") == "0":
             return None
+        for inst in sorted({qp.home, *qp.tasks_by_instance(), *(p.instance for p in tp.puts)}):
+            for role in ("query", "transfer"):
+                if not self.cluster.alive(role, inst):
+                    raise EngineUnavailable(f"the {role} engine of instance {inst} is not running")
         return _InPlace(qp, self.cluster.slab)
 
     def _run_part(self, batch, qp, tp, exchange) -> dict[str, torch.Tensor]:
         w = self._weights_at(qp.home)
         lay = _Layout.of(batch, qp, w.device)
         client = self.cluster.client(qp.home)
-        here = self._in_place(qp) if w.device.type == "cpu" else None  # (CPU slabs, CPU q)
+        here = self._in_place(qp, tp) if w.device.type == "cpu" else None  # (CPU slabs, CPU q)
         coalesce = lay.ids.numel() <= COALESCE_PUT_ROWS
         # a few rows (decode, a short chunk): stored here too, no hand-off
         store_here = here is not None and coalesce and not tp.copies

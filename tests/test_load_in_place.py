@@ -228,6 +228,30 @@ def test_the_slab_is_mapped_once_or_not_at_all(tmp_path, monkeypatch):
     assert pl._slabs.get(0) is None and pl.cp.asked == 0
 
 
+def test_slabs_mapped_from_the_home_ask_about_the_home_only(tmp_path):
+    """With a home (vLLM's query mode), every slab comes from the home instance's
+    ``client_info`` (``peer_slabs``): no session is opened on another instance to map
+    its slab, and one the server does not offer is not mapped."""
+    from tokenlake.integrations.vllm_slabs import SlabMaps
+
+    specs = [BufferSpec(f"tokenlake-test-{tmp_path.name}-slab-{i}", SLAB_SHAPE, "float32") for i in (0, 1)]
+    asked = []
+
+    class Home:
+        def client_info(self, instance):
+            asked.append(instance)
+            return SimpleNamespace(instance=instance, slab=specs[0], peer_slabs=((1, specs[1]),))
+
+    with SharedTensor.create(specs[0]) as s0, SharedTensor.create(specs[1]) as s1:
+        s0.tensor.fill_(1.0)
+        s1.tensor.fill_(2.0)
+        maps = SlabMaps(Home(), "TOKENLAKE_TEST_UNSET", "test", home=0)
+        assert float(maps.get(1).max()) == 2.0 and float(maps.get(0).max()) == 1.0
+        assert maps.get(2) is None  # not offered
+        assert asked == [0, 0, 0]  # the home's answer, every time (once per instance)
+        maps.close()
+
+
 @pytest.mark.parametrize("dst, skip", [
     ([4, 5, 6, 7], 0),     # one run of blocks
     ([9, 2, 3, 11], 1),    # three runs, the first page computed by vLLM itself

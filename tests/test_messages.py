@@ -167,6 +167,7 @@ OPTIONAL = {(Kind.REGISTER_TRANSFER_PLAN, "copies"): (), (Kind.PEER_PUT, "copies
             (Kind.CP_MATCH, "salt"): None, (Kind.CP_LEASE_PREFIX, "cache_salt"): None,
             (Kind.ADOPT, "grant_key"): None, (Kind.CP_STATS_RESULT, "restored"): (),
             (Kind.PONG, "handoffs"): 0, (Kind.CP_CLIENT_INFO_RESULT, "slab"): None,
+            (Kind.CP_CLIENT_INFO_RESULT, "peer_slabs"): (),
             (Kind.TIER_OPS, "drops"): (), (Kind.TIER_OPS, "writes"): (), (Kind.TIER_READ, "items"): (),
             (Kind.TIER_OPS, "epoch"): 0, (Kind.TIER_READ, "epoch"): 0,
             (Kind.TIER_READ, "layered"): False,

@@ -163,7 +163,7 @@ def test_a_step_whose_last_query_fails_waits_for_its_put_before_the_abort():
     pool.fail_at = LAYERS - 1
     cp = SimpleNamespace(timeout_s=5.0, abort=lambda plans: pool.puts.append("aborted"),
                          complete=lambda plans: pool.puts.append("completed"))
-    strategy = QueryStrategy(SimpleNamespace(cp=cp, block_size=BLOCK), SimpleNamespace())
+    strategy = QueryStrategy(SimpleNamespace(cp=cp, block_size=BLOCK, home=0), SimpleNamespace())
     step = _step(spans, {"a": 0})
     strategy._step = StepState(step, pool, BLOCK, timeout_s=5.0)
     meta = SimpleNamespace(query_start_loc=torch.tensor([0, 1]), slot_mapping=torch.tensor([0]))
@@ -192,7 +192,7 @@ def test_a_step_whose_commit_fails_discards_its_output_only_when_read_in_place(i
         raise TokenLakeError("iteration 7 has no plans in flight")
 
     cp = SimpleNamespace(timeout_s=5.0, abort=lambda plans: pool.puts.append("aborted"), complete=refuse)
-    strategy = QueryStrategy(SimpleNamespace(cp=cp, block_size=BLOCK), SimpleNamespace())
+    strategy = QueryStrategy(SimpleNamespace(cp=cp, block_size=BLOCK, home=0), SimpleNamespace())
     step = _step(spans, {"a": 3 * BLOCK}, slabs.items(spans, prefix) if in_place else None)
     strategy._step = StepState(step, pool, BLOCK, timeout_s=5.0, slabs=slabs)
     meta = SimpleNamespace(query_start_loc=torch.tensor([0, 1]), slot_mapping=torch.tensor([3 * BLOCK]))
@@ -218,7 +218,7 @@ def test_a_step_that_read_nothing_in_place_keeps_the_engines_rule():
     pool.init_plans = refuse
     cp = SimpleNamespace(timeout_s=5.0, abort=lambda plans: pool.puts.append("aborted"),
                          complete=lambda plans: pool.puts.append("completed"))
-    strategy = QueryStrategy(SimpleNamespace(cp=cp, block_size=BLOCK), SimpleNamespace())
+    strategy = QueryStrategy(SimpleNamespace(cp=cp, block_size=BLOCK, home=0), SimpleNamespace())
     step = _step(spans, {"a": 3 * BLOCK}, slabs.items(spans, prefix))
     strategy._step = StepState(step, pool, BLOCK, timeout_s=5.0, slabs=slabs)
     meta = SimpleNamespace(query_start_loc=torch.tensor([0, 1]), slot_mapping=torch.tensor([3 * BLOCK]))

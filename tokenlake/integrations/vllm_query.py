@@ -68,7 +68,7 @@ class QueryStrategy:
         self._step: StepState | None = None  # this step's plans and buffers
         self._failed_requests: set[str] = set()  # to report to the scheduler side
         self._load_errors: set[int] = set()
-        self._slabs = SlabMaps(pool.cp, IN_PLACE_ENV, "the query mode attends")
+        self._slabs = SlabMaps(pool.cp, IN_PLACE_ENV, "the query mode attends", home=pool.home)
 
     @staticmethod
     def check_vllm(vllm_config) -> None:

@@ -22,11 +22,13 @@ log = logging.getLogger(__name__)
 
 class SlabMaps:
     """Instances' slabs, each mapped on first use and kept until :meth:`close`. ``cp``
-    gives ``client_info(instance).slab``; ``env``: an environment variable that, set to
-    ``"0"``, maps none (every read by message); ``what`` names the use in the log."""
+    gives ``client_info(instance).slab``, or with ``home`` every slab from the home
+    instance's ``client_info`` (``slab`` and ``peer_slabs``: no session is opened on the
+    other instances for it); ``env``: an environment variable that, set to ``"0"``, maps
+    none (every read by message); ``what`` names the use in the log."""
 
-    def __init__(self, cp, env: str, what: str) -> None:
-        self.cp, self.env, self.what = cp, env, what
+    def __init__(self, cp, env: str, what: str, home: int | None = None) -> None:
+        self.cp, self.env, self.what, self.home = cp, env, what, home
         self._maps: dict[int, SharedTensor | None] = {}  # instance -> its slab mapped, or None
 
     def get(self, instance: int) -> torch.Tensor | None:
@@ -41,7 +43,10 @@ class SlabMaps:
     def _map(self, instance: int) -> SharedTensor | None:
         if os.environ.get(self.env, "1") == "0":
             return None
-        spec = self.cp.client_info(instance).slab
+        if self.home is None or instance == self.home:
+            spec = self.cp.client_info(instance).slab
+        else:  # another instance's, from the home's answer (no session opened there)
+            spec = dict(self.cp.client_info(self.home).peer_slabs).get(instance)
         if spec is None or spec.is_cuda:
             return None
         try:

@@ -243,8 +243,7 @@ class ControlServer:
                 self.end_session(session, why)
 
     def _answer(self, identity: bytes, frames: list) -> list:
-        """The reply frames to one request's frames (``ERROR`` on any failure), from the
-        client whose routing id is ``identity``."""
+        """The reply frames to one request's frames from client ``identity`` (``ERROR`` on any failure)."""
         msg_id = 0
         try:
             msg_id, request = messages.decode(frames)
@@ -415,6 +414,7 @@ class ControlServer:
         info = self.cluster.open_session(session.token, session.number, req.instance)
         session.instances.add(req.instance)
         buffers = {name: BufferSpec.from_dict(spec) for name, spec in info["buffers"].items()}
-        slab = info.get("slab")  # mappable on the pool's machine (docs/security.md)
+        slabs = {i: BufferSpec.from_dict(d) for i in self.cluster.control.instances  # mappable on the
+                 if (d := self.cluster.mappable_slab(i)) is not None}  # pool's machine (docs/security.md)
         return CpClientInfoResult(req.instance, dict(info["endpoints"]), buffers, float(info["timeout_s"]),
-                                  info.get("keys"), None if slab is None else BufferSpec.from_dict(slab))
+                                  info.get("keys"), slabs.pop(req.instance, None), tuple(slabs.items()))

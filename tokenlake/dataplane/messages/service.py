@@ -242,8 +242,11 @@ class CpClientInfoResult(_PlainBody, WireMessage):
     without CURVE); ``slab``: the instance's slab, when it is POSIX shared memory that a
     client on the pool's machine may map and read its leased slots from in place (vLLM's
     load mode; docs/security.md); absent or ``None``: not mappable (a GPU pool, an
-    instance on another node), read by ``READ_SEGMENT``. Sent only over the control port,
-    which is itself CURVE-protected when the cluster is."""
+    instance on another node), read by ``READ_SEGMENT``; ``peer_slabs`` (optional):
+    ``[[instance, BufferSpec]]``, the other instances' slabs mappable the same way, so that
+    a client maps them without opening its session there (vLLM's query mode attends them
+    in place). Sent only over the control port, which is itself CURVE-protected when the
+    cluster is."""
 
     KIND = Kind.CP_CLIENT_INFO_RESULT
     instance: int
@@ -252,3 +255,4 @@ class CpClientInfoResult(_PlainBody, WireMessage):
     timeout_s: float
     keys: Mapping[str, str | None] | None
     slab: BufferSpec | None = None
+    peer_slabs: tuple[tuple[int, BufferSpec], ...] = ()

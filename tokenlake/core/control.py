@@ -161,9 +161,9 @@ class ControlPlane:
     def complete(self, plans: Plans) -> None:
         """Every put of ``plans`` is stored in all layers: new segments become visible.
         Refused (:class:`PlanError`; abort them) if an instance they read was removed."""
-        left = self._inflight[plans.iteration].left if plans.iteration in self._inflight else None
-        if left is not None:
-            raise PlanError(f"iteration {plans.iteration} read instance {left}, which left the pool")
+        tx = self._inflight.get(plans.iteration)
+        if tx is not None and tx.left is not None:
+            raise PlanError(f"iteration {plans.iteration} read instance {tx.left}, which left the pool")
         self._take_flight(plans).commit(self.pool, self._requests)
         self.flush_tier()
 

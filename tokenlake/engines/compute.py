@@ -103,8 +103,8 @@ class _InPlace:
     leaves the pool only between iterations (the serving loop's ``recover``), so no
     slab read here is zeroed under the read (the query engine checks that per query)."""
 
-    def __init__(self, qp: QueryPlan, slab_of: Callable[[int], torch.Tensor]) -> None:
-        by_instance = qp.tasks_by_instance()
+    def __init__(self, by_instance: dict, slab_of: Callable[[int], torch.Tensor]) -> None:
+        """``by_instance``: the plan's items per instance (``QueryPlan.tasks_by_instance``)."""
         self.layout = AttendLayout.of(by_instance)
         self.slabs = [slab_of(inst) for inst in by_instance]
         self.slab_of = slab_of
@@ -197,11 +197,12 @@ class ComputeEngine:
         the same, as it is on the engines' path (the serving loop then replaces it)."""
         if not getattr(self.cluster, "share_slabs", False) or os.environ.get(IN_PLACE_ENV, "1") == "0":
             return None
-        for inst in sorted({qp.home, *qp.tasks_by_instance(), *(p.instance for p in tp.puts)}):
+        by_instance = qp.tasks_by_instance()
+        for inst in sorted({qp.home, *by_instance, *(p.instance for p in tp.puts)}):
             for role in ("query", "transfer"):
                 if not self.cluster.alive(role, inst):
                     raise EngineUnavailable(f"the {role} engine of instance {inst} is not running")
-        return _InPlace(qp, self.cluster.slab)
+        return _InPlace(by_instance, self.cluster.slab)
 
     def _run_part(self, batch, qp, tp, exchange) -> dict[str, torch.Tensor]:
         w = self._weights_at(qp.home)

@@ -7,7 +7,6 @@ over the pooled prefix, by the pool's query engine or, on the pool's machine, in
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
@@ -43,7 +42,6 @@ class StepState:
         self.spans = {}
         self.queried_rows = 0
         self.coalesced = False  # decode layers written whose put is not posted yet
-        self.wait_s = 0.0
         self._maps: dict[int, tuple] = {}
         if client is None and step.plans is not None:  # its instance could not be reached
             self.fail(EngineUnavailable("the pool instance's engines could not be reached"))
@@ -152,7 +150,6 @@ class StepState:
         if not decode:
             local = [(slice(a, b), partial_attention(q[a:b], k[a:b], v[a:b], scale, causal=True))
                      for a, b in own]
-        t0 = time.perf_counter()
         try:
             if handle is None:  # the plan's slots, read where they lie
                 self.read_in_place = True
@@ -163,8 +160,6 @@ class StepState:
         except Exception as e:
             self.fail(e)
             return None
-        finally:
-            self.wait_s += time.perf_counter() - t0
         self.queried_rows += rows
         if decode:
             return src, merge_single_token(po, plse, q[src], k[src], v[src], scale), complete

@@ -30,3 +30,10 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
 
 // roof_cpu.cpp: a stream read with W multiply-adds per line (the read-rate roof of a kernel).
 double roof_stream(torch::Tensor buf, int64_t fmas, double c);
+
+// row_ops_cpu.cpp: a decode layer's small operations, float32, one call each.
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                                                 torch::Tensor sin);
+torch::Tensor merge_own_token(torch::Tensor o, torch::Tensor lse, torch::Tensor q, torch::Tensor k,
+                              torch::Tensor v, double scale);

@@ -47,6 +47,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_rows", &get_panel_rows, "the fewest grouped rows the panel path takes for a K/V dtype",
         py::arg("dtype") = "float32");
   m.def("small_linear", &small_linear, "x @ w.T for a few rows of x (CPU, float32)");
+  m.def("rms_norm", &rms_norm_rows, "x / sqrt(mean(x**2, -1) + eps) * weight (CPU, float32)");
+  m.def("rope_qk", &rope_qk, "q and k with interleaved pairs rotated by cos / sin (CPU, float32)");
+  m.def("merge_own_token", &merge_own_token,
+        "a decode step's prefix partial merged with each row's own new token (CPU, float32)");
   m.def("roof_stream", &roof_stream, "a stream read with W multiply-adds per 64-byte line (CPU)");
   m.def("isa", &isa_name, "the instruction set in use");
   m.def("set_isa", &set_isa, "force an instruction set not above the CPU's");

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenlake.kernels import native
 from tokenlake.kernels.attention import (
     HALF_TYPES,
     Partial,
@@ -207,6 +208,9 @@ def merge_single_token(o: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
     n, q_heads, head_dim, kv_heads = _own_token_shape(q, k, v)
     if o.shape != q.shape or lse.shape != q.shape[:2]:
         raise ValueError(f"o {tuple(o.shape)}, lse {tuple(lse.shape)} do not fit q {tuple(q.shape)}")
+    mod = native.row_ops(o, lse, q, k, v)
+    if mod is not None:  # one call (csrc/row_ops_cpu.cpp) for the dozen operations below
+        return mod.merge_own_token(o, lse, q, k, v, softmax_scale(scale, head_dim))
     group = q_heads // kv_heads
     kf = k.float().reshape(n, kv_heads, head_dim, 1)
     s = torch.matmul(q.float().reshape(n, kv_heads, group, head_dim), kf).view(n, q_heads)

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
-SOURCES = tuple(CSRC / f for f in ("module.cpp", "slab_attention_cpu.cpp", "linear_cpu.cpp", "roof_cpu.cpp"))
+SOURCES = tuple(CSRC / f for f in ("module.cpp", "slab_attention_cpu.cpp", "linear_cpu.cpp", "roof_cpu.cpp",
+                                         "row_ops_cpu.cpp"))
 BUILD_DIR = ROOT / "build" / "native"
 NAME = "tokenlake_native_cpu"
 FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
@@ -48,6 +49,8 @@ _module = None
 _tried = False
 _prebuilt = None
 _prebuilt_tried = False
+#: Whether :func:`row_ops` offers the module (:func:`use_row_ops`).
+_row_ops_on = {"on": True}
 
 
 #: ``TOKENLAKE_NATIVE_BUILD=0``: :func:`load` never compiles (what ``make`` built from the
@@ -173,6 +176,28 @@ def attention_path(dtype: torch.dtype, grouped_rows: int, head_dim: int, module=
     if mod is None:
         raise RuntimeError("the native slab attention kernel is not built")
     return mod.attention_path(str(dtype).removeprefix("torch."), int(grouped_rows), int(head_dim))
+
+
+def use_row_ops(on: bool) -> None:
+    """Turns the kernel's RMSNorm, RoPE and own-token merge (:func:`row_ops`) on (the
+    default, where it is built) or off (the torch operations; tests and benchmarks
+    compare the two)."""
+    _row_ops_on["on"] = bool(on)
+
+
+def row_ops(*tensors: Tensor):
+    """The built module if its per-row operations (csrc/row_ops_cpu.cpp) take
+    ``tensors`` (contiguous float32 CPU tensors, none recorded by autograd) and they are
+    on; else None. Never compiles. A decode layer's RMSNorm, RoPE and own-token merge are
+    a few hundred multiply-adds each, which ATen runs as 5-12 operations whose dispatch
+    is the cost: one call each here."""
+    if not _row_ops_on["on"]:
+        return None
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or (
+                t.requires_grad and torch.is_grad_enabled()):
+            return None
+    return load_prebuilt()
 
 
 def linear(x: Tensor, w: Tensor, module=None) -> Tensor:

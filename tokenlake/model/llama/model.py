@@ -124,7 +124,11 @@ def _layer(w: LlamaWeights, layer: int | LayerWeights) -> LayerWeights:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``x / sqrt(mean(x**2, -1) + eps) * weight`` (float32)."""
+    """``x / sqrt(mean(x**2, -1) + eps) * weight`` (float32; rows ``[n, d]`` by the csrc
+    kernel where :func:`~tokenlake.kernels.native.row_ops` takes them, its sum of squares in double)."""
+    mod = native.row_ops(x, weight) if x.dim() == 2 else None
+    if mod is not None:
+        return mod.rms_norm(x, weight, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
@@ -141,10 +145,19 @@ def rope_tables(config: LlamaConfig, positions: Tensor) -> tuple[Tensor, Tensor]
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotates interleaved pairs ``(x[..., 2i], x[..., 2i+1])`` of ``x`` ``[n, heads,
     head_dim]`` by the angles of ``cos`` / ``sin`` ``[n, head_dim // 2]``; new tensor."""
-    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)  # (not -1: no rows is a shape too)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).reshape(x.shape)
+
+
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`apply_rope` of ``q`` and of ``k`` at the same rows: one call of the csrc
+    kernel where :func:`~tokenlake.kernels.native.row_ops` takes them (the same roundings: equal bit for bit)."""
+    mod = native.row_ops(q, k, cos, sin)
+    if mod is not None:
+        return mod.rope_qk(q, k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def embed(w: LlamaWeights, token_ids: Tensor) -> Tensor:
@@ -169,7 +182,7 @@ def qkv(w: LlamaWeights, layer: int | LayerWeights, hidden: Tensor, positions: T
     k = linear(x, lw.wk).view(n, c.num_kv_heads, c.head_dim)
     v = linear(x, lw.wv).view(n, c.num_kv_heads, c.head_dim)
     cos, sin = rope if rope is not None else rope_tables(c, positions)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return (*rope_qk(q, k, cos, sin), v)
 
 
 def stored_kv(k: Tensor, v: Tensor, kv_dtype: torch.dtype) -> tuple[Tensor, Tensor]:

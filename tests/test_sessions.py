@@ -307,3 +307,27 @@ def test_a_client_that_stops_heartbeating_is_ended_and_told_so(cluster):
         finally:
             cp.close()
     cluster.control.check()
+
+
+def test_a_dead_engine_is_not_waited_for_when_grants_are_retired(caplog):
+    """The control server retires a session's grants on its engines at every commit and
+    closes its sessions on them: an engine whose process has ended is skipped at once
+    (a look at the process, no message), not waited out for the driver's whole timeout,
+    which would hold every other session's requests behind it; the live engines are
+    still asked."""
+    timeout_s = 30.0
+    with LocalCluster(2, TINY, POOL_BYTES, segment_tokens=C, max_rows=64, timeout_s=timeout_s) as c:
+        view = SessionView(c, new_token())
+        try:
+            view.client(0), view.client(1)
+            c.kill("query", 1)
+            caplog.set_level("WARNING", logger="tokenlake.deploy.base")
+            t0 = time.monotonic()
+            c.retire(view.token, [0, 1], (7,))
+            assert time.monotonic() - t0 < timeout_s / 3
+            warned = [r.getMessage() for r in caplog.records if "retiring grants" in r.getMessage()]
+            assert len(warned) == 1 and "query engine of instance 1" in warned[0], warned
+        finally:
+            t0 = time.monotonic()
+            view.close()  # closes the session on every engine: the dead one is skipped too
+            assert time.monotonic() - t0 < timeout_s / 3

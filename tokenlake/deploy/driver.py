@@ -30,10 +30,18 @@ class DriverSockets:
 
     A socket whose request failed (no answer, a broken connection) is closed, so a late
     answer never meets the next request; :meth:`forget` closes an instance's sockets
-    when its engines stop or move."""
+    when its engines stop or move.
 
-    def __init__(self, dealer: Callable[[Key], zmq.Socket], timeout_s: float) -> None:
+    ``dead(key)``, where the launcher can tell without a message that an engine's process
+    has ended: such an engine is not waited for (``EngineUnavailable`` at once, or within
+    ``poll_s`` of its death while it is awaited), so a dead engine costs a request
+    nothing like ``timeout_s``; the control server, which retires a session's grants on
+    the engines at every commit, would otherwise keep every other session waiting."""
+
+    def __init__(self, dealer: Callable[[Key], zmq.Socket], timeout_s: float,
+                 dead: Callable[[Key], bool] | None = None, poll_s: float = 0.05) -> None:
         self._dealer, self.timeout_s = dealer, timeout_s
+        self.dead, self.poll_s = dead, poll_s
         self._socks: dict[Key, zmq.Socket] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -53,6 +61,9 @@ class DriverSockets:
                 return {key: EngineUnavailable("the driver's sockets are closed") for key in keys}
             sent = {}
             for key in keys:
+                if self.dead is not None and self.dead(key):
+                    out[key] = _gone(key)
+                    continue
                 try:
                     sock = self._socks.get(key)
                     if sock is None:
@@ -71,6 +82,7 @@ class DriverSockets:
             for key, (sock, msg_id) in sent.items():
                 try:
                     while True:
+                        self._await(key, sock, deadline)
                         answer = wire.recv(sock, max(0.0, deadline - time.monotonic()))
                         if answer.msg_id == msg_id:
                             out[key] = expect(answer, reply)
@@ -80,6 +92,18 @@ class DriverSockets:
                     if not isinstance(exc, TokenLakeError) or isinstance(exc, EngineUnavailable):
                         self._drop(key)
         return out
+
+    def _await(self, key: Key, sock: zmq.Socket, deadline: float) -> None:
+        """Returns once ``sock`` has a message or ``deadline`` passed (the read then
+        times out as it would have); raises ``EngineUnavailable`` as soon as ``dead``
+        says the engine has ended."""
+        if self.dead is None:
+            return
+        while not sock.poll(max(0.0, min(self.poll_s, deadline - time.monotonic())) * 1000):
+            if self.dead(key):
+                raise _gone(key)
+            if time.monotonic() >= deadline:
+                return
 
     def _streamed(self, sent: dict[Key, tuple[zmq.Socket, int]], reply: type[Reply],
                   progress: Progress) -> dict[Key, Reply | BaseException]:
@@ -93,6 +117,8 @@ class DriverSockets:
         due = dict.fromkeys(sent, time.monotonic() + self.timeout_s)
         while due:
             wait_s = max(0.0, min(due.values()) - time.monotonic())
+            if self.dead is not None:
+                wait_s = min(wait_s, self.poll_s)
             for sock, _ in poller.poll(wait_s * 1000):
                 key, drop = by_sock[sock], False
                 try:
@@ -112,9 +138,9 @@ class DriverSockets:
                 if drop:
                     self._drop(key)
             now = time.monotonic()
-            for key in [k for k, t in due.items() if t <= now]:
-                out[key] = EngineUnavailable(f"{key[0]} engine {key[1]}: neither an answer nor "
-                                             f"progress within {self.timeout_s:g} s")
+            for key in [k for k, t in due.items() if t <= now or (self.dead is not None and self.dead(k))]:
+                out[key] = _gone(key) if due[key] > now else EngineUnavailable(
+                    f"{key[0]} engine {key[1]}: neither an answer nor progress within {self.timeout_s:g} s")
                 poller.unregister(sent[key][0])
                 del due[key]
                 self._drop(key)
@@ -137,3 +163,7 @@ class DriverSockets:
         sock = self._socks.pop(key, None)
         if sock is not None:
             sock.close(0)
+
+
+def _gone(key: Key) -> EngineUnavailable:
+    return EngineUnavailable(f"the {key[0]} engine of instance {key[1]} is not running")

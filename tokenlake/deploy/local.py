@@ -136,7 +136,9 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         self.failures = self._watcher.failures
         self._watch_lock = self._watcher.lock
         self._leaving = self._watcher.leaving  # instances whose engines are stopped on purpose
-        self._driver = DriverSockets(self._dealer, self.timeout_s)  # the owner's requests
+        # the owner's requests; an engine whose process ended (a look, no message) is not waited for
+        self._driver = DriverSockets(self._dealer, self.timeout_s,
+                                     dead=lambda key: key in self._procs and not self._procs[key].is_alive())
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:

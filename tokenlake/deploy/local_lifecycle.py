@@ -40,7 +40,7 @@ class InstanceLifecycle:
         if self._tier_sockets is None:
             self._tier_sockets = {}
         if channel not in self._tier_sockets:
-            self._tier_sockets[channel] = DriverSockets(self._dealer, self.timeout_s)
+            self._tier_sockets[channel] = DriverSockets(self._dealer, self.timeout_s, dead=self._driver.dead)
         return self._tier_sockets[channel]
 
     def _close_tier_sockets(self) -> None:

@@ -143,13 +143,15 @@ def test_the_query_mode_refuses_what_it_cannot_serve(pool, smollm2):
 
 def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, pool, engines):
     """The pool's query engines are gone when the second engine runs: the control plane
-    still finds the document and leases it, but the step's commit does not come back in
-    the connector's 5 s (the server waits out the dead engines as it retires the step's
-    grants; the second engine attends in place and never asks them), or the next step
-    cannot be planned. The connector aborts the step's plans and reports the requests whose
-    prefix only the pool held as load errors; vLLM discards their output and computes them
-    itself (falling back to its own blocks from then on), and the answers are still the
-    reference's."""
+    still finds the document and leases it, and the second engine, which attends in place,
+    never asks them. Either its step's commit succeeds (the driver skips the dead engines
+    when it retires the step's grants, and the slabs it read were whole: the instances
+    had not been healed yet), or the pool healed an instance first and the commit is
+    refused (the slab may have been zeroed under the read), or the next step cannot be
+    planned: then the connector aborts the step's plans and reports the requests whose
+    prefix only the pool held as load errors, and vLLM computes them itself. In every case
+    the answers are the reference's (the refused commit's path is checked step by step in
+    tests/test_vllm_query_rows.py)."""
     _, tok, ref = smollm2
     cluster, server = pool
     doc = tok.encode(" ".join(f"Note {i}: the ferry to isle {i % 6} carried {(i * 29) % 80} "
@@ -162,9 +164,8 @@ def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, pool, 
         cluster.kill("query", instance)
     (out,), stderr = engines[1].run([second], 8)
     assert out == ref.generate(second, 8, stop_ids=()).output_ids
-    # the failure path ran: the step's commit failed, or (the server still waiting on the
-    # dead engines for an earlier commit) the next step could not even be planned
-    assert "could not use the pool" in stderr or "cannot be planned in the pool" in stderr, stderr[-3000:]
+    failed = "could not use the pool" in stderr or "cannot be planned in the pool" in stderr
+    assert failed or "Traceback" not in stderr, stderr[-3000:]
     assert cluster.control.stats().hit_tokens > before.hit_tokens  # the prefix was leased
     assert cluster.control.live_requests == ()
     restart_failed(cluster, server)  # leave the pool whole for other tests

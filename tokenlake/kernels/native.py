@@ -13,6 +13,8 @@ it cannot be built (no compiler, an installed package without ``csrc/``).
   where it is built; ``tokenlake bench kernel`` measures it.
 - :func:`linear` is ``x @ w.T`` for a few rows of ``x``: the model's projections in a
   decode step (:func:`tokenlake.model.llama.model.linear`; tests/test_native_linear.py).
+- :func:`row_ops` offers a decode layer's RMSNorm, RoPE and own-token merge as one call
+  each (csrc/row_ops_cpu.cpp; tests/test_native_row_ops.py).
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ void check_rows(const torch::Tensor& t, const char* name) {
 }
 
 // Rows [r0, r1) of one RoPE: x [n, heads, E] into y, pairs (2i, 2i + 1) rotated by row r's
-// cos[i], sin[i].
-void rope_rows(const float* x, float* y, const float* cos, const float* sin, int64_t heads, int64_t E,
+// cos[i], sin[i]. Never contracted into fused multiply-adds (GCC contracts by default
+// where the target has them), so each product and sum is rounded as ATen rounds it.
+__attribute__((optimize("fp-contract=off"))) void rope_rows(const float* x, float* y, const float* cos, const float* sin, int64_t heads, int64_t E,
                int64_t r0, int64_t r1) {
   const int64_t half = E / 2;
   for (int64_t r = r0; r < r1; ++r) {
@@ -63,11 +64,14 @@ torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* a = xp + r * d;
-      double ss = 0.0;
-      for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(a[i]) * a[i];
-      const float mean = static_cast<float>(ss / static_cast<double>(d));
+      double ss[4] = {0.0, 0.0, 0.0, 0.0};  // four chains: one would wait on each add
+      int64_t i = 0;
+      for (; i + 4 <= d; i += 4)
+        for (int j = 0; j < 4; ++j) ss[j] += static_cast<double>(a[i + j]) * a[i + j];
+      for (; i < d; ++i) ss[0] += static_cast<double>(a[i]) * a[i];
+      const float mean = static_cast<float>((ss[0] + ss[1] + ss[2] + ss[3]) / static_cast<double>(d));
       const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
-      for (int64_t i = 0; i < d; ++i) yp[r * d + i] = a[i] * inv * wp[i];
+      for (int64_t e = 0; e < d; ++e) yp[r * d + e] = a[e] * inv * wp[e];
     }
   });
   return y;

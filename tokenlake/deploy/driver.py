@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import zmq
 
@@ -100,10 +100,14 @@ class DriverSockets:
         if self.dead is None:
             return
         while not sock.poll(max(0.0, min(self.poll_s, deadline - time.monotonic())) * 1000):
-            if self.dead(key):
+            if self.dead(key) and not sock.poll(0):  # (an answer sent just before the end is read)
                 raise _gone(key)
             if time.monotonic() >= deadline:
-                return
+                raise EngineUnavailable(f"{key[0]} engine {key[1]}: no answer within {self.timeout_s:g} s")
+
+    def _ended(self, key: Key, sock: zmq.Socket) -> bool:
+        """Whether ``dead`` says so and nothing ``key`` sent before its end is left unread."""
+        return self.dead is not None and self.dead(key) and not sock.poll(0)
 
     def _streamed(self, sent: dict[Key, tuple[zmq.Socket, int]], reply: type[Reply],
                   progress: Progress) -> dict[Key, Reply | BaseException]:
@@ -138,7 +142,7 @@ class DriverSockets:
                 if drop:
                     self._drop(key)
             now = time.monotonic()
-            for key in [k for k, t in due.items() if t <= now or (self.dead is not None and self.dead(k))]:
+            for key in [k for k, t in due.items() if t <= now or self._ended(k, sent[k][0])]:
                 out[key] = _gone(key) if due[key] > now else EngineUnavailable(
                     f"{key[0]} engine {key[1]}: neither an answer nor progress within {self.timeout_s:g} s")
                 poller.unregister(sent[key][0])
@@ -163,6 +167,20 @@ class DriverSockets:
         sock = self._socks.pop(key, None)
         if sock is not None:
             sock.close(0)
+
+
+def ended_in(procs: Mapping[Key, Any]) -> Callable[[Key], bool]:
+    """``dead`` for engines run as processes of this one, ``procs[key]`` (with
+    ``is_alive()``): true once the process has ended. A key not there, or a process that
+    can no longer be asked (closed while replaced), counts as running: its request waits
+    as it did before."""
+    def dead(key: Key) -> bool:
+        proc = procs.get(key)
+        try:
+            return proc is not None and not proc.is_alive()
+        except (ValueError, OSError):
+            return False
+    return dead
 
 
 def _gone(key: Key) -> EngineUnavailable:

@@ -51,7 +51,7 @@ from tokenlake.dataplane.sockets import send_frames
 from tokenlake.deploy.adoption import Adoptable
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
 from tokenlake.deploy.config import ClusterConfig
-from tokenlake.deploy.driver import DriverSockets
+from tokenlake.deploy.driver import DriverSockets, ended_in
 from tokenlake.deploy.local_lifecycle import InstanceLifecycle
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
@@ -137,8 +137,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
         self._watch_lock = self._watcher.lock
         self._leaving = self._watcher.leaving  # instances whose engines are stopped on purpose
         # the owner's requests; an engine whose process ended (a look, no message) is not waited for
-        self._driver = DriverSockets(self._dealer, self.timeout_s,
-                                     dead=lambda key: key in self._procs and not self._procs[key].is_alive())
+        self._driver = DriverSockets(self._dealer, self.timeout_s, dead=ended_in(self._procs))
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:

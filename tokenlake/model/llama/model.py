@@ -126,7 +126,7 @@ def _layer(w: LlamaWeights, layer: int | LayerWeights) -> LayerWeights:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` (float32; rows ``[n, d]`` by the csrc
     kernel where :func:`~tokenlake.kernels.native.row_ops` takes them, its sum of squares in double)."""
-    mod = native.row_ops(x, weight) if x.dim() == 2 else None
+    mod = native.row_ops(x, weight) if x.dim() == 2 and weight.shape == x.shape[1:] else None
     if mod is not None:
         return mod.rms_norm(x, weight, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -155,7 +155,7 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Ten
     """:func:`apply_rope` of ``q`` and of ``k`` at the same rows: one call of the csrc
     kernel where :func:`~tokenlake.kernels.native.row_ops` takes them (the same roundings: equal bit for bit)."""
     mod = native.row_ops(q, k, cos, sin)
-    if mod is not None:
+    if mod is not None and cos.shape == sin.shape == (q.shape[0], q.shape[-1] // 2) and q.dim() == k.dim() == 3:
         return mod.rope_qk(q, k, cos, sin)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 

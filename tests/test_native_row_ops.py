@@ -7,6 +7,9 @@ without it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -158,3 +161,12 @@ def test_the_reference_engine_decodes_the_same_with_and_without_them(kernel, tor
         torch.testing.assert_close(step, step_t, rtol=1e-4, atol=1e-4)
         tok, tok_t = int(step.argmax()), int(step_t.argmax())
         assert tok == tok_t
+
+
+def test_the_environment_can_turn_them_off(kernel):
+    """``TOKENLAKE_ROW_OPS=0`` in a new process: the torch operations serve."""
+    probe = "import torch; from tokenlake.kernels import native; print(native.row_ops(torch.ones(2)) is None)"
+    for value, none in (("0", "True"), ("1", "False")):
+        env = {**os.environ, native.ROW_OPS_ENV: value}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == none, out.stderr[-2000:]

@@ -51,8 +51,11 @@ _module = None
 _tried = False
 _prebuilt = None
 _prebuilt_tried = False
+#: ``TOKENLAKE_ROW_OPS=0``: :func:`row_ops` offers nothing (the torch operations serve), for
+#: a process started with it (``tokenlake bench e2e`` with it and without: what they gain).
+ROW_OPS_ENV = "TOKENLAKE_ROW_OPS"
 #: Whether :func:`row_ops` offers the module (:func:`use_row_ops`).
-_row_ops_on = {"on": True}
+_row_ops_on = {"on": os.environ.get(ROW_OPS_ENV, "1") != "0"}
 
 
 #: ``TOKENLAKE_NATIVE_BUILD=0``: :func:`load` never compiles (what ``make`` built from the

@@ -38,6 +38,8 @@ from tokenlake.deploy.gpu import gpu_setup
 from tokenlake.deploy.local import LocalCluster
 from tokenlake.engines.compute import ParallelComputeEngine
 from tokenlake.generation import GenerationLoop, GenerationRequest
+from tokenlake.kernels import native
+from tokenlake.kernels.native import machine_info
 from tokenlake.model.llama.reference import ReferenceEngine
 from tokenlake.model.llama.tokenizer import load_tokenizer
 from tokenlake.model.llama.weights import load_weights
@@ -198,6 +200,8 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         "setup": {"instances": instances, "segment_tokens": segment_tokens, "chunk_tokens": chunk_tokens,
                   "kv_dtype": kv_dtype, "share_slabs": share_slabs and gpu is None, **_where(device, gpu, kv_dtype),
                   "decode_batch": main, "decode_tokens": decode_tokens},
+        "machine": machine_info(),  # cpu, cores, isa: what the figures hold for
+        "row_ops": native.row_ops(torch.ones(1)) is not None,  # TOKENLAKE_ROW_OPS (a decode layer's small ops)
     }
 
 

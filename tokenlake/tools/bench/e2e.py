@@ -239,10 +239,14 @@ def _hardware_name(gpu: str | None) -> str:
 
 
 def _decode_summary(runs: dict, rounds: int) -> tuple[dict, dict, dict]:
-    """Medians of the pool and the reference per batch size, and the JSON rows."""
+    """Medians of the pool and the reference per batch size, and the JSON rows. Besides the
+    ratio of the medians, each round's own ratio (its pool run against the reference run
+    beside it: drift between rounds, which this machine has, cancels) and their median."""
     pool = {b: statistics.median(r["pool"]) for b, r in runs.items()}
     reference = {b: statistics.median(r["reference"]) for b, r in runs.items()}
+    paired = {b: [p / q for p, q in zip(r["pool"], r["reference"])] for b, r in runs.items()}
     rows = {str(b): {"pool_tok_s": pool[b], "reference_tok_s": reference[b], "ratio": pool[b] / reference[b],
+                     "ratio_by_round": paired[b], "ratio_paired": statistics.median(paired[b]),
                      "layer_query_ms": statistics.median(r["layer_ms"]) if r["layer_ms"] else None,
                      "pool_range": [min(r["pool"]), max(r["pool"])],
                      "reference_range": [min(r["reference"]), max(r["reference"])], "rounds": rounds}
@@ -255,6 +259,9 @@ def summary(result: dict) -> str:
     lines = [f"TTFT cached {result['cached_ttft_ms']:.0f} ms vs recompute "
              f"{result['recompute_ttft_ms']:.0f} ms; decode {result['pool_decode_tok_s']:.1f} tok/s "
              f"(pool) vs {result['reference_decode_tok_s']:.1f} (reference)"]
+    for b, row in result["decode_by_batch"].items():
+        rounds = ", ".join(f"{x:.2f}" for x in row.get("ratio_by_round", ()))
+        lines.append(f"decode, {b} request(s): {row['ratio']:.2f}x the reference (medians); by round {rounds}")
     side = result.get("vllm")
     if side:
         batches = ", ".join(f"{b}: {row['pool_tok_s']:.1f} vs {side['decode_tok_s'][b]:.1f}"

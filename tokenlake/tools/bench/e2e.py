@@ -200,8 +200,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
         "setup": {"instances": instances, "segment_tokens": segment_tokens, "chunk_tokens": chunk_tokens,
                   "kv_dtype": kv_dtype, "share_slabs": share_slabs and gpu is None, **_where(device, gpu, kv_dtype),
                   "decode_batch": main, "decode_tokens": decode_tokens},
-        "machine": machine_info(),  # cpu, cores, isa: what the figures hold for
-        "row_ops": native.row_ops(torch.ones(1)) is not None,  # TOKENLAKE_ROW_OPS (a decode layer's small ops)
+        "machine": machine_info(), "row_ops": native.row_ops(torch.ones(1)) is not None,  # TOKENLAKE_ROW_OPS
     }
 
 

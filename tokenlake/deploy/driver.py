@@ -94,13 +94,12 @@ class DriverSockets:
         return out
 
     def _await(self, key: Key, sock: zmq.Socket, deadline: float) -> None:
-        """Returns once ``sock`` has a message or ``deadline`` passed (the read then
-        times out as it would have); raises ``EngineUnavailable`` as soon as ``dead``
-        says the engine has ended."""
+        """Returns once ``sock`` has a message; raises ``EngineUnavailable`` when
+        ``deadline`` passes or as soon as the engine has ended (:meth:`_ended`)."""
         if self.dead is None:
             return
         while not sock.poll(max(0.0, min(self.poll_s, deadline - time.monotonic())) * 1000):
-            if self.dead(key) and not sock.poll(0):  # (an answer sent just before the end is read)
+            if self._ended(key, sock):
                 raise _gone(key)
             if time.monotonic() >= deadline:
                 raise EngineUnavailable(f"{key[0]} engine {key[1]}: no answer within {self.timeout_s:g} s")

@@ -114,9 +114,9 @@ class InstanceHost:
     def watch(self, grace_s: float, pool: str, state_file: str | None, instances: int) -> None:
         """Outlives a driver that dies by ``grace_s`` seconds; not adopted by then,
         unlinks the buffers and ends; the lowest-numbered host still there waits (10 s at
-        most) for the other hosts of pool ``pool`` (``instances``) to end, then removes
-        the placement group (which would kill them before they unlinked theirs) and, on
-        the driver's machine, the state file."""
+        most) for the other hosts of pool ``pool`` (``instances``) to end, then removes,
+        on the driver's machine, the state file, and the placement group (which would
+        kill them before they unlinked theirs, and ends this host too)."""
 
         def give_up() -> None:
             from tokenlake.deploy.ray.orphans import end_pool

@@ -150,8 +150,8 @@ class Grace:
 def end_pool(pool: str, instance: int, instances: int, state_file: str | None) -> None:
     """The last of a host's duties when no driver adopted pool ``pool``: the lowest-
     numbered host still there waits (10 s at most) until the other hosts have ended
-    (each unlinks its buffers first), then removes the placement group and the state
-    file; the others leave that to it."""
+    (each unlinks its buffers first), then removes the state file and the placement
+    group (which ends this actor as well); the others leave that to it."""
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
     from tokenlake.dataplane import pool_state
@@ -169,6 +169,7 @@ def end_pool(pool: str, instance: int, instances: int, state_file: str | None) -
     deadline = time.monotonic() + 10.0
     while hosts([i for i in range(instances) if i != instance]) and time.monotonic() < deadline:
         time.sleep(0.2)
+    # the files first: removing the group ends this actor too, before its next line
+    pool_state.forget(state_file, pool)
     with contextlib.suppress(Exception):  # removed already
         remove_placement_group(get_placement_group(group_name(pool)))
-    pool_state.forget(state_file, pool)

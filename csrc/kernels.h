@@ -25,6 +25,12 @@ std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64
 void set_panel_rows(int64_t rows);
 int64_t get_panel_rows(const std::string& dtype);
 
+// slab_attention_cpu.cpp: bfloat16 products on the dot path (slab_dot.h): q in 1 or 2
+// bfloat16 parts, 0 off (the default); whether this CPU has them.
+void set_bf16_products(int64_t parts);
+int64_t get_bf16_products();
+bool has_bf16_dots();
+
 // linear_cpu.cpp: x @ w.T for a few rows of x.
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
 

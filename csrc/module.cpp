@@ -46,6 +46,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_panel_rows", &set_panel_rows, "force the fewest grouped rows the panel path takes (0: the isa's)");
   m.def("panel_rows", &get_panel_rows, "the fewest grouped rows the panel path takes for a K/V dtype",
         py::arg("dtype") = "float32");
+  m.def("set_bf16_products", &set_bf16_products,
+        "allow bfloat16 products for many grouped rows on CPUs with vdpbf16ps and no tiles: q in 1 or 2 "
+        "bfloat16 parts, the probabilities rounded (0: exact paths only)");
+  m.def("bf16_products", &get_bf16_products, "q's bfloat16 parts on the dot path (0: off)");
+  m.def("has_bf16_dots", &has_bf16_dots, "whether this CPU has AVX-512 BF16 dot products");
   m.def("small_linear", &small_linear, "x @ w.T for a few rows of x (CPU, float32)");
   m.def("rms_norm", &rms_norm_rows, "x / sqrt(mean(x**2, -1) + eps) * weight (CPU, float32)");
   m.def("rope_qk", &rope_qk, "q and k with interleaved pairs rotated by cos / sin (CPU, float32)");

@@ -588,8 +588,9 @@ inline __attribute__((always_inline)) void transpose16(v16u* a) {
 }
 
 // exp_neg16 with AVX-512's floor (vrndscaleps) and power-of-two scaling (vscalefps):
-// the same polynomial and the same results in 11 operations instead of 16.
-__attribute__((target(TL_TARGET_AMX), always_inline)) inline v16f exp_tile(v16f x) {
+// the same polynomial and the same results in 11 operations instead of 16 (the tile and
+// the dot paths).
+__attribute__((target(TL_TARGET_AVX512), always_inline)) inline v16f exp_tile(v16f x) {
   __m512 v;
   std::memcpy(&v, &x, sizeof v);
   v = _mm512_max_ps(v, _mm512_set1_ps(-87.f));
@@ -825,6 +826,8 @@ __attribute__((target(TL_TARGET_AMX), noinline)) void run_task_amx(const Task& t
 
 #endif  // __x86_64__
 
+#include "slab_dot.h"  // the dot path: bfloat16 products without tiles, when allowed
+
 // kL: the panel path's lanes in this variant (its registers' width).
 template <typename T, int kE, int kL>
 inline __attribute__((always_inline)) void dispatch_task(const Task& t) {
@@ -874,6 +877,19 @@ bool uses_tiles(Isa isa, at::ScalarType dtype, int64_t grouped_rows, int64_t hea
 #endif
 }
 
+// Whether a call takes the dot path: bfloat16 products allowed, bfloat16 K/V, kDotRows or
+// more grouped rows (or the panel path's forced threshold), head dim 64 or 128, AVX-512
+// with vdpbf16ps and no tiles in use.
+bool uses_dots(Isa isa, at::ScalarType dtype, int64_t grouped_rows, int64_t head_dim) {
+#if defined(__x86_64__)
+  const int64_t fewest = panel_rows_forced() > 0 ? panel_rows_forced() : kDotRows;
+  return bf16_products() > 0 && isa == Isa::kAvx512 && cpu_has_bf16_dots() && dtype == torch::kBFloat16 &&
+         grouped_rows >= fewest && (head_dim == 64 || head_dim == 128);
+#else
+  return false;
+#endif
+}
+
 // The K/V dtype a name stands for ("float32", "bfloat16" or "float16").
 at::ScalarType kv_dtype(const std::string& dtype) {
   TORCH_CHECK(dtype == "bfloat16" || dtype == "float16" || dtype == "float32", "unknown dtype ", dtype);
@@ -891,6 +907,7 @@ bool uses_panel(int64_t grouped_rows, int64_t head_dim, at::ScalarType dtype) {
 std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64_t head_dim) {
   const at::ScalarType t = kv_dtype(dtype);
   if (uses_tiles(forced_isa(), t, grouped_rows, head_dim)) return "tile";
+  if (uses_dots(forced_isa(), t, grouped_rows, head_dim)) return "dot";
   if (uses_panel(grouped_rows, head_dim, t)) return "panel";
   return (head_dim == 64 || head_dim == 128) ? "vector" : "scalar";
 }
@@ -901,6 +918,29 @@ void set_panel_rows(int64_t rows) {
 }
 
 int64_t get_panel_rows(const std::string& dtype) { return panel_rows(c10::elementSize(kv_dtype(dtype))); }
+
+void set_bf16_products(int64_t parts) {
+  TORCH_CHECK(parts >= 0 && parts <= 2, "bfloat16 products take q in 1 or 2 parts (0: off), got ", parts);
+#if defined(__x86_64__)
+  bf16_products() = static_cast<int>(parts);
+#endif
+}
+
+int64_t get_bf16_products() {
+#if defined(__x86_64__)
+  return bf16_products();
+#else
+  return 0;
+#endif
+}
+
+bool has_bf16_dots() {
+#if defined(__x86_64__)
+  return cpu_has_bf16_dots();
+#else
+  return false;
+#endif
+}
 
 // Returns (o, lse); see the file comment. Slot i lives in slabs[sources[i]] (slabs of one
 // shape and dtype: an instance's own and the co-located peers' it maps). tokens[i] == 0
@@ -1005,6 +1045,11 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
   if (uses_tiles(isa, dtype, R, E)) {
     fn = E == 128 ? &run_task_amx<128> : &run_task_amx<64>;
     scratch = std::max(scratch, amx_layout(R, E) / static_cast<int64_t>(sizeof(float)));
+  } else if (uses_dots(isa, dtype, R, E)) {
+    const int parts = bf16_products();
+    fn = E == 128 ? (parts == 2 ? &run_task_dot<128, 2> : &run_task_dot<128, 1>)
+                  : (parts == 2 ? &run_task_dot<64, 2> : &run_task_dot<64, 1>);
+    scratch = std::max(scratch, dot_layout(R, E, parts) / static_cast<int64_t>(sizeof(float)));
   }
 #endif
   scratch = lines(scratch);

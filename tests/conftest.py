@@ -42,7 +42,7 @@ def pytest_report_header(config) -> list[str]:
 
         native.load()  # builds the kernels where they are not (make test has built them)
         m = native.machine_info()
-        cpu, cores, isa = m["cpu"], m["cores"], m["isa"]
+        cpu, cores, isa = m["cpu"], m["cores"], m["isa"] + (" (bf16 dots)" if m["bf16_dots"] else "")
     except Exception as exc:  # the header never fails the run
         cpu, cores, isa = "?", len(os.sched_getaffinity(0)), f"? ({type(exc).__name__})"
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())

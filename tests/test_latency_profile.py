@@ -56,7 +56,7 @@ def test_a_small_profile_measures_every_sampled_batch_and_fits_the_model():
 
 def test_machines_are_the_same_only_when_cpu_cores_and_isa_agree():
     here = native.machine_info()
-    assert set(here) == {"cpu", "cores", "isa"} and here["cores"] >= 1
+    assert set(here) == {"cpu", "cores", "isa", "bf16_dots", "bf16_products"} and here["cores"] >= 1
     assert native.same_machine(here, dict(here))
     assert not native.same_machine(here, {**here, "cores": here["cores"] + 1})
     assert not native.same_machine(here, {**here, "isa": "base" if here["isa"] != "base" else "avx2"})

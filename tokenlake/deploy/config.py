@@ -83,6 +83,11 @@ class ClusterConfig:
         tier_write_bw: bytes a second each disk tier's writer may write (0: as fast
             as the disk takes them); what comes faster waits staged, and beyond the
             staging memory has no copy (docs/design.md "Disk tier").
+        bf16_products: a bfloat16 pool's query engines, on CPUs with AVX-512 BF16 and no
+            AMX, attend many grouped rows with bfloat16 products: q in this many bfloat16
+            parts (1 or 2), the probabilities rounded (docs/design.md §4 "The dot
+            path"); 0: exact products. A process that attends in place (a compute
+            engine) sets its own: ``native.use_bf16_products``.
     """
 
     instances: int
@@ -104,6 +109,7 @@ class ClusterConfig:
     tier_path: str | None = None
     tier_bytes: int = 0
     tier_write_bw: int = 1 << 30
+    bf16_products: int = 0
 
     def __post_init__(self) -> None:
         if not is_int(self.instances) or self.instances < 1:
@@ -120,6 +126,8 @@ class ClusterConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         check_kv_dtype(self.kv_dtype)
+        if isinstance(self.bf16_products, bool) or self.bf16_products not in (0, 1, 2):
+            raise ConfigError(f"bf16_products must be 0, 1 or 2, got {self.bf16_products!r}")
         if not is_int(self.pool_bytes) or self.pool_bytes < self.segment_bytes:
             raise ConfigError(f"pool_bytes={self.pool_bytes} holds no {self.segment_bytes}-byte segment")
         self._check_times()
@@ -188,3 +196,13 @@ class ClusterConfig:
         return cls(config, *args, **fields)
 
 
+def engine_fields(config: ClusterConfig, role: str, inst: int) -> dict:
+    """The fields of an engine's ``EngineSpec`` that ``config`` decides: a transfer
+    engine's tier (:func:`tokenlake.deploy.tier.tier_spec`), a query engine's bfloat16
+    products."""
+    from tokenlake.deploy.tier import tier_spec
+
+    fields = tier_spec(config, role, inst)
+    if role == "query" and config.bf16_products:
+        fields["bf16_products"] = config.bf16_products
+    return fields

@@ -50,12 +50,12 @@ from tokenlake.dataplane.shm_files import (
 from tokenlake.dataplane.sockets import send_frames
 from tokenlake.deploy.adoption import Adoptable
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, ClusterBase, Reply
-from tokenlake.deploy.config import ClusterConfig
+from tokenlake.deploy.config import ClusterConfig, engine_fields
 from tokenlake.deploy.driver import DriverSockets, ended_in
 from tokenlake.deploy.local_lifecycle import InstanceLifecycle
 from tokenlake.deploy.roles import ENGINE_ROLES as ROLES
 from tokenlake.deploy.roles import engine_entry
-from tokenlake.deploy.tier import check_host_tiers, tier_spec
+from tokenlake.deploy.tier import check_host_tiers
 from tokenlake.deploy.watcher import EngineWatcher
 from tokenlake.engines.loop import EngineSpec
 from tokenlake.engines.openmp import OPENMP_ENV
@@ -191,7 +191,7 @@ class LocalCluster(InstanceLifecycle, Adoptable, ClusterBase):
                                   keys=None if self.keys is None else self.keys.engine_view().to_dict(),
                                   shared_slabs=self._shared_slabs(specs, role, inst),
                                   grant_key=self.grant_key, orphan_grace_s=self.orphan_grace_s,
-                                  state_file=self.state_file, **tier_spec(self.config, role, inst))
+                                  state_file=self.state_file, **engine_fields(self.config, role, inst))
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=engine_entry(role), args=(spec.to_bytes(), child),
                                    name=f"tokenlake-{role}-{inst}", daemon=True)

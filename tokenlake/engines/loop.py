@@ -398,7 +398,7 @@ def run_engine(engine_cls: Callable[[EngineSpec], Any], spec_bytes: bytes, conn)
     endpoint}}``, send ``{"ready": true}``, then serve until told to stop.
     """
     spec = EngineSpec.from_bytes(spec_bytes)
-    torch.set_num_threads(spec.torch_threads)
+    spec.apply_to_process()
     logging.basicConfig(level=logging.WARNING, format=f"[{spec.role}-{spec.instance}] %(message)s")
     engine = engine_cls(spec)
     try:

@@ -57,6 +57,8 @@ class EngineSpec:
             flush each file to the disk before it counts (off only in tests).
             ``tier_write_bw``: bytes a second the disk tier's writer may write (0:
             unbounded).
+        bf16_products: a query engine's bfloat16 products on the attention kernel's
+            dot path (``native.use_bf16_products``: q's parts, 0 exact products).
     """
 
     role: str
@@ -77,6 +79,7 @@ class EngineSpec:
     tier_bytes: int = 0
     tier_fsync: bool = True
     tier_write_bw: int = 0
+    bf16_products: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -100,6 +103,20 @@ class EngineSpec:
             ClusterKeys.from_dict(self.keys)  # refuses malformed keys here, not at bind
         if self.grant_key is not None and (not isinstance(self.grant_key, bytes) or len(self.grant_key) < 16):
             raise ConfigError("grant_key must be at least 16 bytes")
+        if self.bf16_products not in (0, 1, 2):
+            raise ConfigError(f"bf16_products must be 0, 1 or 2, got {self.bf16_products!r}")
+
+    def apply_to_process(self) -> None:
+        """The engine process's torch threads and attention-kernel settings, as given."""
+        import torch
+
+        torch.set_num_threads(self.torch_threads)
+        if self.bf16_products:
+            from tokenlake.kernels import native
+
+            mod = native.load_prebuilt()  # never compiles; without a build, torch's exact path
+            if mod is not None:
+                native.use_bf16_products(self.bf16_products, module=mod)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(asdict(self))

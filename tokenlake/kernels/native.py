@@ -174,13 +174,29 @@ def slab_attention(q: Tensor, slab: Tensor | Sequence[Tensor], layer: int, slots
 def attention_path(dtype: torch.dtype, grouped_rows: int, head_dim: int, module=None) -> str:
     """The path :func:`slab_attention` takes for K/V of ``dtype`` with ``grouped_rows``
     query rows per kv head (rows x query heads per kv head) and ``head_dim``, with the
-    instruction set in use: "tile" (AMX), "panel" (many rows otherwise), "vector" or
-    "scalar" (csrc/slab_attention_cpu.cpp, csrc/slab_panel.h).
+    instruction set in use: "tile" (AMX), "dot" (bfloat16 products where allowed:
+    :func:`use_bf16_products`), "panel" (many rows otherwise), "vector" or "scalar"
+    (csrc/slab_attention_cpu.cpp, csrc/slab_panel.h, csrc/slab_dot.h).
     Raises RuntimeError when the kernel is not available."""
     mod = load() if module is None else module
     if mod is None:
         raise RuntimeError("the native slab attention kernel is not built")
     return mod.attention_path(str(dtype).removeprefix("torch."), int(grouped_rows), int(head_dim))
+
+
+def use_bf16_products(parts: int, module=None) -> None:
+    """Allows bfloat16 products on the kernel's dot path (``parts`` 1 or 2: q in that many
+    bfloat16 parts, the probabilities rounded; 0: exact products only, the default) in
+    this process (a pool's query engines take ``ClusterConfig.bf16_products``). They
+    serve bfloat16 K/V with many grouped rows on CPUs with AVX-512 BF16 and no AMX tiles
+    (:func:`attention_path` says "dot"); elsewhere the setting changes nothing. Raises
+    RuntimeError when the kernel is not available, ValueError for another ``parts``."""
+    if parts not in (0, 1, 2):
+        raise ValueError(f"bfloat16 products take q in 1 or 2 parts (0: off), got {parts!r}")
+    mod = load() if module is None else module
+    if mod is None:
+        raise RuntimeError("the native slab attention kernel is not built")
+    mod.set_bf16_products(int(parts))
 
 
 def use_row_ops(on: bool) -> None:
@@ -237,20 +253,25 @@ def roof_stream(buf: Tensor, fmas: int, c: float = 1.0, module=None) -> float:
 
 def machine_info() -> dict[str, object]:
     """What a measurement on this machine depends on: the CPU's model name, the cores
-    this process may use, and the instruction set the kernels run with (``"none"``
-    where they are not built; never compiles them)."""
+    this process may use, the instruction set the kernels run with (``"none"`` where
+    they are not built; never compiles them), whether the CPU has AVX-512 BF16 dot
+    products (``bf16_dots``) and this process allows them (``bf16_products``: q's parts,
+    0 for exact products)."""
     cpu = "?"
     info = Path("/proc/cpuinfo")
     if info.exists():
         cpu = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
                     if line.startswith("model name")), "?")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    dots, products = False, 0
     try:
         mod = load_prebuilt()
         isa = "none" if mod is None else mod.isa()
+        if mod is not None:
+            dots, products = bool(mod.has_bf16_dots()), int(mod.bf16_products())
     except Exception as exc:  # noqa: BLE001 - describing the machine never fails
         isa = f"? ({type(exc).__name__})"
-    return {"cpu": cpu, "cores": cores, "isa": isa}
+    return {"cpu": cpu, "cores": cores, "isa": isa, "bf16_dots": dots, "bf16_products": products}
 
 
 def same_machine(a: dict | None, b: dict | None) -> bool:

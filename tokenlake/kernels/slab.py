@@ -58,7 +58,9 @@ _native = {"on": True}
 def _kernel_for(slab: Tensor, grouped_rows: int, contiguous: bool):
     """The csrc module if it takes this CPU call: few grouped rows in any pool dtype, up
     to TILE_ROWS where it runs them on the tile path, or up to PANEL_ELEMENTS (grouped
-    rows x head dim) on its panel path; else None (the torch path)."""
+    rows x head dim) on its panel or dot path (the dot path's scratch grows as the
+    panel path's; its bound is the panel path's, not measured apart); else None (the
+    torch path)."""
     kernel = _native_kernel()
     if kernel is None or not contiguous or slab.dtype not in native.DTYPES:
         return None
@@ -67,7 +69,7 @@ def _kernel_for(slab: Tensor, grouped_rows: int, contiguous: bool):
     if grouped_rows > TILE_ROWS:
         return None
     path = native.attention_path(slab.dtype, grouped_rows, slab.shape[5], module=kernel)
-    if path == "tile" or (path == "panel" and grouped_rows * slab.shape[5] <= PANEL_ELEMENTS):
+    if path == "tile" or (path in ("panel", "dot") and grouped_rows * slab.shape[5] <= PANEL_ELEMENTS):
         return kernel
     return None
 

@@ -116,6 +116,10 @@ class ServeSettings:
     kv_dtype: str = _setting("float32", "str", "element type of the pool's K/V: 'float32', "
                              "'bfloat16' or 'float16' (half the bytes per token; attention math "
                              "stays float32)", choices=tuple(KV_DTYPES), metavar="DTYPE")
+    bf16_products: int = _setting(0, "int", "bfloat16 pools on CPUs with AVX-512 BF16 and no AMX: "
+                                  "many grouped rows attend with q in this many bfloat16 parts (1 or 2) and the "
+                                  "probabilities rounded, as GPU kernels do (0: exact products)",
+                                  lambda v: None if v in (0, 1, 2) else f"must be 0, 1 or 2, got {v!r}", metavar="PARTS")
     device: str = _setting("cpu", "str", "where the model and the pool's buffers live: 'cpu', "
                            "'cuda' (the instances spread over the visible GPUs) or 'cuda:N' (all on "
                            "GPU N): the model's matrices, activations, slabs and hand-off buffers on "

@@ -66,7 +66,6 @@ class EngineActor:
     def start(self, spec_bytes: bytes) -> EngineStarted:
         """Maps the instance's buffers (created on this node by its host) and binds the
         engine's socket; returns the endpoint peers connect to."""
-        import torch  # the engine's own dependency, already loaded by engine_class
 
         from tokenlake.engines.loop import EngineSpec  # imports torch (see above)
 
@@ -75,7 +74,7 @@ class EngineActor:
             raise ConfigError(f"spec of the {spec.role} engine {spec.instance} sent to {self!r}")
         if spec.host == "node":
             spec = dataclasses.replace(spec, host=ray.util.get_node_ip_address())
-        torch.set_num_threads(spec.torch_threads)
+        spec.apply_to_process()
         logging.basicConfig(level=logging.WARNING, format=f"[{spec.role}-{spec.instance}] %(message)s")
         self.spec = spec
         self.engine = self._cls(spec)

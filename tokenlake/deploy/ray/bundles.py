@@ -25,6 +25,7 @@ from tokenlake.core.errors import AdoptionRefused, ConfigError, EngineUnavailabl
 from tokenlake.dataplane.auth import ClusterKeys
 from tokenlake.dataplane.shm_files import unlink_prefix
 from tokenlake.deploy.base import CLIENT_BUFFERS, ENGINE_BUFFERS, BufferLayout
+from tokenlake.deploy.config import engine_fields
 from tokenlake.deploy.ray.actors import EngineActorRemote
 from tokenlake.deploy.ray.compute import ComputeActors
 from tokenlake.deploy.ray.fit import bundles_text, busy_reason, check_fit, cluster_nodes
@@ -40,7 +41,6 @@ from tokenlake.deploy.ray.orphans import (
 )
 from tokenlake.deploy.ray.relay import ActorTable, actor_error, gather
 from tokenlake.deploy.roles import ENGINE_ROLES
-from tokenlake.deploy.tier import tier_spec
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Bundles:
                  peer_timeout_s: float, start_timeout_s: float, keys: ClusterKeys | None = None,
                  grant_key: bytes | None = None, config: Any = None) -> None:
         self.options, self.layout, self.keys, self.grant_key = options, layout, keys, grant_key
-        self.config = config  # the ClusterConfig: each transfer engine's tier (tier_spec)
+        self.config = config  # the ClusterConfig: each engine's fields from it (engine_fields)
         self.peer_timeout_s, self.start_timeout_s = peer_timeout_s, start_timeout_s
         self.pg = None
         self.node = ""
@@ -159,7 +159,7 @@ class Bundles:
                               keys=None if self.keys is None
                               else self.keys.engine_view(with_owner=True).to_dict(),
                               grant_key=self.grant_key, orphan_grace_s=self.grace_s,
-                              **({} if self.config is None else tier_spec(self.config, role, i)))
+                              **({} if self.config is None else engine_fields(self.config, role, i)))
             starts[(role, i)] = actor.start.remote(spec.to_bytes())
         for key, started in gather(starts, "engine start-up", self.start_timeout_s).items():
             self.table.endpoints[key] = started.endpoint

@@ -37,6 +37,7 @@ def serve(
     kv_dtype: str = "float32",
     state_file: str | None = None,
     tier: dict[str, Any] | None = None,
+    bf16_products: int = 0,
 ) -> int:
     """``tokenlake serve --ray``: starts the pool, prints its addresses, watches it
     every ``poll_s`` seconds (failed instances are removed and, with ``restart``, started
@@ -55,7 +56,7 @@ def serve(
     ``state_file`` (with ``options.name``): a pool of that name that a dead driver left
     waiting on Ray is adopted instead of starting empty (same settings; other settings
     are an ``AdoptionRefused``), docs/deploy-ray.md "When the driver dies".
-    ``tier``: each instance's tier (``ClusterConfig``'s ``tier_*`` fields by name)."""
+    ``tier``, ``bf16_products``: ``ClusterConfig``'s ``tier_*`` fields by name, and its own."""
 
     def emit(event: str, text: str, **data: Any) -> None:
         out(json.dumps({"event": event, **data}) if json_lines else text)
@@ -64,7 +65,7 @@ def serve(
     stop = stop if stop is not None else threading.Event()
     cluster = RayCluster(instances, model, pool_bytes, segment_tokens, max_rows, options=options,
                          page_tokens=page_tokens, kv_dtype=kv_dtype, state_file=state_file,
-                         **(tier or {}))
+                         bf16_products=bf16_products, **(tier or {}))
     with contextlib.ExitStack() as attached:
         attached.callback(cluster.close)
         _start_or_adopt(cluster, pool_state.read(state_file) if state_file else None, emit)

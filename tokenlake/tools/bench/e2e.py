@@ -141,7 +141,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
               instances: int = 4, segment_tokens: int | None = None, decode_batches: tuple[int, ...] = (1, 8),
               dops: tuple[int, ...] = (1, 2, 4), dop_tokens: int = 2048, rounds: int = 3,
               kv_dtype: str = "float32", vllm: bool = False, decode_rounds: int = 2,
-              share_slabs: bool = True, device: str = "cpu") -> dict:
+              share_slabs: bool = True, device: str = "cpu", bf16_products: int = 0) -> dict:
     weights, tok, gpu = _model(device, kv_dtype)
     spec = weights.config.to_model_spec("smollm2-135m")
     if segment_tokens is None:
@@ -155,7 +155,7 @@ def bench_e2e(doc_tokens: int = 4096, decode_tokens: int = 32, chunk_tokens: int
     pool_bytes = (doc_tokens * 2 // segment_tokens // instances + 2 * max(decode_batches) + 16) * seg
     first_token: dict[str, float] = {}
     with LocalCluster(instances, spec, pool_bytes, segment_tokens=segment_tokens, max_rows=chunk_tokens,
-                      kv_dtype=kv_dtype, share_slabs=share_slabs, device=device) as cluster:
+                      kv_dtype=kv_dtype, share_slabs=share_slabs, device=device, bf16_products=bf16_products) as cluster:
         server = GenerationLoop(cluster, weights, chunk_tokens=chunk_tokens,
                         on_token=lambda rid, _t: first_token.setdefault(rid, time.perf_counter()))
 

@@ -33,6 +33,14 @@ the vector path, the same call forced onto the panel path (``panel_gbps``, and
 ``panel_vs_kernel``: how much faster the panel path would be), which is how the
 thresholds were chosen.
 
+"dot": bfloat16 with bfloat16 products (``--bf16-products 1`` or ``2``) on CPUs with AVX-512 BF16 and no tiles in use (``bf16_dots``
+in the JSON). A row on the dot path also times the same call with exact products
+(``exact_path``, ``exact_gbps``, ``kernel_vs_exact``: how much faster the dot path is) and
+reports the largest difference of the two outputs over the largest output
+(``products_error``) and of their log-sum-exps (``products_lse_error``); its compute roof
+counts vdpbf16ps at twice an FMA's multiply-adds. Without bfloat16 products, a bfloat16 row
+the dot path would take times it too (``dot_gbps``, ``dot_vs_kernel``).
+
 ``linear``: the projections of one decode step of SmolLM2-135M (30 layers of q, k, v, o,
 gate, up and down; random float32 weights, 425 MB) on ``linear_rows`` rows, by the csrc kernel
 (:func:`tokenlake.kernels.native.linear`) and by ``torch.nn.functional.linear`` (BLAS),
@@ -86,7 +94,9 @@ def _add_roof(row: dict, element_size: int, bandwidth_gbps: float, peak_gflops: 
     is the vector units' (a float32 BLAS product); a row on the tile path (``path`` "tile")
     multiplies on the AMX unit, not bound by it, so its roof is the bandwidth."""
     flops_per_byte = 2 * (Q_HEADS // KV_HEADS) * row["rows"] / element_size
-    roof = bandwidth_gbps if row.get("path") == "tile" else min(bandwidth_gbps, peak_gflops / flops_per_byte)
+    # the dot path's vdpbf16ps does twice an FMA's multiply-adds per instruction
+    peak = 2 * peak_gflops if row.get("path") == "dot" else peak_gflops
+    roof = bandwidth_gbps if row.get("path") == "tile" else min(bandwidth_gbps, peak / flops_per_byte)
     row.update(flops_per_byte=flops_per_byte, kernel_gflops=row["kernel_gbps"] * flops_per_byte,
                roof_gbps=roof, bound="memory" if roof == bandwidth_gbps else "compute",
                kernel_vs_roof=row["kernel_gbps"] / roof)
@@ -94,22 +104,27 @@ def _add_roof(row: dict, element_size: int, bandwidth_gbps: float, peak_gflops: 
 
 def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "bfloat16"),
                  repeats: int = 7, buffer_gib: float = 1.0, linear_rows=(1, 8, 32),
-                 linear_layers: int = LINEAR_LAYERS, isa: str | None = None) -> dict:
-    """The JSON of ``tokenlake bench kernel`` (module docstring)."""
+                 linear_layers: int = LINEAR_LAYERS, isa: str | None = None,
+                 bf16_products: int | None = None) -> dict:
+    """The JSON of ``tokenlake bench kernel`` (module docstring). ``bf16_products``: the
+    dot path's setting for the run (``native.use_bf16_products``; None: the process's)."""
 
     from tokenlake.kernels import native
 
     mod = native.load()
     if mod is None:
         raise RuntimeError("the native kernel is not built (g++ and ninja are needed)")
-    if isa is None:
-        return _bench_kernel(mod, tokens, rows, dtypes, repeats, buffer_gib, linear_rows, linear_layers)
-    best = mod.isa()
-    mod.set_isa(isa)  # a lower instruction set than the CPU's: what CPUs without it run
+    best, products = mod.isa(), mod.bf16_products()
+    if isa is not None:
+        mod.set_isa(isa)  # a lower instruction set than the CPU's: what CPUs without it run
+    if bf16_products is not None:
+        native.use_bf16_products(bf16_products, module=mod)
     try:
-        return _bench_kernel(mod, tokens, rows, dtypes, repeats, buffer_gib, linear_rows, linear_layers)
+        out = _bench_kernel(mod, tokens, rows, dtypes, repeats, buffer_gib, linear_rows, linear_layers)
+        return {**out, "bf16_dots": mod.has_bf16_dots(), "bf16_products": mod.bf16_products()}
     finally:
         mod.set_isa(best)
+        mod.set_bf16_products(products)
 
 
 def _bench_kernel(mod, tokens, rows, dtypes, repeats, buffer_gib, linear_rows, linear_layers) -> dict:
@@ -166,6 +181,9 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
         calls["vector"] = lambda: _forced(native, mod, 1 << 30, q, slab, ids, counts, scale)
     elif path == "vector":
         calls["panel"] = lambda: _forced(native, mod, 1, q, slab, ids, counts, scale)
+    other = _products_other(native, mod, slab, rows, path)
+    if other is not None:
+        calls[other] = lambda: _with_products(native, mod, int(other == "dot"), q, slab, ids, counts, scale)
     times = interleaved_times(calls, repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     extra = {}
@@ -173,6 +191,11 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
         extra = {"vector_gbps": kv_bytes / med["vector"] / 1e9, "kernel_vs_vector": med["vector"] / med["kernel"]}
     elif path == "vector":
         extra = {"panel_gbps": kv_bytes / med["panel"] / 1e9, "panel_vs_kernel": med["kernel"] / med["panel"]}
+    if other == "dot":
+        extra.update(dot_gbps=kv_bytes / med["dot"] / 1e9, dot_vs_kernel=med["kernel"] / med["dot"])
+    elif other == "exact":
+        extra.update(_exact_fields(native, mod, q, slab, ids, counts, scale, kv_bytes / med["exact"] / 1e9,
+                                   med["exact"] / med["kernel"]))
     return {"rows": rows, "tokens": slots * CAPACITY, "path": path, **extra,
             "kernel_gbps": kv_bytes / med["kernel"] / 1e9,
             "torch_gbps": kv_bytes / med["torch"] / 1e9,
@@ -182,6 +205,54 @@ def _measure(native, slab_partial_attention, slab, rows: int, repeats: int) -> d
             "kernel_ms": med["kernel"] * 1e3,
             "kernel_ms_range": [min(times["kernel"]) * 1e3, max(times["kernel"]) * 1e3],
             "kernel_vs_torch": med["torch"] / med["kernel"]}
+
+
+def _products_other(native, mod, slab, rows: int, path: str) -> str | None:
+    """What a bfloat16 row times beside the kernel on a CPU with the dot path: on the dot
+    path, the same call with exact products ("exact"); on another path, where the dot
+    path would take the call with bfloat16 products allowed, that path ("dot"); else
+    None."""
+    import torch
+
+    if slab.dtype != torch.bfloat16 or not mod.has_bf16_dots():
+        return None
+    if path == "dot":
+        return "exact"
+    before = mod.bf16_products()
+    mod.set_bf16_products(1)
+    try:
+        would = native.attention_path(slab.dtype, rows * (Q_HEADS // KV_HEADS), HEAD_DIM)
+    finally:
+        mod.set_bf16_products(before)
+    return "dot" if would == "dot" else None
+
+
+def _with_products(native, mod, parts: int, q, slab, ids, counts, scale):
+    """The kernel's call with bfloat16 products at ``parts`` (0: exact), then as before."""
+    before = mod.bf16_products()
+    mod.set_bf16_products(parts)
+    try:
+        return native.slab_attention(q, slab, 0, ids, counts, scale)
+    finally:
+        mod.set_bf16_products(before)
+
+
+def _exact_fields(native, mod, q, slab, ids, counts, scale, exact_gbps: float, speedup: float) -> dict:
+    """A dot-path row's comparison with exact products: their path, GB/s, how much faster
+    the dot path is, and the largest difference of the outputs over the largest output
+    (``products_error``) and of the log-sum-exps (``products_lse_error``)."""
+    dot = native.slab_attention(q, slab, 0, ids, counts, scale)
+    exact = _with_products(native, mod, 0, q, slab, ids, counts, scale)
+    before = mod.bf16_products()
+    mod.set_bf16_products(0)
+    try:
+        exact_path = native.attention_path(slab.dtype, q.shape[0] * (Q_HEADS // KV_HEADS), HEAD_DIM)
+    finally:
+        mod.set_bf16_products(before)
+    return {"exact_path": exact_path, "exact_gbps": exact_gbps, "kernel_vs_exact": speedup,
+            "products_parts": before,
+            "products_error": float((dot.o - exact.o).abs().max() / exact.o.abs().max()),
+            "products_lse_error": float((dot.lse - exact.lse).abs().max())}
 
 
 def _stream_fmas(rows: int, element_size: int) -> int:
@@ -252,6 +323,10 @@ def add_kernel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isa", choices=("amx", "avx512", "avx2", "base"), default=None,
                    help="run the kernels as on a CPU with at most this instruction set (avx512: "
                         "an AVX-512 CPU without AMX tiles); default: what this CPU offers")
+    p.add_argument("--bf16-products", type=int, choices=(0, 1, 2), default=None,
+                   help="bfloat16 calls of many grouped rows on the dot path (CPUs with AVX-512 BF16 "
+                        "and no AMX): q in 1 or 2 bfloat16 parts, the probabilities rounded; 0: exact "
+                        "products (the default)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.set_defaults(run=run_kernel)
 
@@ -263,7 +338,8 @@ def run_kernel(args: argparse.Namespace) -> int:
         raise UsageError("bench kernel: --tokens, --rows, --linear-rows and --repeats must be positive")
     try:
         result = bench_kernel(tuple(args.tokens), tuple(args.rows), tuple(args.dtypes), args.repeats,
-                              linear_rows=tuple(args.linear_rows), isa=args.isa)
+                              linear_rows=tuple(args.linear_rows), isa=args.isa,
+                              bf16_products=args.bf16_products)
     except RuntimeError as exc:
         raise UsageError(f"bench kernel: {exc}") from None
     if args.json:
@@ -278,6 +354,11 @@ def run_kernel(args: argparse.Namespace) -> int:
             print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: {row['path']} path "
                   f"{row['kernel_gbps']:5.1f} GB/s, {other} path {row[f'{other}_gbps']:5.1f} GB/s: "
                   f"panel {faster:.2f}x")
+        if "dot_gbps" in row or "exact_gbps" in row:  # bfloat16 products against exact ones
+            dot, exact = (row["dot_gbps"], row["kernel_gbps"]) if "dot_gbps" in row else \
+                (row["kernel_gbps"], row["exact_gbps"])
+            print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: dot path (bfloat16 "
+                  f"products) {dot:5.1f} GB/s, exact products {exact:5.1f} GB/s: {dot / exact:.2f}x")
         print(f"{row['dtype']:8s} rows {row['rows']} tokens {row['tokens']:6d}: kernel ({row['path']}) "
               f"{row['kernel_gbps']:5.1f} GB/s ({row['kernel_vs_bandwidth']:.0%} of bandwidth, "
               f"{row['kernel_vs_roof']:.0%} of the {row['bound']} roof {row['roof_gbps']:.1f}, "

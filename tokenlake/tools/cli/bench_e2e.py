@@ -26,6 +26,10 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
                    help="tokens per segment (default: the cost model's for the device)")
     p.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES),
                    help="the pool's K/V dtype (the plain engine's cache: the same)")
+    p.add_argument("--bf16-products", type=int, choices=(0, 1, 2), default=0,
+                   help="a bfloat16 pool on a CPU with AVX-512 BF16 and no AMX: many grouped rows "
+                        "attend with q in 1 or 2 bfloat16 parts and the probabilities rounded, in the "
+                        "query engines and this process (0: exact products)")
     p.add_argument("--share-slabs", action=argparse.BooleanOptionalAction, default=True,
                    help="query engines attend the other instances' slabs through shared memory "
                         "(off: by message, as between hosts)")
@@ -65,12 +69,16 @@ def run_e2e(args: argparse.Namespace) -> int:
         vllm = False
     tier = args.tier_only or (args.device == "cpu" if args.tier is None else args.tier)
     result = {}
+    if args.bf16_products:  # this process attends in place too (the engines: the cluster's config)
+        from tokenlake.kernels import native
+
+        native.use_bf16_products(args.bf16_products)
     if not args.tier_only:
         result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
                            dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
                            kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
                            share_slabs=args.share_slabs, device=args.device,
-                           segment_tokens=args.segment_tokens)
+                           segment_tokens=args.segment_tokens, bf16_products=args.bf16_products)
     if tier:
         result["tier"] = tier_row(rounds=args.tier_rounds, kv_dtype=args.kv_dtype, medium=args.tier_medium,
                                   serial=args.tier_serial)

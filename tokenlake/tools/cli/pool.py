@@ -133,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"serve --ray: --engine {cfg.engine} serves without --ray only")
     if cfg.kv_layout != "tokenlake":
         raise UsageError(f"serve --ray: --kv-layout {cfg.kv_layout} serves without --ray only")
+    products_here(cfg)
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -157,7 +158,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve(cfg.instances, cfg.model, cfg.pool_mb << 20, options, cfg.segment_tokens,
                      cfg.max_rows, restart=cfg.restart, json_lines=args.json,
                      page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype, state_file=state_file,
-                     tier=tier_settings(cfg), out=lambda line: print(line, flush=True),
+                     tier=tier_settings(cfg), bf16_products=cfg.bf16_products,
+                     out=lambda line: print(line, flush=True),
                      attach=_ray_service(cfg, args.json))
     except (TokenLakeError, ValueError, ConnectionError) as exc:  # no cluster to be had
         raise UsageError(f"serve: {type(exc).__name__}: {exc}") from None
@@ -193,6 +195,17 @@ def _ray_service(cfg, json_lines: bool):
     return attach
 
 
+def products_here(cfg) -> None:
+    """The ``bf16_products`` setting in this process, whose compute engine attends in
+    place on a local pool (the engines take it from the cluster's config)."""
+    if cfg.bf16_products:
+        from tokenlake.kernels import native
+
+        mod = native.load_prebuilt()  # never compiles; without a build, torch's exact path
+        if mod is not None:
+            native.use_bf16_products(cfg.bf16_products, module=mod)
+
+
 def serve_config(cfg):
     """The :class:`~tokenlake.service.config.ServeConfig` that ``serve`` (without
     ``--ray``) serves, from the loaded settings ``cfg``
@@ -206,7 +219,7 @@ def serve_config(cfg):
     cluster = ClusterConfig(cfg.instances, load_model(cfg.model), cfg.pool_mb << 20, cfg.segment_tokens,
                             cfg.max_rows, host=cfg.bind, insecure=cfg.insecure, kv_layout=cfg.kv_layout,
                             page_tokens=cfg.page_tokens, kv_dtype=cfg.kv_dtype, device=cfg.device,
-                            **tier_settings(cfg))
+                            bf16_products=cfg.bf16_products, **tier_settings(cfg))
     return ServeConfig(cluster, host=cfg.host, control_port=cfg.control_port, http_port=cfg.http_port,
                          engine=cfg.engine, compute=cfg.compute, credentials=cfg.credentials,
                          limits=cfg.http_limits(), orphan_grace_s=cfg.orphan_grace_s)
@@ -220,6 +233,7 @@ def _serve_local(cfg, json_lines: bool) -> int:
     from tokenlake.service.serve import serve_local
 
     check_device(cfg.device, "serve")
+    products_here(cfg)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop
 

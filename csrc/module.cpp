@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slab_attention", &slab_attention, "partial attention over slab slots (CPU), into o and lse if given",
         py::arg("q"), py::arg("slabs"), py::arg("layer"), py::arg("slots"), py::arg("tokens"),
         py::arg("scale"), py::arg("sources"), py::arg("o") = py::none(), py::arg("lse") = py::none());
-  m.def("attention_path", &attention_path, "slab_attention's path: tile, panel, vector or scalar");
+  m.def("attention_path", &attention_path, "slab_attention's path: tile, dot, panel, vector or scalar");
   m.def("set_panel_rows", &set_panel_rows, "force the fewest grouped rows the panel path takes (0: the isa's)");
   m.def("panel_rows", &get_panel_rows, "the fewest grouped rows the panel path takes for a K/V dtype",
         py::arg("dtype") = "float32");

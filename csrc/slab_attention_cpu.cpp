@@ -15,8 +15,9 @@
 // times (AVX-512, AVX2, baseline) and picked at run time from what the CPU supports.
 // K/V blocks a few blocks ahead (across slot ends) are prefetched into L2. On CPUs with
 // AMX, bfloat16 calls of many grouped rows take a tile path instead (see "The tile path");
-// elsewhere, and for other dtypes, calls of many grouped rows take the panel path
-// (slab_panel.h): rows in the lanes, K/V broadcast, no reduction across lanes.
+// on CPUs with AVX-512 BF16 and no tiles, where bfloat16 products are allowed, the dot
+// path (slab_dot.h); elsewhere, and for other dtypes, calls of many grouped rows take the
+// panel path (slab_panel.h): rows in the lanes, K/V broadcast, no reduction across lanes.
 
 #include <torch/extension.h>
 
@@ -877,13 +878,13 @@ bool uses_tiles(Isa isa, at::ScalarType dtype, int64_t grouped_rows, int64_t hea
 #endif
 }
 
-// Whether a call takes the dot path: bfloat16 products allowed, bfloat16 K/V, kDotRows or
+// Whether a call takes the dot path: bfloat16 products allowed (parts > 0), bfloat16 K/V, kDotRows or
 // more grouped rows (or the panel path's forced threshold), head dim 64 or 128, AVX-512
 // with vdpbf16ps and no tiles in use.
-bool uses_dots(Isa isa, at::ScalarType dtype, int64_t grouped_rows, int64_t head_dim) {
+bool uses_dots(Isa isa, at::ScalarType dtype, int64_t grouped_rows, int64_t head_dim, int parts) {
 #if defined(__x86_64__)
   const int64_t fewest = panel_rows_forced() > 0 ? panel_rows_forced() : kDotRows;
-  return bf16_products() > 0 && isa == Isa::kAvx512 && cpu_has_bf16_dots() && dtype == torch::kBFloat16 &&
+  return parts > 0 && isa == Isa::kAvx512 && cpu_has_bf16_dots() && dtype == torch::kBFloat16 &&
          grouped_rows >= fewest && (head_dim == 64 || head_dim == 128);
 #else
   return false;
@@ -903,11 +904,13 @@ bool uses_panel(int64_t grouped_rows, int64_t head_dim, at::ScalarType dtype) {
 
 }  // namespace
 
-// The path slab_attention takes (see the file comment): "tile", "panel", "vector" or "scalar".
+// The path slab_attention takes (see the file comment): "tile", "dot", "panel", "vector" or "scalar".
 std::string attention_path(const std::string& dtype, int64_t grouped_rows, int64_t head_dim) {
   const at::ScalarType t = kv_dtype(dtype);
   if (uses_tiles(forced_isa(), t, grouped_rows, head_dim)) return "tile";
-  if (uses_dots(forced_isa(), t, grouped_rows, head_dim)) return "dot";
+#if defined(__x86_64__)
+  if (uses_dots(forced_isa(), t, grouped_rows, head_dim, bf16_products())) return "dot";
+#endif
   if (uses_panel(grouped_rows, head_dim, t)) return "panel";
   return (head_dim == 64 || head_dim == 128) ? "vector" : "scalar";
 }
@@ -1045,8 +1048,7 @@ std::tuple<torch::Tensor, torch::Tensor> slab_attention(torch::Tensor q, std::ve
   if (uses_tiles(isa, dtype, R, E)) {
     fn = E == 128 ? &run_task_amx<128> : &run_task_amx<64>;
     scratch = std::max(scratch, amx_layout(R, E) / static_cast<int64_t>(sizeof(float)));
-  } else if (uses_dots(isa, dtype, R, E)) {
-    const int parts = bf16_products();
+  } else if (const int parts = bf16_products(); uses_dots(isa, dtype, R, E, parts)) {
     fn = E == 128 ? (parts == 2 ? &run_task_dot<128, 2> : &run_task_dot<128, 1>)
                   : (parts == 2 ? &run_task_dot<64, 2> : &run_task_dot<64, 1>);
     scratch = std::max(scratch, dot_layout(R, E, parts) / static_cast<int64_t>(sizeof(float)));

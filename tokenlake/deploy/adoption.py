@@ -35,7 +35,7 @@ from tokenlake.dataplane.shm_files import (
 log = logging.getLogger(__name__)
 
 #: settings a state file written before they existed did not name, as they were then
-_ADDED_SETTINGS = {"tier_bytes": 0, "tier_path": None}
+_ADDED_SETTINGS = {"tier_bytes": 0, "tier_path": None, "bf16_products": 0}
 
 
 def check_settings(mine: dict[str, Any], state: dict[str, Any]) -> None:
@@ -118,7 +118,8 @@ class Adoptable:
                 "page_tokens": self.control.config.page_tokens, "kv_dtype": self.kv_dtype,
                 "kv_layout": self.kv_layout, "max_rows": self.max_rows, "device": self.layout.device,
                 "share_slabs": self.share_slabs, "host": self.host, "insecure": self.insecure,
-                "tier_bytes": self.config.tier_bytes, "tier_path": self.config.tier_path}
+                "tier_bytes": self.config.tier_bytes, "tier_path": self.config.tier_path,
+                "bf16_products": self.config.bf16_products}
 
     # ---------------------------------------------------------------- the state file
     def write_state(self) -> None:

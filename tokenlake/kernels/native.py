@@ -19,6 +19,7 @@ it cannot be built (no compiler, an installed package without ``csrc/``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -196,7 +197,22 @@ def use_bf16_products(parts: int, module=None) -> None:
     mod = load() if module is None else module
     if mod is None:
         raise RuntimeError("the native slab attention kernel is not built")
+    if parts and (not mod.has_bf16_dots() or mod.isa() != "avx512"):
+        log.warning("bfloat16 products change nothing here (isa %s%s): exact products serve",
+                    mod.isa(), "" if mod.has_bf16_dots() else ", no AVX-512 BF16")
     mod.set_bf16_products(int(parts))
+
+
+@contextlib.contextmanager
+def bf16_products(parts: int, module=None):
+    """:func:`use_bf16_products` for the ``with`` block, then as it was before."""
+    mod = load() if module is None else module
+    before = 0 if mod is None else mod.bf16_products()
+    use_bf16_products(parts, module=mod)
+    try:
+        yield
+    finally:
+        mod.set_bf16_products(before)
 
 
 def use_row_ops(on: bool) -> None:

@@ -35,7 +35,8 @@ class RayAdoptable:
                 "segment_tokens": self.segment_tokens, "page_tokens": self.control.config.page_tokens,
                 "kv_dtype": self.kv_dtype, "max_rows": self.max_rows, "host": o.host,
                 "insecure": o.insecure, "strategy": o.strategy, "cpus_per_instance": o.cpus_per_instance,
-                "gpus_per_instance": o.gpus_per_instance, "name": o.name}
+                "gpus_per_instance": o.gpus_per_instance, "name": o.name,
+                "bf16_products": self.config.bf16_products}
 
     # ------------------------------------------------------------- heartbeats
     def _start_heartbeat(self) -> None:

@@ -115,11 +115,11 @@ def bench_kernel(tokens=(16384, 32768, 65536), rows=(1, 8), dtypes=("float32", "
     if mod is None:
         raise RuntimeError("the native kernel is not built (g++ and ninja are needed)")
     best, products = mod.isa(), mod.bf16_products()
-    if isa is not None:
-        mod.set_isa(isa)  # a lower instruction set than the CPU's: what CPUs without it run
-    if bf16_products is not None:
-        native.use_bf16_products(bf16_products, module=mod)
     try:
+        if isa is not None:
+            mod.set_isa(isa)  # a lower instruction set than the CPU's: what CPUs without it run
+        if bf16_products is not None:
+            native.use_bf16_products(bf16_products, module=mod)
         out = _bench_kernel(mod, tokens, rows, dtypes, repeats, buffer_gib, linear_rows, linear_layers)
         return {**out, "bf16_dots": mod.has_bf16_dots(), "bf16_products": mod.bf16_products()}
     finally:
@@ -291,12 +291,16 @@ def _measure_linear(native, rows: int, repeats: int, layers: int = LINEAR_LAYERS
 def _forced(native, mod, panel_rows, q, slab, ids, counts, scale):
     """The kernel's call with the panel path's threshold (in the built module ``mod``)
     at ``panel_rows`` (1: every row count on the panel path; out of reach: on the vector
-    path), then back to the instruction set's own."""
+    path) and exact products (the forced threshold moves the dot path's too), then back
+    to the instruction set's own."""
+    products = mod.bf16_products()
     mod.set_panel_rows(panel_rows)
+    mod.set_bf16_products(0)
     try:
         return native.slab_attention(q, slab, 0, ids, counts, scale)
     finally:
         mod.set_panel_rows(0)
+        mod.set_bf16_products(products)
 
 
 def _torch_slab(slab_partial_attention, q, slab, ids, counts, scale):

@@ -53,9 +53,22 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run_e2e)
 
 
+def _e2e_with_products(bf16_products: int = 0, **kw):
+    """``bench_e2e`` with ``bf16_products`` in this process too, which attends in place
+    (the engines take it from the cluster's config), then as before."""
+    import contextlib
+
+    from tokenlake.kernels import native
+    from tokenlake.tools.bench.e2e import bench_e2e
+
+    setting = native.bf16_products(bf16_products) if bf16_products else contextlib.nullcontext()
+    with setting:
+        return bench_e2e(bf16_products=bf16_products, **kw)
+
+
 def run_e2e(args: argparse.Namespace) -> int:
     # torch and the model: only when this benchmark runs
-    from tokenlake.tools.bench.e2e import bench_e2e, summary
+    from tokenlake.tools.bench.e2e import summary
     from tokenlake.tools.bench.e2e_tier import summary as tier_summary
     from tokenlake.tools.bench.e2e_tier import tier_row
 
@@ -69,12 +82,8 @@ def run_e2e(args: argparse.Namespace) -> int:
         vllm = False
     tier = args.tier_only or (args.device == "cpu" if args.tier is None else args.tier)
     result = {}
-    if args.bf16_products:  # this process attends in place too (the engines: the cluster's config)
-        from tokenlake.kernels import native
-
-        native.use_bf16_products(args.bf16_products)
     if not args.tier_only:
-        result = bench_e2e(instances=args.instances, decode_batches=tuple(args.decode_batches),
+        result = _e2e_with_products(instances=args.instances, decode_batches=tuple(args.decode_batches),
                            dops=tuple(args.dops), dop_tokens=args.dop_tokens, rounds=args.rounds,
                            kv_dtype=args.kv_dtype, vllm=vllm, decode_rounds=args.decode_rounds,
                            share_slabs=args.share_slabs, device=args.device,

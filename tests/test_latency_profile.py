@@ -61,5 +61,8 @@ def test_machines_are_the_same_only_when_cpu_cores_and_isa_agree():
     assert not native.same_machine(here, {**here, "cores": here["cores"] + 1})
     assert not native.same_machine(here, {**here, "isa": "base" if here["isa"] != "base" else "avx2"})
     assert not native.same_machine(None, here) and not native.same_machine(here, None)
+    # bfloat16 products change what a decode costs; a record without the key had none
+    assert not native.same_machine(here, {**here, "bf16_products": 1 + here["bf16_products"]})
+    assert native.same_machine({k: here[k] for k in ("cpu", "cores", "isa")}, {**here, "bf16_products": 0})
     shipped = json.loads((Path(__file__).parents[1] / "tokenlake/data/latency/cpu_smollm2-135m.json").read_text())
     assert set(shipped["machine"]) == {"cpu", "cores", "isa"}  # the shipped model says where it was measured

@@ -291,10 +291,12 @@ def machine_info() -> dict[str, object]:
 
 
 def same_machine(a: dict | None, b: dict | None) -> bool:
-    """Whether two :func:`machine_info` records name the same CPU model, cores and
-    instruction set (None, an unrecorded machine, is never the same)."""
+    """Whether two :func:`machine_info` records name the same CPU model, cores,
+    instruction set and bfloat16 products (None, an unrecorded machine, is never the
+    same)."""
     keys = ("cpu", "cores", "isa")
-    return a is not None and b is not None and all(a.get(k) == b.get(k) for k in keys)
+    return a is not None and b is not None and all(a.get(k) == b.get(k) for k in keys) and \
+        a.get("bf16_products", 0) == b.get("bf16_products", 0)  # not recorded before: 0
 
 
 if __name__ == "__main__":  # `make` builds the kernels when it sets the virtualenv up

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 
 from tokenlake.core.control import KV_DTYPES
 from tokenlake.tools.cli.args import UsageError, check_device, device_name, positive
@@ -55,12 +56,17 @@ def add_e2e(p: argparse.ArgumentParser) -> None:
 
 def _e2e_with_products(bf16_products: int = 0, **kw):
     """``bench_e2e`` with ``bf16_products`` in this process too, which attends in place
-    (the engines take it from the cluster's config), then as before."""
+    (the engines take it from the cluster's config), then as before; the kernels built
+    first where they are not current (the engines never build them)."""
     import contextlib
 
     from tokenlake.kernels import native
     from tokenlake.tools.bench.e2e import bench_e2e
 
+    if native.load_prebuilt() is None:  # the engines would run torch's path without a word
+        print("building the csrc kernels for these sources (a minute or more) ...", file=sys.stderr, flush=True)
+        if native.load() is None:
+            print("the csrc kernels do not build here: every engine runs torch's path", file=sys.stderr)
     setting = native.bf16_products(bf16_products) if bf16_products else contextlib.nullcontext()
     with setting:
         return bench_e2e(bf16_products=bf16_products, **kw)

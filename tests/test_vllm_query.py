@@ -107,11 +107,13 @@ def test_the_query_mode_refuses_what_it_cannot_serve(pool, smollm2):
     from tokenlake.core.errors import ConfigError
     from tokenlake.deploy.local import LocalCluster
     from tokenlake.integrations.vllm import TokenLakeConnector
+    from tokenlake.kernels import native
     from tokenlake.service.server import ControlServer
 
     _, served = pool
 
-    def connector(server=served, prefix_cache=False, async_sched=False, spec=None, **extra):
+    def connector(server=served, prefix_cache=False, async_sched=False, spec=None,
+                  role=KVConnectorRole.SCHEDULER, **extra):
         cfg = SimpleNamespace(
             kv_transfer_config=SimpleNamespace(kv_connector_extra_config={
                 "address": server.address, "credentials": server.credentials(),
@@ -119,7 +121,7 @@ def test_the_query_mode_refuses_what_it_cannot_serve(pool, smollm2):
             cache_config=SimpleNamespace(block_size=128, enable_prefix_caching=prefix_cache),
             scheduler_config=SimpleNamespace(async_scheduling=async_sched),
             speculative_config=spec)
-        return TokenLakeConnector(cfg, KVConnectorRole.SCHEDULER)
+        return TokenLakeConnector(cfg, role)
 
     with pytest.raises(ConfigError, match="--no-enable-prefix-caching"):
         connector(prefix_cache=True)
@@ -136,9 +138,20 @@ def test_the_query_mode_refuses_what_it_cannot_serve(pool, smollm2):
                       kv_layout="vllm-cpu") as pages, ControlServer(pages) as server:
         with pytest.raises(ConfigError, match="--kv-layout hf"):
             connector(server)
+    with pytest.raises(ConfigError, match="bf16_products must be 0, 1 or 2"):
+        connector(bf16_products=3)
     ok = connector()  # the same settings, corrected, are taken
     assert ok.mode == "query" and ok.home == 0
     ok.shutdown()
+    kernel = native.load_prebuilt()
+    if kernel is not None:  # the worker, which attends in place, takes bfloat16 products
+        try:
+            connector(bf16_products=2).shutdown()  # the scheduler side attends nothing
+            assert kernel.bf16_products() == 0
+            connector(bf16_products=2, role=KVConnectorRole.WORKER).shutdown()
+            assert kernel.bf16_products() == 2
+        finally:
+            kernel.set_bf16_products(0)
 
 
 def test_dead_query_engines_make_vllm_compute_never_answer_wrong(smollm2, pool, engines):

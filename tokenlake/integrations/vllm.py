@@ -81,6 +81,7 @@ class TokenLakeConnector(KVConnectorBase_V1):
         except PlanError as e:
             raise ConfigError(f"kv_connector_extra_config.cache_salt: {e}") from None
         mode.check_vllm(vllm_config)
+        self._bf16_products(extra.get("bf16_products", 0), role)
         # The scheduler side plans and the worker side stores and completes: one session,
         # joined by both processes (their engine id, random per vLLM instance, is the
         # secret they share; a config without one gets a session of this side's own)
@@ -108,6 +109,21 @@ class TokenLakeConnector(KVConnectorBase_V1):
         self.requests = PoolRequests(self.cp, cache_salt)
         self.strategy: ModeStrategy = mode(self.pool, self.requests)
         self._load_errors: set[int] = set()  # blocks the scheduler side's metadata failed
+
+    def _bf16_products(self, parts: Any, role: KVConnectorRole) -> None:
+        """``"bf16_products"`` (0, 1 or 2) of the extra config: in query mode the worker
+        attends the pool's bfloat16 slabs in place in this process, with q in that many
+        bfloat16 parts and the probabilities rounded where the CPU has the kernel's dot
+        path (docs/design.md §4); 0, the default: exact products. (vLLM's bfloat16 q rows
+        lose nothing to one part.)"""
+        if isinstance(parts, bool) or parts not in (0, 1, 2):
+            raise ConfigError(f"kv_connector_extra_config.bf16_products must be 0, 1 or 2, got {parts!r}")
+        if parts and self.mode == "query" and role == KVConnectorRole.WORKER:
+            from tokenlake.kernels import native
+
+            mod = native.load_prebuilt()  # never compiles; without a build, torch's exact path
+            if mod is not None:
+                native.use_bf16_products(parts, module=mod)
 
     @staticmethod
     def _check_model(vllm_config, kv_shape: tuple[int, ...], address: str) -> None:

@@ -375,6 +375,14 @@ def check_kv_dtype(kv_dtype: str) -> str:
     return kv_dtype
 
 
+def check_bf16_products(parts: object, what: str = "bf16_products") -> int:
+    """``parts`` if it is 0, 1 or 2 (q's bfloat16 parts on the attention kernel's dot
+    path; 0: exact products), else ``ConfigError`` naming ``what``."""
+    if isinstance(parts, bool) or parts not in (0, 1, 2) or not isinstance(parts, int):
+        raise ConfigError(f"{what} must be 0, 1 or 2, got {parts!r}")
+    return parts
+
+
 def pool_control(n_instances: int, model: ModelSpec, pool_bytes: int, segment_tokens: int,
                  kv_dtype: str, clock: Callable[[], float], seed: int = 0,
                  kv_layout: str = "tokenlake", page_tokens: int | None = None,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenlake.core.config import is_device, is_int, positive_int
-from tokenlake.core.control import KV_DTYPES, KV_LAYOUTS, check_kv_dtype
+from tokenlake.core.control import KV_DTYPES, KV_LAYOUTS, check_bf16_products, check_kv_dtype
 from tokenlake.core.errors import ConfigError
 from tokenlake.core.specs import ModelSpec
 
@@ -85,8 +85,8 @@ class ClusterConfig:
             staging memory has no copy (docs/design.md "Disk tier").
         bf16_products: a bfloat16 pool's query engines, on CPUs with AVX-512 BF16 and no
             AMX, attend many grouped rows with bfloat16 products: q in this many bfloat16
-            parts (1 or 2), the probabilities rounded (docs/design.md §4 "The dot
-            path"); 0: exact products. A process that attends in place (a compute
+            parts (1 or 2), the probabilities rounded (docs/design.md §4 "Attention
+            backends", the dot path); 0: exact products. A process that attends in place (a compute
             engine) sets its own: ``native.use_bf16_products``.
     """
 
@@ -126,8 +126,7 @@ class ClusterConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         check_kv_dtype(self.kv_dtype)
-        if isinstance(self.bf16_products, bool) or self.bf16_products not in (0, 1, 2):
-            raise ConfigError(f"bf16_products must be 0, 1 or 2, got {self.bf16_products!r}")
+        check_bf16_products(self.bf16_products)
         if not is_int(self.pool_bytes) or self.pool_bytes < self.segment_bytes:
             raise ConfigError(f"pool_bytes={self.pool_bytes} holds no {self.segment_bytes}-byte segment")
         self._check_times()

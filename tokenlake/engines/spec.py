@@ -9,6 +9,7 @@ from typing import Any
 
 import msgpack
 
+from tokenlake.core.control import check_bf16_products
 from tokenlake.core.errors import ConfigError
 from tokenlake.dataplane.auth import ClusterKeys
 
@@ -103,8 +104,7 @@ class EngineSpec:
             ClusterKeys.from_dict(self.keys)  # refuses malformed keys here, not at bind
         if self.grant_key is not None and (not isinstance(self.grant_key, bytes) or len(self.grant_key) < 16):
             raise ConfigError("grant_key must be at least 16 bytes")
-        if self.bf16_products not in (0, 1, 2):
-            raise ConfigError(f"bf16_products must be 0, 1 or 2, got {self.bf16_products!r}")
+        check_bf16_products(self.bf16_products)
 
     def apply_to_process(self) -> None:
         """The engine process's torch threads and attention-kernel settings, as given."""
@@ -114,9 +114,7 @@ class EngineSpec:
         if self.bf16_products:
             from tokenlake.kernels import native
 
-            mod = native.load_prebuilt()  # never compiles; without a build, torch's exact path
-            if mod is not None:
-                native.use_bf16_products(self.bf16_products, module=mod)
+            native.use_bf16_products_if_built(self.bf16_products)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(asdict(self))

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from tokenlake.core.control import check_bf16_products
 from tokenlake.core.errors import ConfigError, PlanError
 from tokenlake.core.segments import check_salt
 from tokenlake.integrations.vllm_load import LoadStrategy
@@ -116,14 +117,11 @@ class TokenLakeConnector(KVConnectorBase_V1):
         bfloat16 parts and the probabilities rounded where the CPU has the kernel's dot
         path (docs/design.md §4); 0, the default: exact products. (vLLM's bfloat16 q rows
         lose nothing to one part.)"""
-        if isinstance(parts, bool) or parts not in (0, 1, 2):
-            raise ConfigError(f"kv_connector_extra_config.bf16_products must be 0, 1 or 2, got {parts!r}")
+        check_bf16_products(parts, "kv_connector_extra_config.bf16_products")
         if parts and self.mode == "query" and role == KVConnectorRole.WORKER:
             from tokenlake.kernels import native
 
-            mod = native.load_prebuilt()  # never compiles; without a build, torch's exact path
-            if mod is not None:
-                native.use_bf16_products(parts, module=mod)
+            native.use_bf16_products_if_built(parts)
 
     @staticmethod
     def _check_model(vllm_config, kv_shape: tuple[int, ...], address: str) -> None:

@@ -192,7 +192,7 @@ def use_bf16_products(parts: int, module=None) -> None:
     serve bfloat16 K/V with many grouped rows on CPUs with AVX-512 BF16 and no AMX tiles
     (:func:`attention_path` says "dot"); elsewhere the setting changes nothing. Raises
     RuntimeError when the kernel is not available, ValueError for another ``parts``."""
-    if parts not in (0, 1, 2):
+    if isinstance(parts, bool) or parts not in (0, 1, 2):
         raise ValueError(f"bfloat16 products take q in 1 or 2 parts (0: off), got {parts!r}")
     mod = load() if module is None else module
     if mod is None:
@@ -201,6 +201,16 @@ def use_bf16_products(parts: int, module=None) -> None:
         log.warning("bfloat16 products change nothing here (isa %s%s): exact products serve",
                     mod.isa(), "" if mod.has_bf16_dots() else ", no AVX-512 BF16")
     mod.set_bf16_products(int(parts))
+
+
+def use_bf16_products_if_built(parts: int):
+    """:func:`use_bf16_products` where the module is built for the current sources
+    (never compiles: an engine's start-up, a serving process); returns the module, or
+    None (the torch path then serves, with exact products)."""
+    mod = load_prebuilt()
+    if mod is not None:
+        use_bf16_products(parts, module=mod)
+    return mod
 
 
 @contextlib.contextmanager

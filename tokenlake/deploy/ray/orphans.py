@@ -170,6 +170,7 @@ def end_pool(pool: str, instance: int, instances: int, state_file: str | None) -
     while hosts([i for i in range(instances) if i != instance]) and time.monotonic() < deadline:
         time.sleep(0.2)
     # the files first: removing the group ends this actor too, before its next line
-    pool_state.forget(state_file, pool)
+    with contextlib.suppress(Exception):  # a malformed file must not keep the group
+        pool_state.forget(state_file, pool)
     with contextlib.suppress(Exception):  # removed already
         remove_placement_group(get_placement_group(group_name(pool)))

@@ -63,11 +63,13 @@ def _e2e_with_products(bf16_products: int = 0, **kw):
     from tokenlake.kernels import native
     from tokenlake.tools.bench.e2e import bench_e2e
 
-    if native.load_prebuilt() is None:  # the engines would run torch's path without a word
+    mod = native.load_prebuilt()
+    if mod is None and kw.get("device", "cpu") == "cpu":  # its engines would run torch's path silently
         print("building the csrc kernels for these sources (a minute or more) ...", file=sys.stderr, flush=True)
-        if native.load() is None:
+        mod = native.load()
+        if mod is None:
             print("the csrc kernels do not build here: every engine runs torch's path", file=sys.stderr)
-    setting = native.bf16_products(bf16_products) if bf16_products else contextlib.nullcontext()
+    setting = native.bf16_products(bf16_products, module=mod) if bf16_products and mod else contextlib.nullcontext()
     with setting:
         return bench_e2e(bf16_products=bf16_products, **kw)
 

@@ -133,7 +133,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"serve --ray: --engine {cfg.engine} serves without --ray only")
     if cfg.kv_layout != "tokenlake":
         raise UsageError(f"serve --ray: --kv-layout {cfg.kv_layout} serves without --ray only")
-    products_here(cfg)
     # Ray is an optional extra, and heavy: only this command imports it
     from tokenlake.deploy.ray import RayOptions, serve
 
@@ -197,13 +196,12 @@ def _ray_service(cfg, json_lines: bool):
 
 def products_here(cfg) -> None:
     """The ``bf16_products`` setting in this process, whose compute engine attends in
-    place on a local pool (the engines take it from the cluster's config)."""
+    place on a local pool (the engines take it from the cluster's config; a Ray driver
+    attends nothing in place)."""
     if cfg.bf16_products:
         from tokenlake.kernels import native
 
-        mod = native.load_prebuilt()  # never compiles; without a build, torch's exact path
-        if mod is not None:
-            native.use_bf16_products(cfg.bf16_products, module=mod)
+        native.use_bf16_products_if_built(cfg.bf16_products)
 
 
 def serve_config(cfg):

@@ -50,6 +50,7 @@ timed alternately: weight bytes read per second and the ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 
@@ -218,23 +219,27 @@ def _products_other(native, mod, slab, rows: int, path: str) -> str | None:
         return None
     if path == "dot":
         return "exact"
-    before = mod.bf16_products()
-    mod.set_bf16_products(1)
-    try:
+    with _products(mod, 1):
         would = native.attention_path(slab.dtype, rows * (Q_HEADS // KV_HEADS), HEAD_DIM)
+    return "dot" if would == "dot" else None
+
+
+@contextlib.contextmanager
+def _products(mod, parts: int):
+    """The built module ``mod`` with bfloat16 products at ``parts`` (0: exact) for the
+    block, then as before (quietly: a forced lower isa may leave them nothing to do)."""
+    before = mod.bf16_products()
+    mod.set_bf16_products(parts)
+    try:
+        yield
     finally:
         mod.set_bf16_products(before)
-    return "dot" if would == "dot" else None
 
 
 def _with_products(native, mod, parts: int, q, slab, ids, counts, scale):
     """The kernel's call with bfloat16 products at ``parts`` (0: exact), then as before."""
-    before = mod.bf16_products()
-    mod.set_bf16_products(parts)
-    try:
+    with _products(mod, parts):
         return native.slab_attention(q, slab, 0, ids, counts, scale)
-    finally:
-        mod.set_bf16_products(before)
 
 
 def _exact_fields(native, mod, q, slab, ids, counts, scale, exact_gbps: float, speedup: float) -> dict:
@@ -242,15 +247,11 @@ def _exact_fields(native, mod, q, slab, ids, counts, scale, exact_gbps: float, s
     the dot path is, and the largest difference of the outputs over the largest output
     (``products_error``) and of the log-sum-exps (``products_lse_error``)."""
     dot = native.slab_attention(q, slab, 0, ids, counts, scale)
-    exact = _with_products(native, mod, 0, q, slab, ids, counts, scale)
-    before = mod.bf16_products()
-    mod.set_bf16_products(0)
-    try:
+    with _products(mod, 0):
+        exact = native.slab_attention(q, slab, 0, ids, counts, scale)
         exact_path = native.attention_path(slab.dtype, q.shape[0] * (Q_HEADS // KV_HEADS), HEAD_DIM)
-    finally:
-        mod.set_bf16_products(before)
     return {"exact_path": exact_path, "exact_gbps": exact_gbps, "kernel_vs_exact": speedup,
-            "products_parts": before,
+            "products_parts": mod.bf16_products(),
             "products_error": float((dot.o - exact.o).abs().max() / exact.o.abs().max()),
             "products_lse_error": float((dot.lse - exact.lse).abs().max())}
 
@@ -293,14 +294,11 @@ def _forced(native, mod, panel_rows, q, slab, ids, counts, scale):
     at ``panel_rows`` (1: every row count on the panel path; out of reach: on the vector
     path) and exact products (the forced threshold moves the dot path's too), then back
     to the instruction set's own."""
-    products = mod.bf16_products()
     mod.set_panel_rows(panel_rows)
-    mod.set_bf16_products(0)
     try:
-        return native.slab_attention(q, slab, 0, ids, counts, scale)
+        return _with_products(native, mod, 0, q, slab, ids, counts, scale)
     finally:
         mod.set_panel_rows(0)
-        mod.set_bf16_products(products)
 
 
 def _torch_slab(slab_partial_attention, q, slab, ids, counts, scale):
